@@ -1,0 +1,1 @@
+"""Spruce engine: token ids and tensors, owned by one thread. Never imports fastapi."""

@@ -1,0 +1,77 @@
+"""Frozen configuration records for the engine.
+
+Everything a request or the server can tune lives here, validated once at
+construction so later stages never re-check it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SPEC_METHODS = ("none", "ngram", "draft")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the next token is chosen. temperature == 0 means greedy (argmax)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculation settings. method 'none' is plain decoding through the same loop."""
+
+    method: str = "none"
+    budget: int = 16  # max draft-tree nodes besides the root
+    max_depth: int = 8
+    draft_model: str | None = None  # checkpoint dir for method 'draft'
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"spec method must be one of {SPEC_METHODS}, got {self.method!r}")
+        if self.budget < 1:
+            raise ValueError(f"spec budget must be >= 1, got {self.budget}")
+        if self.max_depth < 1:
+            raise ValueError(f"spec max_depth must be >= 1, got {self.max_depth}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str
+    max_context: int = 8192
+    prefill_chunk: int = 512
+    dtype: str = "float32"  # compute dtype for float weights
+    spec: SpecConfig = field(default_factory=SpecConfig)
+    prefix_cache: bool = True
+    prefix_cache_bytes: int = 2 << 30
+
+    def __post_init__(self) -> None:
+        if self.max_context < 1:
+            raise ValueError(f"max_context must be >= 1, got {self.max_context}")
+        if self.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+        if self.dtype not in ("float32", "float16", "bfloat16"):
+            raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")

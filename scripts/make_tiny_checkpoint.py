@@ -1,0 +1,140 @@
+"""Write a tiny random checkpoint with HF `transformers` (the real on-disk format).
+
+Used by tests and benchmarks: no weights can be downloaded, so every checkpoint the
+loader is tested on is one that transformers itself saved.
+
+    python scripts/make_tiny_checkpoint.py OUT_DIR [--kind qwen3_5|qwen3_5_cg|qwen3]
+        [--hidden 64 --layers 4 --vocab 512 --seed 0 --dtype float32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SPECIAL_TOKENS = [
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>",
+    "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
+    "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|MASK|>",
+]
+# Tokens the Qwen format treats as ordinary text (a detokenizer must show them).
+NON_SPECIAL = {"<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"}
+
+
+def train_tokenizer(vocab_size: int, files: list[Path]):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train([str(f) for f in files], trainer)
+    return tok
+
+
+def stdlib_files(n: int) -> list[Path]:
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.glob("*.py") if p.stat().st_size < 60_000)
+    return files[:n]
+
+
+def write_tokenizer(out: Path, tok, template: str) -> None:
+    data = json.loads(tok.to_str())
+    for added in data["added_tokens"]:
+        added["special"] = added["content"] not in NON_SPECIAL
+    (out / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False))
+    cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "model_max_length": 4096,
+        "chat_template": template,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=1, ensure_ascii=False))
+
+
+def text_config_kwargs(a) -> dict:
+    heads = max(2, a.hidden // 32)
+    return dict(
+        vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.hidden * 3,
+        num_hidden_layers=a.layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
+        head_dim=32, max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=a.tied,
+    )
+
+
+def build_model(a):
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(a.seed)
+    kw = text_config_kwargs(a)
+    if a.kind == "qwen3":
+        cfg = tf.Qwen3Config(**kw, rope_theta=10000.0)
+        model = tf.Qwen3ForCausalLM(cfg)
+    else:
+        kw.update(
+            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+            linear_value_head_dim=16, linear_conv_kernel_dim=4, full_attention_interval=a.full_every,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+        )
+        text = tf.Qwen3_5TextConfig(**kw)
+        if a.kind == "qwen3_5":
+            model = tf.Qwen3_5ForCausalLM(text)
+        else:
+            cfg = tf.Qwen3_5Config(text_config=text.to_dict(), tie_word_embeddings=a.tied)
+            model = tf.Qwen3_5ForConditionalGeneration(cfg)
+    randomize(model, a.seed)
+    return model.to(getattr(torch, a.dtype)).eval()
+
+
+def randomize(model, seed: int) -> None:
+    """HF inits zero-centred norms to 0; randomise them so the +1 conversion is tested."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") and "linear_attn.norm" not in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+            elif "linear_attn.norm.weight" in name or name.endswith("dt_bias"):
+                p.copy_(1.0 + torch.randn(p.shape, generator=g) * 0.1)
+            elif name.endswith("A_log"):
+                p.copy_(torch.log(torch.empty(p.shape).uniform_(0.5, 8.0, generator=g)))
+            elif p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--kind", choices=["qwen3_5", "qwen3_5_cg", "qwen3"], default="qwen3_5")
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--full-every", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=512)
+    ap.add_argument("--tied", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--tokenizer-files", type=int, default=60)
+    a = ap.parse_args(argv)
+    a.out.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer(a.vocab, stdlib_files(a.tokenizer_files))
+    if tok.get_vocab_size() > a.vocab:
+        sys.exit(f"tokenizer has {tok.get_vocab_size()} tokens, more than --vocab {a.vocab}")
+    model = build_model(a)
+    model.save_pretrained(a.out)
+    write_tokenizer(a.out, tok, (HERE / "qwen35_chat_template.jinja").read_text())
+    print(f"wrote {a.kind} checkpoint to {a.out}")
+
+
+if __name__ == "__main__":
+    main()
