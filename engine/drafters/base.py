@@ -1,0 +1,32 @@
+"""The drafter protocol: propose a draft tree from the committed context, then observe
+what the target accepted. Plain decoding is the drafter that proposes only the root."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from engine.tree import DraftTree
+
+
+class Drafter(Protocol):
+    def begin(self, prompt_ids: list[int]) -> None:
+        """A new generation starts from this prompt (the last id is the first root)."""
+
+    def propose(self, root: int, budget: int, max_depth: int) -> DraftTree:
+        """A tree rooted at `root` with at most `budget` nodes besides the root."""
+
+    def observe(self, emitted: list[int]) -> None:
+        """The tokens the round emitted (accepted drafts + bonus), in order."""
+
+
+class NoDrafter:
+    """Plain decoding through the same loop: a one-node tree every round."""
+
+    def begin(self, prompt_ids: list[int]) -> None:
+        pass
+
+    def propose(self, root: int, budget: int, max_depth: int) -> DraftTree:
+        return DraftTree.single(root)
+
+    def observe(self, emitted: list[int]) -> None:
+        pass

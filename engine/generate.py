@@ -1,0 +1,133 @@
+"""The single-slot generation loop: prefill, then rounds of draft -> verify -> accept -> commit.
+
+Plain decoding is the same loop with a one-node tree (the root), so there is exactly one
+decode path to keep correct.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import mlx.core as mx
+
+from engine import sampler, verify
+from engine.config import EngineConfig, SamplingParams, SpecConfig
+from engine.drafters.base import Drafter, NoDrafter
+from engine.loader import load_model
+from engine.tokenizer import Tokenizer
+from engine.types import GenerationRequest, Stats, Step
+
+
+class RequestError(ValueError):
+    """A request the engine cannot run (bad token ids, too long for the context)."""
+
+
+class Engine:
+    """Owns the model, its caches and the drafters. Call generate() from one thread only."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        loaded = load_model(config.model_path, config.dtype)
+        self.model = loaded.model
+        self.loaded = loaded
+        self.tokenizer = Tokenizer.from_dir(config.model_path)
+        self.model_id = Path(config.model_path).resolve().name
+        self.vocab_size = self.model.args.vocab_size
+
+    def drafter_for(self, spec: SpecConfig) -> Drafter:
+        if spec.method == "none":
+            return NoDrafter()
+        from engine.drafters import make_drafter  # speculation drafters: see engine/drafters/
+
+        return make_drafter(self, spec)
+
+    def check_request(self, req: GenerationRequest) -> None:
+        ids = req.prompt_ids
+        if not ids:
+            raise RequestError("the prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is out of range [0, {self.vocab_size})")
+        if len(ids) >= self.config.max_context:
+            raise RequestError(f"the prompt has {len(ids)} tokens; the context holds {self.config.max_context}")
+
+    def generate(self, req: GenerationRequest) -> Iterator[Step]:
+        self.check_request(req)
+        spec = req.spec or self.config.spec
+        params = dataclasses.replace(
+            req.sampling,
+            stop_token_ids=tuple(sorted(set(req.sampling.stop_token_ids) | set(self.tokenizer.eos_token_ids))))
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+        return self._run(req, params, seed, spec, self.drafter_for(spec))
+
+    def _run(self, req, params: SamplingParams, seed: int, spec: SpecConfig, drafter: Drafter) -> Iterator[Step]:
+        stats = Stats(prompt_tokens=len(req.prompt_ids))
+        t_start = time.perf_counter()
+        cache = self.model.make_cache()
+        self._prefill(req.prompt_ids[:-1], cache)
+        stats.prompt_ms = _ms_since(t_start)
+        drafter.begin(req.prompt_ids)
+        root, committed = req.prompt_ids[-1], len(req.prompt_ids) - 1
+        produced = 0
+        while True:
+            if req.cancel.is_set():
+                yield self._final([], "cancelled", stats, t_start)
+                return
+            room = min(params.max_tokens - produced, self.config.max_context - committed - 1)
+            if room <= 0:
+                yield self._final([], "length", stats, t_start)
+                return
+            emitted, finish = self._round(root, committed, cache, params, seed, spec, drafter, stats, room)
+            committed += len(emitted)
+            produced += len(emitted)
+            if finish is not None:
+                yield self._final(emitted, finish, stats, t_start)
+                return
+            yield Step(token_ids=emitted)
+            root = emitted[-1]
+
+    def _round(self, root, committed, cache, params, seed, spec, drafter, stats, room):
+        """draft -> verify -> accept -> commit. Returns (tokens to emit, finish reason or None)."""
+        t0 = time.perf_counter()
+        tree = drafter.propose(root, min(spec.budget, room - 1), spec.max_depth) if room > 1 \
+            else NoDrafter().propose(root, 0, 0)
+        t1 = time.perf_counter()
+        logits = verify.verify(self.model, cache, tree, committed)
+        t2 = time.perf_counter()
+        acc = sampler.accept(tree, logits, params, seed, committed)
+        verify.commit(cache, list(acc.path))
+        t3 = time.perf_counter()
+        tokens = list(acc.tokens)
+        drafter.observe(tokens)
+        stats.forward_passes += 1
+        stats.drafted += tree.size - 1
+        stats.accepted += len(acc.path) - 1
+        stats.draft_ms += (t1 - t0) * 1e3
+        stats.verify_ms += (t2 - t1) * 1e3
+        stats.commit_ms += (t3 - t2) * 1e3
+        stats.generated_tokens += len(tokens)
+        if stats.forward_passes == 1:
+            stats.ttft_ms = stats.prompt_ms + (t3 - t0) * 1e3
+        if tokens[-1] in params.stop_token_ids:
+            return tokens[:-1], "stop"
+        if len(tokens) >= room:
+            return tokens[:room], "length"
+        return tokens, None
+
+    def _prefill(self, ids: list[int], cache) -> None:
+        chunk = self.config.prefill_chunk
+        for i in range(0, len(ids), chunk):
+            h = self.model.hidden(mx.array([ids[i : i + chunk]]), cache)
+            mx.eval(h, [c.state for c in cache if getattr(c, "state", None) is not None])
+
+    def _final(self, tokens: list[int], reason: str, stats: Stats, t_start: float) -> Step:
+        stats.decode_ms = _ms_since(t_start) - stats.prompt_ms
+        return Step(token_ids=tokens, finish_reason=reason, stats=stats)
+
+
+def _ms_since(t: float) -> float:
+    return (time.perf_counter() - t) * 1e3

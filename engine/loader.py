@@ -1,0 +1,170 @@
+"""Checkpoint directory -> model (+ tokenizer).
+
+Two layouts are read:
+- HF (`save_pretrained`): config.json, maybe with a nested `text_config`; safetensors with
+  `model.*` or `model.language_model.*` names; conv1d weight [C, 1, K]; zero-centred RMSNorms
+  stored as w and applied as (1 + w). Vision (`model.visual.*`) and MTP (`mtp.*`) tensors are
+  skipped and reported.
+- MLX (mlx-community / mlx-lm): `language_model.model.*` names, conv1d [C, K, 1], norms already
+  shifted, optional affine `quantization` block (group size 32/64/128, 4/8 bit).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from engine.models import FAMILIES
+
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+SKIPPED_PREFIXES = ("model.visual.", "visual.", "vision_tower.", "mtp.", "model.mtp.")
+KEEP_FP32 = ("A_log",)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded; the message names the file and key."""
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    config: dict  # the text config the model was built from
+    path: Path
+    skipped: dict[str, int] = field(default_factory=dict)  # prefix -> count of tensors ignored
+    quantization: dict | None = None
+
+
+def read_config(path: Path) -> tuple[str, dict]:
+    """-> (model_type, text config). Nested text_config is merged over the top level."""
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{path} has no config.json (is it a checkpoint directory?)")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_file} is not valid JSON: {e}") from None
+    model_type = cfg.get("model_type")
+    text = dict(cfg)
+    if isinstance(cfg.get("text_config"), dict):
+        text.update(cfg["text_config"])
+        if "tie_word_embeddings" in cfg:
+            text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
+    if model_type not in FAMILIES:
+        raise CheckpointError(
+            f"{cfg_file}: unsupported model_type {model_type!r} (supported: {', '.join(sorted(FAMILIES))})")
+    text["model_type"] = model_type
+    return model_type, text
+
+
+def _read_tensors(path: Path) -> tuple[dict[str, mx.array], dict[str, str]]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path} has no *.safetensors weight files")
+    tensors, origin = {}, {}
+    for f in files:
+        try:
+            loaded = mx.load(str(f))
+        except Exception as e:  # a truncated or foreign file
+            raise CheckpointError(f"cannot read {f.name}: {e}") from None
+        for k, v in loaded.items():
+            tensors[k] = v
+            origin[k] = f.name
+    return tensors, origin
+
+
+def _canonical_name(key: str) -> str | None:
+    """Map a checkpoint key to our parameter name; None = skip (vision, MTP)."""
+    for old, new in (("model.language_model.", "model."), ("language_model.model.", "model."),
+                     ("language_model.lm_head.", "lm_head."), ("language_model.", "")):
+        if key.startswith(old):
+            key = new + key[len(old):]
+            break
+    return None if key.startswith(SKIPPED_PREFIXES) else key
+
+
+def _skip_group(key: str) -> str:
+    return "mtp" if "mtp." in key else "vision"
+
+
+def _sanitize(model: nn.Module, tensors: dict[str, mx.array], origin: dict[str, str],
+              loaded: LoadedModel) -> tuple[dict[str, mx.array], dict[str, str]]:
+    out, where = {}, {}
+    for key, value in tensors.items():
+        name = _canonical_name(key)
+        if name is None:
+            group = _skip_group(key)
+            loaded.skipped[group] = loaded.skipped.get(group, 0) + 1
+            continue
+        out[name], where[name] = value, origin[key]
+    if model.args.tie_word_embeddings:
+        out.pop("lm_head.weight", None)
+    hf_layout = any(k.endswith("conv1d.weight") and v.ndim == 3 and v.shape[-1] != 1 for k, v in out.items())
+    for name in list(out):
+        v = out[name]
+        if name.endswith("conv1d.weight") and v.ndim == 3:
+            out[name] = v[:, 0, :] if v.shape[-1] != 1 else v[..., 0]
+        elif hf_layout and v.ndim == 1 and name.endswith(model.zero_centred_norms):
+            out[name] = v.astype(mx.float32) + 1.0
+    return out, where
+
+
+def _quantize(model: nn.Module, cfg: dict, weights: dict[str, mx.array]) -> dict | None:
+    q = cfg.get("quantization")
+    if not q:
+        return None
+    if q.get("mode", "affine") != "affine":
+        raise CheckpointError(f"quantization mode {q.get('mode')!r} is not supported (only affine)")
+
+    def predicate(p: str, m: nn.Module):
+        if p in q and isinstance(q[p], dict):
+            return q[p]
+        return hasattr(m, "to_quantized") and f"{p}.scales" in weights
+
+    nn.quantize(model, group_size=q["group_size"], bits=q["bits"], class_predicate=predicate)
+    return q
+
+
+def _check_and_cast(model: nn.Module, weights: dict[str, mx.array], where: dict[str, str],
+                    path: Path, dtype) -> list[tuple[str, mx.array]]:
+    expected = dict(tree_flatten(model.parameters()))
+    missing = [k for k in expected if k not in weights]
+    if missing:
+        raise CheckpointError(f"{path}: missing tensor {missing[0]!r} (expected shape "
+                              f"{tuple(expected[missing[0]].shape)}); {len(missing)} missing in all")
+    out = []
+    for name, ref in expected.items():
+        w = weights[name]
+        if tuple(w.shape) != tuple(ref.shape):
+            raise CheckpointError(f"{where.get(name, '?')}: tensor {name!r} has shape {tuple(w.shape)}, "
+                                  f"expected {tuple(ref.shape)}")
+        if mx.issubdtype(w.dtype, mx.floating):
+            w = w.astype(mx.float32 if name.endswith(KEEP_FP32) else dtype)
+        out.append((name, w))
+    return out
+
+
+def load_model(path: str | Path, dtype: str = "float32") -> LoadedModel:
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"model directory {str(path)!r} does not exist")
+    if dtype not in DTYPES:
+        raise CheckpointError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    model_type, cfg = read_config(path)
+    family = FAMILIES[model_type]
+    try:
+        args = family.ModelArgs.from_config(cfg)
+    except KeyError as e:
+        raise CheckpointError(f"{path / 'config.json'}: missing key {e.args[0]!r}") from None
+    model = family.Model(args)
+    loaded = LoadedModel(model=model, config=cfg, path=path)
+    tensors, origin = _read_tensors(path)
+    weights, where = _sanitize(model, tensors, origin, loaded)
+    loaded.quantization = _quantize(model, cfg, weights)
+    model.load_weights(_check_and_cast(model, weights, where, path, DTYPES[dtype]), strict=True)
+    mx.eval(model.parameters())
+    return loaded

@@ -1,0 +1,38 @@
+"""One round of speculation against the target: verify a draft tree in ONE forward pass,
+pick the accepted path, and commit only that path into the caches."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from engine.cache import LayerCache, commit_all
+from engine.models.layers import TreeBatch
+from engine.tree import DraftTree
+
+
+def tree_batch(tree: DraftTree, committed_len: int) -> TreeBatch:
+    mask = None if tree.size == 1 else mx.array(tree.ancestor_mask())
+    positions = mx.array(tree.positions(committed_len).astype(np.int32))
+    return TreeBatch(parents=tree.parents, positions=positions, mask=mask)
+
+
+def verify(model, cache: list[LayerCache], tree: DraftTree, committed_len: int) -> np.ndarray:
+    """Run every tree node through the target at once -> logits [N, V] float32 on the host.
+
+    Committed state is read, never written; each layer keeps what its commit needs.
+    """
+    tokens = mx.array([list(tree.tokens)])
+    logits = model(tokens, cache, tree_batch(tree, committed_len))[0]
+    return np.array(logits.astype(mx.float32))
+
+
+def commit(cache: list[LayerCache], path: list[int]) -> None:
+    """Fold the accepted rows (node indices root..leaf) into every layer's state."""
+    commit_all(cache, list(path))
+    mx.eval([s for c in cache for s in _state_arrays(c)])
+
+
+def _state_arrays(c: LayerCache) -> list[mx.array]:
+    arrays = [getattr(c, n, None) for n in ("keys", "values", "conv_state", "state")]
+    return [a for a in arrays if a is not None]
