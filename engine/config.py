@@ -22,6 +22,7 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int = 256
     stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False  # benchmarks: do not stop at the tokenizer's end-of-sequence ids
 
     def __post_init__(self) -> None:
         if self.temperature < 0:

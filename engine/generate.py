@@ -58,9 +58,9 @@ class Engine:
     def generate(self, req: GenerationRequest) -> Iterator[Step]:
         self.check_request(req)
         spec = req.spec or self.config.spec
+        eos = () if req.sampling.ignore_eos else self.tokenizer.eos_token_ids
         params = dataclasses.replace(
-            req.sampling,
-            stop_token_ids=tuple(sorted(set(req.sampling.stop_token_ids) | set(self.tokenizer.eos_token_ids))))
+            req.sampling, stop_token_ids=tuple(sorted(set(req.sampling.stop_token_ids) | set(eos))))
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         return self._run(req, params, seed, spec, self.drafter_for(spec))
 

@@ -63,11 +63,11 @@ def write_tokenizer(out: Path, tok, template: str) -> None:
 
 
 def text_config_kwargs(a) -> dict:
-    heads = max(2, a.hidden // 32)
+    heads = a.heads or max(2, a.hidden // 32)
     return dict(
-        vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.hidden * 3,
-        num_hidden_layers=a.layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
-        head_dim=32, max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=a.tied,
+        vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.intermediate or a.hidden * 3,
+        num_hidden_layers=a.layers, num_attention_heads=heads, num_key_value_heads=a.kv_heads or max(1, heads // 2),
+        head_dim=a.head_dim, max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=a.tied,
     )
 
 
@@ -82,8 +82,8 @@ def build_model(a):
         model = tf.Qwen3ForCausalLM(cfg)
     else:
         kw.update(
-            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-            linear_value_head_dim=16, linear_conv_kernel_dim=4, full_attention_interval=a.full_every,
+            linear_num_key_heads=a.linear_k_heads, linear_num_value_heads=a.linear_v_heads,
+            linear_key_head_dim=a.linear_dim, linear_value_head_dim=a.linear_dim, linear_conv_kernel_dim=4, full_attention_interval=a.full_every,
             rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
         )
         text = tf.Qwen3_5TextConfig(**kw)
@@ -125,7 +125,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--tokenizer-files", type=int, default=60)
+    ap.add_argument("--heads", type=int, default=0, help="attention heads (default hidden/32)")
+    ap.add_argument("--kv-heads", type=int, default=0)
+    ap.add_argument("--head-dim", type=int, default=32)
+    ap.add_argument("--intermediate", type=int, default=0, help="MLP width (default 3 x hidden)")
+    ap.add_argument("--linear-k-heads", type=int, default=2)
+    ap.add_argument("--linear-v-heads", type=int, default=4)
+    ap.add_argument("--linear-dim", type=int, default=16)
+    ap.add_argument("--preset", choices=["mid"], help="mid: the decode benchmark's 150M model")
     a = ap.parse_args(argv)
+    if a.preset == "mid":  # hidden 1024, 8 layers (6 GDN + 2 attention), vocab 8192: ~150M params
+        a.hidden, a.layers, a.vocab, a.heads, a.kv_heads, a.head_dim = 1024, 8, 8192, 8, 2, 128
+        a.intermediate, a.linear_k_heads, a.linear_v_heads, a.linear_dim = 3072, 8, 16, 128
     a.out.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer(a.vocab, stdlib_files(a.tokenizer_files))
     if tok.get_vocab_size() > a.vocab:

@@ -23,3 +23,11 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tiny_qwen35")
     _checkpoint_maker().main([str(out)])
     return out
+
+
+def pytest_configure(config) -> None:
+    """Re-run the test process with OpenBLAS preloaded (fp32 MLX matmuls ~40x faster on Linux)."""
+    from engine.blas import reexec_with_openblas
+
+    if not config.option.collectonly and not hasattr(config, "workerinput"):
+        reexec_with_openblas(["-m", "pytest", *config.invocation_params.args])
