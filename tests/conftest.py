@@ -1,8 +1,13 @@
-"""Session-wide fixtures: one tiny random checkpoint written by scripts/make_tiny_checkpoint.py."""
+"""Session fixtures: tiny random checkpoints written by HF transformers (the real format).
+
+Each is made once per test session in a temp dir; tests never download anything.
+"""
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -17,11 +22,43 @@ def _checkpoint_maker():
     return module
 
 
+def _make(tmp_path_factory, name: str, *args: str) -> Path:
+    out = tmp_path_factory.mktemp(name)
+    _checkpoint_maker().main([str(out), *args])
+    return out
+
+
 @pytest.fixture(scope="session")
-def tiny_checkpoint(tmp_path_factory) -> Path:
-    """A tiny fp32 Qwen3.5 checkpoint (HF layout, byte-level BPE tokenizer, chat template)."""
-    out = tmp_path_factory.mktemp("tiny_qwen35")
-    _checkpoint_maker().main([str(out)])
+def tiny_qwen35(tmp_path_factory) -> Path:
+    """Qwen3_5ForCausalLM, 4 layers (3 GDN + 1 attention), hidden 64, vocab 512, fp32."""
+    return _make(tmp_path_factory, "tiny_qwen35", "--kind", "qwen3_5")
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tiny_qwen35) -> Path:
+    """The default tiny checkpoint (server and CLI tests)."""
+    return tiny_qwen35
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen35_cg(tmp_path_factory) -> Path:
+    """Qwen3_5ForConditionalGeneration layout (model.language_model.*, vision tensors), tied."""
+    return _make(tmp_path_factory, "tiny_qwen35_cg", "--kind", "qwen3_5_cg", "--tied", "--seed", "3")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory) -> Path:
+    return _make(tmp_path_factory, "tiny_qwen3", "--kind", "qwen3", "--seed", "5")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen35_mlx(tiny_qwen35, tmp_path_factory) -> Path:
+    """The same weights for mlx-lm, which reads model_type qwen3_5 (not HF's qwen3_5_text)."""
+    out = tmp_path_factory.mktemp("tiny_qwen35_mlxsrc")
+    shutil.copytree(tiny_qwen35, out, dirs_exist_ok=True)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["model_type"] = "qwen3_5"
+    (out / "config.json").write_text(json.dumps(cfg))
     return out
 
 
