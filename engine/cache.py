@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from engine import gdn_tree
+
 KV_STEP = 256  # grow the KV buffer in steps, like mlx-lm, to avoid a copy per token
 
 
@@ -85,8 +87,6 @@ class GDNCache:
         self.pending: GDNPending | None = None
 
     def commit(self, path: list[int]) -> None:
-        from engine import gdn_tree
-
         p = self.pending
         if p is None:
             raise RuntimeError("commit without a pending verify")
@@ -94,20 +94,14 @@ class GDNCache:
             self.state = p.single_state[None]
         else:
             self.state = gdn_tree.gdn_commit_fold(p.k, p.u, p.g, path, self.state[0])[None]
-        self.conv_state = _conv_state_after(p.x, path, self.conv_state[0])[None]
+        conv = gdn_tree.conv_state_after(p.x, path, self.conv_state[0])
+        self.conv_state = conv.astype(self.conv_state.dtype)[None]
         self.pending = None
 
     @property
     def nbytes(self) -> int:
         n = 0 if self.state is None else self.state.nbytes
         return n + (0 if self.conv_state is None else self.conv_state.nbytes)
-
-
-def _conv_state_after(x: mx.array, path: list[int], conv_state: mx.array) -> mx.array:
-    """Last K-1 pre-conv rows of concat(old state, x[path])."""
-    keep = conv_state.shape[0]
-    rows = x[mx.array(path)] if path != list(range(len(path))) else x[: len(path)]
-    return mx.concatenate([conv_state, rows.astype(conv_state.dtype)], axis=0)[-keep:]
 
 
 LayerCache = KVCache | GDNCache

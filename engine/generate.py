@@ -55,14 +55,15 @@ class Engine:
         if len(ids) >= self.config.max_context:
             raise RequestError(f"the prompt has {len(ids)} tokens; the context holds {self.config.max_context}")
 
-    def generate(self, req: GenerationRequest) -> Iterator[Step]:
+    def generate(self, req: GenerationRequest, drafter: Drafter | None = None) -> Iterator[Step]:
+        """Run one request; `drafter` overrides the one the spec settings pick (tests, benchmarks)."""
         self.check_request(req)
         spec = req.spec or self.config.spec
         eos = () if req.sampling.ignore_eos else self.tokenizer.eos_token_ids
         params = dataclasses.replace(
             req.sampling, stop_token_ids=tuple(sorted(set(req.sampling.stop_token_ids) | set(eos))))
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-        return self._run(req, params, seed, spec, self.drafter_for(spec))
+        return self._run(req, params, seed, spec, drafter or self.drafter_for(spec))
 
     def _run(self, req, params: SamplingParams, seed: int, spec: SpecConfig, drafter: Drafter) -> Iterator[Step]:
         stats = Stats(prompt_tokens=len(req.prompt_ids))

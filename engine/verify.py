@@ -12,9 +12,10 @@ from engine.tree import DraftTree
 
 
 def tree_batch(tree: DraftTree, committed_len: int) -> TreeBatch:
-    mask = None if tree.size == 1 else mx.array(tree.ancestor_mask())
+    ancestors = None if tree.size == 1 else tree.ancestor_mask()
+    mask = None if ancestors is None else mx.array(ancestors)
     positions = mx.array(tree.positions(committed_len).astype(np.int32))
-    return TreeBatch(parents=tree.parents, positions=positions, mask=mask)
+    return TreeBatch(parents=tree.parents, positions=positions, ancestors=ancestors, mask=mask)
 
 
 def verify(model, cache: list[LayerCache], tree: DraftTree, committed_len: int) -> np.ndarray:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from engine.cache import KVCache
 
@@ -14,12 +15,14 @@ from engine.cache import KVCache
 class TreeBatch:
     """Rows of one verify pass: a draft tree laid out in topological order.
 
-    positions [N] int32 are absolute (committed_len + depth); mask [N, N] bool is
-    ancestor-or-self (None when N == 1: the single row sees the whole prefix and itself).
+    positions [N] int32 are absolute (committed_len + depth); ancestors [N, N] bool (host) and
+    mask (the same on device) are ancestor-or-self; both None when N == 1 (the single row sees
+    the whole prefix and itself).
     """
 
     parents: tuple[int, ...]
     positions: mx.array
+    ancestors: np.ndarray | None
     mask: mx.array | None
 
 

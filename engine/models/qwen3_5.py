@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine import gdn
+from engine import gdn, gdn_tree
 from engine.cache import GDNCache, GDNPending, KVCache, LayerCache
 from engine.models.layers import MLP, Attention, RMSNorm, RopeSpec, TreeBatch
 
@@ -146,11 +146,9 @@ class GatedDeltaNet(nn.Module):
             else:
                 cache.pending = GDNPending(x=qkv, k=k, u=None, g=g, parents=tree.parents, single_state=S)
         else:
-            from engine import gdn_tree
-
             y = gdn_tree.tree_conv(qkv, tree.parents, conv_state, self.conv1d.weight)
             q, k, v = self._split_heads(y)
-            o, u = gdn_tree.gdn_tree_dense(q, k, v, g, beta, tree.mask, S0)
+            o, u = gdn_tree.gdn_tree_dense(q, k, v, g, beta, tree.ancestors, S0)
             cache.pending = GDNPending(x=qkv, k=k, u=u, g=g, parents=tree.parents)
         out = self.norm(o, z).astype(x.dtype).reshape(B, T, -1)
         return self.out_proj(out)

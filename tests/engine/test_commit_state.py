@@ -1,0 +1,93 @@
+"""After every speculation round the committed state equals a sequential replay of the emitted
+tokens: attention K/V, GDN recurrent state and conv state (fp32, tight tolerance)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from engine import verify
+from engine.cache import GDNCache, KVCache
+from engine.config import SamplingParams
+from engine.loader import load_model
+from engine.sampler import accept
+from engine.tree import DraftTree
+
+
+def random_tree(rng, root: int, n: int, vocab: int, truth: list[int]) -> DraftTree:
+    """Random branches plus one chain along `truth` (what the target will emit) of random depth,
+    so that accepted paths of every length and position in node order occur."""
+    tokens, parents = [root], [-1]
+    depth = int(rng.integers(0, len(truth) + 1))
+    for _ in range(n):
+        if depth and rng.random() < 0.3:
+            chain_parent = 0
+            for t in truth[:depth]:
+                kids = [i for i in range(len(tokens)) if parents[i] == chain_parent and tokens[i] == t]
+                if not kids:
+                    tokens.append(t)
+                    parents.append(chain_parent)
+                    kids = [len(tokens) - 1]
+                chain_parent = kids[0]
+            depth = 0
+            continue
+        p = int(rng.integers(0, len(tokens)))
+        tok = int(rng.integers(0, vocab))
+        if any(parents[i] == p and tokens[i] == tok for i in range(len(tokens))):
+            continue
+        tokens.append(tok)
+        parents.append(p)
+    return DraftTree(tuple(tokens), tuple(parents))
+
+
+def assert_same_state(a, b, upto: int) -> None:
+    for ca, cb in zip(a, b):
+        if isinstance(ca, KVCache):
+            assert ca.offset == cb.offset == upto
+            np.testing.assert_allclose(np.array(ca.keys[:, :, :upto]), np.array(cb.keys[:, :, :upto]), atol=1e-5)
+            np.testing.assert_allclose(np.array(ca.values[:, :, :upto]), np.array(cb.values[:, :, :upto]), atol=1e-5)
+        else:
+            assert isinstance(ca, GDNCache)
+            np.testing.assert_allclose(np.array(ca.state), np.array(cb.state), atol=1e-5)
+            np.testing.assert_allclose(np.array(ca.conv_state), np.array(cb.conv_state), atol=1e-6)
+
+
+def test_commit_equals_replay(tiny_qwen35):
+    model = load_model(tiny_qwen35).model
+    rng = np.random.default_rng(7)
+    prompt = [int(t) for t in rng.integers(0, 500, size=12)]
+    cache = model.make_cache()
+    model.hidden(mx.array([prompt[:-1]]), cache)
+    params = SamplingParams(temperature=1.0, seed=3)
+    truth = plain_run(model, prompt, params, 60)
+    seq, committed, root = list(prompt), len(prompt) - 1, prompt[-1]
+    accepted = 0
+    for _ in range(12):
+        done = len(seq) - len(prompt)
+        tree = random_tree(rng, root, int(rng.integers(0, 12)), 512, truth[done : done + 6])
+        logits = verify.verify(model, cache, tree, committed)
+        acc = accept(tree, logits, params, 3, committed)
+        verify.commit(cache, list(acc.path))
+        committed += len(acc.path)
+        seq += list(acc.tokens)
+        root = acc.tokens[-1]
+        replay = model.make_cache()
+        model.hidden(mx.array([seq[:committed]]), replay)
+        assert_same_state(cache, replay, committed)
+        accepted += len(acc.path) - 1
+    assert seq[len(prompt):] == truth[: len(seq) - len(prompt)]
+    assert accepted >= 10  # the rounds really committed multi-token paths
+
+
+def plain_run(model, prompt, params, n) -> list[int]:
+    cache = model.make_cache()
+    model.hidden(mx.array([prompt[:-1]]), cache)
+    out, committed, root = [], len(prompt) - 1, prompt[-1]
+    while len(out) < n:
+        tree = DraftTree.single(root)
+        acc = accept(tree, verify.verify(model, cache, tree, committed), params, 3, committed)
+        verify.commit(cache, list(acc.path))
+        committed += 1
+        out += acc.tokens
+        root = acc.tokens[-1]
+    return out

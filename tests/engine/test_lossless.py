@@ -1,0 +1,118 @@
+"""Losslessness: with any drafter, the loop emits exactly what plain decoding emits (fp32).
+
+Adversarial drafters propose random trees, always-wrong, always-right, deep chains and wide
+fans; the target must not care. Seeded sampling must match token for token too.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.config import EngineConfig, SamplingParams, SpecConfig
+from engine.generate import Engine
+from engine.tree import DraftTree
+from engine.types import GenerationRequest
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_qwen35):
+    return Engine(EngineConfig(model_path=str(tiny_qwen35), prefill_chunk=16))
+
+
+def run(engine, prompt, sampling, drafter=None, spec=None) -> list[int]:
+    out = []
+    req = GenerationRequest(prompt_ids=prompt, sampling=sampling, spec=spec)
+    for step in engine.generate(req, drafter=drafter):
+        out += step.token_ids
+    return out
+
+
+class OracleDrafter:
+    """Knows the plain output: proposes it (right), or its tokens shifted by one (wrong)."""
+
+    def __init__(self, reference: list[int], prompt_len: int, wrong: bool = False, fan: int = 1):
+        self.ref, self.wrong, self.fan = reference, wrong, fan
+        self.prompt_len = prompt_len
+
+    def begin(self, prompt_ids):
+        self.pos = 0
+
+    def propose(self, root, budget, max_depth):
+        drafts = self.ref[self.pos : self.pos + min(budget, max_depth)]
+        if self.wrong:
+            drafts = [(t + 1) % 512 for t in drafts]
+        if self.fan == 1 or not drafts:
+            return DraftTree.chain(root, drafts)
+        # wide fan at the first level (right token last), then the chain below the right one
+        first = [(drafts[0] + j) % 512 for j in range(1, self.fan)] + [drafts[0]]
+        tokens, parents = [root] + first, [-1] + [0] * len(first)
+        for t in drafts[1 : max(1, budget - self.fan + 1)]:
+            parents.append(len(tokens) - 1)
+            tokens.append(t)
+        return DraftTree(tuple(tokens), tuple(parents))
+
+    def observe(self, emitted):
+        self.pos += len(emitted)
+
+
+class RandomTreeDrafter:
+    def __init__(self, seed: int, vocab: int, reference: list[int] | None = None):
+        self.rng, self.vocab, self.ref = np.random.default_rng(seed), vocab, reference
+
+    def begin(self, prompt_ids):
+        self.pos = 0
+
+    def propose(self, root, budget, max_depth):
+        n = int(self.rng.integers(0, budget + 1))
+        tokens, parents, depth = [root], [-1], [0]
+        for _ in range(n):
+            p = int(self.rng.integers(0, len(tokens)))
+            if depth[p] >= max_depth:
+                continue
+            # half the time guess the true next token of the reference (so some paths get accepted)
+            d = self.pos + depth[p]
+            tok = self.ref[d] if self.ref and d < len(self.ref) and self.rng.random() < 0.5 \
+                else int(self.rng.integers(0, self.vocab))
+            siblings = {tokens[i] for i in range(len(tokens)) if parents[i] == p}
+            if tok in siblings:
+                continue
+            tokens.append(tok)
+            parents.append(p)
+            depth.append(depth[p] + 1)
+        return DraftTree(tuple(tokens), tuple(parents))
+
+    def observe(self, emitted):
+        self.pos += len(emitted)
+
+
+PROMPTS = [[int(t) for t in np.random.RandomState(s).randint(0, 500, size=n)] for s, n in ((1, 30), (2, 5), (3, 50))]
+GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
+SAMPLED = SamplingParams(max_tokens=40, temperature=0.9, top_p=0.95, top_k=50, seed=1234, ignore_eos=True)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("kind", ["right", "wrong", "fan", "random", "deep"])
+def test_spec_equals_plain(engine, sampling, kind):
+    spec = SpecConfig(method="none", budget=12, max_depth=12 if kind == "deep" else 6)
+    for i, prompt in enumerate(PROMPTS):
+        plain = run(engine, prompt, sampling)
+        drafter = {
+            "right": lambda: OracleDrafter(plain, len(prompt)),
+            "wrong": lambda: OracleDrafter(plain, len(prompt), wrong=True),
+            "fan": lambda: OracleDrafter(plain, len(prompt), fan=4),
+            "random": lambda: RandomTreeDrafter(i, 512, plain),
+            "deep": lambda: OracleDrafter(plain, len(prompt)),
+        }[kind]()
+        assert run(engine, prompt, sampling, drafter, spec) == plain
+
+
+def test_right_drafter_needs_fewer_forwards(engine):
+    prompt = PROMPTS[0]
+    plain = run(engine, prompt, GREEDY)
+    req = GenerationRequest(prompt_ids=prompt, sampling=GREEDY, spec=SpecConfig(budget=8, max_depth=8))
+    steps = list(engine.generate(req, drafter=OracleDrafter(plain, len(prompt))))
+    stats = steps[-1].stats
+    assert sum(len(s.token_ids) for s in steps) == len(plain)
+    assert stats.forward_passes <= len(plain) // 8 + 1
+    assert stats.tokens_per_forward > 7
