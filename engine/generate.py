@@ -16,6 +16,7 @@ import mlx.core as mx
 
 from engine import sampler, verify
 from engine.config import EngineConfig, SamplingParams, SpecConfig
+from engine.drafters import make_drafter
 from engine.drafters.base import Drafter, NoDrafter
 from engine.loader import load_model
 from engine.tokenizer import Tokenizer
@@ -37,13 +38,21 @@ class Engine:
         self.tokenizer = Tokenizer.from_dir(config.model_path)
         self.model_id = Path(config.model_path).resolve().name
         self.vocab_size = self.model.args.vocab_size
+        self._draft_models: dict[str, object] = {}
 
-    def drafter_for(self, spec: SpecConfig) -> Drafter:
-        if spec.method == "none":
-            return NoDrafter()
-        from engine.drafters import make_drafter  # speculation drafters: see engine/drafters/
-
-        return make_drafter(self, spec)
+    def draft_model(self, path: str | None):
+        """The draft model at `path` (or the configured / bundled default), loaded once."""
+        path = path or self.config.spec.draft_model or default_draft_for(self.config.model_path)
+        if path is None:
+            raise RequestError("spec method 'draft' needs a draft model (--draft-model DIR)")
+        key = str(Path(path).resolve())
+        if key not in self._draft_models:
+            model = load_model(path, self.config.dtype).model
+            if model.args.vocab_size != self.vocab_size:
+                raise RequestError(f"draft model {path} has vocab {model.args.vocab_size}, "
+                                   f"the target {self.vocab_size}: they must share the tokenizer")
+            self._draft_models[key] = model
+        return self._draft_models[key]
 
     def check_request(self, req: GenerationRequest) -> None:
         ids = req.prompt_ids
@@ -63,7 +72,7 @@ class Engine:
         params = dataclasses.replace(
             req.sampling, stop_token_ids=tuple(sorted(set(req.sampling.stop_token_ids) | set(eos))))
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-        return self._run(req, params, seed, spec, drafter or self.drafter_for(spec))
+        return self._run(req, params, seed, spec, drafter or make_drafter(self, spec))
 
     def _run(self, req, params: SamplingParams, seed: int, spec: SpecConfig, drafter: Drafter) -> Iterator[Step]:
         stats = Stats(prompt_tokens=len(req.prompt_ids))
@@ -128,6 +137,17 @@ class Engine:
     def _final(self, tokens: list[int], reason: str, stats: Stats, t_start: float) -> Step:
         stats.decode_ms = _ms_since(t_start) - stats.prompt_ms
         return Step(token_ids=tokens, finish_reason=reason, stats=stats)
+
+
+BUNDLED = Path(__file__).resolve().parent / "bundled"
+
+
+def default_draft_for(model_path: str) -> str | None:
+    """The bundled target comes with a bundled draft model."""
+    target, draft = BUNDLED / "target", BUNDLED / "draft"
+    if Path(model_path).resolve() == target.resolve() and (draft / "config.json").is_file():
+        return str(draft)
+    return None
 
 
 def _ms_since(t: float) -> float:
