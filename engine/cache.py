@@ -68,14 +68,17 @@ class KVCache:
 
 @dataclass
 class GDNPending:
-    """What a GDN layer's verify leaves for the commit (batch 1 squeezed, fp32)."""
+    """What a GDN layer's verify leaves for the commit (batch 1 squeezed, fp32).
 
-    x: mx.array  # [N, C] pre-conv rows (conv state is rebuilt from them along the path)
-    k: mx.array  # [N, Hv, Dk]
-    u: mx.array  # [N, Hv, Dv] innovations delta_i
-    g: mx.array  # [N, Hv] log-decays
-    parents: tuple[int, ...]
-    single_state: mx.array | None = None  # for a one-node tree: the new state, computed directly
+    A tree of N > 1 nodes keeps per-node rows to fold the accepted path; a one-node tree
+    keeps its (conv state, state) after the root directly.
+    """
+
+    x: mx.array | None = None  # [N, C] pre-conv rows (the conv state is rebuilt along the path)
+    k: mx.array | None = None  # [N, Hv, Dk]
+    u: mx.array | None = None  # [N, Hv, Dv] innovations delta_i
+    g: mx.array | None = None  # [N, Hv] log-decays
+    single: tuple[mx.array, mx.array] | None = None
 
 
 class GDNCache:
@@ -90,12 +93,12 @@ class GDNCache:
         p = self.pending
         if p is None:
             raise RuntimeError("commit without a pending verify")
-        if p.single_state is not None:
-            self.state = p.single_state[None]
+        if p.single is not None:
+            conv, S = p.single
         else:
-            self.state = gdn_tree.gdn_commit_fold(p.k, p.u, p.g, path, self.state[0])[None]
-        conv = gdn_tree.conv_state_after(p.x, path, self.conv_state[0])
-        self.conv_state = conv.astype(self.conv_state.dtype)[None]
+            S = gdn_tree.gdn_commit_fold(p.k, p.u, p.g, path, self.state[0])
+            conv = gdn_tree.conv_state_after(p.x, path, self.conv_state[0]).astype(self.conv_state.dtype)
+        self.conv_state, self.state = conv[None], S[None]
         self.pending = None
 
     @property

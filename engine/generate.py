@@ -18,8 +18,10 @@ from engine import sampler, verify
 from engine.config import EngineConfig, SamplingParams, SpecConfig
 from engine.drafters import make_drafter
 from engine.drafters.base import Drafter, NoDrafter
+from engine.cache import commit_all
 from engine.loader import load_model
 from engine.tokenizer import Tokenizer
+from engine.tree import DraftTree
 from engine.types import GenerationRequest, Stats, Step
 
 
@@ -82,6 +84,9 @@ class Engine:
         stats.prompt_ms = _ms_since(t_start)
         drafter.begin(req.prompt_ids)
         root, committed = req.prompt_ids[-1], len(req.prompt_ids) - 1
+        if isinstance(drafter, NoDrafter) and params.greedy:
+            yield from self._plain_greedy(req, params, root, committed, cache, stats, t_start)
+            return
         produced = 0
         while True:
             if req.cancel.is_set():
@@ -127,6 +132,44 @@ class Engine:
         if len(tokens) >= room:
             return tokens[:room], "length"
         return tokens, None
+
+    def _plain_greedy(self, req, params, root, committed, cache, stats, t_start) -> Iterator[Step]:
+        """Plain greedy decoding, pipelined like mlx-lm's generate_step: the next one-node verify
+        is queued (async_eval) before the current token is read, so building its graph overlaps
+        the compute. Same verify and commit as a round; the argmax runs on the device. The root
+        of a one-node tree is always accepted, so its commit needs no host round trip."""
+
+        def launch(token: mx.array, committed: int) -> mx.array:
+            tree = verify.tree_batch(DraftTree.single(0), committed)
+            logits = self.model(token.reshape(1, 1), cache, tree)[0, 0]
+            commit_all(cache, [0])
+            y = mx.argmax(logits).astype(mx.int32)
+            mx.async_eval(y)
+            return y
+
+        y = launch(mx.array([root]), committed)
+        produced, room = 0, min(params.max_tokens, self.config.max_context - committed - 1)
+        while True:
+            t0 = time.perf_counter()
+            if req.cancel.is_set():
+                yield self._final([], "cancelled", stats, t_start)
+                return
+            produced += 1
+            nxt = launch(y, committed + produced) if produced < room else None
+            token = y.item()
+            stats.verify_ms += _ms_since(t0)
+            stats.forward_passes += 1
+            stats.generated_tokens += 1
+            if produced == 1:
+                stats.ttft_ms = _ms_since(t_start)
+            if token in params.stop_token_ids:
+                yield self._final([], "stop", stats, t_start)  # the queued verify is never committed
+                return
+            if nxt is None:
+                yield self._final([token], "length", stats, t_start)
+                return
+            yield Step(token_ids=[token])
+            y = nxt
 
     def _prefill(self, ids: list[int], cache) -> None:
         chunk = self.config.prefill_chunk

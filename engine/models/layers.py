@@ -108,19 +108,27 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(head_dim, eps)
         self.k_norm = RMSNorm(head_dim, eps)
 
-    def __call__(self, x: mx.array, cache: KVCache, tree: TreeBatch | None) -> mx.array:
+    def project(self, x: mx.array) -> list[mx.array]:
+        """x [1, T, H] -> [q, k, v] as [1, heads, T, D] before RoPE (+ gate [1, T, H*D])."""
         B, T, _ = x.shape
         q = self.q_proj(x).reshape(B, T, self.heads, -1)
         if self.output_gate:
             q, gate = mx.split(q, 2, axis=-1)
-            gate = gate.reshape(B, T, -1)
         q = self.q_norm(q).transpose(0, 2, 1, 3)
         k = self.k_norm(self.k_proj(x).reshape(B, T, self.kv_heads, -1)).transpose(0, 2, 1, 3)
         v = self.v_proj(x).reshape(B, T, self.kv_heads, -1).transpose(0, 2, 1, 3)
+        return [q, k, v, gate.reshape(B, T, -1)] if self.output_gate else [q, k, v]
+
+    def attend(self, q: mx.array, k: mx.array, v: mx.array, cache: KVCache, tree: TreeBatch | None) -> mx.array:
         offset = cache.offset
         q = apply_rope(q, self.rope, offset, tree)
         k = apply_rope(k, self.rope, offset, tree)
-        out = attend(q, k, v, cache, self.scale, tree).transpose(0, 2, 1, 3).reshape(B, T, -1)
-        if self.output_gate:
-            out = out * mx.sigmoid(gate)
-        return self.o_proj(out)
+        out = attend(q, k, v, cache, self.scale, tree)
+        return out.transpose(0, 2, 1, 3).reshape(q.shape[0], q.shape[2], -1)
+
+    def output(self, out: mx.array, gate: mx.array | None) -> mx.array:
+        return self.o_proj(out * mx.sigmoid(gate) if self.output_gate else out)
+
+    def __call__(self, x: mx.array, cache: KVCache, tree: TreeBatch | None) -> mx.array:
+        q, k, v, *gate = self.project(x)
+        return self.output(self.attend(q, k, v, cache, tree), gate[0] if gate else None)

@@ -125,33 +125,53 @@ class GatedDeltaNet(nn.Module):
             k = mx.repeat(k, self.Hv // self.Hk, axis=1)
         return q, k, v
 
-    def _initial_state(self, cache: GDNCache, dtype) -> tuple[mx.array, mx.array]:
+    def initial_state(self, cache: GDNCache, dtype) -> tuple[mx.array, mx.array]:
         if cache.state is None:
             cache.conv_state = mx.zeros((1, self.K - 1, self.conv_dim), dtype)
             cache.state = mx.zeros((1, self.Hv, self.Dv, self.Dk), mx.float32)
         return cache.conv_state[0], cache.state[0]
 
+    def token(self, x: mx.array, conv_state: mx.array, S0: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """One token, pure (compilable): x [1, 1, H] -> (out [1, 1, H], new conv state, new state)."""
+        qkv = self.in_proj_qkv(x)[0]
+        z = self.in_proj_z(x)[0].reshape(1, self.Hv, self.Dv)
+        g, beta = gdn.gates(self.in_proj_a(x)[0], self.in_proj_b(x)[0], self.A_log, self.dt_bias)
+        y, new_conv = gdn.causal_conv(qkv, conv_state, self.conv1d.weight)
+        q, k, v = self._split_heads(y)
+        o, S = gdn.gdn_step(q[0], k[0], v[0], g[0], beta[0], S0)
+        out = self.norm(o[None], z).astype(x.dtype).reshape(1, 1, -1)
+        return self.out_proj(out), new_conv, S
+
     def __call__(self, x: mx.array, cache: GDNCache, tree: TreeBatch | None) -> mx.array:
+        conv_state, S0 = self.initial_state(cache, x.dtype)
+        if x.shape[1] == 1:
+            out, new_conv, S = self.token(x, conv_state, S0)
+            store(cache, tree, new_conv, S)
+            return out
         B, T, _ = x.shape
         qkv = self.in_proj_qkv(x)[0]
         z = self.in_proj_z(x)[0].reshape(T, self.Hv, self.Dv)
         g, beta = gdn.gates(self.in_proj_a(x)[0], self.in_proj_b(x)[0], self.A_log, self.dt_bias)
-        conv_state, S0 = self._initial_state(cache, x.dtype)
-        if tree is None or T == 1:
+        if tree is None:
             y, new_conv = gdn.causal_conv(qkv, conv_state, self.conv1d.weight)
             q, k, v = self._split_heads(y)
             o, S = gdn.gdn_chain(q, k, v, g, beta, S0)
-            if tree is None:
-                cache.conv_state, cache.state = new_conv[None], S[None]
-            else:
-                cache.pending = GDNPending(x=qkv, k=k, u=None, g=g, parents=tree.parents, single_state=S)
+            cache.conv_state, cache.state = new_conv[None], S[None]
         else:
             y = gdn_tree.tree_conv(qkv, tree.parents, conv_state, self.conv1d.weight)
             q, k, v = self._split_heads(y)
             o, u = gdn_tree.gdn_tree_dense(q, k, v, g, beta, tree.ancestors, S0)
-            cache.pending = GDNPending(x=qkv, k=k, u=u, g=g, parents=tree.parents)
+            cache.pending = GDNPending(x=qkv, k=k, u=u, g=g)
         out = self.norm(o, z).astype(x.dtype).reshape(B, T, -1)
         return self.out_proj(out)
+
+
+def store(cache: GDNCache, tree: TreeBatch | None, conv_state: mx.array, S: mx.array) -> None:
+    """A chain token is written at once; a one-node tree waits for its commit."""
+    if tree is None:
+        cache.conv_state, cache.state = conv_state[None], S[None]
+    else:
+        cache.pending = GDNPending(single=(conv_state, S))
 
 
 class DecoderLayer(nn.Module):
@@ -169,9 +189,44 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(a.hidden_size, a.intermediate_size)
 
     def __call__(self, x: mx.array, cache: LayerCache, tree: TreeBatch | None) -> mx.array:
+        if x.shape[1] == 1 and self.compiled:
+            return self._decode_token(x, cache, tree)
         mixer = self.self_attn if self.is_attention else self.linear_attn
         h = x + mixer(self.input_layernorm(x), cache, tree)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    # The one-token path (plain decoding, a one-node tree) is where per-op overhead dominates:
+    # the same code as above, split at the KV cache into pure parts that mx.compile fuses.
+    compiled = True
+
+    def _decode_token(self, x: mx.array, cache: LayerCache, tree: TreeBatch | None) -> mx.array:
+        if not hasattr(self, "_fns"):
+            self._fns = self._compile_token_fns()
+        if self.is_attention:
+            pre, post = self._fns
+            q, k, v, *gate = pre(x)
+            return post(x, self.self_attn.attend(q, k, v, cache, tree), *gate)
+        conv_state, S0 = self.linear_attn.initial_state(cache, x.dtype)
+        out, new_conv, S = self._fns(x, conv_state, S0)
+        store(cache, tree, new_conv, S)
+        return out
+
+    def _compile_token_fns(self):
+        def finish(h):
+            return h + self.mlp(self.post_attention_layernorm(h))
+
+        if not self.is_attention:
+            def gdn_token(x, conv_state, S0):
+                o, new_conv, S = self.linear_attn.token(self.input_layernorm(x), conv_state, S0)
+                return finish(x + o), new_conv, S
+
+            return mx.compile(gdn_token)
+        attn = self.self_attn
+
+        def post(x, out, gate=None):
+            return finish(x + attn.output(out, gate))
+
+        return mx.compile(lambda x: attn.project(self.input_layernorm(x))), mx.compile(post)
 
 
 class TextModel(nn.Module):

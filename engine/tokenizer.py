@@ -1,0 +1,132 @@
+"""A `tokenizers` wrapper for one checkpoint directory, and a UTF-8 safe incremental detokenizer.
+
+No mlx here: the server uses this module on its own thread.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+
+REPLACEMENT = "\ufffd"
+# End-of-turn / end-of-text tokens of the Qwen and ChatML families: generation stops on them
+# even when a checkpoint's configs forget to list them.
+EXTRA_EOS_TOKENS = ("<|im_end|>", "<|endoftext|>")
+
+
+class Tokenizer:
+    """Text <-> token ids for one checkpoint. encode never adds BOS; special tokens in text are parsed."""
+
+    def __init__(
+        self,
+        tok: HFTokenizer,
+        config: dict | None = None,
+        generation_config: dict | None = None,
+        chat_template: str | None = None,
+    ) -> None:
+        self._tok = tok
+        config = config or {}
+        self.chat_template = chat_template
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        self.eos_token_ids = self._collect_eos_ids(generation_config or {})
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        path = Path(path)
+        tok_file = path / "tokenizer.json"
+        if not tok_file.is_file():
+            raise FileNotFoundError(f"{path}: missing tokenizer.json (needed to tokenize text)")
+        config = _read_json(path / "tokenizer_config.json")
+        template = _read_template(path, config)
+        return cls(HFTokenizer.from_file(str(tok_file)), config, _read_json(path / "generation_config.json"), template)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids, skip_special: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special)
+
+    def token_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def detokenizer(self, skip_special: bool = True) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self, skip_special)
+
+    def _collect_eos_ids(self, generation_config: dict) -> tuple[int, ...]:
+        ids: list[int] = []
+        gen_eos = generation_config.get("eos_token_id")
+        ids += gen_eos if isinstance(gen_eos, list) else [gen_eos]
+        for token in (self.eos_token, *EXTRA_EOS_TOKENS):
+            ids.append(self.token_id(token) if token else None)
+        return tuple(dict.fromkeys(i for i in ids if isinstance(i, int)))
+
+
+class IncrementalDetokenizer:
+    """Turns a growing token sequence into text deltas that never end inside a UTF-8 character.
+
+    Decoding a token alone loses bytes (a CJK character or an emoji is often split across
+    byte-level tokens), so each call decodes a short window: the tokens already emitted since
+    the last boundary (as context) plus the new ones, and emits only what the new ones added.
+    A trailing U+FFFD means the window ends inside a character: hold everything back until
+    more bytes arrive (or flush).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special
+        self._ids: list[int] = []
+        self._prefix = 0  # window start: first token of the last emitted span
+        self._read = 0  # tokens before this index have been emitted as text
+
+    def add(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        prefix_text = self._decode(self._ids[self._prefix : self._read])
+        new_text = self._decode(self._ids[self._prefix :])
+        if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return new_text[len(prefix_text) :]
+
+    def flush(self) -> str:
+        prefix_text = self._decode(self._ids[self._prefix : self._read])
+        new_text = self._decode(self._ids[self._prefix :])
+        self._prefix = self._read = len(self._ids)
+        return new_text[len(prefix_text) :]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, self._skip_special) if ids else ""
+
+
+def _token_text(token) -> str | None:
+    """tokenizer_config stores a token as a string or as a serialized AddedToken dict."""
+    if isinstance(token, dict):
+        token = token.get("content")
+    return token if isinstance(token, str) else None
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return data
+
+
+def _read_template(path: Path, config: dict) -> str | None:
+    """chat_template.jinja wins over tokenizer_config.json, as in HF transformers."""
+    jinja_file = path / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
