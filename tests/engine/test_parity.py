@@ -91,3 +91,17 @@ def test_quantized_mlx_checkpoint_loads_and_matches(tiny_qwen35_mlx, tmp_path):
     ref_model, _ = load(str(out))
     ids = mx.array(PROMPT[:, :40])
     assert np.abs(our_logits(out, PROMPT[:, :40]) - np.array(ref_model(ids))).max() <= 1e-4
+
+
+def test_compiled_token_path_equals_plain(tiny_qwen35):
+    """The compiled one-token layer path (fast) and the plain module path (twin) agree."""
+    from engine.models.qwen3_5 import DecoderLayer
+
+    ids = PROMPT[:, :20]
+    fast = our_logits(tiny_qwen35, ids, chunk=1)
+    DecoderLayer.compiled = False
+    try:
+        plain = our_logits(tiny_qwen35, ids, chunk=1)
+    finally:
+        DecoderLayer.compiled = True
+    assert np.abs(fast - plain).max() <= 1e-5
