@@ -1,0 +1,83 @@
+"""Speculation benchmark: none / ngram / draft side by side in one run, per prompt kind.
+
+    LD_PRELOAD=<openblas libblas.so.3> python scripts/bench_spec.py [--model DIR] [--draft-model DIR]
+        [--tokens 128] [--runs 3] [--budget 16] [--depth 8]
+
+Defaults to the bundled target and draft. Greedy decoding, chat template with thinking off.
+Reports medians of decode tok/s (first token excluded) and tokens per forward pass, and the
+ratio to plain decoding measured in the same run. Outputs are checked identical across methods.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+from engine.config import EngineConfig, SamplingParams, SpecConfig
+from engine.generate import BUNDLED, Engine
+from engine.types import GenerationRequest
+
+PROMPTS = {
+    "code": "Write a python function to merge two sorted lists",
+    "code-edit": "Rename the variable `total` to `acc` in this function:\n```python\ndef add_all(xs):\n"
+                 "    total = 0\n    for x in xs:\n        total = total + x\n    return total\n```",
+    "math": "Compute 12 * 13 step by step, then 14 * 15, then 16 * 17.",
+    "chat": "Tell me about your favourite season and why you like it.",
+}
+
+
+def render(engine: Engine, text: str) -> list[int]:
+    from server.chat import ChatRenderOptions, ChatTemplate
+
+    template = ChatTemplate(engine.tokenizer.chat_template)
+    text = template.render([{"role": "user", "content": text}], ChatRenderOptions(enable_thinking=False))
+    return engine.tokenizer.encode(text)
+
+
+def one(engine: Engine, prompt: list[int], spec: SpecConfig, n: int):
+    req = GenerationRequest(prompt_ids=prompt, sampling=SamplingParams(max_tokens=n), spec=spec)
+    tokens, t_first = [], None
+    for step in engine.generate(req):
+        if t_first is None and step.token_ids:
+            t_first, first_n = time.perf_counter(), len(step.token_ids)
+        tokens += step.token_ids
+    dt = time.perf_counter() - t_first
+    return (len(tokens) - first_n) / dt if dt > 0 else 0.0, step.stats.tokens_per_forward, tokens
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=str(BUNDLED / "target"))
+    ap.add_argument("--draft-model", default=None)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--budget", type=int, default=16)
+    ap.add_argument("--depth", type=int, default=8)
+    a = ap.parse_args()
+    engine = Engine(EngineConfig(model_path=a.model))
+    specs = {m: SpecConfig(method=m, budget=a.budget, max_depth=a.depth, draft_model=a.draft_model)
+             for m in ("none", "ngram", "draft")}
+    print(f"model {Path(a.model).name}, {a.tokens} greedy tokens, budget {a.budget}, depth {a.depth}, "
+          f"median of {a.runs} runs")
+    print(f"{'prompt':10} {'method':6} {'tok/s':>7} {'tok/fwd':>8} {'vs none':>8}  same")
+    for kind, text in PROMPTS.items():
+        prompt = render(engine, text)
+        for spec in specs.values():
+            one(engine, prompt, spec, 8)  # warm-up (compiles, loads the draft model)
+        results = {m: [] for m in specs}
+        for _ in range(a.runs):
+            for m, spec in specs.items():  # interleaved: noise hits all methods alike
+                results[m].append(one(engine, prompt, spec, a.tokens))
+        base = statistics.median(r[0] for r in results["none"])
+        ref_tokens = results["none"][0][2]
+        for m, rs in results.items():
+            tps = statistics.median(r[0] for r in rs)
+            tpf = statistics.median(r[1] for r in rs)
+            same = all(r[2] == ref_tokens for r in rs)
+            print(f"{kind:10} {m:6} {tps:7.1f} {tpf:8.2f} {tps / base:7.2f}x  {'yes' if same else 'NO'}")
+
+
+if __name__ == "__main__":
+    main()
