@@ -7,6 +7,7 @@ decode path to keep correct.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 import os
 import time
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ from engine.drafters import make_drafter
 from engine.drafters.base import Drafter, NoDrafter
 from engine.cache import commit_all
 from engine.loader import load_model
+from engine.prefix_cache import PrefixCache, restore
 from engine.tokenizer import Tokenizer
 from engine.tree import DraftTree
 from engine.types import GenerationRequest, Stats, Step
@@ -41,6 +43,9 @@ class Engine:
         self.model_id = Path(config.model_path).resolve().name
         self.vocab_size = self.model.args.vocab_size
         self._draft_models: dict[str, object] = {}
+        attention_only = all(self.model.args.layer_is_attention)
+        self.prefix = PrefixCache(config.prefix_cache_bytes, config.prefix_cache, trimmable=attention_only)
+        self.boundary_id = self.tokenizer.token_id("<|im_start|>")
 
     def draft_model(self, path: str | None):
         """The draft model at `path` (or the configured / bundled default), loaded once."""
@@ -79,97 +84,119 @@ class Engine:
     def _run(self, req, params: SamplingParams, seed: int, spec: SpecConfig, drafter: Drafter) -> Iterator[Step]:
         stats = Stats(prompt_tokens=len(req.prompt_ids))
         t_start = time.perf_counter()
-        cache = self.model.make_cache()
-        self._prefill(req.prompt_ids[:-1], cache)
+        cache, stats.cached_tokens = self._start(req.prompt_ids[:-1])
         stats.prompt_ms = _ms_since(t_start)
         drafter.begin(req.prompt_ids)
-        root, committed = req.prompt_ids[-1], len(req.prompt_ids) - 1
-        if isinstance(drafter, NoDrafter) and params.greedy:
-            yield from self._plain_greedy(req, params, root, committed, cache, stats, t_start)
-            return
+        run = _Run(seq=list(req.prompt_ids), covered=len(req.prompt_ids) - 1)
+        rounds = self._plain_greedy if isinstance(drafter, NoDrafter) and params.greedy else self._rounds
+        try:
+            yield from rounds(req, params, seed, spec, drafter, cache, stats, run, t_start)
+        finally:  # the committed state is consistent whatever ended the request
+            self.prefix.store(cache, run.seq[: run.covered])
+
+    def _rounds(self, req, params, seed, spec, drafter, cache, stats, run, t_start) -> Iterator[Step]:
         produced = 0
         while True:
             if req.cancel.is_set():
                 yield self._final([], "cancelled", stats, t_start)
                 return
-            room = min(params.max_tokens - produced, self.config.max_context - committed - 1)
+            room = min(params.max_tokens - produced, self.config.max_context - run.covered - 1)
             if room <= 0:
                 yield self._final([], "length", stats, t_start)
                 return
-            emitted, finish = self._round(root, committed, cache, params, seed, spec, drafter, stats, room)
-            committed += len(emitted)
-            produced += len(emitted)
-            if finish is not None:
-                yield self._final(emitted, finish, stats, t_start)
+            tokens = list(self._round(run, cache, params, seed, spec, drafter, stats, room).tokens)
+            produced += len(tokens)
+            if tokens[-1] in params.stop_token_ids:
+                yield self._final(tokens[:-1], "stop", stats, t_start)
                 return
-            yield Step(token_ids=emitted)
-            root = emitted[-1]
+            if len(tokens) >= room:
+                yield self._final(tokens[:room], "length", stats, t_start)
+                return
+            yield Step(token_ids=tokens)
 
-    def _round(self, root, committed, cache, params, seed, spec, drafter, stats, room):
-        """draft -> verify -> accept -> commit. Returns (tokens to emit, finish reason or None)."""
+    def _round(self, run, cache, params, seed, spec, drafter, stats, room) -> sampler.Acceptance:
+        """draft -> verify -> accept -> commit, on the committed context run.seq[:run.covered]."""
         t0 = time.perf_counter()
-        tree = drafter.propose(root, min(spec.budget, room - 1), spec.max_depth) if room > 1 \
-            else NoDrafter().propose(root, 0, 0)
+        root, committed = run.seq[-1], run.covered
+        budget = min(spec.budget, room - 1)
+        tree = drafter.propose(root, budget, spec.max_depth) if budget > 0 else DraftTree.single(root)
         t1 = time.perf_counter()
         logits = verify.verify(self.model, cache, tree, committed)
         t2 = time.perf_counter()
         acc = sampler.accept(tree, logits, params, seed, committed)
         verify.commit(cache, list(acc.path))
         t3 = time.perf_counter()
-        tokens = list(acc.tokens)
-        drafter.observe(tokens)
+        run.covered += len(acc.path)
+        run.seq += acc.tokens
+        drafter.observe(list(acc.tokens))
         stats.forward_passes += 1
         stats.drafted += tree.size - 1
         stats.accepted += len(acc.path) - 1
         stats.draft_ms += (t1 - t0) * 1e3
         stats.verify_ms += (t2 - t1) * 1e3
         stats.commit_ms += (t3 - t2) * 1e3
-        stats.generated_tokens += len(tokens)
+        stats.generated_tokens += len(acc.tokens)
         if stats.forward_passes == 1:
             stats.ttft_ms = stats.prompt_ms + (t3 - t0) * 1e3
-        if tokens[-1] in params.stop_token_ids:
-            return tokens[:-1], "stop"
-        if len(tokens) >= room:
-            return tokens[:room], "length"
-        return tokens, None
+        return acc
 
-    def _plain_greedy(self, req, params, root, committed, cache, stats, t_start) -> Iterator[Step]:
+    def _plain_greedy(self, req, params, seed, spec, drafter, cache, stats, run, t_start) -> Iterator[Step]:
         """Plain greedy decoding, pipelined like mlx-lm's generate_step: the next one-node verify
         is queued (async_eval) before the current token is read, so building its graph overlaps
         the compute. Same verify and commit as a round; the argmax runs on the device. The root
         of a one-node tree is always accepted, so its commit needs no host round trip."""
 
-        def launch(token: mx.array, committed: int) -> mx.array:
-            tree = verify.tree_batch(DraftTree.single(0), committed)
+        def launch(token: mx.array) -> mx.array:
+            tree = verify.tree_batch(DraftTree.single(0), run.covered)
             logits = self.model(token.reshape(1, 1), cache, tree)[0, 0]
             commit_all(cache, [0])
+            run.covered += 1
             y = mx.argmax(logits).astype(mx.int32)
             mx.async_eval(y)
             return y
 
-        y = launch(mx.array([root]), committed)
-        produced, room = 0, min(params.max_tokens, self.config.max_context - committed - 1)
+        room = min(params.max_tokens, self.config.max_context - run.covered - 1)
+        if room <= 0:
+            yield self._final([], "length", stats, t_start)
+            return
+        y, produced = launch(mx.array([run.seq[-1]])), 0
         while True:
             t0 = time.perf_counter()
             if req.cancel.is_set():
                 yield self._final([], "cancelled", stats, t_start)
                 return
             produced += 1
-            nxt = launch(y, committed + produced) if produced < room else None
+            nxt = launch(y) if produced < room else None
             token = y.item()
+            run.seq.append(token)
             stats.verify_ms += _ms_since(t0)
             stats.forward_passes += 1
             stats.generated_tokens += 1
             if produced == 1:
                 stats.ttft_ms = _ms_since(t_start)
             if token in params.stop_token_ids:
-                yield self._final([], "stop", stats, t_start)  # the queued verify is never committed
+                yield self._final([], "stop", stats, t_start)
                 return
             if nxt is None:
                 yield self._final([token], "length", stats, t_start)
                 return
             yield Step(token_ids=[token])
             y = nxt
+
+    def _start(self, ids: list[int]) -> tuple[list, int]:
+        """Fresh caches holding `ids` (the prompt but its last token): resume from the prefix
+        cache, prefill the rest in chunks, snapshot at chat-message boundaries and at the end."""
+        cache = self.model.make_cache()
+        snap, cached = self.prefix.lookup(ids)
+        if snap is not None:
+            restore(snap, cache, cached)
+        cuts = [p for p in range(cached + 1, len(ids)) if ids[p] == self.boundary_id][-2:]
+        start = cached
+        for stop in [*cuts, len(ids)]:
+            self._prefill(ids[start:stop], cache)
+            self.prefix.store(cache, ids[:stop])
+            start = stop
+        return cache, cached
 
     def _prefill(self, ids: list[int], cache) -> None:
         chunk = self.config.prefill_chunk
@@ -191,6 +218,15 @@ def default_draft_for(model_path: str) -> str | None:
     if Path(model_path).resolve() == target.resolve() and (draft / "config.json").is_file():
         return str(draft)
     return None
+
+
+@dataclass
+class _Run:
+    """The sequence so far (prompt + emitted; its last token is the next root) and how many of
+    its tokens the caches hold."""
+
+    seq: list[int]
+    covered: int
 
 
 def _ms_since(t: float) -> float:
