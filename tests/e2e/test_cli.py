@@ -1,0 +1,119 @@
+"""The `spruce` CLI as a user runs it: a subprocess from the repository root."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+STATS = {
+    "time to first token": r"[\d.]+ s",
+    "prefill speed": r"[\d.]+ t/s",
+    "generation speed": r"[\d.]+ t/s",
+    "tokens per forward pass": r"[\d.]+ t/f",
+    "memory used": r"[\d.]+ GB",
+    "duration": r"[\d.]+ s",
+}
+
+
+def spruce(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "server.cli", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, check=False)
+
+
+def test_run_streams_answer_and_prints_stats(tiny_checkpoint):
+    p = spruce("run", "--model", str(tiny_checkpoint), "-m", "hi", "--max-tokens", "8")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.endswith("\n") and p.stdout.strip()
+    for name, value in STATS.items():
+        assert re.search(rf"^{name}: {value}$", p.stderr, re.MULTILINE), f"missing {name!r} in {p.stderr!r}"
+    assert "Traceback" not in p.stderr
+
+
+def test_run_is_deterministic_and_matches_the_engine(tiny_checkpoint):
+    """Greedy `run` prints exactly what the engine produces for the chat-rendered prompt (thinking off)."""
+    from engine.config import EngineConfig, SamplingParams
+    from engine.generate import Engine
+    from engine.types import GenerationRequest
+    from server.chat import ChatRenderOptions, ChatTemplate
+
+    engine = Engine(EngineConfig(model_path=str(tiny_checkpoint)))
+    tok = engine.tokenizer
+    prompt = ChatTemplate(tok.chat_template).render([{"role": "user", "content": "hi"}],
+                                                    ChatRenderOptions(enable_thinking=False))
+    req = GenerationRequest(prompt_ids=tok.encode(prompt),
+                            sampling=SamplingParams(max_tokens=8, stop_token_ids=tok.eos_token_ids))
+    ids = [t for step in engine.generate(req) for t in step.token_ids]
+    p = spruce("run", "--model", str(tiny_checkpoint), "-m", "hi", "--max-tokens", "8")
+    assert p.stdout == tok.decode(ids) + "\n"
+
+
+def test_bad_model_path_is_one_line_and_exit_2(tmp_path):
+    for model in (tmp_path / "missing", tmp_path):
+        p = spruce("run", "--model", str(model), "-m", "hi")
+        assert p.returncode == 2
+        lines = p.stderr.strip().splitlines()
+        assert len(lines) == 1 and str(model.name) in lines[0] and "Traceback" not in p.stderr
+
+
+def test_broken_checkpoint_is_one_line_and_exit_2(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "nonsense"}')
+    (tmp_path / "tokenizer.json").write_text("{}")
+    p = spruce("run", "--model", str(tmp_path), "-m", "hi")
+    assert p.returncode == 2
+    assert len(p.stderr.strip().splitlines()) == 1 and "cannot load model" in p.stderr
+
+
+def test_no_prompt_and_bad_values_are_clear_errors(tiny_checkpoint):
+    p = subprocess.run([sys.executable, "-m", "server.cli", "run", "--model", str(tiny_checkpoint)], cwd=REPO,
+                       capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=60, check=False)
+    assert p.returncode == 2 and "no prompt" in p.stderr
+    p = subprocess.run([sys.executable, "-m", "server.cli", "run", "--model", str(tiny_checkpoint), "--max-tokens",
+                        "2"], cwd=REPO, capture_output=True, text=True, input="hello from stdin", timeout=60,
+                       check=False)
+    assert p.returncode == 0 and "generation speed" in p.stderr
+    p = spruce("run", "--model", str(tiny_checkpoint), "-m", "hi", "--temperature", "-1")
+    assert p.returncode == 2 and "temperature" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_serve_answers_http(tiny_checkpoint):
+    import socket
+    import time
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--model", str(tiny_checkpoint), "--port",
+                             str(port), "--max-context", "256", "--log-level", "warning"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.communicate()[1]
+            try:
+                if httpx.get(base + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.1)
+        r = httpx.post(base + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                             "max_tokens": 3, "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        assert httpx.get(base + "/v1/models").json()["data"][0]["max_model_len"] == 256
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=30)
+
+
+def test_no_bundled_model_message(monkeypatch, tmp_path, capsys):
+    from server import cli
+
+    monkeypatch.setattr(cli, "bundled_model_dir", lambda: tmp_path / "bundled" / "target")
+    assert cli.main(["run", "-m", "hi"]) == 2
+    assert "no bundled model in this install; pass --model DIR" in capsys.readouterr().err

@@ -1,0 +1,60 @@
+"""One real server for all server tests: the real Engine on the tiny checkpoint, behind uvicorn
+on 127.0.0.1 (a free port), started in-process on a thread."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import pytest
+import uvicorn
+
+from engine.config import EngineConfig
+from engine.generate import Engine
+from server.app import create_app
+from server.bridge import EngineBridge
+
+MAX_CONTEXT = 2048
+MAX_QUEUE = 2  # small, so that the 429 test can fill it
+
+
+@dataclass
+class LiveServer:
+    base_url: str  # http://127.0.0.1:PORT (no /v1)
+    bridge: EngineBridge
+    model_id: str
+
+    def wait_idle(self, timeout: float = 30.0) -> None:
+        """Wait until no request is queued or running (the last job's final step was delivered)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.bridge.idle:
+                return
+            time.sleep(0.02)
+        raise TimeoutError("the engine did not become idle")
+
+
+@pytest.fixture(scope="session")
+def live_server(tiny_checkpoint):
+    config = EngineConfig(model_path=str(tiny_checkpoint), max_context=MAX_CONTEXT)
+    bridge = EngineBridge(lambda: Engine(config), max_queue=MAX_QUEUE)
+    bridge.start()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(bridge), log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.01)
+    yield LiveServer(f"http://127.0.0.1:{port}", bridge, bridge.engine.model_id)
+    server.should_exit = True
+    thread.join(10)
+    bridge.stop()
+    sock.close()
