@@ -23,6 +23,9 @@ class SamplingParams:
     max_tokens: int = 256
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # benchmarks: do not stop at the tokenizer's end-of-sequence ids
+    presence_penalty: float = 0.0  # OpenAI: subtracted once from logits of tokens already generated
+    frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence in the generated tokens
+    logprobs: int | None = None  # None = off; k = chosen token's logprob + top-k alternatives
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -33,12 +36,21 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if self.max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from engine.drafters import make_drafter
 from engine.drafters.base import Drafter, NoDrafter
 from engine.cache import commit_all
 from engine.loader import load_model
+from engine.logits_extras import token_logprobs
 from engine.prefix_cache import PrefixCache, restore
 from engine.tokenizer import Tokenizer
 from engine.tree import DraftTree
@@ -87,8 +88,10 @@ class Engine:
         cache, stats.cached_tokens = self._start(req.prompt_ids[:-1])
         stats.prompt_ms = _ms_since(t_start)
         drafter.begin(req.prompt_ids)
-        run = _Run(seq=list(req.prompt_ids), covered=len(req.prompt_ids) - 1)
-        rounds = self._plain_greedy if isinstance(drafter, NoDrafter) and params.greedy else self._rounds
+        run = _Run(seq=list(req.prompt_ids), covered=len(req.prompt_ids) - 1, prompt_len=len(req.prompt_ids))
+        pipelined = isinstance(drafter, NoDrafter) and params.greedy and not params.penalized \
+            and params.logprobs is None
+        rounds = self._plain_greedy if pipelined else self._rounds
         try:
             yield from rounds(req, params, seed, spec, drafter, cache, stats, run, t_start)
         finally:  # the committed state is consistent whatever ended the request
@@ -104,17 +107,20 @@ class Engine:
             if room <= 0:
                 yield self._final([], "length", stats, t_start)
                 return
-            tokens = list(self._round(run, cache, params, seed, spec, drafter, stats, room).tokens)
+            acc, logits = self._round(run, cache, params, seed, spec, drafter, stats, room)
+            tokens = list(acc.tokens)
+            logprobs = None if params.logprobs is None else \
+                token_logprobs(logits[list(acc.path)], tokens, params.logprobs)
             produced += len(tokens)
             if tokens[-1] in params.stop_token_ids:
-                yield self._final(tokens[:-1], "stop", stats, t_start)
+                yield self._final(tokens[:-1], "stop", stats, t_start, logprobs and logprobs[:-1])
                 return
             if len(tokens) >= room:
-                yield self._final(tokens[:room], "length", stats, t_start)
+                yield self._final(tokens[:room], "length", stats, t_start, logprobs and logprobs[:room])
                 return
-            yield Step(token_ids=tokens)
+            yield Step(token_ids=tokens, logprobs=logprobs)
 
-    def _round(self, run, cache, params, seed, spec, drafter, stats, room) -> sampler.Acceptance:
+    def _round(self, run, cache, params, seed, spec, drafter, stats, room):
         """draft -> verify -> accept -> commit, on the committed context run.seq[:run.covered]."""
         t0 = time.perf_counter()
         root, committed = run.seq[-1], run.covered
@@ -123,7 +129,7 @@ class Engine:
         t1 = time.perf_counter()
         logits = verify.verify(self.model, cache, tree, committed)
         t2 = time.perf_counter()
-        acc = sampler.accept(tree, logits, params, seed, committed)
+        acc = sampler.accept(tree, logits, params, seed, committed, run.seq[run.prompt_len :])
         verify.commit(cache, list(acc.path))
         t3 = time.perf_counter()
         run.covered += len(acc.path)
@@ -138,7 +144,7 @@ class Engine:
         stats.generated_tokens += len(acc.tokens)
         if stats.forward_passes == 1:
             stats.ttft_ms = stats.prompt_ms + (t3 - t0) * 1e3
-        return acc
+        return acc, logits
 
     def _plain_greedy(self, req, params, seed, spec, drafter, cache, stats, run, t_start) -> Iterator[Step]:
         """Plain greedy decoding, pipelined like mlx-lm's generate_step: the next one-node verify
@@ -204,9 +210,9 @@ class Engine:
             h = self.model.hidden(mx.array([ids[i : i + chunk]]), cache)
             mx.eval(h, [c.state for c in cache if getattr(c, "state", None) is not None])
 
-    def _final(self, tokens: list[int], reason: str, stats: Stats, t_start: float) -> Step:
+    def _final(self, tokens: list[int], reason: str, stats: Stats, t_start: float, logprobs=None) -> Step:
         stats.decode_ms = _ms_since(t_start) - stats.prompt_ms
-        return Step(token_ids=tokens, finish_reason=reason, stats=stats)
+        return Step(token_ids=tokens, finish_reason=reason, stats=stats, logprobs=logprobs)
 
 
 BUNDLED = Path(__file__).resolve().parent / "bundled"
@@ -227,6 +233,7 @@ class _Run:
 
     seq: list[int]
     covered: int
+    prompt_len: int  # seq[prompt_len:] is what this completion generated (penalties look at it)
 
 
 def _ms_since(t: float) -> float:

@@ -16,12 +16,13 @@ committed_len + depth_i + 1.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from engine.config import SamplingParams
+from engine.logits_extras import penalize
 from engine.tree import DraftTree
 
 _M64 = (1 << 64) - 1
@@ -208,13 +209,16 @@ def accept_walk(tree: DraftTree, choose: Callable[[int], int], stop_token_ids: t
 
 
 def accept(
-    tree: DraftTree, logits: np.ndarray, params: SamplingParams, seed: int | None, committed_len: int
+    tree: DraftTree, logits: np.ndarray, params: SamplingParams, seed: int | None, committed_len: int,
+    generated: Sequence[int] = (),
 ) -> Acceptance:
     """One accept round over verify logits [N, V] (row i = target logits after node i).
 
     Greedy walks on the argmax; sampling draws node i's token with position
     committed_len + depth_i + 1, which makes the emitted tokens identical to
-    plain seeded sampling of the same target.
+    plain seeded sampling of the same target. With presence/frequency
+    penalties, node i's logits are penalised by `generated` (this completion's
+    tokens so far) plus the tree tokens on its path, as plain decoding would.
     """
     logits = np.asarray(logits)
     if logits.ndim != 2 or logits.shape[0] != tree.size:
@@ -226,6 +230,10 @@ def accept(
     depths = tree.depths
 
     def choose(node: int) -> int:
-        return sample_token(logits[node], params, seed, committed_len + int(depths[node]) + 1)
+        row = logits[node]
+        if params.penalized:
+            path_tokens = [tree.tokens[j] for j in tree.path_to(node)[1:]]
+            row = penalize(row, [*generated, *path_tokens], params)
+        return sample_token(row, params, seed, committed_len + int(depths[node]) + 1)
 
     return accept_walk(tree, choose, params.stop_token_ids)

@@ -51,9 +51,20 @@ class Stats:
 
 
 @dataclass
+class TokenLogprob:
+    """Natural-log probability of an emitted token under the model's raw distribution
+    (log_softmax of the logits, before temperature and penalties), with the top alternatives."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), most likely first
+
+
+@dataclass
 class Step:
     """What one round of the loop emits: zero or more tokens, and maybe the end."""
 
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "cancelled" | None
     stats: Stats | None = None  # set on the final step
+    logprobs: list[TokenLogprob] | None = None  # aligned with token_ids when requested

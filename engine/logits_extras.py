@@ -1,0 +1,35 @@
+"""Per-request logit adjustments and read-outs that sit beside sampling: OpenAI's presence and
+frequency penalties, and log-probabilities of emitted tokens."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+
+import numpy as np
+
+from engine.config import SamplingParams
+from engine.types import TokenLogprob
+
+
+def penalize(logits: np.ndarray, generated: Iterable[int], params: SamplingParams) -> np.ndarray:
+    """logits - frequency_penalty * count(t) - presence_penalty * [count(t) > 0], over the
+    tokens generated so far in this completion (float64 copy; the input is not modified)."""
+    out = np.array(logits, dtype=np.float64)
+    counts = Counter(generated)
+    if counts and params.penalized:
+        ids = np.fromiter(counts.keys(), dtype=np.int64, count=len(counts))
+        n = np.fromiter(counts.values(), dtype=np.float64, count=len(counts))
+        out[ids] -= params.frequency_penalty * n + params.presence_penalty
+    return out
+
+
+def token_logprobs(rows: np.ndarray, tokens: list[int], k: int) -> list[TokenLogprob]:
+    """rows [n, V] raw logits that produced tokens [n] -> one TokenLogprob per token."""
+    out = []
+    for row, tok in zip(rows, tokens):
+        x = np.asarray(row, dtype=np.float64)
+        lp = x - (x.max() + np.log(np.exp(x - x.max()).sum()))
+        top = np.argsort(-lp, kind="stable")[:k] if k else []
+        out.append(TokenLogprob(int(tok), float(lp[tok]), [(int(t), float(lp[t])) for t in top]))
+    return out

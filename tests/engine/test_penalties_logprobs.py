@@ -1,0 +1,57 @@
+"""Presence/frequency penalties and logprobs go through the same loop: speculation leaves them
+unchanged, and logprobs are the model's own log-softmax."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine.config import EngineConfig, SamplingParams, SpecConfig
+from engine.generate import Engine
+from engine.types import GenerationRequest
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_qwen35):
+    return Engine(EngineConfig(model_path=str(tiny_qwen35), prefill_chunk=16))
+
+
+def run(engine, prompt, sampling, spec=None):
+    steps = list(engine.generate(GenerationRequest(prompt_ids=prompt, sampling=sampling, spec=spec)))
+    tokens = [t for s in steps for t in s.token_ids]
+    logprobs = [lp for s in steps for lp in (s.logprobs or [])]
+    return tokens, logprobs
+
+
+PROMPT = [int(t) for t in np.random.RandomState(11).randint(0, 500, size=6)] * 4
+
+
+@pytest.mark.parametrize("sampling", [
+    SamplingParams(max_tokens=40, ignore_eos=True, frequency_penalty=1.5, presence_penalty=0.5),
+    SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.7, seed=5, frequency_penalty=0.8),
+], ids=["greedy", "seeded"])
+def test_penalties_are_lossless_and_matter(engine, sampling):
+    plain, _ = run(engine, PROMPT, sampling)
+    spec, _ = run(engine, PROMPT, sampling, SpecConfig(method="ngram", budget=8, max_depth=4))
+    assert spec == plain
+    unpenalized, _ = run(engine, PROMPT, SamplingParams(max_tokens=40, ignore_eos=True,
+                                                         temperature=sampling.temperature, seed=sampling.seed))
+    assert unpenalized != plain
+
+
+def test_logprobs_are_the_models_log_softmax(engine):
+    sampling = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=3)
+    tokens, lps = run(engine, PROMPT, sampling)
+    assert [lp.token_id for lp in lps] == tokens
+    model = engine.model
+    cache = model.make_cache()
+    logits = np.array(model(mx.array([PROMPT + tokens[:-1]]), cache)[0], dtype=np.float64)
+    rows = logits[len(PROMPT) - 1 :]
+    ref = rows - np.log(np.exp(rows - rows.max(-1, keepdims=True)).sum(-1, keepdims=True)) - rows.max(-1, keepdims=True)
+    for i, lp in enumerate(lps):
+        assert abs(lp.logprob - ref[i, tokens[i]]) < 1e-4
+        assert len(lp.top) == 3 and lp.top[0][0] == int(np.argmax(ref[i]))
+    spec_tokens, spec_lps = run(engine, PROMPT, sampling, SpecConfig(method="ngram"))
+    assert spec_tokens == tokens
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(lps, spec_lps)) < 1e-4
