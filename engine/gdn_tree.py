@@ -19,7 +19,9 @@ Inputs are cast to float32; no function writes S0.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
@@ -139,29 +141,52 @@ def default_solver() -> str:
     return "substitution" if mx.default_device() == mx.cpu else "neumann"
 
 
+@dataclass(frozen=True)
+class TreeMasks:
+    """Device-side masks of one tree, built once per verify and shared by every GDN layer."""
+
+    incl: mx.array  # bool [N, N]: j is an ancestor-or-self of i
+    strict: mx.array  # bool [N, N]: proper ancestors
+    incl_f32: mx.array  # float32 [N, N], for the path sums prefix = g @ incl^T
+    max_depth: int
+
+
+def tree_masks(ancestor_mask) -> TreeMasks:
+    m = _check_mask(ancestor_mask, np.asarray(ancestor_mask).shape[0])
+    return TreeMasks(mx.array(m), mx.array(np.tril(m, -1)), mx.array(m.astype(np.float32)),
+                     int(m.sum(axis=1).max()) - 1)
+
+
+@functools.lru_cache(maxsize=8)
+def chain_masks(n: int) -> TreeMasks:
+    return tree_masks(np.tri(n, dtype=bool))
+
+
 def gdn_tree_dense(
     q, k, v, g, beta, ancestor_mask, S0, solver: str | None = None
 ) -> tuple[mx.array, mx.array]:
-    """Dense ancestor-masked tree verify. ancestor_mask: bool [N, N] inclusive (DraftTree.ancestor_mask()).
+    """Dense ancestor-masked tree verify. ancestor_mask: bool [N, N] inclusive (DraftTree.ancestor_mask()),
+    or its TreeMasks (built once per tree and shared by the layers).
 
     prefix_i = sum of g over ancestors-or-self of i; decays only as ratios
     exp(prefix_i - prefix_j), masked to -inf before exp. solver: one of
     SOLVERS, None = default_solver(). Returns o, u [N, Hv, Dv].
     """
     q, k, v, g, beta, S0 = _check_gdn(q, k, v, g, beta, S0)
-    mask = _check_mask(ancestor_mask, q.shape[0])
-    max_depth = int(mask.sum(axis=1).max()) - 1
+    masks = ancestor_mask if isinstance(ancestor_mask, TreeMasks) else tree_masks(ancestor_mask)
+    if tuple(masks.incl.shape) != (q.shape[0],) * 2:
+        raise ValueError(f"tree masks are for {masks.incl.shape[0]} nodes, q has {q.shape[0]}")
     Q, K, V = (a.transpose(1, 0, 2) for a in (q, k, v))  # head-major [Hv, N, D]
     G, B = g.T, beta.T  # [Hv, N]
-    prefix = G @ mx.array(mask.astype(np.float32)).T  # [Hv, N]
+    prefix = G @ masks.incl_f32.T  # [Hv, N]
     diff = prefix[:, :, None] - prefix[:, None, :]  # [Hv, N, N]: prefix_i - prefix_j
-    decay_incl = mx.exp(mx.where(mx.array(mask), diff, -mx.inf))
-    decay_strict = mx.where(mx.array(np.tril(mask, -1)), decay_incl, 0.0)
+    decay_incl = mx.exp(mx.where(masks.incl, diff, -mx.inf))
+    decay_strict = mx.where(masks.strict, decay_incl, 0.0)
     A = B[:, :, None] * decay_strict * (K @ K.transpose(0, 2, 1))
     S0T = S0.transpose(0, 2, 1)  # [Hv, Dk, Dv]
     decay0 = mx.exp(prefix)[:, :, None]  # [Hv, N, 1]
     rhs = B[:, :, None] * (V - decay0 * (K @ S0T))
-    U = _solve_unit_lower(A, rhs, max_depth, solver or default_solver())
+    U = _solve_unit_lower(A, rhs, masks.max_depth, solver or default_solver())
     O = decay0 * (Q @ S0T) + ((Q @ K.transpose(0, 2, 1)) * decay_incl) @ U
     return O.transpose(1, 0, 2), U.transpose(1, 0, 2)
 
@@ -202,7 +227,7 @@ def gdn_chunked(q, k, v, g, beta, S0, chunk: int = 64, solver: str | None = None
     for start in range(0, q.shape[0], chunk):
         rows = slice(start, min(start + chunk, q.shape[0]))
         n = rows.stop - start
-        o, u = gdn_tree_dense(q[rows], k[rows], v[rows], g[rows], beta[rows], np.tri(n, dtype=bool), S, solver)
+        o, u = gdn_tree_dense(q[rows], k[rows], v[rows], g[rows], beta[rows], chain_masks(n), S, solver)
         S = _fold(k[rows], u, g[rows], S)
         outs.append(o)
     return mx.concatenate(outs), S
@@ -229,16 +254,19 @@ def tree_conv_taps(parents: Sequence[int], kernel_size: int) -> np.ndarray:
     return taps
 
 
-def tree_conv(x, parents: Sequence[int], conv_state, weight) -> mx.array:
+def tree_conv(x, parents: Sequence[int] | None, conv_state, weight, taps: mx.array | None = None) -> mx.array:
     """silu(depthwise causal conv along each node's ancestor chain). x [N, C] pre-conv rows,
-    conv_state [K-1, C], weight [C, K] (HF conv1d weight [C, 1, K] squeezed; tap K-1 = the node)."""
+    conv_state [K-1, C], weight [C, K] (HF conv1d weight [C, 1, K] squeezed; tap K-1 = the node).
+    taps: tree_conv_taps(parents, K) as an mx array, when the caller has it already."""
     x, conv_state, weight = _f32(x), _f32(conv_state), _f32(weight)
+    if taps is None and parents is None:
+        raise ValueError("tree_conv needs the parents or the precomputed taps")
     if weight.ndim != 2 or x.ndim != 2 or weight.shape[0] != x.shape[1]:
         raise ValueError(f"need x [N, C] and weight [C, K], got {x.shape} and {weight.shape}")
     K = weight.shape[1]
     if tuple(conv_state.shape) != (K - 1, x.shape[1]):
         raise ValueError(f"conv_state must be [{K - 1}, {x.shape[1]}], got {conv_state.shape}")
-    taps = mx.array(tree_conv_taps(parents, K))
+    taps = mx.array(tree_conv_taps(parents, K)) if taps is None else taps
     windows = mx.concatenate([conv_state, x])[taps]  # [N, K, C]
     y = (windows * weight.T[None]).sum(axis=1)
     return y * mx.sigmoid(y)

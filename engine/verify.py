@@ -6,16 +6,21 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from engine import gdn_tree
 from engine.cache import LayerCache, commit_all
 from engine.models.layers import TreeBatch
 from engine.tree import DraftTree
 
 
-def tree_batch(tree: DraftTree, committed_len: int) -> TreeBatch:
-    ancestors = None if tree.size == 1 else tree.ancestor_mask()
-    mask = None if ancestors is None else mx.array(ancestors)
+def tree_batch(tree: DraftTree, committed_len: int, conv_kernel: int = 4) -> TreeBatch:
     positions = mx.array(tree.positions(committed_len).astype(np.int32))
-    return TreeBatch(parents=tree.parents, positions=positions, ancestors=ancestors, mask=mask)
+    if tree.size == 1:
+        return TreeBatch(parents=tree.parents, positions=positions)
+    ancestors = tree.ancestor_mask()
+    attn = np.concatenate([np.ones((tree.size, committed_len), dtype=bool), ancestors], axis=1)
+    return TreeBatch(parents=tree.parents, positions=positions, attn_mask=mx.array(attn),
+                     gdn_masks=gdn_tree.tree_masks(ancestors),
+                     conv_taps=mx.array(gdn_tree.tree_conv_taps(tree.parents, conv_kernel)))
 
 
 def verify(model, cache: list[LayerCache], tree: DraftTree, committed_len: int) -> np.ndarray:
@@ -24,7 +29,8 @@ def verify(model, cache: list[LayerCache], tree: DraftTree, committed_len: int) 
     Committed state is read, never written; each layer keeps what its commit needs.
     """
     tokens = mx.array([list(tree.tokens)])
-    logits = model(tokens, cache, tree_batch(tree, committed_len))[0]
+    batch = tree_batch(tree, committed_len, getattr(model.args, "linear_conv_kernel_dim", 4))
+    logits = model(tokens, cache, batch)[0]
     return np.array(logits.astype(mx.float32))
 
 

@@ -6,24 +6,26 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 
 from engine.cache import KVCache
+from engine.gdn_tree import TreeMasks
 
 
 @dataclass
 class TreeBatch:
     """Rows of one verify pass: a draft tree laid out in topological order.
 
-    positions [N] int32 are absolute (committed_len + depth); ancestors [N, N] bool (host) and
-    mask (the same on device) are ancestor-or-self; both None when N == 1 (the single row sees
-    the whole prefix and itself).
+    positions [N] int32 are absolute (committed_len + depth). For N > 1 the per-tree masks are
+    built once here and shared by all layers: attn_mask [N, committed_len + N] (the prefix and
+    ancestors-or-self), gdn_masks for the dense GDN form, conv_taps [N, K] for the tree conv.
+    With N == 1 the single row sees the whole prefix and itself: no masks.
     """
 
     parents: tuple[int, ...]
     positions: mx.array
-    ancestors: np.ndarray | None
-    mask: mx.array | None
+    attn_mask: mx.array | None = None
+    gdn_masks: TreeMasks | None = None
+    conv_taps: mx.array | None = None
 
 
 class RMSNorm(nn.Module):
@@ -74,17 +76,13 @@ def attend(q: mx.array, k: mx.array, v: mx.array, cache: KVCache, scale: float, 
     Chain: causal over prefix + new rows, and the cache advances. Tree: each row sees the
     committed prefix and its ancestors-or-self; the cache keeps the rows as scratch until commit.
     """
-    offset = cache.offset
     T = q.shape[2]
     keys, values = cache.write(k, v)
     if tree is None:
         mask = "causal" if T > 1 else None
         cache.advance(T)
-    elif tree.mask is None:
-        mask = None
     else:
-        prefix = mx.ones((T, offset), dtype=mx.bool_)
-        mask = mx.concatenate([prefix, tree.mask], axis=1)
+        mask = tree.attn_mask
     return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
 
 

@@ -142,26 +142,38 @@ class GatedDeltaNet(nn.Module):
         out = self.norm(o[None], z).astype(x.dtype).reshape(1, 1, -1)
         return self.out_proj(out), new_conv, S
 
+    def tree_rows(self, x: mx.array, conv_state: mx.array, S0: mx.array, taps: mx.array,
+                  masks: gdn_tree.TreeMasks) -> tuple[mx.array, ...]:
+        """N tree rows, pure (compilable): x [1, N, H] -> (out [1, N, H], and for the commit:
+        pre-conv rows [N, C], k [N, Hv, Dk], innovations u [N, Hv, Dv], log-decays g [N, Hv])."""
+        N = x.shape[1]
+        qkv = self.in_proj_qkv(x)[0]
+        z = self.in_proj_z(x)[0].reshape(N, self.Hv, self.Dv)
+        g, beta = gdn.gates(self.in_proj_a(x)[0], self.in_proj_b(x)[0], self.A_log, self.dt_bias)
+        y = gdn_tree.tree_conv(qkv, None, conv_state, self.conv1d.weight, taps)
+        q, k, v = self._split_heads(y)
+        o, u = gdn_tree.gdn_tree_dense(q, k, v, g, beta, masks, S0)
+        out = self.norm(o, z).astype(x.dtype).reshape(1, N, -1)
+        return self.out_proj(out), qkv, k, u, g
+
     def __call__(self, x: mx.array, cache: GDNCache, tree: TreeBatch | None) -> mx.array:
         conv_state, S0 = self.initial_state(cache, x.dtype)
         if x.shape[1] == 1:
             out, new_conv, S = self.token(x, conv_state, S0)
             store(cache, tree, new_conv, S)
             return out
+        if tree is not None:
+            out, qkv, k, u, g = self.tree_rows(x, conv_state, S0, tree.conv_taps, tree.gdn_masks)
+            cache.pending = GDNPending(x=qkv, k=k, u=u, g=g)
+            return out
         B, T, _ = x.shape
         qkv = self.in_proj_qkv(x)[0]
         z = self.in_proj_z(x)[0].reshape(T, self.Hv, self.Dv)
         g, beta = gdn.gates(self.in_proj_a(x)[0], self.in_proj_b(x)[0], self.A_log, self.dt_bias)
-        if tree is None:
-            y, new_conv = gdn.causal_conv(qkv, conv_state, self.conv1d.weight)
-            q, k, v = self._split_heads(y)
-            o, S = gdn.gdn_chain(q, k, v, g, beta, S0)
-            cache.conv_state, cache.state = new_conv[None], S[None]
-        else:
-            y = gdn_tree.tree_conv(qkv, tree.parents, conv_state, self.conv1d.weight)
-            q, k, v = self._split_heads(y)
-            o, u = gdn_tree.gdn_tree_dense(q, k, v, g, beta, tree.ancestors, S0)
-            cache.pending = GDNPending(x=qkv, k=k, u=u, g=g)
+        y, new_conv = gdn.causal_conv(qkv, conv_state, self.conv1d.weight)
+        q, k, v = self._split_heads(y)
+        o, S = gdn.gdn_chain(q, k, v, g, beta, S0)
+        cache.conv_state, cache.state = new_conv[None], S[None]
         out = self.norm(o, z).astype(x.dtype).reshape(B, T, -1)
         return self.out_proj(out)
 
@@ -189,38 +201,52 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(a.hidden_size, a.intermediate_size)
 
     def __call__(self, x: mx.array, cache: LayerCache, tree: TreeBatch | None) -> mx.array:
-        if x.shape[1] == 1 and self.compiled:
-            return self._decode_token(x, cache, tree)
+        if self.compiled and (tree is not None or x.shape[1] == 1):
+            return self._compiled_forward(x, cache, tree)
         mixer = self.self_attn if self.is_attention else self.linear_attn
         h = x + mixer(self.input_layernorm(x), cache, tree)
         return h + self.mlp(self.post_attention_layernorm(h))
 
-    # The one-token path (plain decoding, a one-node tree) is where per-op overhead dominates:
-    # the same code as above, split at the KV cache into pure parts that mx.compile fuses.
+    # Decoding (a one-token step or a tree verify) is where per-op overhead dominates: the same
+    # code as above, split at the cache into pure parts that mx.compile fuses (one trace per
+    # row count). Chain prefill keeps the plain path.
     compiled = True
 
-    def _decode_token(self, x: mx.array, cache: LayerCache, tree: TreeBatch | None) -> mx.array:
+    def _compiled_forward(self, x: mx.array, cache: LayerCache, tree: TreeBatch | None) -> mx.array:
         if not hasattr(self, "_fns"):
-            self._fns = self._compile_token_fns()
+            self._fns = self._compile_fns()
         if self.is_attention:
             pre, post = self._fns
             q, k, v, *gate = pre(x)
             return post(x, self.self_attn.attend(q, k, v, cache, tree), *gate)
+        token_fn, tree_fn = self._fns
         conv_state, S0 = self.linear_attn.initial_state(cache, x.dtype)
-        out, new_conv, S = self._fns(x, conv_state, S0)
-        store(cache, tree, new_conv, S)
+        if x.shape[1] == 1:
+            out, new_conv, S = token_fn(x, conv_state, S0)
+            store(cache, tree, new_conv, S)
+            return out
+        m = tree.gdn_masks
+        out, qkv, k, u, g = tree_fn(x, conv_state, S0, tree.conv_taps, m.incl, m.strict, m.incl_f32, m.max_depth)
+        cache.pending = GDNPending(x=qkv, k=k, u=u, g=g)
         return out
 
-    def _compile_token_fns(self):
+    def _compile_fns(self):
         def finish(h):
             return h + self.mlp(self.post_attention_layernorm(h))
 
         if not self.is_attention:
-            def gdn_token(x, conv_state, S0):
-                o, new_conv, S = self.linear_attn.token(self.input_layernorm(x), conv_state, S0)
+            gdn_layer = self.linear_attn
+
+            def token(x, conv_state, S0):
+                o, new_conv, S = gdn_layer.token(self.input_layernorm(x), conv_state, S0)
                 return finish(x + o), new_conv, S
 
-            return mx.compile(gdn_token)
+            def rows(x, conv_state, S0, taps, incl, strict, incl_f32, max_depth):
+                masks = gdn_tree.TreeMasks(incl, strict, incl_f32, max_depth)
+                o, *rest = gdn_layer.tree_rows(self.input_layernorm(x), conv_state, S0, taps, masks)
+                return (finish(x + o), *rest)
+
+            return mx.compile(token), mx.compile(rows)
         attn = self.self_attn
 
         def post(x, out, gate=None):

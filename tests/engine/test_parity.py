@@ -105,3 +105,23 @@ def test_compiled_token_path_equals_plain(tiny_qwen35):
     finally:
         DecoderLayer.compiled = True
     assert np.abs(fast - plain).max() <= 1e-5
+
+
+def test_compiled_tree_verify_equals_plain(tiny_qwen35):
+    """Tree verify through the compiled layer functions (fast) equals the plain modules (twin)."""
+    from engine import verify
+    from engine.models.qwen3_5 import DecoderLayer
+    from engine.tree import DraftTree
+
+    model = load_model(tiny_qwen35).model
+    tree = DraftTree((7, 3, 9, 4, 3, 8), (-1, 0, 0, 1, 2, 4))
+    out = {}
+    for compiled in (True, False):
+        DecoderLayer.compiled = compiled
+        try:
+            cache = model.make_cache()
+            model.hidden(mx.array(PROMPT[:, :20]), cache)
+            out[compiled] = verify.verify(model, cache, tree, 20)
+        finally:
+            DecoderLayer.compiled = True
+    assert np.abs(out[True] - out[False]).max() <= 1e-5
