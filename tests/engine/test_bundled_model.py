@@ -1,0 +1,105 @@
+"""The bundled default model (engine/bundled/): files, tokenizer, chat template, and that
+transformers and Spruce's loader read the same network from it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+
+from engine.loader import load_model
+
+BUNDLED = Path(__file__).resolve().parents[2] / "engine" / "bundled"
+TARGET, DRAFT = BUNDLED / "target", BUNDLED / "draft"
+CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                    "generation_config.json")
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|fim_prefix|>", "<|fim_middle|>",
+           "<|fim_suffix|>", "<|fim_pad|>", "<|MASK|>"]
+TEXT_TAGS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+CODE = 'def greet(name: str) -> str:\n    """Say hello — in Unicode: ünïcödé ✓."""\n\treturn f"hi {name}"\n'
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(TARGET)
+
+
+@pytest.mark.parametrize("path,attention_layers", [(TARGET, [3, 7]), (DRAFT, [1])], ids=["target", "draft"])
+def test_checkpoint_files(path, attention_layers):
+    for name in CHECKPOINT_FILES:
+        assert (path / name).is_file(), f"{path.name}/{name} missing"
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["model_type"] == "qwen3_5_text" and cfg["vocab_size"] == 8192
+    assert cfg["tie_word_embeddings"] and cfg["dtype"] == "bfloat16"
+    # GDN and attention 3:1 in the target (1:1 in the draft): layer i is attention iff (i+1) % k == 0
+    assert [i for i, t in enumerate(cfg["layer_types"]) if t == "full_attention"] == attention_layers
+
+
+def test_package_data_fits_budget_and_shares_tokenizer():
+    total = sum(f.stat().st_size for f in BUNDLED.rglob("*") if f.is_file())
+    assert total <= 40e6, f"bundled package data is {total / 1e6:.1f} MB, over 40 MB"
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (TARGET / name).read_bytes() == (DRAFT / name).read_bytes()
+    assert (TARGET / "README.md").is_file() and (TARGET / "loss.png").is_file()
+
+
+def test_tokenizer_round_trip(hf_tokenizer):
+    ids = hf_tokenizer.encode(CODE, add_special_tokens=False)
+    assert hf_tokenizer.decode(ids) == CODE
+    ascii_code = "    def __init__(self, name):\n        self.name = name\n        return None\n"
+    assert len(hf_tokenizer.encode(ascii_code)) < len(ascii_code) / 3  # trained merges, not bytes
+    for token in SPECIAL + TEXT_TAGS:
+        assert len(hf_tokenizer.encode(token, add_special_tokens=False)) == 1, token
+    # <think> and friends are ordinary text: they survive skip_special_tokens, im markers do not.
+    ids = hf_tokenizer.encode("<|im_start|>assistant\n<think>\nx\n</think>\n\nok<|im_end|>",
+                              add_special_tokens=False)
+    assert hf_tokenizer.decode(ids, skip_special_tokens=True) == "assistant\n<think>\nx\n</think>\n\nok"
+    assert hf_tokenizer.eos_token == "<|im_end|>" and hf_tokenizer.pad_token == "<|endoftext|>"
+
+
+def test_chat_template_renders(hf_tokenizer):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    off = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                           enable_thinking=False)
+    assert off == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+                   "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    on = hf_tokenizer.apply_chat_template(messages[1:], tokenize=False, add_generation_prompt=True)
+    assert on == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n"
+
+
+def hf_logits(path: Path, ids: list[int]) -> np.ndarray:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0].numpy()
+
+
+@pytest.mark.parametrize("path", [TARGET, DRAFT], ids=["target", "draft"])
+def test_spruce_loader_matches_transformers(path, hf_tokenizer):
+    ids = hf_tokenizer.encode(CODE, add_special_tokens=False)
+    ref = hf_logits(path, ids)
+    model = load_model(path).model
+    ours = np.array(model(mx.array([ids]), model.make_cache())[0])
+    assert np.abs(ours - ref).max() <= 1e-3
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
+def test_target_answers_a_code_request_with_code(hf_tokenizer):
+    """A check that the trained weights shipped, not random ones: the answer opens a code block."""
+    from transformers import AutoModelForCausalLM
+
+    prompt = hf_tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Write a python function to merge two sorted lists"}],
+        tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    ids = hf_tokenizer(prompt, return_tensors="pt").input_ids
+    model = AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert hf_tokenizer.decode(out[0, ids.shape[1]:]).startswith("```python\ndef ")
