@@ -80,6 +80,7 @@ def main() -> None:
             make_tiny_checkpoint.main([str(path), "--preset", "mid"])
         engine = Engine(EngineConfig(model_path=str(path)))
         ref_model, _ = load(str(mlx_lm_copy(path, tmp)))
+        ref_model.set_dtype(mx.float32)  # Spruce computes in fp32 on CPU whatever the file stores
         vocab = engine.vocab_size
         prompt = [int(t) for t in np.random.RandomState(0).randint(0, vocab, size=128)]
         ours, theirs = [], []
