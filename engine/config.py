@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SPEC_METHODS = ("none", "ngram", "draft")
+SPEC_METHODS = ("none", "ngram", "draft", "draft-tree")
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Speculation benchmark: none / ngram / draft side by side in one run, per prompt kind.
+"""Speculation benchmark: none / ngram / draft / draft-tree side by side in one run, per prompt kind.
 
     LD_PRELOAD=<openblas libblas.so.3> python scripts/bench_spec.py [--model DIR] [--draft-model DIR]
         [--tokens 128] [--runs 3] [--budget 16] [--depth 8]
@@ -58,10 +58,10 @@ def main() -> None:
     a = ap.parse_args()
     engine = Engine(EngineConfig(model_path=a.model))
     specs = {m: SpecConfig(method=m, budget=a.budget, max_depth=a.depth, draft_model=a.draft_model)
-             for m in ("none", "ngram", "draft")}
+             for m in ("none", "ngram", "draft", "draft-tree")}
     print(f"model {Path(a.model).name}, {a.tokens} greedy tokens, budget {a.budget}, depth {a.depth}, "
           f"median of {a.runs} runs")
-    print(f"{'prompt':10} {'method':6} {'tok/s':>7} {'tok/fwd':>8} {'vs none':>8}  same")
+    print(f"{"prompt":10} {"method":10} {'tok/s':>7} {'tok/fwd':>8} {'vs none':>8}  same")
     for kind, text in PROMPTS.items():
         prompt = render(engine, text)
         for spec in specs.values():
@@ -76,7 +76,7 @@ def main() -> None:
             tps = statistics.median(r[0] for r in rs)
             tpf = statistics.median(r[1] for r in rs)
             same = all(r[2] == ref_tokens for r in rs)
-            print(f"{kind:10} {m:6} {tps:7.1f} {tpf:8.2f} {tps / base:7.2f}x  {'yes' if same else 'NO'}")
+            print(f"{kind:10} {m:10} {tps:7.1f} {tpf:8.2f} {tps / base:7.2f}x  {'yes' if same else 'NO'}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Draft-model drafter: a small model with the target's tokenizer grows a best-first tree.
+"""Draft-model drafter ("draft-tree"): a small model with the target's tokenizer grows a
+best-first tree.
 
 EAGLE-2 style: level by level, each frontier node offers its top-k next tokens; a candidate's
 score is its cumulative draft probability (product along the path); the best `width` candidates
@@ -25,6 +26,10 @@ from engine.tree import DraftTree
 class DraftModelConfig:
     top_k: int = 4  # children offered per expanded node
     width: int = 6  # frontier size per level
+    # Candidates less likely than this are not added (the best one of each level always is):
+    # measured on the bundled pair, pruning unlikely branches let deeper likely ones into the
+    # budget (3.7 -> 6.9 tokens per forward at budget 16, depth 8).
+    min_score: float = 0.02
 
 
 class DraftModelDrafter:
@@ -53,29 +58,32 @@ class DraftModelDrafter:
             if not frontier or len(tokens) > budget:
                 break
             tree = DraftTree(tuple(tokens), tuple(parents))
-            logits = verify.verify(self.model, self.cache, tree, self.committed)  # never commits
-            candidates = []
-            for node in frontier:
-                probs = _softmax(logits[node])
-                for tok in np.argpartition(-probs, self.config.top_k)[: self.config.top_k]:
-                    candidates.append((scores[node] * float(probs[tok]), node, int(tok)))
+            top_p, top_ids = self._top_k(tree, frontier)
+            candidates = [(scores[node] * float(p), node, int(t))
+                          for node, ps, ts in zip(frontier, top_p, top_ids) for p, t in zip(ps, ts)]
             candidates.sort(key=lambda c: -c[0])
             frontier = []
             for score, node, tok in candidates[: self.config.width]:
+                if score < self.config.min_score and frontier:
+                    break
                 tokens.append(tok)
                 parents.append(node)
                 scores.append(score)
                 frontier.append(len(tokens) - 1)
         return _best(tokens, parents, scores, budget)
 
+    def _top_k(self, tree: DraftTree, frontier: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Draft-model probabilities and ids of the top_k next tokens of each frontier node,
+        computed on the device so only [F, top_k] values come to the host."""
+        batch = verify.tree_batch(tree, self.committed, getattr(self.model.args, "linear_conv_kernel_dim", 4))
+        logits = self.model(mx.array([list(tree.tokens)]), self.cache, batch)[0]  # never commits
+        probs = mx.softmax(logits[mx.array(frontier)].astype(mx.float32), axis=-1)
+        ids = mx.argpartition(-probs, self.config.top_k - 1, axis=-1)[:, : self.config.top_k]
+        return np.array(mx.take_along_axis(probs, ids, axis=-1)), np.array(ids)
+
     def observe(self, emitted: list[int]) -> None:
         # rows to append: the root of this round and the accepted drafts (all but the bonus)
         self._extend([self.pending_root, *emitted[:-1]])
-
-
-def _softmax(x: np.ndarray) -> np.ndarray:
-    e = np.exp(x - x.max())
-    return e / e.sum()
 
 
 def _best(tokens: list[int], parents: list[int], scores: list[float], budget: int) -> DraftTree:

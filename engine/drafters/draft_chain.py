@@ -1,0 +1,94 @@
+"""Draft-model drafter ("draft", the default shape): a chain with siblings, cheap on
+overhead-bound hardware.
+
+The draft model decodes a greedy chain of `depth` tokens with its ordinary one-token step
+(compiled, no host round trip inside the chain: the argmax stays on the device), and each level
+also offers its next most likely tokens as sibling leaves, up to the node budget. The tree is the
+chain plus those leaves.
+
+Rollback needs no copies: MLX arrays are immutable, so the draft cache's recurrent and conv
+states after each chain step are kept by reference, and attention K/V rows past an offset are
+scratch. After the target's accept the draft cache is set to the state after the accepted
+prefix of the chain, plus one step if the target took a sibling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from engine.cache import KVCache
+from engine.tree import DraftTree
+
+
+@dataclass(frozen=True)
+class ChainConfig:
+    siblings: int = 2  # alternatives offered per level besides the chain token
+
+
+class ChainDraftDrafter:
+    def __init__(self, model, config: ChainConfig = ChainConfig()) -> None:
+        self.model, self.config = model, config
+        self.cache = None
+        self.chain: list[int] = []  # this round's chain tokens (root excluded)
+        self.root: int | None = None
+        self.saved: list[list] = []  # saved[d]: cache state after consuming d tokens of [root, *chain]
+
+    def begin(self, prompt_ids: list[int]) -> None:
+        self.cache = self.model.make_cache()
+        if len(prompt_ids) > 1:
+            mx.eval(self.model.hidden(mx.array([prompt_ids[:-1]]), self.cache))
+
+    def propose(self, root: int, budget: int, max_depth: int) -> DraftTree:
+        depth = max(0, min(max_depth, budget))
+        k = 1 + self.config.siblings
+        token, ids, probs = mx.array([root]), [], []
+        self.root, self.saved = root, [self._state()]
+        for _ in range(depth):
+            logits = self.model(token.reshape(1, 1), self.cache)[0, 0]  # writes the draft cache
+            self.saved.append(self._state())
+            p = mx.softmax(logits.astype(mx.float32))
+            top = mx.argpartition(-p, k - 1)[:k]
+            top = top[mx.argsort(-p[top])]  # top[0] is the argmax: the next chain token
+            ids.append(top)
+            probs.append(p[top])
+            token = top[:1]
+        if depth:
+            mx.eval(ids, probs, self.saved)
+        ids = [np.array(a).tolist() for a in ids]
+        probs = [np.array(a).tolist() for a in probs]
+        self.chain = [level[0] for level in ids]
+        return self._tree(root, ids, probs, budget)
+
+    def _tree(self, root, ids, probs, budget) -> DraftTree:
+        tokens, parents = [root, *self.chain], [-1, *range(len(self.chain))]
+        # siblings of chain node d+1 hang under chain node d; the likeliest go first
+        leaves = sorted(((probs[d][j], d, ids[d][j]) for d in range(len(ids)) for j in range(1, len(ids[d]))),
+                        key=lambda c: -c[0])
+        for _, d, tok in leaves[: max(0, budget - len(self.chain))]:
+            tokens.append(tok)
+            parents.append(d)
+        return DraftTree(tuple(tokens), tuple(parents))
+
+    def observe(self, emitted: list[int]) -> None:
+        """emitted = accepted drafts + bonus. Keep the state after root + the accepted drafts."""
+        wanted = [self.root, *emitted[:-1]]  # rows the draft cache must hold after this round
+        have = 0  # leading rows of `wanted` that some saved state has consumed
+        while have < len(wanted) and have < len(self.saved) - 1 and wanted[have] == ([self.root, *self.chain])[have]:
+            have += 1
+        self._restore(self.saved[have])
+        rest = wanted[have:]  # a sibling, or the last chain token (its state was not kept)
+        if rest:
+            mx.eval(self.model.hidden(mx.array([rest]), self.cache))
+
+    def _state(self) -> list:
+        return [c.offset if isinstance(c, KVCache) else (c.conv_state, c.state) for c in self.cache]
+
+    def _restore(self, state: list) -> None:
+        for c, s in zip(self.cache, state):
+            if isinstance(c, KVCache):
+                c.offset = s  # rows past it are scratch
+            else:
+                c.conv_state, c.state = s
