@@ -61,7 +61,7 @@ def main() -> None:
              for m in ("none", "ngram", "draft", "draft-tree")}
     print(f"model {Path(a.model).name}, {a.tokens} greedy tokens, budget {a.budget}, depth {a.depth}, "
           f"median of {a.runs} runs")
-    print(f"{"prompt":10} {"method":10} {'tok/s':>7} {'tok/fwd':>8} {'vs none':>8}  same")
+    print(f"{'prompt':10} {'method':10} {'tok/s':>7} {'tok/fwd':>8} {'vs none':>8}  same")
     for kind, text in PROMPTS.items():
         prompt = render(engine, text)
         for spec in specs.values():
