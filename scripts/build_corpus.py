@@ -34,6 +34,10 @@ HERE = Path(__file__).resolve().parent
 SKIP_DIRS = {"site-packages", "encodings", "pydoc_data", "__pycache__", "lib-dynload", "turtledemo"}
 MAX_FILE_BYTES = 250_000
 MAX_FUNC_LINES, MAX_FUNC_CHARS = 80, 3500
+# FIM: one example per this many characters of a module, so that FIM is ~35 % of the tokens.
+FIM_CHARS_PER_EXAMPLE, FIM_MAX_PER_FILE, FIM_MAX_MIDDLE_CHARS = 900, 80, 400
+# Short functions are the answers users ask for most: they get more phrasings.
+SHORT_FUNC_LINES = 15
 SYSTEM_PROMPTS = ["You are a helpful assistant.", "You are a helpful coding assistant.",
                   "You are an expert Python programmer."]
 
@@ -105,7 +109,8 @@ def functions_in(text: str) -> list[Function]:
 def chat_examples(rel: str, text: str, template: jinja2.Template, rng: random.Random) -> list[Example]:
     out = []
     for fn in functions_in(text):
-        for request in requests_for(fn.docstring, fn.name, fn.is_method, rng, n=3):
+        n = 4 if fn.source.count("\n") < SHORT_FUNC_LINES else 3
+        for request in requests_for(fn.docstring, fn.name, fn.is_method, rng, n=n):
             messages = [{"role": "user", "content": request.text},
                         {"role": "assistant", "content": f"```python\n{fn.source}\n```"}]
             if rng.random() < 0.3:
@@ -114,21 +119,36 @@ def chat_examples(rel: str, text: str, template: jinja2.Template, rng: random.Ra
     return out
 
 
-def fim_middle_span(lines: list[str], rng: random.Random) -> tuple[int, int]:
-    """Character span [a, b) of the middle: whole lines, the rest of a line, or a mid-line run."""
+def line_offsets(lines: list[str]) -> list[int]:
     offsets = [0]
     for line in lines:
         offsets.append(offsets[-1] + len(line))
+    return offsets
+
+
+def fim_middle_span(lines: list[str], rng: random.Random) -> tuple[int, int]:
+    """Character span [a, b) of the middle, shaped like what editors ask for.
+
+    Editors mostly want the rest of the current line or the next 1-3 lines at the indentation
+    the cursor already sits on; the suffix then starts with that line's newline.
+    """
+    offsets = line_offsets(lines)
     i = rng.randrange(len(lines))
+    line = lines[i].rstrip("\n")
+    indent = len(line) - len(line.lstrip())
+    last = min(len(lines) - 1, i + rng.randint(0, 2))
+
+    def end_of(j: int) -> int:  # end of line j, before its newline
+        return offsets[j] + len(lines[j].rstrip("\n"))
+
     mode = rng.random()
-    if mode < 0.4:  # one to eight whole lines
-        j = min(len(lines), i + rng.randint(1, 8))
-        return offsets[i], offsets[j]
-    cursor = offsets[i] + rng.randrange(max(1, len(lines[i].rstrip("\n"))))
-    if mode < 0.75:  # the cursor sits mid-line: complete the rest of the line
-        return cursor, offsets[i] + len(lines[i].rstrip("\n"))
-    j = min(len(lines), i + rng.randint(1, 4))  # from mid-line through a few following lines
-    return cursor, offsets[j]
+    if mode < 0.45:  # cursor mid-line: the rest of the line
+        return offsets[i] + rng.randrange(indent, max(indent + 1, len(line))), end_of(i)
+    if mode < 0.75:  # cursor after the indentation: 1-3 lines, without the last newline
+        return offsets[i] + indent, end_of(last)
+    if mode < 0.9:  # cursor at column 0: 1-3 whole lines
+        return offsets[i], offsets[last + 1]
+    return offsets[i] + rng.randrange(indent, max(indent + 1, len(line))), end_of(last)
 
 
 def fim_examples(rel: str, text: str, rng: random.Random) -> list[Example]:
@@ -136,12 +156,12 @@ def fim_examples(rel: str, text: str, rng: random.Random) -> list[Example]:
     if len(lines) < 5:
         return []
     out = []
-    for _ in range(min(16, 1 + len(text) // 2000)):
+    for _ in range(min(FIM_MAX_PER_FILE, 1 + len(text) // FIM_CHARS_PER_EXAMPLE)):
         a, b = fim_middle_span(lines, rng)
-        if not text[a:b].strip():
+        if not text[a:b].strip() or b - a > FIM_MAX_MIDDLE_CHARS:
             continue
-        prefix = text[max(0, a - rng.randint(200, 1500)):a]
-        suffix = text[b:b + rng.randint(0, 600)]
+        prefix = text[max(0, a - rng.randint(100, 1200)):a]
+        suffix = text[b:b + rng.randint(0, 400)]
         # Cut the context at line starts/ends so it looks like an editor's window, not noise.
         if len(prefix) < a and "\n" in prefix[:-1]:
             prefix = prefix[prefix.index("\n") + 1:]

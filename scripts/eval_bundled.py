@@ -2,7 +2,9 @@
 
 Perplexity is computed with HF transformers (PyTorch CPU, fp32) over non-overlapping 1024-token
 windows of the held-out token arrays from encode_corpus.py. Samples are generated greedily by
-Spruce's engine and checked token for token against transformers' greedy decoding.
+Spruce's engine and checked token for token against transformers' greedy decoding. Infill is
+scored on --fim-cases held-out FIM examples (evenly spaced through heldout.jsonl): greedy
+middle, stopped at <|endoftext|>, compared with the true middle (exact, and first non-blank line).
 
     python scripts/eval_bundled.py [--data build/bundled_data] [--out eval.json]
 """
@@ -40,6 +42,14 @@ class Perplexity:
 
 
 @dataclass(frozen=True)
+class FimScore:
+    cases: int
+    exact: int  # generated middle == true middle
+    first_line: int  # first non-blank lines equal (trailing spaces ignored)
+    examples: list[dict]  # the first few (middle, generated) pairs
+
+
+@dataclass(frozen=True)
 class Sample:
     prompt: str  # the user message, or "FIM" for the infill example
     rendered: str  # the exact text the model saw
@@ -66,6 +76,33 @@ def heldout_perplexity(model, data: Path, seq: int = 1024, batch: int = 8) -> li
         total_loss, total_tokens = total_loss + loss_sum, total_tokens + count
     out.append(Perplexity("all", total_tokens, total_loss / total_tokens, math.exp(total_loss / total_tokens)))
     return out
+
+
+def fim_cases(data: Path, n: int) -> list[tuple[str, str]]:
+    """(prompt up to and including <|fim_middle|>, true middle) of n evenly spaced held-out FIM examples."""
+    with (data / "heldout.jsonl").open(encoding="utf-8") as f:
+        texts = [ex["text"] for ex in map(json.loads, f) if ex["kind"] == "fim"]
+    picked = [texts[i * len(texts) // n] for i in range(min(n, len(texts)))]
+    return [(prompt + "<|fim_middle|>", middle)
+            for prompt, _, middle in (t.rpartition("<|fim_middle|>") for t in picked)]
+
+
+def first_line(text: str) -> str:
+    return next((line.rstrip() for line in text.split("\n") if line.strip()), "")
+
+
+def fim_score(model, tok, cases: list[tuple[str, str]], eos: list[int]) -> FimScore:
+    exact = first = 0
+    examples = []
+    for prompt, middle in cases:
+        ids = tok.encode(prompt, add_special_tokens=False)
+        budget = len(tok.encode(middle, add_special_tokens=False)) + 16
+        got = tok.decode(hf_greedy(model, ids, budget, eos), skip_special_tokens=False)
+        exact += got == middle
+        first += first_line(got) == first_line(middle)
+        if len(examples) < 8:
+            examples.append({"middle": middle, "generated": got})
+    return FimScore(len(cases), exact, first, examples)
 
 
 def spruce_greedy(engine, ids: list[int], max_tokens: int) -> list[int]:
@@ -115,6 +152,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--target", type=Path, default=REPO / "engine" / "bundled" / "target")
     ap.add_argument("--draft", type=Path, default=REPO / "engine" / "bundled" / "draft")
     ap.add_argument("--max-tokens", type=int, default=200)
+    ap.add_argument("--fim-cases", type=int, default=40)
+    ap.add_argument("--skip-samples", action="store_true", help="perplexity and infill only")
     ap.add_argument("--out", type=Path, default=Path("eval_bundled.json"))
     a = ap.parse_args(argv)
     report = {}
@@ -124,6 +163,13 @@ def main(argv: list[str] | None = None) -> None:
                         "perplexity": [asdict(p) for p in heldout_perplexity(model, a.data)]}
         print(name, json.dumps(report[name]), flush=True)
         if name == "target":
+            from transformers import AutoTokenizer
+
+            score = fim_score(model, AutoTokenizer.from_pretrained(path), fim_cases(a.data, a.fim_cases),
+                              [model.config.pad_token_id, model.config.eos_token_id])
+            report["fim"] = asdict(score)
+            print(f"FIM: {score.exact}/{score.cases} exact, {score.first_line}/{score.cases} first line", flush=True)
+        if name == "target" and not a.skip_samples:
             report["samples"] = [asdict(s) for s in samples(path, model, a.max_tokens)]
             for s in report["samples"]:
                 print(f"### {s['prompt']} ({s['tokens']} tokens, same as transformers: "
