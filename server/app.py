@@ -1,4 +1,4 @@
-"""FastAPI app: OpenAI routes (with and without /v1), validation -> GenerationRequest, responses.
+"""FastAPI app: routes (OpenAI ones with and without /v1, llama.cpp's native ones), errors, auth, CORS.
 
 Every bad input is checked before a request is queued, so it leaves as a plain HTTP 400 with the
 OpenAI error body; once an SSE stream has started, a failure is sent as an error event + [DONE].
@@ -8,229 +8,105 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
-import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
-from engine.config import SamplingParams, SpecConfig
 from engine.types import GenerationRequest
+from server import native_routes as native
+from server import openai_routes as oai
+from server.auth import APIKeyMiddleware
 from server.bridge import EngineBridge, EngineFailure, Job, QueueFullError
-from server.chat import ChatRenderOptions, ChatTemplate, ChatTemplateError
-from server.schemas import (
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    GenerationFields,
-    error_body,
-    parse_request,
-    timings_block,
-    usage_block,
-    validation_error,
-)
-from server.streaming import (
-    SSE_DONE,
-    ChunkContext,
-    TextAssembler,
-    chat_chunk,
-    completion_chunk,
-    sse_data,
-    usage_chunk,
-)
+from server.errors import APIError, parse_request, validation_error
+from server.logprobs import TokenTexts
+from server.native_schemas import DetokenizeRequest, InfillRequest, NativeCompletionRequest, TokenizeRequest
+from server.planning import Planner, ServerOptions
+from server.schemas import ChatCompletionRequest, CompletionRequest
+from server.streaming import ChunkContext
 
 log = logging.getLogger("spruce.server")
 DISCONNECT_POLL_S = 0.25
 SSE_PING_S = 15
 
 
-@dataclass
-class Planned:
-    """A validated request, ready for the engine."""
-
-    request: GenerationRequest
-    stops: list[str]
-    include_usage: bool
-
-
-@dataclass
-class Outcome:
-    text: str
-    finish_reason: str
-    usage: dict
-    timings: dict
-
-
 class Server:
-    """Route handlers around one EngineBridge (already started)."""
+    """Route handlers around one EngineBridge (already started).
 
-    def __init__(self, bridge: EngineBridge):
+    Planning (chat template, tokenization) runs in a worker thread: a prompt of megabytes takes
+    a second to tokenize, and the event loop keeps streaming other answers meanwhile.
+    """
+
+    def __init__(self, bridge: EngineBridge, options: ServerOptions):
         self.bridge = bridge
         self.engine = bridge.engine
-        tok = self.engine.tokenizer
-        self.tokenizer = tok
-        self.template = ChatTemplate(tok.chat_template, tok.bos_token, tok.eos_token)
+        self.tokenizer = self.engine.tokenizer
+        self.options = options
+        self.planner = Planner(self.engine, options)
+        self.texts = TokenTexts(self.tokenizer)
         self.created = int(time.time())
+        # One planning thread: enough for one generation slot, and every extra thread that
+        # allocates costs the process a malloc arena.
+        self._planning = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spruce-plan")
 
-    # ---- planning: request -> prompt ids + engine records ----
+    async def off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._planning, fn, *args)
 
-    def plan_chat(self, body: ChatCompletionRequest) -> Planned:
-        kwargs = dict(body.chat_template_kwargs or {})
-        thinking = kwargs.pop("enable_thinking", None)
-        if thinking is not None and not isinstance(thinking, bool):
-            raise APIError("chat_template_kwargs.enable_thinking must be a boolean",
-                           param="chat_template_kwargs.enable_thinking")
-        options = ChatRenderOptions(tools=body.tools, enable_thinking=thinking, extra=kwargs)
-        try:
-            prompt = self.template.render([m.template_dict() for m in body.messages], options)
-        except ChatTemplateError as e:
-            raise APIError(str(e), param="messages") from None
-        return self._plan(body, self.tokenizer.encode(prompt), body.requested_max_tokens, "messages")
+    async def body(self, request: Request, model):
+        """The request body, size-capped (413), parsed and validated (400)."""
+        limit = self.options.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise _too_large(limit)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(limit)
+            chunks.append(chunk)
+        return parse_request(b"".join(chunks), model)
 
-    def plan_completion(self, body: CompletionRequest) -> Planned:
-        if body.echo:
-            raise APIError("echo is not supported", param="echo")
-        if body.suffix is not None:
-            raise APIError("suffix (fill-in-the-middle) is not supported yet", param="suffix")
-        prompt = body.single_prompt()
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else self._checked_ids(prompt)
-        return self._plan(body, ids, body.requested_max_tokens, "prompt")
-
-    def _checked_ids(self, ids: list[int]) -> list[int]:
-        vocab = self.tokenizer.vocab_size
-        bad = next((i for i in ids if not 0 <= i < vocab), None)
-        if bad is not None:
-            raise APIError(f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
-        return ids
-
-    def _plan(self, body: GenerationFields, prompt_ids: list[int], max_tokens: int | None, param: str) -> Planned:
-        if body.n not in (None, 1):
-            raise APIError(f"only n=1 is supported, got n={body.n}", param="n")
-        room = self.engine.config.max_context - len(prompt_ids)
-        if room <= 0:
-            raise APIError(
-                f"This model's maximum context length is {self.engine.config.max_context} tokens. However, your "
-                f"prompt is {len(prompt_ids)} tokens long; shorten it or start the server with a larger --max-context.",
-                param=param, code="context_length_exceeded")
-        limit = min(room, max_tokens) if max_tokens is not None else room
-        sampling = self._sampling(body, limit, () if body.ignore_eos else self.tokenizer.eos_token_ids)
-        request = GenerationRequest(prompt_ids=prompt_ids, sampling=sampling, spec=self._spec(body),
-                                    request_id=uuid.uuid4().hex)
-        return Planned(request, body.stop_strings, body.include_usage)
-
-    @staticmethod
-    def _sampling(body: GenerationFields, max_tokens: int, stop_ids: tuple[int, ...]) -> SamplingParams:
-        temperature = 1.0 if body.temperature is None else body.temperature
-        # Sampling is keyed on (seed, position): an unseeded request gets a fresh random seed.
-        seed = body.seed if body.seed is not None else random.getrandbits(63)
-        return SamplingParams(
-            temperature=temperature, top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=max(0, body.top_k or 0), min_p=body.min_p or 0.0, seed=seed,
-            max_tokens=max_tokens, stop_token_ids=tuple(stop_ids), ignore_eos=bool(body.ignore_eos),
-        )
-
-    def _spec(self, body: GenerationFields) -> SpecConfig | None:
-        if body.spec is None:
-            return None
-        default = self.engine.config.spec
-        if body.spec.method == "draft" and not self._draft_available():
-            raise APIError("spec method 'draft' needs a server started with --draft-model", param="spec.method")
-        return SpecConfig(method=body.spec.method, budget=body.spec.budget or default.budget,
-                          max_depth=body.spec.max_depth or default.max_depth, draft_model=default.draft_model)
-
-    def _draft_available(self) -> bool:
-        """Checked here, not on the engine thread, so that a streamed request gets a plain 400."""
-        from engine.generate import default_draft_for
-
-        return bool(self.engine.config.spec.draft_model or default_draft_for(self.engine.config.model_path))
-
-    # ---- running ----
-
-    def submit(self, planned: Planned) -> Job:
+    def submit(self, requests: list[GenerationRequest]) -> Job:
         if not self.bridge.alive:
-            raise APIError("the engine is not running", status=503, type="unavailable_error")
+            raise APIError("the engine is not running", status=503)
         try:
-            return self.bridge.submit(planned.request)
+            return self.bridge.submit(requests)
         except QueueFullError as e:
-            raise APIError(f"server busy: {e}; retry later", status=429, type="rate_limit_error",
-                           code="rate_limit_exceeded", headers={"Retry-After": "1"}) from None
+            raise APIError(f"server busy: {e}; retry later", status=429, code="rate_limit_exceeded",
+                           headers={"Retry-After": "1"}) from None
 
-    async def deltas(self, job: Job, planned: Planned) -> AsyncIterator:
-        """TextDeltas of one job; cancels the engine request as soon as a stop string is seen."""
-        assembler = TextAssembler(self.tokenizer, planned.stops, planned.request.sampling.stop_token_ids)
-        while True:
-            delta = assembler.feed(await job.next_step())
-            if assembler.stop_hit:
-                job.cancel()
-            yield delta
-            if delta.finish_reason is not None:
-                return
-
-    async def collect(self, job: Job, planned: Planned, request: Request) -> Outcome:
+    async def collect(self, job: Job, request: Request, answer: Awaitable):
+        """Await a non-streamed answer, cancelling the job if the client goes away first."""
         watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
-        parts = []
         try:
-            async for delta in self.deltas(job, planned):
-                parts.append(delta.text)
-                last = delta
+            return await answer
         except EngineFailure as e:
-            raise _engine_error(e) from None
+            raise oai.engine_error(e) from None
         finally:
             watcher.cancel()
             job.cancel()
-        return Outcome("".join(parts), last.finish_reason, self._usage(planned, last.stats), timings_block(last.stats))
-
-    def _usage(self, planned: Planned, stats) -> dict:
-        return usage_block(len(planned.request.prompt_ids), stats)
-
-    async def events(self, job: Job, planned: Planned, ctx: ChunkContext, chat: bool) -> AsyncIterator[str]:
-        """SSE data payloads of one streamed response; cancels the job when the client goes away."""
-        try:
-            if chat:
-                yield sse_data(chat_chunk(ctx, {"role": "assistant", "content": ""}))
-            async for d in self.deltas(job, planned):
-                if d.text:
-                    yield sse_data(chat_chunk(ctx, {"content": d.text}) if chat else completion_chunk(ctx, d.text))
-                if d.finish_reason is not None:
-                    timings = timings_block(d.stats)
-                    yield sse_data(chat_chunk(ctx, {}, d.finish_reason, timings) if chat
-                                   else completion_chunk(ctx, "", d.finish_reason, timings))
-                    if planned.include_usage:
-                        yield sse_data(usage_chunk(ctx, self._usage(planned, d.stats), timings))
-        except EngineFailure as e:
-            err = _engine_error(e)
-            yield sse_data(error_body(err.message, err.type, err.param, err.code))
-        finally:
-            job.cancel()
-        yield SSE_DONE
-
-    # ---- responses ----
-
-    def chat_response(self, ctx: ChunkContext, out: Outcome) -> dict:
-        body = ctx.base()
-        body["choices"] = [{"index": 0, "message": {"role": "assistant", "content": out.text},
-                            "logprobs": None, "finish_reason": out.finish_reason}]
-        body.update(usage=out.usage, timings=out.timings)
-        return body
-
-    def completion_response(self, ctx: ChunkContext, out: Outcome) -> dict:
-        body = ctx.base()
-        body["choices"] = [{"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}]
-        body.update(usage=out.usage, timings=out.timings)
-        return body
-
-    def models(self) -> dict:
-        return {"object": "list", "data": [self.model_card()]}
 
     def model_card(self) -> dict:
+        context = self.engine.config.max_context
         return {"id": self.engine.model_id, "object": "model", "created": self.created, "owned_by": "spruce",
-                "max_model_len": self.engine.config.max_context}
+                "max_model_len": context, "context_length": context}
+
+    def props(self) -> dict:
+        """llama.cpp's /props, the part editors read (llama.vscode takes n_ctx from it)."""
+        return {"default_generation_settings": {"n_ctx": self.engine.config.max_context,
+                                                "params": {"n_predict": self.options.max_tokens_cap or -1}},
+                "total_slots": 1, "model_path": self.engine.config.model_path,
+                "chat_template": self.tokenizer.chat_template or "", "modalities": {"vision": False}}
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(f"request body is larger than {limit} bytes", status=413, code="request_too_large")
 
 
 async def _cancel_on_disconnect(request: Request, job: Job) -> None:
@@ -238,12 +114,6 @@ async def _cancel_on_disconnect(request: Request, job: Job) -> None:
     while not await request.is_disconnected():
         await asyncio.sleep(DISCONNECT_POLL_S)
     job.cancel()
-
-
-def _engine_error(e: EngineFailure) -> APIError:
-    if e.bad_request:
-        return APIError(str(e))
-    return APIError(str(e), status=500, type="server_error")
 
 
 def _sse(job: Job, events: AsyncIterator[str]) -> EventSourceResponse:
@@ -261,52 +131,101 @@ def _sse(job: Job, events: AsyncIterator[str]) -> EventSourceResponse:
                                ping_message_factory=lambda: ServerSentEvent(comment="keep-alive"))
 
 
-def create_app(bridge: EngineBridge) -> FastAPI:
-    """The app over a started bridge. Routes exist both under /v1 and at the root."""
-    server = Server(bridge)
-    app = FastAPI(title="Spruce", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.server = server
-    _add_error_handlers(app)
+def add_openai_routes(app: FastAPI, server: Server) -> None:
+    model = server.engine.model_id
 
     async def chat_completions(request: Request):
-        body = parse_request(await request.body(), ChatCompletionRequest)
-        planned = server.plan_chat(body)
-        job = server.submit(planned)
+        body = await server.body(request, ChatCompletionRequest)
+        plan = await server.off_loop(server.planner.chat, body)
+        job = server.submit(plan.planned.requests)
         if body.stream:
-            ctx = ChunkContext.new("chat.completion.chunk", server.engine.model_id, "chatcmpl")
-            return _sse(job, server.events(job, planned, ctx, chat=True))
-        ctx = ChunkContext.new("chat.completion", server.engine.model_id, "chatcmpl")
-        return server.chat_response(ctx, await server.collect(job, planned, request))
+            ctx = ChunkContext.new("chat.completion.chunk", model, "chatcmpl")
+            return _sse(job, oai.chat_events(job, plan, ctx, server.tokenizer, server.texts))
+        ctx = ChunkContext.new("chat.completion", model, "chatcmpl")
+        return await server.collect(job, request, oai.chat_answer(job, plan, ctx, server.tokenizer, server.texts))
 
     async def completions(request: Request):
-        body = parse_request(await request.body(), CompletionRequest)
-        planned = server.plan_completion(body)
-        job = server.submit(planned)
-        ctx = ChunkContext.new("text_completion", server.engine.model_id, "cmpl")
+        body = await server.body(request, CompletionRequest)
+        planned = await server.off_loop(server.planner.completion, body)
+        job = server.submit(planned.requests)
+        ctx = ChunkContext.new("text_completion", model, "cmpl")
         if body.stream:
-            return _sse(job, server.events(job, planned, ctx, chat=False))
-        return server.completion_response(ctx, await server.collect(job, planned, request))
+            return _sse(job, oai.completion_events(job, planned, ctx, server.tokenizer, server.texts))
+        return await server.collect(job, request,
+                                    oai.completion_answer(job, planned, ctx, server.tokenizer, server.texts))
 
     async def models():
-        return server.models()
+        return {"object": "list", "data": [server.model_card()]}
 
-    async def model(model_id: str):
-        if model_id != server.engine.model_id:
+    async def one_model(model_id: str):
+        if model_id != model:
             raise APIError(f"The model `{model_id}` does not exist.", status=404, param="model",
                            code="model_not_found")
         return server.model_card()
 
     async def health():
-        if not bridge.alive:
-            raise APIError("the engine is not running", status=503, type="unavailable_error")
-        return {"status": "ok", "queued": bridge.queued}
+        if not server.bridge.alive:
+            raise APIError("the engine is not running", status=503)
+        return {"status": "ok", "queued": server.bridge.queued}
 
     for prefix in ("/v1", ""):
         app.add_api_route(f"{prefix}/chat/completions", chat_completions, methods=["POST"])
         app.add_api_route(f"{prefix}/completions", completions, methods=["POST"])
         app.add_api_route(f"{prefix}/models", models, methods=["GET"])
-        app.add_api_route(f"{prefix}/models/{{model_id:path}}", model, methods=["GET"])
+        app.add_api_route(f"{prefix}/models/{{model_id:path}}", one_model, methods=["GET"])
         app.add_api_route(f"{prefix}/health", health, methods=["GET"])
+
+
+def add_native_routes(app: FastAPI, server: Server) -> None:
+    model = server.engine.model_id
+
+    async def run(request: Request, plan: native.NativePlan, stream: bool | None):
+        job = server.submit(plan.planned.requests)
+        if stream:
+            return _sse(job, native.native_events(job, plan, model, server.tokenizer))
+        return await server.collect(job, request, native.native_answer(job, plan, model, server.tokenizer))
+
+    async def infill(request: Request):
+        body = await server.body(request, InfillRequest)
+        return await run(request, await server.off_loop(native.plan_infill, server.planner, body), body.stream)
+
+    async def completion(request: Request):
+        body = await server.body(request, NativeCompletionRequest)
+        plan = await server.off_loop(native.plan_native_completion, server.planner, body)
+        return await run(request, plan, body.stream)
+
+    async def tokenize(request: Request):
+        body = await server.body(request, TokenizeRequest)
+        return await server.off_loop(native.tokenize, server.planner, server.texts, body)
+
+    async def detokenize(request: Request):
+        return native.detokenize(server.planner, await server.body(request, DetokenizeRequest))
+
+    async def props():
+        return server.props()
+
+    app.add_api_route("/infill", infill, methods=["POST"])
+    app.add_api_route("/completion", completion, methods=["POST"])
+    app.add_api_route("/props", props, methods=["GET"])
+    for prefix in ("", "/v1"):
+        app.add_api_route(f"{prefix}/tokenize", tokenize, methods=["POST"])
+        app.add_api_route(f"{prefix}/detokenize", detokenize, methods=["POST"])
+
+
+def create_app(bridge: EngineBridge, options: ServerOptions | None = None) -> FastAPI:
+    """The app over a started bridge."""
+    options = options or ServerOptions()
+    server = Server(bridge, options)
+    app = FastAPI(title="Spruce", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = server
+    _add_error_handlers(app)
+    add_openai_routes(app, server)
+    add_native_routes(app, server)
+    if options.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=options.api_key)
+    if options.cors_origins:  # added last = outermost: preflights are answered before the key check
+        app.add_middleware(CORSMiddleware, allow_origins=list(options.cors_origins), allow_methods=["*"],
+                           allow_headers=["*"], max_age=600)
     return app
 
 
@@ -325,10 +244,9 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
         message = f"no route {request.method} {request.url.path}" if exc.status_code in (404, 405) else str(exc.detail)
-        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return respond(APIError(message, status=exc.status_code, type=kind))
+        return respond(APIError(message, status=exc.status_code))
 
     @app.exception_handler(Exception)
     async def crashed(_: Request, exc: Exception):
         log.exception("unhandled error")
-        return respond(APIError(f"internal error: {type(exc).__name__}: {exc}", status=500, type="server_error"))
+        return respond(APIError(f"internal error: {type(exc).__name__}: {exc}", status=500))

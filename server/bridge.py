@@ -1,9 +1,11 @@
 """Async <-> engine-thread hand-off for the single generation slot.
 
 One thread builds and owns the Engine (all MLX state lives there). Requests wait in a bounded
-FIFO queue; each carries its own asyncio.Queue into which the engine thread drops Step records
-through loop.call_soon_threadsafe. Cancelling a request (client gone, stop string seen) sets its
-cancel event: a running generation stops at the next round, a queued one is dropped when dequeued.
+FIFO queue; each job carries its own asyncio.Queue into which the engine thread drops Step records
+through loop.call_soon_threadsafe. A job holds one or more requests (the choices of n > 1 or of a
+batched prompt), run back to back in one queue slot; each request's last Step has a finish_reason.
+Cancelling a request (client gone, stop string seen) sets its cancel event: a running generation
+stops at the next round, a queued one is dropped when dequeued.
 """
 
 from __future__ import annotations
@@ -46,12 +48,13 @@ class Finished:
 
 @dataclass
 class Job:
-    request: GenerationRequest
+    requests: list[GenerationRequest]
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)  # Step | EngineFailure
 
     def cancel(self) -> None:
-        self.request.cancel.set()
+        for request in self.requests:
+            request.cancel.set()
 
     async def next_step(self) -> Step:
         item = await self.events.get()
@@ -99,15 +102,15 @@ class EngineBridge:
     def waiting(self) -> list[GenerationRequest]:
         """The queued requests, oldest first (a snapshot)."""
         with self._queue.mutex:
-            return [job.request for job in self._queue.queue if job is not None]
+            return [r for job in self._queue.queue if job is not None for r in job.requests]
 
     @property
     def idle(self) -> bool:
         return self._pending == 0
 
-    def submit(self, request: GenerationRequest) -> Job:
-        """Queue a request from the event loop; raises QueueFullError at capacity."""
-        job = Job(request, asyncio.get_running_loop())
+    def submit(self, requests: list[GenerationRequest]) -> Job:
+        """Queue requests (run back to back) from the event loop; raises QueueFullError at capacity."""
+        job = Job(list(requests), asyncio.get_running_loop())
         with self._pending_lock:
             try:
                 self._queue.put_nowait(job)
@@ -135,15 +138,19 @@ class EngineBridge:
             self._pending -= 1
 
     def _serve(self, job: Job) -> None:
-        req = job.request
+        for req in job.requests:
+            if not self._serve_one(job, req):
+                return  # a failure ends the job: its consumer stops reading
+
+    def _serve_one(self, job: Job, req: GenerationRequest) -> bool:
         if req.cancel.is_set():
-            self._finish(job, Step([], "cancelled", Stats(prompt_tokens=len(req.prompt_ids))), ran=False)
-            return
+            self._finish(job, req, Step([], "cancelled", Stats(prompt_tokens=len(req.prompt_ids))), ran=False)
+            return True
         try:
             steps = self.engine.generate(req)  # checks the request eagerly: ValueError = the client's fault
         except ValueError as e:
-            self._fail(job, EngineFailure(str(e), bad_request=True))
-            return
+            self._fail(job, req, EngineFailure(str(e), bad_request=True))
+            return False
         last = None
         try:
             for step in steps:
@@ -153,20 +160,27 @@ class EngineBridge:
                 self._deliver(job, step)
         except Exception as e:  # the thread must outlive any single request
             log.exception("engine failed on request %s", req.request_id)
-            self._fail(job, EngineFailure(f"engine error: {type(e).__name__}: {e}"))
-            return
+            self._fail(job, req, EngineFailure(f"engine error: {type(e).__name__}: {e}"))
+            return False
+        finally:
+            # A generator left suspended would run its cleanup (MLX work) on whatever thread
+            # collects it; close it here, on the engine thread.
+            close = getattr(steps, "close", None)
+            if close is not None:
+                close()
         if last is None or last.finish_reason is None:
-            self._fail(job, EngineFailure("engine ended a generation without a finish reason"))
-            return
-        self._finish(job, last, ran=True)
+            self._fail(job, req, EngineFailure("engine ended a generation without a finish reason"))
+            return False
+        self._finish(job, req, last, ran=True)
+        return True
 
-    def _finish(self, job: Job, step: Step, ran: bool) -> None:
+    def _finish(self, job: Job, req: GenerationRequest, step: Step, ran: bool) -> None:
         generated = step.stats.generated_tokens if step.stats else 0
-        self.history.append(Finished(job.request.request_id, step.finish_reason, generated, ran))
+        self.history.append(Finished(req.request_id, step.finish_reason, generated, ran))
         self._deliver(job, step)
 
-    def _fail(self, job: Job, failure: EngineFailure) -> None:
-        self.history.append(Finished(job.request.request_id, "error", 0, True))
+    def _fail(self, job: Job, req: GenerationRequest, failure: EngineFailure) -> None:
+        self.history.append(Finished(req.request_id, "error", 0, True))
         self._deliver(job, failure)
 
     def _deliver(self, job: Job, item: Step | EngineFailure) -> None:
@@ -183,5 +197,6 @@ class EngineBridge:
                 return
             if job is not None:
                 job.cancel()
-                self._finish(job, Step([], "cancelled", Stats()), ran=False)
+                for req in job.requests:
+                    self._finish(job, req, Step([], "cancelled", Stats()), ran=False)
                 self._done()

@@ -58,6 +58,9 @@ class ChatTemplate:
             )
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template error: {e}") from e
+        except (TypeError, ValueError, LookupError, AttributeError, RecursionError) as e:
+            # the checkpoint's template met input it does not expect (e.g. a value of another type)
+            raise ChatTemplateError(f"chat template failed on these messages: {type(e).__name__}: {e}") from e
 
 
 def prepare_message(message: dict) -> dict:

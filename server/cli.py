@@ -11,12 +11,15 @@ installed the command re-execs itself once with it in LD_PRELOAD, before mlx is 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import os
 import resource
 import sys
 import time
 from pathlib import Path
 
 EXIT_USAGE = 2
+M_ARENA_MAX = -8  # glibc mallopt parameter
 
 
 class CLIError(Exception):
@@ -87,6 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--max-queue", type=int, default=32, help="requests that may wait for the slot (default 32)")
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on every route but /health (default: env "
+                            "SPRUCE_API_KEY, else no key)")
+    serve.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                       help="allow browser requests from ORIGIN (repeatable; '*' for any); CORS is off by default")
+    serve.add_argument("--max-tokens", type=int, default=None,
+                       help="most tokens one answer may generate, whatever the request asks (default: no cap)")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     run = sub.add_parser("run", help="answer one prompt and print speed statistics to stderr")
     add_engine_args(run)
@@ -107,15 +117,43 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from server.app import create_app
     from server.bridge import EngineBridge
 
-    if a.max_queue < 1:
-        raise CLIError(f"--max-queue must be >= 1, got {a.max_queue}")
+    options = server_options(a)
     config = engine_config(a)
+    limit_malloc_arenas()
     bridge = EngineBridge(lambda: load_engine(config), max_queue=a.max_queue)
     bridge.start()
-    print(f"spruce: serving {bridge.engine.model_id} on http://{a.host}:{a.port}/v1", file=sys.stderr)
-    uvicorn.run(create_app(bridge), host=a.host, port=a.port, log_level=a.log_level)
+    print(f"spruce: serving {bridge.engine.model_id} on http://{a.host}:{a.port}/v1"
+          + (" (API key required)" if options.api_key else ""), file=sys.stderr)
+    uvicorn.run(create_app(bridge, options), host=a.host, port=a.port, log_level=a.log_level)
     bridge.stop()
     return 0
+
+
+def limit_malloc_arenas(arenas: int = 2) -> None:
+    """glibc gives threads that allocate their own malloc arenas (up to 8 per core) and seldom hands
+    their memory back, so a long-running server's RSS creeps up with its threads (event loop,
+    planning, engine, BLAS). Two arenas keep it flat under load (scripts/load_test.py). Call before
+    threads start; a no-op off glibc."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(M_ARENA_MAX, arenas)
+    except (OSError, AttributeError):
+        pass  # not glibc (musl, ...)
+
+
+def server_options(a: argparse.Namespace):
+    from server.planning import ServerOptions
+
+    if a.max_queue < 1:
+        raise CLIError(f"--max-queue must be >= 1, got {a.max_queue}")
+    if a.max_tokens is not None and a.max_tokens < 0:
+        raise CLIError(f"--max-tokens must be >= 0, got {a.max_tokens}")
+    key = a.api_key if a.api_key is not None else os.environ.get("SPRUCE_API_KEY") or None
+    if key is not None and not key.strip():
+        raise CLIError("--api-key is empty")
+    return ServerOptions(max_tokens_cap=a.max_tokens, api_key=key, cors_origins=tuple(a.cors_origin))
 
 
 def cmd_run(a: argparse.Namespace) -> int:

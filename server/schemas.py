@@ -1,104 +1,50 @@
-"""OpenAI request models, the error shape, and the usage/timings blocks of responses.
+"""OpenAI request models, and the usage/timings blocks of responses.
 
-Requests validate strictly (no "0.5" for a float, no 1.0 for an int) so that wrong types
-are 400s, and ignore fields we do not know, as OpenAI clients send many. `null` always
+Requests validate strictly (no "0.5" for a float, no 1.0 for an int, no NaN) so that wrong
+types are 400s, and ignore fields we do not know, as OpenAI clients send many. `null` always
 means "absent".
 """
 
 from __future__ import annotations
 
-import json
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engine.types import Stats
+from server.errors import APIError
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the OpenAI spec's default for /v1/completions
+MAX_CHOICES = 128  # n (times the number of prompts of a batched completion)
+MAX_STOPS, MAX_STOP_CHARS = 128, 512  # bounds the per-token cost of stop-string matching
+MAX_TOP_LOGPROBS, MAX_LEGACY_LOGPROBS = 20, 5
+TOOL_NAME = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")  # printed into <function=NAME>: no '>', '=', spaces
 
 
-class APIError(Exception):
-    """An error that leaves the server as {"error": {...}} with an HTTP status."""
-
-    def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
-        self.headers = headers
-
-    def body(self) -> dict:
-        return error_body(self.message, self.type, self.param, self.code)
+class StrictModel(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
-def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-def parse_request(raw: bytes, model: type[BaseModel]):
-    """Body bytes -> request model, whatever the Content-Type (curl -d sends a form type)."""
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(f"request body is not valid JSON: {e}") from None
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        raise validation_error(e) from None
-
-
-def validation_error(exc: RequestValidationError | ValidationError) -> APIError:
-    """pydantic / FastAPI validation errors -> one 400 listing every problem with its field path."""
-    by_param: dict[str | None, list[str]] = {}
-    for err in exc.errors():
-        if err.get("type") == "json_invalid":  # loc is a character offset here, not a field
-            return APIError(f"request body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}")
-        msgs = by_param.setdefault(_format_loc(err.get("loc", ())), [])
-        if err["msg"] not in msgs:
-            msgs.append(err["msg"])
-    problems = [f"{param or 'body'}: {' or '.join(msgs)}" for param, msgs in by_param.items()]
-    # The deepest path names the real culprit when a union member got further than the others.
-    param = max(by_param, key=lambda p: len(p or ""), default=None)
-    return APIError("; ".join(problems) or "invalid request", param=param)
-
-
-# pydantic names the member of a union it tried ("str", "list[TextPart]", "TextPart") in the error path.
-_UNION_TAG = re.compile(r"^(str|int|float|bool|none|function-.*|[a-z]+\[.*\]|[A-Z]\w*)$")
-
-
-def _format_loc(loc) -> str | None:
-    out = ""
-    for part in loc:
-        if part == "body" or (isinstance(part, str) and _UNION_TAG.match(part)):
-            continue
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out or None
-
-
-class _Model(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-
-class TextPart(_Model):
+class TextPart(StrictModel):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(_Model):
+class FunctionCall(StrictModel):
     name: str
     arguments: str | dict[str, Any] = ""
 
 
-class ToolCall(_Model):
+class ToolCall(StrictModel):
     model_config = ConfigDict(strict=True, extra="allow")
     id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(_Model):
+class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -112,11 +58,66 @@ class ChatMessage(_Model):
         return out
 
 
-class StreamOptions(_Model):
+class FunctionDef(StrictModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema (type "object")
+    strict: bool | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not TOOL_NAME.match(v):
+            raise ValueError("must be 1-128 characters of a-z, A-Z, 0-9, '_', '.', ':' or '-'")
+        return v
+
+
+class ToolDef(StrictModel):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(StrictModel):
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JSONSchemaFormat(StrictModel):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(StrictModel):
+    """text | json_object (llama.cpp also takes a `schema` here) | json_schema {json_schema: {name, schema}}."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _shape(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs a json_schema object: {\"name\": ..., \"schema\": {...}}")
+        return self
+
+    @property
+    def output_schema(self) -> dict | None:
+        if self.type == "json_schema":
+            return self.json_schema.schema_
+        return self.schema_ if self.type == "json_object" else None
+
+
+class StreamOptions(StrictModel):
     include_usage: bool | None = None
 
 
-class SpecRequest(_Model):
+class SpecRequest(StrictModel):
     """Extra body field `spec`: per-request speculation (engine.config.SpecConfig)."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
@@ -127,11 +128,14 @@ class SpecRequest(_Model):
 
 NonNegInt = Annotated[int, Field(ge=0)]
 Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 
 
-class GenerationFields(_Model):
+class GenerationFields(StrictModel):
     """Fields shared by chat and legacy completions."""
 
+    default_temperature: ClassVar[float] = 1.0  # OpenAI's default
     model: str | None = None
     max_tokens: NonNegInt | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
@@ -139,14 +143,26 @@ class GenerationFields(_Model):
     top_k: Annotated[int, Field(ge=-1)] | None = None  # -1 and 0 both mean "off"
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     seed: Seed | None = None
-    stop: str | list[str] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOPS)] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    n: Annotated[int, Field(ge=1, le=128)] | None = None
-    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None  # accepted, not applied yet
-    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None  # accepted, not applied yet
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: dict[str, float] | None = None  # validated; applying it needs engine support (empty only)
+    user: str | None = None  # accepted and ignored
     ignore_eos: bool | None = None  # llama.cpp/SGLang extension: run to max_tokens (benchmarks)
     spec: SpecRequest | None = None
+
+    @model_validator(mode="after")
+    def _common(self):
+        # Raised as APIError (not ValueError) so that the error names its field, not the whole body.
+        if self.stream_options is not None and not self.stream:
+            raise APIError("stream_options is only allowed when stream is true", param="stream_options")
+        if self.logit_bias:
+            raise APIError("logit_bias is not supported by this server yet (send {} or leave it out)",
+                           param="logit_bias")
+        return self
 
     @property
     def stop_strings(self) -> list[str]:
@@ -157,60 +173,98 @@ class GenerationFields(_Model):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def choices(self) -> int:
+        return self.n or 1
+
 
 class ChatCompletionRequest(GenerationFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: NonNegInt | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    enable_thinking: bool | None = None  # alias of chat_template_kwargs.enable_thinking
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+
+    @model_validator(mode="after")
+    def _chat(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
+        return self
 
     @property
     def requested_max_tokens(self) -> int | None:
         """max_completion_tokens overrides max_tokens; None = until EOS or the context ends."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    @property
+    def engine_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def thinking(self) -> bool | None:
+        """enable_thinking from chat_template_kwargs, the top-level alias, or reasoning_effort 'none'."""
+        value = (self.chat_template_kwargs or {}).get("enable_thinking", self.enable_thinking)
+        if value is not None and not isinstance(value, bool):
+            raise APIError("chat_template_kwargs.enable_thinking must be a boolean",
+                           param="chat_template_kwargs.enable_thinking")
+        if value is None and self.reasoning_effort == "none":
+            return False
+        return value
+
+
+Prompt = str | list[int] | list[str] | list[list[int]]
+
 
 class CompletionRequest(GenerationFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Prompt
     echo: bool | None = None
     suffix: str | None = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LEGACY_LOGPROBS)] | None = None
 
     @property
     def requested_max_tokens(self) -> int:
         return self.max_tokens if self.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt of this request (a batch of one is unwrapped; larger batches are refused)."""
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of this request: one, or a batch (each gets n choices)."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise APIError(f"batched prompts are not supported (got {len(p)}); send one prompt per request",
-                               param="prompt")
-            p = p[0]
-        if isinstance(p, (str, list)) and len(p) == 0:
-            raise APIError("prompt is empty", param="prompt")
-        return p
+        batch = p if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+        for i, one in enumerate(batch):
+            if len(one) == 0:
+                raise APIError("prompt is empty" if len(batch) == 1 else f"prompt[{i}] is empty", param="prompt")
+        if len(batch) * self.choices > MAX_CHOICES:
+            raise APIError(f"{len(batch)} prompts x n={self.choices} choices is more than {MAX_CHOICES}",
+                           param="prompt")
+        return batch
 
 
-def usage_block(prompt_tokens: int, stats: Stats) -> dict:
-    completion = stats.generated_tokens
+def usage_block(prompt_tokens: int, generated: int, cached: int) -> dict:
     return {
         "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion,
-        "total_tokens": prompt_tokens + completion,
-        "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
+        "completion_tokens": generated,
+        "total_tokens": prompt_tokens + generated,
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
 
 
 def timings_block(stats: Stats) -> dict:
-    """llama.cpp's `timings` names, plus tokens_per_forward for speculation."""
+    """llama.cpp's `timings` names, plus forward_passes / tokens_per_forward for speculation."""
+    prompt_n = stats.prompt_tokens - stats.cached_tokens
     return {
         "cache_n": stats.cached_tokens,
-        "prompt_n": stats.prompt_tokens - stats.cached_tokens,
+        "prompt_n": prompt_n,
         "prompt_ms": round(stats.prompt_ms, 3),
+        "prompt_per_token_ms": round(stats.prompt_ms / prompt_n, 3) if prompt_n else 0.0,
         "prompt_per_second": round(stats.prefill_tps, 3),
         "predicted_n": stats.generated_tokens,
         "predicted_ms": round(stats.decode_ms, 3),
+        "predicted_per_token_ms": round(stats.decode_ms / stats.generated_tokens, 3) if stats.generated_tokens
+        else 0.0,
         "predicted_per_second": round(stats.decode_tps, 3),
         "draft_n": stats.drafted,
         "draft_n_accepted": stats.accepted,

@@ -21,27 +21,41 @@ class StopMatcher:
 
     def __init__(self, stops: list[str]):
         self._stops = [s for s in stops if s]
+        self._firsts = {s[0] for s in self._stops}
+        self._longest = max((len(s) for s in self._stops), default=1) - 1
         self._held = ""
+        self.matched: str | None = None  # the stop string that was found
 
     def feed(self, text: str) -> tuple[str, bool]:
         """-> (text safe to emit, whether a stop string was found)."""
         buf = self._held + text
-        hits = [i for i in (buf.find(s) for s in self._stops) if i >= 0]
-        if hits:
-            self._held = ""
-            return buf[: min(hits)], True
         keep = self._partial_suffix(buf)
+        hit = self._first_hit(buf)
+        if hit is not None and len(buf) - keep >= hit:
+            self._held = ""
+            return buf[:hit], True
+        # No hit yet, or a longer stop string that starts earlier may still complete: wait for it.
         self._held = buf[len(buf) - keep :] if keep else ""
         return buf[: len(buf) - keep], False
 
-    def flush(self) -> str:
-        out, self._held = self._held, ""
-        return out
+    def flush(self) -> tuple[str, bool]:
+        """At the end of the text: what was held back, cut at a stop string found in it."""
+        buf, self._held = self._held, ""
+        hit = self._first_hit(buf)
+        return (buf, False) if hit is None else (buf[:hit], True)
+
+    def _first_hit(self, buf: str) -> int | None:
+        hits = [(i, s) for s, i in ((s, buf.find(s)) for s in self._stops) if i >= 0]
+        if not hits:
+            return None
+        at, self.matched = min(hits, key=lambda h: (h[0], -len(h[1])))
+        return at
 
     def _partial_suffix(self, buf: str) -> int:
         """Length of the longest suffix of buf that is a proper prefix of some stop string."""
-        longest = max((len(s) for s in self._stops), default=1) - 1
-        for k in range(min(longest, len(buf)), 0, -1):
+        for k in range(min(self._longest, len(buf)), 0, -1):
+            if buf[-k] not in self._firsts:
+                continue
             tail = buf[-k:]
             if any(s.startswith(tail) for s in self._stops):
                 return k
@@ -51,8 +65,20 @@ class StopMatcher:
 @dataclass
 class TextDelta:
     text: str
+    logprobs: list = field(default_factory=list)  # engine TokenLogprob records whose text is out
     finish_reason: str | None = None  # "stop" | "length" on the last delta
     stats: Stats | None = None  # on the last delta
+    stop_kind: str | None = None  # on the last delta: "eos" | "word" | "limit" (llama.cpp's stop_type)
+    stop_word: str = ""
+
+
+@dataclass
+class _Span:
+    """Where one token's text sits in the decoded stream (character offsets), and its logprob."""
+
+    start: int
+    end: int
+    record: object
 
 
 class TextAssembler:
@@ -60,30 +86,44 @@ class TextAssembler:
 
     After `stop_hit` turns true the caller must cancel the engine request; later tokens are
     dropped and the engine's final step ("cancelled") is reported as "stop".
+    Logprob records are released once all of their token's text is out; a token that starts
+    before a stop string's cut is kept, one that starts inside the stop string is not.
     """
 
     def __init__(self, tokenizer: Tokenizer, stops: list[str], stop_token_ids: tuple[int, ...] = ()):
         self._detok = tokenizer.detokenizer()
         self._matcher = StopMatcher(stops)
         self._stop_ids = frozenset(stop_token_ids)
+        self._spans: list[_Span] = []
+        self._decoded = 0  # characters the detokenizer has produced
+        self._emitted = 0  # characters released to the caller
         self.stop_hit = False
 
     def feed(self, step: Step) -> TextDelta:
-        text = "" if self.stop_hit else self._text_of(step.token_ids)
+        text = "" if self.stop_hit else self._text_of(step)
         if step.finish_reason is None:
-            return TextDelta(text)
+            return TextDelta(text, self._release())
         if not self.stop_hit:
             text += self._tail()
-        reason = "length" if step.finish_reason == "length" and not self.stop_hit else "stop"
-        return TextDelta(text, reason, step.stats)
+        records = self._release(final=True)
+        if self.stop_hit:
+            return TextDelta(text, records, "stop", step.stats, "word", self._matcher.matched or "")
+        reason = "length" if step.finish_reason == "length" else "stop"
+        return TextDelta(text, records, reason, step.stats, "limit" if reason == "length" else "eos")
 
-    def _text_of(self, token_ids: list[int]) -> str:
+    def _text_of(self, step: Step) -> str:
         out = []
-        for tid in token_ids:
+        records = step.logprobs
+        for i, tid in enumerate(step.token_ids):
             if tid in self._stop_ids:
                 continue  # an EOS token ends the text; it is never shown, special-flagged or not
-            safe, stopped = self._matcher.feed(self._detok.add(tid))
+            piece = self._detok.add(tid)
+            if records is not None:
+                self._spans.append(_Span(self._decoded, self._decoded + len(piece), records[i]))
+            self._decoded += len(piece)
+            safe, stopped = self._matcher.feed(piece)
             out.append(safe)
+            self._emitted += len(safe)
             if stopped:
                 self.stop_hit = True
                 break
@@ -91,15 +131,30 @@ class TextAssembler:
 
     def _tail(self) -> str:
         safe, stopped = self._matcher.feed(self._detok.flush())
+        if not stopped:
+            rest, stopped = self._matcher.flush()
+            safe += rest
         self.stop_hit = self.stop_hit or stopped
-        return safe if stopped else safe + self._matcher.flush()
+        self._emitted += len(safe)
+        return safe
+
+    def _release(self, final: bool = False) -> list:
+        if final and not self.stop_hit:
+            cut = len(self._spans)
+        elif self.stop_hit:  # tokens that start inside the stop string are not part of the answer
+            cut = next((i for i, s in enumerate(self._spans) if s.start >= self._emitted), len(self._spans))
+        else:
+            cut = next((i for i, s in enumerate(self._spans) if s.end > self._emitted), len(self._spans))
+        out = [s.record for s in self._spans[:cut]]
+        self._spans = [] if self.stop_hit else self._spans[cut:]
+        return out
 
 
 @dataclass
 class ChunkContext:
     """What every chunk of one response shares (OpenAI clients check id and created are stable)."""
 
-    object: str  # "chat.completion.chunk" | "text_completion"
+    object: str  # "chat.completion.chunk" | "text_completion" | "chat.completion"
     model: str
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
@@ -111,33 +166,22 @@ class ChunkContext:
     def base(self) -> dict:
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model}
 
-
-def chat_chunk(ctx: ChunkContext, delta: dict, finish_reason: str | None = None, timings: dict | None = None) -> dict:
-    chunk = ctx.base()
-    chunk["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
-    if timings is not None:
-        chunk["timings"] = timings
-    return chunk
-
-
-def completion_chunk(ctx: ChunkContext, text: str, finish_reason: str | None = None,
-                     timings: dict | None = None) -> dict:
-    chunk = ctx.base()
-    chunk["choices"] = [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
-    if timings is not None:
-        chunk["timings"] = timings
-    return chunk
+    def chunk(self, choices: list[dict], timings: dict | None = None) -> dict:
+        out = self.base()
+        out["choices"] = choices
+        if timings is not None:
+            out["timings"] = timings
+        return out
 
 
-def usage_chunk(ctx: ChunkContext, usage: dict, timings: dict) -> dict:
-    """The extra last chunk of stream_options.include_usage: empty choices, usage (+ timings)."""
-    chunk = ctx.base()
-    chunk.update(choices=[], usage=usage, timings=timings)
-    return chunk
+# Line breaks to str.splitlines() (httpx's aiter_lines, many Python clients) that JSON leaves raw;
+# inside an SSE event they would split it. The other ones (< U+0020) JSON always escapes.
+_SPLITLINES_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
 
 def sse_data(payload: dict) -> str:
-    return json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    """One compact JSON event payload; non-ASCII text stays readable, line breaks are escaped."""
+    return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).translate(_SPLITLINES_BREAKS)
 
 
 SSE_DONE = "[DONE]"

@@ -79,6 +79,8 @@ def test_no_prompt_and_bad_values_are_clear_errors(tiny_checkpoint):
 
 
 def test_serve_answers_http(tiny_checkpoint):
+    """`spruce serve` with an API key from SPRUCE_API_KEY and one CORS origin."""
+    import os
     import socket
     import time
 
@@ -87,9 +89,12 @@ def test_serve_answers_http(tiny_checkpoint):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    env = {**os.environ, "SPRUCE_API_KEY": "test-key"}
     proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--model", str(tiny_checkpoint), "--port",
-                             str(port), "--max-context", "256", "--log-level", "warning"], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             str(port), "--max-context", "256", "--log-level", "warning", "--cors-origin",
+                             "http://editor.example"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    auth = {"Authorization": "Bearer test-key"}
     try:
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
@@ -102,10 +107,14 @@ def test_serve_answers_http(tiny_checkpoint):
                 pass
             assert time.monotonic() < deadline, "server did not come up"
             time.sleep(0.1)
-        r = httpx.post(base + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
-                                                             "max_tokens": 3, "ignore_eos": True}, timeout=60)
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "ignore_eos": True}
+        r = httpx.post(base + "/v1/chat/completions", json=body, headers=auth, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
-        assert httpx.get(base + "/v1/models").json()["data"][0]["max_model_len"] == 256
+        assert httpx.get(base + "/v1/models", headers=auth).json()["data"][0]["max_model_len"] == 256
+        assert httpx.post(base + "/v1/chat/completions", json=body, timeout=60).status_code == 401  # env key
+        preflight = httpx.options(base + "/v1/chat/completions", headers={
+            "Origin": "http://editor.example", "Access-Control-Request-Method": "POST"})
+        assert preflight.headers["access-control-allow-origin"] == "http://editor.example"
     finally:
         proc.terminate()
         proc.communicate(timeout=30)

@@ -19,8 +19,12 @@ def client(live_server) -> openai.OpenAI:
 NO_EOS = {"ignore_eos": True}  # exact lengths, whatever this tiny random model emits
 
 
+THINK_OFF = {"chat_template_kwargs": {"enable_thinking": False}}  # everything the model says is content
+
+
 def chat(client, **kw):
     kw.setdefault("messages", MSG)
+    kw["extra_body"] = {**THINK_OFF, **kw.get("extra_body", {})}
     return client.chat.completions.create(model="anything", **kw)
 
 
@@ -181,7 +185,8 @@ def test_routes_without_v1_prefix(live_server):
 
 
 def test_thinking_toggle_changes_the_prompt(client):
-    on = chat(client, max_tokens=1, temperature=0).usage.prompt_tokens
+    on = chat(client, max_tokens=1, temperature=0,
+              extra_body={"chat_template_kwargs": {"enable_thinking": True}}).usage.prompt_tokens
     off = chat(client, max_tokens=1, temperature=0,
                extra_body={"chat_template_kwargs": {"enable_thinking": False}}).usage.prompt_tokens
     assert off > on  # the empty <think>\n\n</think>\n\n block

@@ -25,7 +25,7 @@ def wait_for(cond, timeout: float = 30.0) -> None:
 def long_body() -> dict:
     """A request that would run LONG tokens (EOS ignored), far longer than any test waits."""
     return {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": LONG, "temperature": 0,
-            "ignore_eos": True}
+            "ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}}
 
 
 def open_stream(stack: contextlib.ExitStack, client: httpx.Client, body: dict):
@@ -121,8 +121,11 @@ def test_engine_failure_mid_stream_is_an_sse_error_then_done(live_server, monkey
         steps = real_generate(req)
 
         def run():
-            yield next(steps)
-            raise RuntimeError("injected failure")
+            try:
+                yield next(steps)
+                raise RuntimeError("injected failure")
+            finally:
+                steps.close()  # the engine's cleanup runs now, on the engine thread
 
         return run()
 
@@ -140,3 +143,39 @@ def test_engine_failure_mid_stream_is_an_sse_error_then_done(live_server, monkey
     monkeypatch.undo()
     r = httpx.post(live_server.base_url + "/v1/chat/completions", json={**body, "stream": False}, timeout=60)
     assert r.status_code == 200 and live_server.bridge.alive
+
+
+@pytest.mark.parametrize("path,body,error_key", [
+    ("/v1/completions", {"prompt": "x", "max_tokens": 50, "ignore_eos": True, "stream": True}, "error"),
+    ("/infill", {"input_prefix": "a", "input_suffix": "b", "n_predict": 50, "ignore_eos": True, "stream": True},
+     "error"),
+])
+def test_engine_failure_mid_stream_on_other_routes(live_server, monkeypatch, path, body, error_key):
+    engine = live_server.bridge.engine
+    real_generate = engine.generate
+
+    def failing_generate(req):
+        steps = real_generate(req)
+
+        def run():
+            try:
+                yield next(steps)
+                yield next(steps)
+                raise RuntimeError("injected failure")
+            finally:
+                steps.close()  # the engine's cleanup runs now, on the engine thread
+
+        return run()
+
+    monkeypatch.setattr(engine, "generate", failing_generate)
+    with httpx.stream("POST", live_server.base_url + path, json=body, timeout=60) as resp:
+        assert resp.status_code == 200
+        events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+    errors = [e for e in events if e.startswith('{"error"')]
+    assert len(errors) == 1 and "injected failure" in errors[0]
+    if path.startswith("/v1"):
+        assert events[-1] == "[DONE]" and events[-2] == errors[0]
+    else:  # llama.cpp's native stream has no [DONE]
+        assert events[-1] == errors[0]
+    monkeypatch.undo()
+    assert live_server.bridge.alive

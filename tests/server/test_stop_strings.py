@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import json
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from server.streaming import StopMatcher
+from server.streaming import StopMatcher, sse_data
 
 ALPHABET = "abc\n"
 
 
 def reference_cut(text: str, stops: list[str]) -> tuple[str, bool]:
-    hits = [text.find(s) for s in stops if s and s in text]
+    hits = [text.find(s) for s in stops if s and s in text]  # the earliest start wins
     return (text[: min(hits)], True) if hits else (text, False)
 
 
@@ -23,7 +25,8 @@ def stream(pieces: list[str], stops: list[str]) -> tuple[list[str], bool]:
         out.append(safe)
         if stopped:
             return out, True
-    return out + [m.flush()], False
+    rest, stopped = m.flush()
+    return out + [rest], stopped
 
 
 @settings(max_examples=400, deadline=None)
@@ -61,3 +64,25 @@ def test_earliest_of_many_stops_wins():
     m = StopMatcher([f"s{i}" for i in range(20)] + ["b", "ab"])
     assert m.feed("xxa") == ("xx", False)
     assert m.feed("b") == ("", True)  # "ab" starts before "b"
+
+
+def test_a_longer_stop_that_started_earlier_wins():
+    """'a' is complete at index 1, but '\\naa' started at 0 and may still complete: wait and see."""
+    m = StopMatcher(["a", "\naa"])
+    assert m.feed("\n") == ("", False)
+    assert m.feed("a") == ("", False)
+    assert m.feed("a") == ("", True) and m.matched == "\naa"
+    m = StopMatcher(["a", "\naa"])
+    assert m.feed("\na") == ("", False)
+    assert m.feed("b") == ("\n", True) and m.matched == "a"  # ruled out: the earlier 'a' stands
+    m = StopMatcher(["a", "\naa"])
+    assert m.feed("\na") == ("", False)
+    assert m.flush() == ("\n", True)  # the text ended: 'a' stands
+
+
+def test_sse_payloads_survive_splitlines():
+    """httpx's aiter_lines and many Python clients split on every str.splitlines() break."""
+    text = "a\x85b\u2028c\u2029d\x1ce\x0bf\x0cg\rh\ni é"
+    line = sse_data({"content": text})
+    assert line.splitlines() == [line]
+    assert json.loads(line)["content"] == text and "é" in line

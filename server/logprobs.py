@@ -1,0 +1,100 @@
+"""Token log-probabilities (engine TokenLogprob records) in OpenAI's two response shapes.
+
+chat:    {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}
+legacy:  {"tokens": [str], "token_logprobs": [float|null], "top_logprobs": [{str: float}|null],
+          "text_offset": [int]}
+
+A token's `bytes` are its raw UTF-8 bytes (a byte-level BPE token may hold part of a character);
+its `token` text is those bytes decoded with U+FFFD for the incomplete parts.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+from tokenizers import decoders
+
+from engine.tokenizer import Tokenizer
+
+# OpenAI reports probabilities too small for a float as this, never -Infinity (not valid JSON).
+MIN_LOGPROB = -9999.0
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2 byte-level BPE spells each byte as one printable character; this undoes it."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+class TokenTexts:
+    """token id -> (text, bytes) as logprobs show them, for one tokenizer."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        # The engine's wrapper has no per-token bytes accessor; the vocabulary itself lives on the
+        # `tokenizers` object it wraps.
+        self._hf = tokenizer._tok
+        self._byte_level = isinstance(self._hf.decoder, decoders.ByteLevel)
+        self._bytes = lru_cache(maxsize=65536)(self._raw_bytes)
+
+    def bytes_of(self, token_id: int) -> bytes:
+        return self._bytes(token_id)
+
+    def text_of(self, token_id: int) -> str:
+        return self._bytes(token_id).decode("utf-8", errors="replace")
+
+    def _raw_bytes(self, token_id: int) -> bytes:
+        piece = self._hf.id_to_token(token_id)
+        if piece is None:  # an id past the tokenizer's vocabulary (padded embedding rows)
+            return b""
+        table = _BYTE_DECODER
+        if self._byte_level and all(ch in table for ch in piece):
+            return bytes(table[ch] for ch in piece)
+        return self._tokenizer.decode([token_id], skip_special=False).encode("utf-8")
+
+
+_BYTE_DECODER = _byte_decoder()
+
+
+def clean(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) and logprob > MIN_LOGPROB else MIN_LOGPROB
+
+
+def chat_entries(records, texts: TokenTexts) -> list[dict]:
+    """Engine TokenLogprob records -> chat logprobs `content` entries."""
+    return [{**_chat_token(r.token_id, r.logprob, texts),
+             "top_logprobs": [_chat_token(tid, lp, texts) for tid, lp in r.top]} for r in records]
+
+
+def _chat_token(token_id: int, logprob: float, texts: TokenTexts) -> dict:
+    return {"token": texts.text_of(token_id), "logprob": clean(logprob), "bytes": list(texts.bytes_of(token_id))}
+
+
+def legacy_block(records, texts: TokenTexts, offset: int, prompt_ids: list[int] = ()) -> dict:
+    """Legacy completions logprobs. `prompt_ids` (echo) come first with null logprobs: the engine
+    scores generated tokens only. `offset` is where the first token starts in the choice's text."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for tid in prompt_ids:
+        offsets.append(offset)
+        tokens.append(texts.text_of(tid))
+        offset += len(tokens[-1])
+        token_lps.append(None)
+        tops.append(None)
+    for r in records:
+        offsets.append(offset)
+        tokens.append(texts.text_of(r.token_id))
+        offset += len(tokens[-1])
+        token_lps.append(clean(r.logprob))
+        top: dict[str, float] = {}
+        for tid, lp in r.top:
+            top.setdefault(texts.text_of(tid), clean(lp))
+        tops.append(top)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
