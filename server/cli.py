@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+from engine.config import SPEC_METHODS
+
 EXIT_USAGE = 2
 M_ARENA_MAX = -8  # glibc mallopt parameter
 
@@ -52,7 +54,9 @@ def resolve_model(arg: str | None) -> Path:
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="checkpoint directory (default: the bundled model)")
     p.add_argument("--max-context", type=int, default=8192, help="context length in tokens (default 8192)")
-    p.add_argument("--spec", choices=["none", "ngram", "draft"], default="none", help="speculative decoding method")
+    p.add_argument("--spec", choices=SPEC_METHODS, default="none",
+                   help="speculative decoding: none, ngram (prompt lookup), draft (draft-model chain with "
+                        "siblings), draft-tree (draft-model best-first tree)")
     p.add_argument("--spec-budget", type=int, default=16, help="draft-tree nodes per round (default 16)")
     p.add_argument("--spec-depth", type=int, default=8, help="draft-tree depth (default 8)")
     p.add_argument("--draft-model", help="draft checkpoint directory for --spec draft")
@@ -224,6 +228,7 @@ def _generate_and_print(engine, request) -> None:
 def print_stats(stats, ttft_s: float | None, duration_s: float) -> None:
     lines = [
         f"time to first token: {ttft_s if ttft_s is not None else duration_s:.2f} s",
+        f"prompt tokens: {stats.prompt_tokens} ({stats.cached_tokens} from the prefix cache)",
         f"prefill speed: {stats.prefill_tps:.2f} t/s",
         f"generation speed: {stats.decode_tps:.2f} t/s",
         f"tokens per forward pass: {stats.tokens_per_forward:.2f} t/f",

@@ -162,7 +162,7 @@ class Planner:
         if body.spec is None:
             return None
         default = self.engine.config.spec
-        if body.spec.method == "draft" and not self._draft_available():
+        if body.spec.method in ("draft", "draft-tree") and not self._draft_available():
             raise APIError("spec method 'draft' needs a server started with --draft-model", param="spec.method")
         return SpecConfig(method=body.spec.method, budget=body.spec.budget or default.budget,
                           max_depth=body.spec.max_depth or default.max_depth, draft_model=default.draft_model)

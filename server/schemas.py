@@ -121,7 +121,7 @@ class SpecRequest(StrictModel):
     """Extra body field `spec`: per-request speculation (engine.config.SpecConfig)."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
-    method: Literal["none", "ngram", "draft"]
+    method: Literal["none", "ngram", "draft", "draft-tree"]
     budget: Annotated[int, Field(ge=1, le=4096)] | None = None
     max_depth: Annotated[int, Field(ge=1, le=1024)] | None = None
 
