@@ -12,23 +12,9 @@ from engine.models.layers import MLP, Attention, RMSNorm, RopeSpec
 class ModelArgs(qwen3_5.ModelArgs):
     @classmethod
     def from_config(cls, cfg: dict) -> "qwen3_5.ModelArgs":
-        heads = cfg["num_attention_heads"]
-        rope = cfg.get("rope_parameters") or {}
-        return qwen3_5.ModelArgs(
-            model_type=cfg["model_type"],
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_hidden_layers=cfg["num_hidden_layers"],
-            num_attention_heads=heads,
-            num_key_value_heads=cfg.get("num_key_value_heads", heads),
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 1e6))),
-            partial_rotary_factor=1.0,
-            layer_is_attention=(True,) * cfg["num_hidden_layers"],
-        )
+        fields = qwen3_5.decoder_fields(cfg, default_theta=1e6, default_rotary=1.0)
+        fields["partial_rotary_factor"] = 1.0  # Qwen3 rotates the whole head
+        return qwen3_5.ModelArgs(**fields, layer_is_attention=(True,) * cfg["num_hidden_layers"])
 
 
 class DecoderLayer(qwen3_5.DecoderLayer):

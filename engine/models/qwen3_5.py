@@ -41,27 +41,14 @@ class ModelArgs:
     @classmethod
     def from_config(cls, cfg: dict) -> "ModelArgs":
         """cfg: the text config (nested text_config already merged by the loader)."""
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         n = cfg["num_hidden_layers"]
         if "layer_types" in cfg:
             is_attn = tuple(t == "full_attention" for t in cfg["layer_types"])
         else:
             every = cfg.get("full_attention_interval", 4)
             is_attn = tuple((i + 1) % every == 0 for i in range(n))
-        heads = cfg["num_attention_heads"]
         return cls(
-            model_type=cfg["model_type"],
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_hidden_layers=n,
-            num_attention_heads=heads,
-            num_key_value_heads=cfg.get("num_key_value_heads", heads),
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 1e7))),
-            partial_rotary_factor=float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))),
+            **decoder_fields(cfg, default_theta=1e7, default_rotary=0.25),
             layer_is_attention=is_attn,
             linear_num_key_heads=cfg["linear_num_key_heads"],
             linear_num_value_heads=cfg["linear_num_value_heads"],
@@ -69,6 +56,27 @@ class ModelArgs:
             linear_value_head_dim=cfg["linear_value_head_dim"],
             linear_conv_kernel_dim=cfg.get("linear_conv_kernel_dim", 4),
         )
+
+
+def decoder_fields(cfg: dict, default_theta: float, default_rotary: float) -> dict:
+    """The ModelArgs fields every decoder family reads the same way."""
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    heads = cfg["num_attention_heads"]
+    return dict(
+        model_type=cfg["model_type"],
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_hidden_layers=cfg["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=cfg.get("num_key_value_heads", heads),
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", default_theta))),
+        partial_rotary_factor=float(rope.get("partial_rotary_factor",
+                                             cfg.get("partial_rotary_factor", default_rotary))),
+    )
 
 
 class DepthwiseConv(nn.Module):
