@@ -232,6 +232,9 @@ def print_stats(stats, ttft_s: float | None, duration_s: float) -> None:
         f"prefill speed: {stats.prefill_tps:.2f} t/s",
         f"generation speed: {stats.decode_tps:.2f} t/s",
         f"tokens per forward pass: {stats.tokens_per_forward:.2f} t/f",
+        *([f"speculation: {stats.accepted} of {stats.drafted} drafted tokens accepted; draft / verify / "
+           f"commit {stats.draft_ms:.0f} / {stats.verify_ms:.0f} / {stats.commit_ms:.0f} ms"]
+          if stats.drafted else []),
         f"memory used: {peak_rss_bytes() / 1e9:.2f} GB",
         f"duration: {duration_s:.2f} s",
     ]

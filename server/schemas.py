@@ -270,4 +270,7 @@ def timings_block(stats: Stats) -> dict:
         "draft_n_accepted": stats.accepted,
         "forward_passes": stats.forward_passes,
         "tokens_per_forward": round(stats.tokens_per_forward, 4),
+        "draft_ms": round(stats.draft_ms, 3),  # time per phase of the decode rounds
+        "verify_ms": round(stats.verify_ms, 3),
+        "commit_ms": round(stats.commit_ms, 3),
     }
