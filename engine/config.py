@@ -26,6 +26,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI: subtracted once from logits of tokens already generated
     frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence in the generated tokens
     logprobs: int | None = None  # None = off; k = chosen token's logprob + top-k alternatives
+    logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI: (token id, bias in [-100, 100]) added to logits
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -39,6 +40,9 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        for tok, bias in self.logit_bias:
+            if tok < 0 or not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias needs token ids >= 0 and biases in [-100, 100], got {tok}: {bias}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if self.max_tokens < 0:
@@ -51,6 +55,11 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether logits change before sampling (bias, penalties): then tokens are chosen on the host."""
+        return self.penalized or bool(self.logit_bias)
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,9 @@ class Engine:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise RequestError(f"token id {bad[0]} is out of range [0, {self.vocab_size})")
+        biased = [t for t, _ in req.sampling.logit_bias if t >= self.vocab_size]
+        if biased:
+            raise RequestError(f"logit_bias token id {biased[0]} is out of range [0, {self.vocab_size})")
         if len(ids) >= self.config.max_context:
             raise RequestError(f"the prompt has {len(ids)} tokens; the context holds {self.config.max_context}")
 
@@ -89,7 +92,7 @@ class Engine:
         stats.prompt_ms = _ms_since(t_start)
         drafter.begin(req.prompt_ids)
         run = _Run(seq=list(req.prompt_ids), covered=len(req.prompt_ids) - 1, prompt_len=len(req.prompt_ids))
-        pipelined = isinstance(drafter, NoDrafter) and params.greedy and not params.penalized \
+        pipelined = isinstance(drafter, NoDrafter) and params.greedy and not params.adjusts_logits \
             and params.logprobs is None
         rounds = self._plain_greedy if pipelined else self._rounds
         try:

@@ -1,5 +1,5 @@
-"""Per-request logit adjustments and read-outs that sit beside sampling: OpenAI's presence and
-frequency penalties, and log-probabilities of emitted tokens."""
+"""Per-request logit adjustments and read-outs that sit beside sampling: OpenAI's logit bias,
+presence and frequency penalties, and log-probabilities of emitted tokens."""
 
 from __future__ import annotations
 
@@ -12,10 +12,12 @@ from engine.config import SamplingParams
 from engine.types import TokenLogprob
 
 
-def penalize(logits: np.ndarray, generated: Iterable[int], params: SamplingParams) -> np.ndarray:
-    """logits - frequency_penalty * count(t) - presence_penalty * [count(t) > 0], over the
-    tokens generated so far in this completion (float64 copy; the input is not modified)."""
+def adjust_logits(logits: np.ndarray, generated: Iterable[int], params: SamplingParams) -> np.ndarray:
+    """logits + logit_bias - frequency_penalty * count(t) - presence_penalty * [count(t) > 0], the
+    counts over the tokens generated so far in this completion (float64 copy; input unchanged)."""
     out = np.array(logits, dtype=np.float64)
+    for tok, bias in params.logit_bias:
+        out[tok] += bias
     counts = Counter(generated)
     if counts and params.penalized:
         ids = np.fromiter(counts.keys(), dtype=np.int64, count=len(counts))

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.config import SamplingParams
-from engine.logits_extras import penalize
+from engine.logits_extras import adjust_logits
 from engine.tree import DraftTree
 
 _M64 = (1 << 64) - 1
@@ -216,9 +216,9 @@ def accept(
 
     Greedy walks on the argmax; sampling draws node i's token with position
     committed_len + depth_i + 1, which makes the emitted tokens identical to
-    plain seeded sampling of the same target. With presence/frequency
-    penalties, node i's logits are penalised by `generated` (this completion's
-    tokens so far) plus the tree tokens on its path, as plain decoding would.
+    plain seeded sampling of the same target. Logit bias applies to every node;
+    presence/frequency penalties count `generated` (this completion's tokens so
+    far) plus the tree tokens on the node's path, as plain decoding would.
     """
     logits = np.asarray(logits)
     if logits.ndim != 2 or logits.shape[0] != tree.size:
@@ -231,9 +231,9 @@ def accept(
 
     def choose(node: int) -> int:
         row = logits[node]
-        if params.penalized:
+        if params.adjusts_logits:
             path_tokens = [tree.tokens[j] for j in tree.path_to(node)[1:]]
-            row = penalize(row, [*generated, *path_tokens], params)
+            row = adjust_logits(row, [*generated, *path_tokens], params)
         return sample_token(row, params, seed, committed_len + int(depths[node]) + 1)
 
     return accept_walk(tree, choose, params.stop_token_ids)

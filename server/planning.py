@@ -156,7 +156,16 @@ class Planner:
             max_tokens=max_tokens, stop_token_ids=() if body.ignore_eos else self.tokenizer.eos_token_ids,
             ignore_eos=bool(body.ignore_eos), presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0, logprobs=logprobs,
+            logit_bias=self._logit_bias(body),
         )
+
+    def _logit_bias(self, body) -> tuple[tuple[int, float], ...]:
+        pairs = getattr(body, "logit_bias_pairs", ())  # the llama.cpp-style routes take no bias
+        vocab = self.engine.vocab_size
+        bad = [t for t, _ in pairs if t >= vocab]
+        if bad:
+            raise APIError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})", param="logit_bias")
+        return pairs
 
     def spec(self, body) -> SpecConfig | None:
         if body.spec is None:

@@ -149,7 +149,7 @@ class GenerationFields(StrictModel):
     n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    logit_bias: dict[str, float] | None = None  # validated; applying it needs engine support (empty only)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None  # token id -> bias
     user: str | None = None  # accepted and ignored
     ignore_eos: bool | None = None  # llama.cpp/SGLang extension: run to max_tokens (benchmarks)
     spec: SpecRequest | None = None
@@ -159,10 +159,14 @@ class GenerationFields(StrictModel):
         # Raised as APIError (not ValueError) so that the error names its field, not the whole body.
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options is only allowed when stream is true", param="stream_options")
-        if self.logit_bias:
-            raise APIError("logit_bias is not supported by this server yet (send {} or leave it out)",
-                           param="logit_bias")
+        for key in self.logit_bias or {}:
+            if not key.isascii() or not key.isdigit() or len(key) > 9:
+                raise APIError(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
         return self
+
+    @property
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        return tuple(sorted((int(k), float(v)) for k, v in (self.logit_bias or {}).items()))
 
     @property
     def stop_strings(self) -> list[str]:

@@ -55,3 +55,14 @@ def test_logprobs_are_the_models_log_softmax(engine):
     spec_tokens, spec_lps = run(engine, PROMPT, sampling, SpecConfig(method="ngram"))
     assert spec_tokens == tokens
     assert max(abs(a.logprob - b.logprob) for a, b in zip(lps, spec_lps)) < 1e-4
+
+
+def test_logit_bias_forces_and_bans_losslessly(engine):
+    forced = SamplingParams(max_tokens=6, ignore_eos=True, logit_bias=((77, 100.0),))
+    assert run(engine, PROMPT, forced)[0] == [77] * 6
+    plain, _ = run(engine, PROMPT, SamplingParams(max_tokens=30, ignore_eos=True))
+    banned = SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.8, seed=3,
+                            logit_bias=tuple((t, -100.0) for t in sorted(set(plain))[:3]))
+    out, _ = run(engine, PROMPT, banned)
+    assert not set(out) & set(sorted(set(plain))[:3])
+    assert run(engine, PROMPT, banned, SpecConfig(method="ngram", budget=8, max_depth=4))[0] == out

@@ -190,3 +190,13 @@ def test_fim_needs_the_tokenizers_fim_tokens():
     with pytest.raises(APIError) as e:
         plan_infill(planner, InfillRequest(input_prefix="a"))
     assert e.value.status == 400 and "<|fim_prefix|>" in e.value.message
+
+
+
+def test_logit_bias_forces_a_token(live_server):
+    base = live_server.base_url
+    tok = ok(httpx.post(base + "/tokenize", json={"content": "return"}))["tokens"][0]
+    piece = ok(httpx.post(base + "/detokenize", json={"tokens": [tok]}))["content"]
+    body = {"model": "m", "prompt": "def f(", "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+            "logit_bias": {str(tok): 100}}
+    assert ok(post(live_server, COMPLETIONS, body))["choices"][0]["text"] == piece * 3
