@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders
 
 REPLACEMENT = "\ufffd"
 # End-of-turn / end-of-text tokens of the Qwen and ChatML families: generation stops on them
@@ -49,6 +50,16 @@ class Tokenizer:
 
     def decode(self, ids, skip_special: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes one token stands for (a byte-level BPE token may hold part of a UTF-8
+        character); b"" for an id past the vocabulary (padded embedding rows)."""
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if isinstance(self._tok.decoder, decoders.ByteLevel) and all(ch in _BYTE_DECODER for ch in piece):
+            return bytes(_BYTE_DECODER[ch] for ch in piece)
+        return self.decode([token_id], skip_special=False).encode("utf-8")
 
     def token_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
@@ -130,3 +141,19 @@ def _read_template(path: Path, config: dict) -> str | None:
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
     return template if isinstance(template, str) else None
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2 byte-level BPE spells each byte as one printable character; this undoes it."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+_BYTE_DECODER = _byte_decoder()

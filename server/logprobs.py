@@ -13,55 +13,23 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
-from tokenizers import decoders
-
 from engine.tokenizer import Tokenizer
 
 # OpenAI reports probabilities too small for a float as this, never -Infinity (not valid JSON).
 MIN_LOGPROB = -9999.0
 
 
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2 byte-level BPE spells each byte as one printable character; this undoes it."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars = list(printable)
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(printable, chars)}
-
-
 class TokenTexts:
     """token id -> (text, bytes) as logprobs show them, for one tokenizer."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
-        self._tokenizer = tokenizer
-        # The engine's wrapper has no per-token bytes accessor; the vocabulary itself lives on the
-        # `tokenizers` object it wraps.
-        self._hf = tokenizer._tok
-        self._byte_level = isinstance(self._hf.decoder, decoders.ByteLevel)
-        self._bytes = lru_cache(maxsize=65536)(self._raw_bytes)
+        self._bytes = lru_cache(maxsize=65536)(tokenizer.token_bytes)
 
     def bytes_of(self, token_id: int) -> bytes:
         return self._bytes(token_id)
 
     def text_of(self, token_id: int) -> str:
         return self._bytes(token_id).decode("utf-8", errors="replace")
-
-    def _raw_bytes(self, token_id: int) -> bytes:
-        piece = self._hf.id_to_token(token_id)
-        if piece is None:  # an id past the tokenizer's vocabulary (padded embedding rows)
-            return b""
-        table = _BYTE_DECODER
-        if self._byte_level and all(ch in table for ch in piece):
-            return bytes(table[ch] for ch in piece)
-        return self._tokenizer.decode([token_id], skip_special=False).encode("utf-8")
-
-
-_BYTE_DECODER = _byte_decoder()
 
 
 def clean(logprob: float) -> float:
