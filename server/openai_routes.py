@@ -56,6 +56,27 @@ class Totals:
     def timings(self) -> dict:
         return timings_block(combine_stats(self.stats))
 
+    def finish(self, stats: Stats, index: int, choices: int) -> dict | None:
+        """Record a finished choice; the last one carries the timings unless a usage chunk follows."""
+        self.stats.append(stats)
+        return self.timings() if index == choices - 1 and not self.planned.include_usage else None
+
+
+async def framed(job: Job, totals: Totals, ctx: ChunkContext, events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """An answer's chunks, then the usage chunk if asked for; an engine failure becomes an error
+    event; always [DONE] last, and the job is cancelled whatever ended the stream."""
+    try:
+        async for payload in events:
+            yield payload
+        if totals.planned.include_usage:
+            yield sse_data({**ctx.chunk([], totals.timings()), "usage": totals.usage()})
+    except EngineFailure as e:
+        err = engine_error(e)
+        yield sse_data(error_body(err.message, err.type, err.param, err.code))
+    finally:
+        job.cancel()
+    yield SSE_DONE
+
 
 def combine_stats(stats: list[Stats]) -> Stats:
     if len(stats) == 1:
@@ -123,38 +144,31 @@ def delta_dict(piece: ChatPiece) -> dict:
     return out
 
 
-async def chat_events(job: Job, plan: ChatPlan, ctx: ChunkContext, tokenizer, texts: TokenTexts) -> AsyncIterator[str]:
+def chat_events(job: Job, plan: ChatPlan, ctx: ChunkContext, tokenizer, texts: TokenTexts) -> AsyncIterator[str]:
     """SSE payloads of a streamed chat answer; an engine failure becomes an error event."""
     totals = Totals(plan.planned)
-    try:
-        # Choice 0's role chunk goes out at once, before the job leaves the queue.
-        choice = ChatChoice(0, plan, texts)
-        for chunk in choice.opening(ctx):
-            yield chunk
-        async for index, delta in choice_deltas(job, plan.planned, tokenizer):
-            if index != choice.index:
-                choice = ChatChoice(index, plan, texts)
-                for chunk in choice.opening(ctx):
-                    yield chunk
-            piece = choice.feed(delta)
-            if choice.wants_no_more:
-                job.requests[index].cancel.set()
-            if piece:
-                yield sse_data(ctx.chunk([_chat_choice(index, delta_dict(piece), choice.take_logprobs())]))
-            if delta.finish_reason is not None:
-                totals.stats.append(delta.stats)
-                last = index == len(job.requests) - 1
-                timings = totals.timings() if last and not plan.planned.include_usage else None
-                yield sse_data(ctx.chunk([_chat_choice(index, {}, choice.take_logprobs(),
-                                                       choice.finish_reason(delta))], timings))
-        if plan.planned.include_usage:
-            yield sse_data({**ctx.chunk([], totals.timings()), "usage": totals.usage()})
-    except EngineFailure as e:
-        err = engine_error(e)
-        yield sse_data(error_body(err.message, err.type, err.param, err.code))
-    finally:
-        job.cancel()
-    yield SSE_DONE
+    return framed(job, totals, ctx, _chat_chunks(job, plan, ctx, tokenizer, texts, totals))
+
+
+async def _chat_chunks(job, plan: ChatPlan, ctx: ChunkContext, tokenizer, texts, totals: Totals):
+    # Choice 0's role chunk goes out at once, before the job leaves the queue.
+    choice = ChatChoice(0, plan, texts)
+    for chunk in choice.opening(ctx):
+        yield chunk
+    async for index, delta in choice_deltas(job, plan.planned, tokenizer):
+        if index != choice.index:
+            choice = ChatChoice(index, plan, texts)
+            for chunk in choice.opening(ctx):
+                yield chunk
+        piece = choice.feed(delta)
+        if choice.wants_no_more:
+            job.requests[index].cancel.set()
+        if piece:
+            yield sse_data(ctx.chunk([_chat_choice(index, delta_dict(piece), choice.take_logprobs())]))
+        if delta.finish_reason is not None:
+            timings = totals.finish(delta.stats, index, len(job.requests))
+            yield sse_data(ctx.chunk([_chat_choice(index, {}, choice.take_logprobs(),
+                                                   choice.finish_reason(delta))], timings))
 
 
 def join_pieces(a: ChatPiece, b: ChatPiece) -> ChatPiece:
@@ -243,33 +257,26 @@ class CompletionChoice:
         return block
 
 
-async def completion_events(job: Job, planned: Planned, ctx: ChunkContext, tokenizer,
-                            texts: TokenTexts) -> AsyncIterator[str]:
+def completion_events(job: Job, planned: Planned, ctx: ChunkContext, tokenizer,
+                      texts: TokenTexts) -> AsyncIterator[str]:
     totals = Totals(planned)
+    return framed(job, totals, ctx, _completion_chunks(job, planned, ctx, tokenizer, texts, totals))
+
+
+async def _completion_chunks(job, planned: Planned, ctx: ChunkContext, tokenizer, texts, totals: Totals):
     choice = None
-    try:
-        async for index, delta in choice_deltas(job, planned, tokenizer):
-            if choice is None or choice.index != index:
-                choice = CompletionChoice(index, planned, texts)
-                text, lp = choice.start()
-                if text:
-                    yield sse_data(ctx.chunk([_text_choice(index, text, lp)]))
-            if delta.text or delta.logprobs:
-                yield sse_data(ctx.chunk([_text_choice(index, delta.text, choice.logprobs(delta.logprobs,
-                                                                                           delta.text))]))
-            if delta.finish_reason is not None:
-                totals.stats.append(delta.stats)
-                last = index == len(job.requests) - 1
-                timings = totals.timings() if last and not planned.include_usage else None
-                yield sse_data(ctx.chunk([_text_choice(index, "", None, delta.finish_reason)], timings))
-        if planned.include_usage:
-            yield sse_data({**ctx.chunk([], totals.timings()), "usage": totals.usage()})
-    except EngineFailure as e:
-        err = engine_error(e)
-        yield sse_data(error_body(err.message, err.type, err.param, err.code))
-    finally:
-        job.cancel()
-    yield SSE_DONE
+    async for index, delta in choice_deltas(job, planned, tokenizer):
+        if choice is None or choice.index != index:
+            choice = CompletionChoice(index, planned, texts)
+            text, lp = choice.start()
+            if text:
+                yield sse_data(ctx.chunk([_text_choice(index, text, lp)]))
+        if delta.text or delta.logprobs:
+            yield sse_data(ctx.chunk([_text_choice(index, delta.text, choice.logprobs(delta.logprobs,
+                                                                                       delta.text))]))
+        if delta.finish_reason is not None:
+            timings = totals.finish(delta.stats, index, len(job.requests))
+            yield sse_data(ctx.chunk([_text_choice(index, "", None, delta.finish_reason)], timings))
 
 
 def _text_choice(index: int, text: str, logprobs: dict | None, finish: str | None = None) -> dict:
