@@ -24,7 +24,6 @@ class KVCache:
         self.keys: mx.array | None = None  # [1, n_kv, cap, D]
         self.values: mx.array | None = None
         self.offset = 0
-        self.pending = 0  # rows written past offset by the last verify
 
     def write(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
         """Write T rows at [offset, offset+T) and return K/V for [0, offset+T). Does not advance."""
@@ -34,7 +33,6 @@ class KVCache:
             self._grow(end, k)
         self.keys[:, :, self.offset : end] = k
         self.values[:, :, self.offset : end] = v
-        self.pending = T
         return self.keys[:, :, :end], self.values[:, :, :end]
 
     def _grow(self, end: int, like: mx.array) -> None:
@@ -50,7 +48,6 @@ class KVCache:
 
     def advance(self, n: int) -> None:
         self.offset += n
-        self.pending = 0
 
     def commit(self, path: list[int]) -> None:
         """Keep tree rows `path` (node indices, root first): compact them to contiguous slots."""

@@ -202,16 +202,10 @@ class Engine:
         cuts = [p for p in range(cached + 1, len(ids)) if ids[p] == self.boundary_id][-2:]
         start = cached
         for stop in [*cuts, len(ids)]:
-            self._prefill(ids[start:stop], cache)
+            verify.extend(self.model, cache, ids[start:stop], self.config.prefill_chunk)
             self.prefix.store(cache, ids[:stop])
             start = stop
         return cache, cached
-
-    def _prefill(self, ids: list[int], cache) -> None:
-        chunk = self.config.prefill_chunk
-        for i in range(0, len(ids), chunk):
-            h = self.model.hidden(mx.array([ids[i : i + chunk]]), cache)
-            mx.eval(h, [c.state for c in cache if getattr(c, "state", None) is not None])
 
     def _final(self, tokens: list[int], reason: str, stats: Stats, t_start: float, logprobs=None) -> Step:
         stats.decode_ms = _ms_since(t_start) - stats.prompt_ms

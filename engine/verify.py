@@ -23,15 +23,26 @@ def tree_batch(tree: DraftTree, committed_len: int, conv_kernel: int = 4) -> Tre
                      conv_taps=mx.array(gdn_tree.tree_conv_taps(tree.parents, conv_kernel)))
 
 
-def verify(model, cache: list[LayerCache], tree: DraftTree, committed_len: int) -> np.ndarray:
-    """Run every tree node through the target at once -> logits [N, V] float32 on the host.
+def tree_logits(model, cache: list[LayerCache], tree: DraftTree, committed_len: int) -> mx.array:
+    """Every tree node through the model in one forward pass -> logits [N, V] (lazy).
 
     Committed state is read, never written; each layer keeps what its commit needs.
     """
     tokens = mx.array([list(tree.tokens)])
     batch = tree_batch(tree, committed_len, getattr(model.args, "linear_conv_kernel_dim", 4))
-    logits = model(tokens, cache, batch)[0]
-    return np.array(logits.astype(mx.float32))
+    return model(tokens, cache, batch)[0]
+
+
+def verify(model, cache: list[LayerCache], tree: DraftTree, committed_len: int) -> np.ndarray:
+    """tree_logits on the host, float32 [N, V], for the accept walk."""
+    return np.array(tree_logits(model, cache, tree, committed_len).astype(mx.float32))
+
+
+def extend(model, cache: list[LayerCache], ids: list[int], chunk: int = 512) -> None:
+    """Append a chain of tokens to the committed state (prefill), `chunk` tokens per forward."""
+    for i in range(0, len(ids), chunk):
+        h = model.hidden(mx.array([ids[i : i + chunk]]), cache)
+        mx.eval(h, [s for c in cache for s in _state_arrays(c)])
 
 
 def commit(cache: list[LayerCache], path: list[int]) -> None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from engine import verify
 from engine.cache import KVCache
 from engine.tree import DraftTree
 
@@ -38,8 +39,7 @@ class ChainDraftDrafter:
 
     def begin(self, prompt_ids: list[int]) -> None:
         self.cache = self.model.make_cache()
-        if len(prompt_ids) > 1:
-            mx.eval(self.model.hidden(mx.array([prompt_ids[:-1]]), self.cache))
+        verify.extend(self.model, self.cache, prompt_ids[:-1])
 
     def propose(self, root: int, budget: int, max_depth: int) -> DraftTree:
         depth = max(0, min(max_depth, budget))
@@ -79,9 +79,8 @@ class ChainDraftDrafter:
         while have < len(wanted) and have < len(self.saved) - 1 and wanted[have] == ([self.root, *self.chain])[have]:
             have += 1
         self._restore(self.saved[have])
-        rest = wanted[have:]  # a sibling, or the last chain token (its state was not kept)
-        if rest:
-            mx.eval(self.model.hidden(mx.array([rest]), self.cache))
+        # a sibling, or the last chain token (its state was not kept)
+        verify.extend(self.model, self.cache, wanted[have:])
 
     def _state(self) -> list:
         return [c.offset if isinstance(c, KVCache) else (c.conv_state, c.state) for c in self.cache]

@@ -45,10 +45,8 @@ class DraftModelDrafter:
         self._extend(prompt_ids[:-1])
 
     def _extend(self, ids: list[int]) -> None:
-        if ids:
-            h = self.model.hidden(mx.array([ids]), self.cache)
-            mx.eval(h)
-            self.committed += len(ids)
+        verify.extend(self.model, self.cache, ids)
+        self.committed += len(ids)
 
     def propose(self, root: int, budget: int, max_depth: int) -> DraftTree:
         self.pending_root = root
@@ -75,8 +73,7 @@ class DraftModelDrafter:
     def _top_k(self, tree: DraftTree, frontier: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """Draft-model probabilities and ids of the top_k next tokens of each frontier node,
         computed on the device so only [F, top_k] values come to the host."""
-        batch = verify.tree_batch(tree, self.committed, getattr(self.model.args, "linear_conv_kernel_dim", 4))
-        logits = self.model(mx.array([list(tree.tokens)]), self.cache, batch)[0]  # never commits
+        logits = verify.tree_logits(self.model, self.cache, tree, self.committed)  # never commits
         probs = mx.softmax(logits[mx.array(frontier)].astype(mx.float32), axis=-1)
         ids = mx.argpartition(-probs, self.config.top_k - 1, axis=-1)[:, : self.config.top_k]
         return np.array(mx.take_along_axis(probs, ids, axis=-1)), np.array(ids)
