@@ -17,7 +17,8 @@ CANDIDATES = (
     "/usr/lib/aarch64-linux-gnu/openblas-pthread/libblas.so.3",
 )
 OPT_OUT = "SPRUCE_NO_BLAS_PRELOAD"
-HINT = "spruce: MLX uses a slow reference BLAS on Linux CPUs; `apt-get install libopenblas0-pthread` makes it much faster"
+HINT = ("spruce: MLX uses a slow reference BLAS on Linux CPUs; "
+        "`apt-get install libopenblas0-pthread` makes it much faster")
 
 
 def find_openblas() -> str | None:

@@ -7,19 +7,19 @@ decode path to keep correct.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 import os
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 
 from engine import sampler, verify
+from engine.cache import commit_all
 from engine.config import EngineConfig, SamplingParams, SpecConfig
 from engine.drafters import make_drafter
 from engine.drafters.base import Drafter, NoDrafter
-from engine.cache import commit_all
 from engine.loader import load_model
 from engine.logits_extras import token_logprobs
 from engine.prefix_cache import PrefixCache, restore

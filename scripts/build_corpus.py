@@ -26,7 +26,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import jinja2
-
 from corpus_prompts import requests_for
 
 HERE = Path(__file__).resolve().parent

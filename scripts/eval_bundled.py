@@ -29,7 +29,8 @@ CHAT_PROMPTS = (
     "Write a python function to check whether a string is a palindrome",
     "Write a python function to return the number of lines in a text file",
 )
-FIM_PREFIX = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n    a, b = 0, 1\n    for _ in range(n):\n        '
+FIM_PREFIX = ('def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
+              '    a, b = 0, 1\n    for _ in range(n):\n        ')
 FIM_SUFFIX = "\n    return a\n"
 
 

@@ -290,7 +290,8 @@ def print_report(report: Report, wall_s: float, rss: dict, checks: dict) -> None
         f"429 answers (retried): {sum(r.busy_answers for r in report.results)}",
         "by kind:  " + ", ".join(f"{k}={v}" for k, v in sorted(Counter(r.kind for r in report.results).items())),
         (f"latency of ok requests: p50 {percentile(lat, 0.5) * 1e3:.0f} ms, "
-         f"p99 {percentile(lat, 0.99) * 1e3:.0f} ms, mean {statistics.fmean(lat) * 1e3 if lat else float('nan'):.0f} ms "
+         f"p99 {percentile(lat, 0.99) * 1e3:.0f} ms, "
+         f"mean {statistics.fmean(lat) * 1e3 if lat else float('nan'):.0f} ms "
          "(including waits after 429s)"),
         (f"latency of ok requests never answered 429: p50 {percentile(direct, 0.5) * 1e3:.0f} ms, "
          f"p99 {percentile(direct, 0.99) * 1e3:.0f} ms ({len(direct)} requests)"),
@@ -375,7 +376,8 @@ def write_json(path: str, report: Report, wall: float, rss: dict, checks: dict) 
             "p50_ms": percentile(lat, 0.5) * 1e3,
             "p99_ms": percentile(lat, 0.99) * 1e3,
             "direct_p50_ms": percentile(report.latencies(True), 0.5) * 1e3,
-            "direct_p99_ms": percentile(report.latencies(True), 0.99) * 1e3, "rss_mb": rss, "rss_trace": report.rss_trace, "checks": checks}
+            "direct_p99_ms": percentile(report.latencies(True), 0.99) * 1e3, "rss_mb": rss,
+            "rss_trace": report.rss_trace, "checks": checks}
     Path(path).write_text(json.dumps(data, indent=2))
 
 

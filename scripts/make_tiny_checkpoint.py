@@ -83,7 +83,8 @@ def build_model(a):
     else:
         kw.update(
             linear_num_key_heads=a.linear_k_heads, linear_num_value_heads=a.linear_v_heads,
-            linear_key_head_dim=a.linear_dim, linear_value_head_dim=a.linear_dim, linear_conv_kernel_dim=4, full_attention_interval=a.full_every,
+            linear_key_head_dim=a.linear_dim, linear_value_head_dim=a.linear_dim, linear_conv_kernel_dim=4,
+            full_attention_interval=a.full_every,
             rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
         )
         text = tf.Qwen3_5TextConfig(**kw)

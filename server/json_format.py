@@ -95,7 +95,8 @@ def _object_problem(value: dict, schema: dict, path: str, depth: int) -> str | N
 
 def _is_type(value: Any, t: str) -> bool:
     if t == "integer":
-        return isinstance(value, int) and not isinstance(value, bool) or (isinstance(value, float) and value.is_integer())
+        whole_float = isinstance(value, float) and value.is_integer()
+        return isinstance(value, int) and not isinstance(value, bool) or whole_float
     if t == "number":
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     return isinstance(value, {"object": dict, "array": list, "string": str, "boolean": bool,

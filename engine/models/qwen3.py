@@ -11,7 +11,7 @@ from engine.models.layers import MLP, Attention, RMSNorm, RopeSpec
 
 class ModelArgs(qwen3_5.ModelArgs):
     @classmethod
-    def from_config(cls, cfg: dict) -> "qwen3_5.ModelArgs":
+    def from_config(cls, cfg: dict) -> qwen3_5.ModelArgs:
         fields = qwen3_5.decoder_fields(cfg, default_theta=1e6, default_rotary=1.0)
         fields["partial_rotary_factor"] = 1.0  # Qwen3 rotates the whole head
         return qwen3_5.ModelArgs(**fields, layer_is_attention=(True,) * cfg["num_hidden_layers"])

@@ -39,7 +39,7 @@ class ModelArgs:
     linear_conv_kernel_dim: int = 4
 
     @classmethod
-    def from_config(cls, cfg: dict) -> "ModelArgs":
+    def from_config(cls, cfg: dict) -> ModelArgs:
         """cfg: the text config (nested text_config already merged by the loader)."""
         n = cfg["num_hidden_layers"]
         if "layer_types" in cfg:

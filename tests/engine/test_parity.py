@@ -52,10 +52,11 @@ def test_incremental_decode_equals_full_forward(tiny_qwen35):
 
 
 def test_greedy_matches_transformers_64_steps(tiny_qwen35):
+    import transformers as tf
+
     from engine.config import EngineConfig, SamplingParams
     from engine.generate import Engine
     from engine.types import GenerationRequest
-    import transformers as tf
 
     prompt = [int(t) for t in PROMPT[0, :30]]
     engine = Engine(EngineConfig(model_path=str(tiny_qwen35), prefill_chunk=16))

@@ -25,7 +25,8 @@ JSON_TYPE = {str: "string", bool: "boolean", int: "integer", float: "number", ty
              dict: "object"}
 
 
-def run(pieces: list[str], tools: ToolSet | None, inside: bool = False) -> tuple[str, str, list[dict], ChatOutputParser]:
+def run(pieces: list[str], tools: ToolSet | None,
+        inside: bool = False) -> tuple[str, str, list[dict], ChatOutputParser]:
     parser = ChatOutputParser(inside, tools)
     out: list[ChatPiece] = [parser.feed(p) for p in pieces] + [parser.finish()]
     calls = merge_tool_calls([d for o in out for d in o.tool_calls])

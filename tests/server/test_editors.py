@@ -202,7 +202,8 @@ def test_tokenize_and_detokenize(live_server):
     raw = b"".join(p["piece"].encode() if isinstance(p["piece"], str) else bytes(p["piece"]) for p in pieces)
     assert raw.decode() == text
     vllm = post(live_server, "/v1/tokenize", {"prompt": "abc"}).json()
-    assert vllm["count"] == len(vllm["tokens"]) and vllm["max_model_len"] == live_server.bridge.engine.config.max_context
+    assert vllm["count"] == len(vllm["tokens"])
+    assert vllm["max_model_len"] == live_server.bridge.engine.config.max_context
     chat = post(live_server, "/tokenize", {"messages": [{"role": "user", "content": "hi"}]}).json()
     assert chat["count"] > len(tok.encode("hi"))
     assert_error(post(live_server, "/detokenize", {"tokens": [1, 10**9]}), 400, "tokens")

@@ -187,7 +187,8 @@ def spec_generate(target, prompt, n, prm, seed, r, oracle) -> tuple[list[int], i
         committed_len = len(seq) - 1  # the root (last token) is not in the cache yet
         done = len(seq) - len(prompt)
         tree = random_tree(r, seq[-1], oracle[done:])
-        logits = np.stack([target.logits(seq[:-1] + [tree.tokens[j] for j in tree.path_to(i)]) for i in range(tree.size)])
+        logits = np.stack([target.logits(seq[:-1] + [tree.tokens[j] for j in tree.path_to(i)])
+                           for i in range(tree.size)])
         acc = accept(tree, logits, prm, seed, committed_len)
         rounds += 1
         seq.extend(acc.tokens)

@@ -5,7 +5,6 @@ Also home of the shared test helpers `draft_trees` (hypothesis strategy) and `rn
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
