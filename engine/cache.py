@@ -1,20 +1,106 @@
-"""Per-layer generation state, and the commit of an accepted path.
+"""Per-layer generation state behind one protocol, and the commit of an accepted path.
 
-A forward pass either *extends* the cache along a chain (prefill: state written at once), or
-*verifies* a draft tree: the tree's rows are computed from the committed state without writing
-it, and the layer keeps what `commit(path)` needs to fold only the accepted path in. There is
-nothing to roll back: rejected branches never touch committed state.
+A forward pass either *extends* a cache along a chain (prefill, drafter catch-up: state written at
+once) or *verifies* a draft tree: the tree's rows are computed from the committed state without
+writing it, and the layer defers what `commit(path)` needs to keep only the accepted path.
+Rejected branches never touch committed state, so nothing is rolled back.
+
+Every cache offers the same operations, so the prefix cache, the drafters and the loop never look
+inside one:
+- `arrays()`             the live arrays (to evaluate after a pass);
+- `snapshot(n)` / `restore(snap, n)`  an immutable copy of the state after the first n tokens;
+- `mark()` / `rewind(mark)`  a cheap rollback point for a drafter that only appends after it;
+- `commit(path)`         keep the accepted rows of the last verify;
+- `nbytes`.
+
+In place or not: attention K/V live in a preallocated buffer written in place (rows past the
+committed length are scratch), so a snapshot copies its rows. GDN states are replaced by fresh
+arrays on every write (the cores never write state in place, see engine/gdn/core.py), so marks
+and snapshots hold references.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
+from typing import Protocol
 
 import mlx.core as mx
 
-from engine import gdn_tree
+from engine.gdn.core import GDNCore, GDNShape, TreeRows
 
 KV_STEP = 256  # grow the KV buffer in steps, like mlx-lm, to avoid a copy per token
+
+
+@dataclass(frozen=True)
+class AcceptedPath:
+    """Node indices of the accepted path, root first (the rows of the last verify to keep)."""
+
+    nodes: tuple[int, ...]
+
+    @property
+    def is_prefix(self) -> bool:
+        """The rows are already contiguous (a chain accepted from its start, or a one-node tree)."""
+        return self.nodes == tuple(range(len(self.nodes)))
+
+    @cached_property
+    def index(self) -> mx.array:
+        return mx.array(self.nodes, dtype=mx.int32)
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+
+@dataclass(frozen=True)
+class KVSnapshot:
+    keys: mx.array  # [1, n_kv, length, D], a copy
+    values: mx.array
+
+    @property
+    def length(self) -> int:
+        return self.keys.shape[2]
+
+    def arrays(self) -> tuple[mx.array, mx.array]:
+        return self.keys, self.values
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+
+@dataclass(frozen=True)
+class GDNSnapshot:
+    conv_state: mx.array  # references: GDN states are never written in place
+    state: mx.array
+    length: int
+
+    def arrays(self) -> tuple[mx.array, mx.array]:
+        return self.conv_state, self.state
+
+    @property
+    def nbytes(self) -> int:
+        return self.conv_state.nbytes + self.state.nbytes
+
+
+LayerSnapshot = KVSnapshot | GDNSnapshot
+
+
+class LayerCache(Protocol):
+    def arrays(self) -> list[mx.array]: ...
+
+    def snapshot(self, length: int) -> LayerSnapshot: ...
+
+    def restore(self, snap: LayerSnapshot, length: int) -> None: ...
+
+    def mark(self) -> object: ...
+
+    def rewind(self, mark: object) -> None: ...
+
+    def commit(self, path: AcceptedPath) -> None: ...
+
+    @property
+    def nbytes(self) -> int: ...
 
 
 class KVCache:
@@ -27,10 +113,10 @@ class KVCache:
 
     def write(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
         """Write T rows at [offset, offset+T) and return K/V for [0, offset+T). Does not advance."""
-        T = k.shape[2]
-        end = self.offset + T
-        if self.keys is None or end > self.keys.shape[2]:
+        end = self.offset + k.shape[2]
+        if self.keys is None or self.values is None or end > self.keys.shape[2]:
             self._grow(end, k)
+        assert self.keys is not None and self.values is not None
         self.keys[:, :, self.offset : end] = k
         self.values[:, :, self.offset : end] = v
         return self.keys[:, :, :end], self.values[:, :, :end]
@@ -38,10 +124,9 @@ class KVCache:
     def _grow(self, end: int, like: mx.array) -> None:
         cap = (end + KV_STEP - 1) // KV_STEP * KV_STEP
         B, H, _, D = like.shape
-        shape = (B, H, cap, D)
-        k_new = mx.zeros(shape, like.dtype)
-        v_new = mx.zeros(shape, like.dtype)
-        if self.keys is not None and self.offset > 0:
+        k_new = mx.zeros((B, H, cap, D), like.dtype)
+        v_new = mx.zeros((B, H, cap, D), like.dtype)
+        if self.keys is not None and self.values is not None and self.offset > 0:
             k_new[:, :, : self.offset] = self.keys[:, :, : self.offset]
             v_new[:, :, : self.offset] = self.values[:, :, : self.offset]
         self.keys, self.values = k_new, v_new
@@ -49,68 +134,123 @@ class KVCache:
     def advance(self, n: int) -> None:
         self.offset += n
 
-    def commit(self, path: list[int]) -> None:
-        """Keep tree rows `path` (node indices, root first): compact them to contiguous slots."""
-        if path != list(range(len(path))):
-            rows = mx.array([self.offset + i for i in path])
+    def commit(self, path: AcceptedPath) -> None:
+        """Keep tree rows `path`: compact them to contiguous slots after the committed ones."""
+        if not path.is_prefix:
+            assert self.keys is not None and self.values is not None
+            rows = self.offset + path.index
             end = self.offset + len(path)
             self.keys[:, :, self.offset : end] = self.keys[:, :, rows]
             self.values[:, :, self.offset : end] = self.values[:, :, rows]
         self.advance(len(path))
 
+    def arrays(self) -> list[mx.array]:
+        return [] if self.keys is None or self.values is None else [self.keys, self.values]
+
+    def snapshot(self, length: int) -> KVSnapshot:
+        if self.offset != length or self.keys is None or self.values is None:
+            raise ValueError(f"KV cache holds {self.offset} tokens, the snapshot is for {length}")
+        # a copy of the first rows: the live buffer keeps being written in place
+        return KVSnapshot(mx.contiguous(self.keys[:, :, :length]), mx.contiguous(self.values[:, :, :length]))
+
+    def restore(self, snap: LayerSnapshot, length: int) -> None:
+        """Into a fresh cache: the first `length` rows of the snapshot (any length up to its own)."""
+        if not isinstance(snap, KVSnapshot) or length > snap.length or self.offset:
+            raise ValueError(f"cannot restore {snap!r} into this KV cache at {length} tokens")
+        self.write(snap.keys[:, :, :length], snap.values[:, :, :length])
+        self.advance(length)
+
+    def mark(self) -> int:
+        return self.offset
+
+    def rewind(self, mark: object) -> None:
+        """Back to a mark: rows past it become scratch (valid while only appends happened since)."""
+        assert isinstance(mark, int) and mark <= self.offset
+        self.offset = mark
+
     @property
     def nbytes(self) -> int:
-        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
-
-
-@dataclass
-class GDNPending:
-    """What a GDN layer's verify leaves for the commit (batch 1 squeezed, fp32).
-
-    A tree of N > 1 nodes keeps per-node rows to fold the accepted path; a one-node tree
-    keeps its (conv state, state) after the root directly.
-    """
-
-    x: mx.array | None = None  # [N, C] pre-conv rows (the conv state is rebuilt along the path)
-    k: mx.array | None = None  # [N, Hv, Dk]
-    u: mx.array | None = None  # [N, Hv, Dv] innovations delta_i
-    g: mx.array | None = None  # [N, Hv] log-decays
-    single: tuple[mx.array, mx.array] | None = None
+        return sum(a.nbytes for a in self.arrays())
 
 
 class GDNCache:
-    """Gated DeltaNet layer state: conv state [1, K-1, C] and recurrent state [1, Hv, Dv, Dk] fp32."""
+    """Gated DeltaNet layer state: conv state [K-1, C] (the compute dtype) and recurrent state
+    [Hv, Dv, Dk] (float32). A verify defers its result here until `commit(path)`."""
 
-    def __init__(self) -> None:
+    def __init__(self, core: GDNCore, shape: GDNShape) -> None:
+        self.core, self.shape = core, shape
         self.conv_state: mx.array | None = None
         self.state: mx.array | None = None
-        self.pending: GDNPending | None = None
+        # a verify's result: a one-node tree's states directly, a larger tree's rows to fold
+        self.pending: tuple[mx.array, mx.array] | TreeRows | None = None
+        self.length = 0  # tokens the committed state has consumed
 
-    def commit(self, path: list[int]) -> None:
-        p = self.pending
-        if p is None:
+    def states(self, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+        """(conv state, state) to read; zeros before the first token."""
+        if self.conv_state is None or self.state is None:
+            s = self.shape
+            self.conv_state = mx.zeros((s.K - 1, s.conv_dim), dtype)
+            self.state = mx.zeros((s.Hv, s.Dv, s.Dk), mx.float32)
+        return self.conv_state, self.state
+
+    def write(self, conv_state: mx.array, state: mx.array, tokens: int) -> None:
+        """A chain of `tokens` tokens was consumed: its states replace the committed ones."""
+        self.conv_state, self.state = conv_state, state
+        self.length += tokens
+
+    def defer(self, result: tuple[mx.array, mx.array] | TreeRows) -> None:
+        self.pending = result
+
+    def commit(self, path: AcceptedPath) -> None:
+        if self.pending is None or self.conv_state is None or self.state is None:
             raise RuntimeError("commit without a pending verify")
-        if p.single is not None:
-            conv, S = p.single
+        if isinstance(self.pending, TreeRows):
+            conv, S = self.core.commit(self.pending, path.index, self.conv_state, self.state)
         else:
-            S = gdn_tree.gdn_commit_fold(p.k, p.u, p.g, path, self.state[0])
-            conv = gdn_tree.conv_state_after(p.x, path, self.conv_state[0]).astype(self.conv_state.dtype)
-        self.conv_state, self.state = conv[None], S[None]
+            if len(path) != 1:
+                raise ValueError(f"a one-node verify commits a path of one node, got {path.nodes}")
+            conv, S = self.pending
+        self.pending = None
+        self.write(conv, S, len(path))
+
+    def arrays(self) -> list[mx.array]:
+        return [a for a in (self.conv_state, self.state) if a is not None]
+
+    def snapshot(self, length: int) -> GDNSnapshot:
+        if self.length != length or self.conv_state is None or self.state is None:
+            raise ValueError(f"GDN state has consumed {self.length} tokens, the snapshot is for {length}")
+        return GDNSnapshot(self.conv_state, self.state, length)
+
+    def restore(self, snap: LayerSnapshot, length: int) -> None:
+        """Recurrent state cannot be cut: only the snapshot's own length restores."""
+        if not isinstance(snap, GDNSnapshot) or snap.length != length:
+            raise ValueError(f"cannot restore {snap!r} into a GDN cache at {length} tokens")
+        self.conv_state, self.state, self.length = snap.conv_state, snap.state, length
+
+    def mark(self) -> tuple[mx.array | None, mx.array | None, int]:
+        return self.conv_state, self.state, self.length
+
+    def rewind(self, mark: object) -> None:
+        assert isinstance(mark, tuple) and len(mark) == 3
+        self.conv_state, self.state, self.length = mark
         self.pending = None
 
     @property
     def nbytes(self) -> int:
-        n = 0 if self.state is None else self.state.nbytes
-        return n + (0 if self.conv_state is None else self.conv_state.nbytes)
+        return sum(a.nbytes for a in self.arrays())
 
 
-LayerCache = KVCache | GDNCache
-
-
-def commit_all(cache: list[LayerCache], path: list[int]) -> None:
+def commit_all(cache: Sequence[LayerCache], path: AcceptedPath) -> None:
     for c in cache:
         c.commit(path)
 
 
-def cache_nbytes(cache: list[LayerCache]) -> int:
-    return sum(c.nbytes for c in cache)
+def snapshot_all(cache: Sequence[LayerCache], length: int) -> tuple[LayerSnapshot, ...]:
+    snaps = tuple(c.snapshot(length) for c in cache)
+    mx.eval([a for s in snaps for a in s.arrays()])
+    return snaps
+
+
+def restore_all(cache: Sequence[LayerCache], snaps: Sequence[LayerSnapshot], length: int) -> None:
+    for c, s in zip(cache, snaps, strict=True):
+        c.restore(s, length)

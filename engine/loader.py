@@ -91,8 +91,9 @@ def _skip_group(key: str) -> str:
     return "mtp" if "mtp." in key else "vision"
 
 
-def _sanitize(model: nn.Module, tensors: dict[str, mx.array], origin: dict[str, str],
-              loaded: LoadedModel) -> tuple[dict[str, mx.array], dict[str, str]]:
+def _canonical(tensors: dict[str, mx.array], origin: dict[str, str],
+               loaded: LoadedModel) -> tuple[dict[str, mx.array], dict[str, str]]:
+    """Checkpoint names -> our parameter names; skipped groups are counted in `loaded`."""
     out, where = {}, {}
     for key, value in tensors.items():
         name = _canonical_name(key)
@@ -101,15 +102,6 @@ def _sanitize(model: nn.Module, tensors: dict[str, mx.array], origin: dict[str, 
             loaded.skipped[group] = loaded.skipped.get(group, 0) + 1
             continue
         out[name], where[name] = value, origin[key]
-    if model.args.tie_word_embeddings:
-        out.pop("lm_head.weight", None)
-    hf_layout = any(k.endswith("conv1d.weight") and v.ndim == 3 and v.shape[-1] != 1 for k, v in out.items())
-    for name in list(out):
-        v = out[name]
-        if name.endswith("conv1d.weight") and v.ndim == 3:
-            out[name] = v[:, 0, :] if v.shape[-1] != 1 else v[..., 0]
-        elif hf_layout and v.ndim == 1 and name.endswith(model.zero_centred_norms):
-            out[name] = v.astype(mx.float32) + 1.0
     return out, where
 
 
@@ -157,13 +149,14 @@ def load_model(path: str | Path, dtype: str = "float32") -> LoadedModel:
     model_type, cfg = read_config(path)
     family = FAMILIES[model_type]
     try:
-        args = family.ModelArgs.from_config(cfg)
+        args = family.args_from_config(cfg)
     except KeyError as e:
         raise CheckpointError(f"{path / 'config.json'}: missing key {e.args[0]!r}") from None
     model = family.Model(args)
     loaded = LoadedModel(model=model, config=cfg, path=path)
     tensors, origin = _read_tensors(path)
-    weights, where = _sanitize(model, tensors, origin, loaded)
+    weights, where = _canonical(tensors, origin, loaded)
+    weights = model.sanitize(weights)
     loaded.quantization = _quantize(model, cfg, weights)
     model.load_weights(_check_and_cast(model, weights, where, path, DTYPES[dtype]), strict=True)
     mx.eval(model.parameters())

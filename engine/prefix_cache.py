@@ -2,102 +2,124 @@
 
 Recurrent (GDN) and conv states cannot be truncated, so a hybrid model resumes only from a
 stored snapshot whose tokens are a prefix of the new prompt; an attention-only model may resume
-from any common prefix length (its K/V are just cut). Snapshots are immutable MLX arrays, taken
-at the end of a prompt, the end of a generation, and chat-message boundaries (before each
-`<|im_start|>`) so that the next turn of a conversation, which re-renders the history, hits.
+from any common prefix (its K/V are just cut). Snapshots are taken at the end of a prompt, the end
+of a generation, and chat-message boundaries (before each `<|im_start|>`), so that the next turn
+of a conversation, which re-renders the history, hits.
 
-Bounded by bytes of the arrays actually held; least recently used snapshots go first.
+Keys live in a token trie, so a lookup walks the prompt once instead of comparing it with every
+key. Bounded by bytes of the arrays actually held; when over budget, generation-end snapshots go
+first (a conversation's next turn re-renders the answer and rarely resumes there), then the least
+recently used of the others.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
 
-import mlx.core as mx
+from engine.cache import LayerCache, LayerSnapshot, restore_all, snapshot_all
 
-from engine.cache import KVCache, LayerCache
+Kind = Literal["boundary", "prompt", "generation"]
 
 
 @dataclass(frozen=True)
 class Snapshot:
     tokens: tuple[int, ...]
-    layers: tuple[tuple[mx.array, mx.array], ...]  # per layer: (keys, values) or (conv_state, state)
-    nbytes: int
+    layers: tuple[LayerSnapshot, ...]
+    kind: Kind
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.layers)
 
 
-def snapshot(cache: list[LayerCache], tokens: tuple[int, ...]) -> Snapshot:
-    n = len(tokens)
-    layers = []
-    for c in cache:
-        if isinstance(c, KVCache):
-            if c.offset != n:
-                raise ValueError(f"KV cache holds {c.offset} tokens, the snapshot key {n}")
-            # a copy of the first n rows: the live buffer keeps growing in place
-            layers.append((mx.contiguous(c.keys[:, :, :n]), mx.contiguous(c.values[:, :, :n])))
-        else:
-            layers.append((c.conv_state, c.state))
-    mx.eval(layers)
-    return Snapshot(tokens, tuple(layers), sum(a.nbytes + b.nbytes for a, b in layers))
-
-
-def restore(snap: Snapshot, cache: list[LayerCache], length: int) -> None:
-    """Load the first `length` tokens of a snapshot into fresh caches (length < len only for
-    attention-only models)."""
-    for c, (a, b) in zip(cache, snap.layers):
-        if isinstance(c, KVCache):
-            c.write(a[:, :, :length], b[:, :, :length])
-            c.advance(length)
-        else:
-            c.conv_state, c.state = a, b
+@dataclass
+class _Node:
+    children: dict[int, _Node] = field(default_factory=dict)
+    snapshot: Snapshot | None = None
 
 
 class PrefixCache:
     def __init__(self, budget_bytes: int, enabled: bool = True, trimmable: bool = False) -> None:
         self.budget, self.enabled, self.trimmable = budget_bytes, enabled, trimmable
-        self.entries: OrderedDict[tuple[int, ...], Snapshot] = OrderedDict()
+        self.root = _Node()
+        self.entries: OrderedDict[tuple[int, ...], Snapshot] = OrderedDict()  # least recently used first
         self.nbytes = 0
 
-    def lookup(self, prompt: list[int]) -> tuple[Snapshot | None, int]:
-        """The best snapshot for a prompt whose tokens [0, len(prompt)) go into the cache:
-        -> (snapshot, tokens it covers). Hybrid: a stored key that is a prefix of the prompt;
-        attention-only: the longest common prefix with any stored key."""
-        best, best_len = None, 0
+    def lookup(self, prompt: Sequence[int]) -> tuple[Snapshot | None, int]:
+        """The best snapshot for a prompt whose tokens [0, len(prompt)) go into the cache
+        -> (snapshot, tokens of it to use). Hybrid: the longest stored key that is a prefix of the
+        prompt; attention-only: any key sharing the longest common prefix, cut to it."""
         if not self.enabled:
             return None, 0
-        for key, snap in self.entries.items():
-            n = _common_prefix(key, prompt)
-            if n < len(key) and not self.trimmable:
-                continue
-            if n > best_len:
-                best, best_len = snap, n
-        if best is not None:
-            self.entries.move_to_end(best.tokens)
-        return best, best_len
+        best: tuple[Snapshot | None, int] = (None, 0)
+        node, depth = self.root, 0
+        for t in prompt:
+            child = node.children.get(t)
+            if child is None:
+                break
+            node, depth = child, depth + 1
+            if node.snapshot is not None:
+                best = (node.snapshot, depth)
+        if self.trimmable and depth > best[1]:
+            below = _any_snapshot(node)
+            if below is not None:
+                best = (below, depth)
+        if best[0] is not None:
+            self.entries.move_to_end(best[0].tokens)
+        return best
 
-    def store(self, cache: list[LayerCache], tokens: list[int]) -> None:
+    def restore_longest(self, prompt: Sequence[int], cache: list[LayerCache]) -> int:
+        """Load the best snapshot for `prompt` into fresh caches -> tokens restored (0: none)."""
+        snap, length = self.lookup(prompt)
+        if snap is None:
+            return 0
+        restore_all(cache, snap.layers, length)
+        return length
+
+    def store(self, cache: list[LayerCache], tokens: Sequence[int], kind: Kind = "prompt") -> None:
         key = tuple(tokens)
-        if not self.enabled or not key or key in self.entries:
-            if key in self.entries:
-                self.entries.move_to_end(key)
+        if not self.enabled or not key:
             return
-        snap = snapshot(cache, key)
+        if key in self.entries:
+            self.entries.move_to_end(key)
+            return
+        snap = Snapshot(key, snapshot_all(cache, len(key)), kind)
         if snap.nbytes > self.budget:
             return
+        node = self.root
+        for t in key:
+            node = node.children.setdefault(t, _Node())
+        node.snapshot = snap
         self.entries[key] = snap
         self.nbytes += snap.nbytes
         while self.nbytes > self.budget:
-            _, old = self.entries.popitem(last=False)
-            self.nbytes -= old.nbytes
+            older = list(self.entries)[:-1]  # the snapshot just stored stays
+            victims = [k for k in older if self.entries[k].kind == "generation"] or older
+            self._evict(victims[0])
 
-    def clear(self) -> None:
-        self.entries.clear()
-        self.nbytes = 0
+    def _evict(self, key: tuple[int, ...]) -> None:
+        snap = self.entries.pop(key)
+        self.nbytes -= snap.nbytes
+        path = [self.root]
+        for t in key:
+            path.append(path[-1].children[t])
+        path[-1].snapshot = None
+        for depth in range(len(key), 0, -1):  # drop nodes that lead nowhere any more
+            node = path[depth]
+            if node.children or node.snapshot is not None:
+                break
+            del path[depth - 1].children[key[depth - 1]]
 
 
-def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+def _any_snapshot(node: _Node) -> Snapshot | None:
+    """A snapshot stored at or below `node` (the nearest by breadth-first search)."""
+    frontier = [node]
+    while frontier:
+        for n in frontier:
+            if n.snapshot is not None:
+                return n.snapshot
+        frontier = [c for n in frontier for c in n.children.values()]
+    return None

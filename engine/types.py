@@ -32,6 +32,8 @@ class Stats:
     forward_passes: int = 0  # target forward passes during decode (verify calls)
     drafted: int = 0  # draft nodes proposed (root excluded)
     accepted: int = 0  # draft nodes the target agreed with
+    # accepted_per_pos[i]: rounds whose accepted path reached depth i + 1 (vLLM's per-position counters)
+    accepted_per_pos: list[int] = field(default_factory=list)
     draft_ms: float = 0.0
     verify_ms: float = 0.0
     commit_ms: float = 0.0

@@ -14,7 +14,8 @@ from collections.abc import Callable
 import mlx.core as mx
 import numpy as np
 
-from engine.gdn_tree import gdn_commit_fold, gdn_commit_replay, gdn_tree_dense, gdn_tree_sequential
+from engine.gdn.ops import commit_fold, tree_dense
+from engine.gdn.reference import commit_replay, tree_sequential
 from engine.tree import DraftTree
 
 
@@ -58,13 +59,13 @@ def bench(n: int, shape: str, hv: int, dk: int, dv: int, rng: np.random.Generato
     tree = make_tree(shape, n, rng)
     q, k, v, g, beta, S0 = layer_inputs(n, hv, dk, dv, rng)
     mask, path = tree.ancestor_mask(), tree.path_to(n - 1)
-    _, u = gdn_tree_dense(q, k, v, g, beta, mask, S0)
+    _, u = tree_dense(q, k, v, g, beta, mask, S0)
     return {
-        "sequential": time_ms(lambda: gdn_tree_sequential(q, k, v, g, beta, tree.parents, S0)),
-        "dense_neumann": time_ms(lambda: gdn_tree_dense(q, k, v, g, beta, mask, S0, solver="neumann")),
-        "dense_subst": time_ms(lambda: gdn_tree_dense(q, k, v, g, beta, mask, S0, solver="substitution")),
-        "commit_fold": time_ms(lambda: gdn_commit_fold(k, u, g, path, S0)),
-        "commit_replay": time_ms(lambda: gdn_commit_replay(k, v, g, beta, path, S0)),
+        "sequential": time_ms(lambda: tree_sequential(q, k, v, g, beta, tree.parents, S0)),
+        "dense_blocked": time_ms(lambda: tree_dense(q, k, v, g, beta, mask, S0, solver="blocked")),
+        "dense_subst": time_ms(lambda: tree_dense(q, k, v, g, beta, mask, S0, solver="substitution")),
+        "commit_fold": time_ms(lambda: commit_fold(k, u, g, path, S0)),
+        "commit_replay": time_ms(lambda: commit_replay(k, v, g, beta, path, S0)),
     }
 
 
@@ -78,7 +79,7 @@ def main() -> None:
     args = ap.parse_args()
     rng = np.random.default_rng(args.seed)
     print(f"device {mx.default_device()}, Hv={args.hv} Dk={args.dk} Dv={args.dv}; median ms per layer call")
-    cols = ["sequential", "dense_neumann", "dense_subst", "commit_fold", "commit_replay"]
+    cols = ["sequential", "dense_blocked", "dense_subst", "commit_fold", "commit_replay"]
     print(f"{'shape':>6} {'N':>3} " + " ".join(f"{c:>13}" for c in cols))
     for shape in ("chain", "random"):
         for n in (int(s) for s in args.sizes.split(",")):

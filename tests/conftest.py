@@ -5,26 +5,18 @@ Each is made once per test session in a temp dir; tests never download anything.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _checkpoint_maker():
-    spec = importlib.util.spec_from_file_location("make_tiny_checkpoint", REPO / "scripts" / "make_tiny_checkpoint.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.helpers import checkpoint_maker
 
 
 def _make(tmp_path_factory, name: str, *args: str) -> Path:
     out = tmp_path_factory.mktemp(name)
-    _checkpoint_maker().main([str(out), *args])
+    checkpoint_maker().main([str(out), *args])
     return out
 
 

@@ -6,10 +6,10 @@ The draft model decodes a greedy chain of `depth` tokens with its ordinary one-t
 also offers its next most likely tokens as sibling leaves, up to the node budget. The tree is the
 chain plus those leaves.
 
-Rollback needs no copies: MLX arrays are immutable, so the draft cache's recurrent and conv
-states after each chain step are kept by reference, and attention K/V rows past an offset are
-scratch. After the target's accept the draft cache is set to the state after the accepted
-prefix of the chain, plus one step if the target took a sibling.
+Rollback needs no copies: the draft cache is marked after each chain step (engine/cache.py: a mark
+holds recurrent states by reference and an attention offset past which rows are scratch). After
+the target's accept the draft cache is set to the state after the accepted prefix of the chain,
+plus one step if the target took a sibling.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from engine import verify
-from engine.cache import KVCache
+from engine import forward
+from engine.cache import LayerCache
+from engine.models.base import CausalLM
 from engine.tree import DraftTree
 
 
@@ -29,17 +30,17 @@ class ChainConfig:
     siblings: int = 2  # alternatives offered per level besides the chain token
 
 
-class ChainDraftDrafter:
-    def __init__(self, model, config: ChainConfig = ChainConfig()) -> None:
+class DraftChainDrafter:
+    def __init__(self, model: CausalLM, config: ChainConfig = ChainConfig()) -> None:
         self.model, self.config = model, config
-        self.cache = None
+        self.cache: list[LayerCache] = []
         self.chain: list[int] = []  # this round's chain tokens (root excluded)
-        self.root: int | None = None
-        self.saved: list[list] = []  # saved[d]: cache state after consuming d tokens of [root, *chain]
+        self.root = 0
+        self.saved: list[list[object]] = []  # saved[d]: cache marks after consuming d tokens of [root, *chain]
 
     def begin(self, prompt_ids: list[int]) -> None:
         self.cache = self.model.make_cache()
-        verify.extend(self.model, self.cache, prompt_ids[:-1])
+        forward.extend(self.model, self.cache, prompt_ids[:-1])
 
     def propose(self, root: int, budget: int, max_depth: int) -> DraftTree:
         depth = max(0, min(max_depth, budget))
@@ -56,7 +57,7 @@ class ChainDraftDrafter:
             probs.append(p[top])
             token = top[:1]
         if depth:
-            mx.eval(ids, probs, self.saved)
+            mx.eval(ids, probs, forward.state_arrays(self.cache))  # the marked states are on its way
         ids = [np.array(a).tolist() for a in ids]
         probs = [np.array(a).tolist() for a in probs]
         self.chain = [level[0] for level in ids]
@@ -80,14 +81,11 @@ class ChainDraftDrafter:
             have += 1
         self._restore(self.saved[have])
         # a sibling, or the last chain token (its state was not kept)
-        verify.extend(self.model, self.cache, wanted[have:])
+        forward.extend(self.model, self.cache, wanted[have:])
 
-    def _state(self) -> list:
-        return [c.offset if isinstance(c, KVCache) else (c.conv_state, c.state) for c in self.cache]
+    def _state(self) -> list[object]:
+        return [c.mark() for c in self.cache]
 
-    def _restore(self, state: list) -> None:
-        for c, s in zip(self.cache, state):
-            if isinstance(c, KVCache):
-                c.offset = s  # rows past it are scratch
-            else:
-                c.conv_state, c.state = s
+    def _restore(self, marks: list[object]) -> None:
+        for c, m in zip(self.cache, marks, strict=True):
+            c.rewind(m)

@@ -1,31 +1,45 @@
-"""Layers shared by the model families: norms, MLP, rotary embedding, attention with a KV cache."""
+"""Layers shared by the model families: the Batch record of a forward pass, norms, MLP, rotary
+embedding, and attention with a KV cache."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from engine.cache import KVCache
-from engine.gdn_tree import TreeMasks
+from engine.gdn.core import TreeInputs
+
+Mode = Literal["chain", "token", "tree"]
 
 
-@dataclass
-class TreeBatch:
-    """Rows of one verify pass: a draft tree laid out in topological order.
+@dataclass(frozen=True)
+class Batch:
+    """How the T new rows of a forward pass relate to the committed state.
 
-    positions [N] int32 are absolute (committed_len + depth). For N > 1 the per-tree masks are
-    built once here and shared by all layers: attn_mask [N, committed_len + N] (the prefix and
-    ancestors-or-self), gdn_masks for the dense GDN form, conv_taps [N, K] for the tree conv.
-    With N == 1 the single row sees the whole prefix and itself: no masks.
+    A chain (the default) continues the committed sequence and is written at once (prefill, a
+    drafter's own steps). A verify (`deferred`) is a draft tree in topological order, one row for
+    plain decoding: every row is computed from the committed state, nothing is written, and each
+    layer defers what `commit(path)` needs. For a verify, positions [N] int32 are absolute
+    (committed_len + depth); with N > 1 the per-tree masks are built once and shared by all layers:
+    attn_mask [N, committed_len + N] (the prefix and ancestors-or-self) and the GDN tree inputs.
     """
 
-    parents: tuple[int, ...]
-    positions: mx.array
+    deferred: bool = False
+    positions: mx.array | None = None
     attn_mask: mx.array | None = None
-    gdn_masks: TreeMasks | None = None
-    conv_taps: mx.array | None = None
+    gdn: TreeInputs | None = None
+
+    def mode(self, rows: int) -> Mode:
+        """What a layer computes: one token (chain step or one-node verify), a tree, or a chain."""
+        if rows == 1:
+            return "token"
+        return "tree" if self.deferred else "chain"
+
+
+CHAIN = Batch()
 
 
 class RMSNorm(nn.Module):
@@ -57,39 +71,24 @@ class RopeSpec:
     base: float
 
 
-def apply_rope(x: mx.array, rope: RopeSpec, offset: int, tree: TreeBatch | None) -> mx.array:
-    """x [1, H, T, D]. Chain rows sit at offset + t; tree rows at tree.positions.
+def apply_rope(x: mx.array, rope: RopeSpec, offset: int, batch: Batch) -> mx.array:
+    """x [1, H, T, D]. Chain rows sit at offset + t; verify rows at batch.positions.
 
-    Tree rows are laid out as batch rows so that mx.fast.rope takes one offset per row:
+    Verify rows are laid out as batch rows so that mx.fast.rope takes one offset per row:
     the same kernel as the chain path, hence the same rounding.
     """
-    if tree is None:
+    if batch.positions is None:
         return mx.fast.rope(x, rope.dims, traditional=False, base=rope.base, scale=1.0, offset=offset)
     rows = x.swapaxes(0, 2)  # [T, H, 1, D]
-    rows = mx.fast.rope(rows, rope.dims, traditional=False, base=rope.base, scale=1.0, offset=tree.positions)
+    rows = mx.fast.rope(rows, rope.dims, traditional=False, base=rope.base, scale=1.0, offset=batch.positions)
     return rows.swapaxes(0, 2)
-
-
-def attend(q: mx.array, k: mx.array, v: mx.array, cache: KVCache, scale: float, tree: TreeBatch | None) -> mx.array:
-    """q, k, v [1, H*, T, D] (RoPE applied). Writes k, v to the cache and attends.
-
-    Chain: causal over prefix + new rows, and the cache advances. Tree: each row sees the
-    committed prefix and its ancestors-or-self; the cache keeps the rows as scratch until commit.
-    """
-    T = q.shape[2]
-    keys, values = cache.write(k, v)
-    if tree is None:
-        mask = "causal" if T > 1 else None
-        cache.advance(T)
-    else:
-        mask = tree.attn_mask
-    return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
 
 
 class Attention(nn.Module):
     """GQA attention with per-head q/k RMSNorm and (Qwen3.5) a sigmoid output gate.
 
-    With output_gate, q_proj emits per head [query | gate] (2 * head_dim).
+    With output_gate, q_proj emits per head [query | gate] (2 * head_dim). The layer runs in three
+    phases around the cache: project (pure), attend (writes K/V, reads the cache), output (pure).
     """
 
     def __init__(self, dims: int, heads: int, kv_heads: int, head_dim: int, eps: float,
@@ -117,16 +116,21 @@ class Attention(nn.Module):
         v = self.v_proj(x).reshape(B, T, self.kv_heads, -1).transpose(0, 2, 1, 3)
         return [q, k, v, gate.reshape(B, T, -1)] if self.output_gate else [q, k, v]
 
-    def attend(self, q: mx.array, k: mx.array, v: mx.array, cache: KVCache, tree: TreeBatch | None) -> mx.array:
-        offset = cache.offset
-        q = apply_rope(q, self.rope, offset, tree)
-        k = apply_rope(k, self.rope, offset, tree)
-        out = attend(q, k, v, cache, self.scale, tree)
-        return out.transpose(0, 2, 1, 3).reshape(q.shape[0], q.shape[2], -1)
+    def attend(self, q: mx.array, k: mx.array, v: mx.array, cache: KVCache, batch: Batch) -> mx.array:
+        """RoPE, write the rows to the cache, attend. A chain sees the prefix causally and the cache
+        advances; a verify row sees the prefix and its ancestors-or-self, and its rows stay scratch
+        until the commit. -> [1, T, heads * D]."""
+        T, offset = q.shape[2], cache.offset
+        q = apply_rope(q, self.rope, offset, batch)
+        k = apply_rope(k, self.rope, offset, batch)
+        keys, values = cache.write(k, v)
+        if batch.deferred:
+            mask = batch.attn_mask
+        else:
+            mask = "causal" if T > 1 else None
+            cache.advance(T)
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
+        return out.transpose(0, 2, 1, 3).reshape(q.shape[0], T, -1)
 
     def output(self, out: mx.array, gate: mx.array | None) -> mx.array:
-        return self.o_proj(out * mx.sigmoid(gate) if self.output_gate else out)
-
-    def __call__(self, x: mx.array, cache: KVCache, tree: TreeBatch | None) -> mx.array:
-        q, k, v, *gate = self.project(x)
-        return self.output(self.attend(q, k, v, cache, tree), gate[0] if gate else None)
+        return self.o_proj(out * mx.sigmoid(gate) if gate is not None else out)

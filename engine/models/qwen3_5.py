@@ -2,81 +2,47 @@
 `full_attention_interval` layers (layer i is attention iff (i+1) % interval == 0).
 
 Parameter names mirror the HF checkpoint (`model.layers.N.linear_attn.in_proj_qkv.weight`, ...),
-so the loader only strips prefixes. The model maps (tokens, cache, tree) -> logits.
+so the loader only strips prefixes. The model maps (tokens, cache, batch) -> logits.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine import gdn, gdn_tree
-from engine.cache import GDNCache, GDNPending, KVCache, LayerCache
-from engine.models.layers import MLP, Attention, RMSNorm, RopeSpec, TreeBatch
+from engine.cache import GDNCache, KVCache, LayerCache
+from engine.gdn import ops
+from engine.gdn.core import GDNCore, GDNShape, GDNWeights, TreeInputs, TreeRows
+from engine.kernels import select_gdn_core
+from engine.models.base import ModelArgs, decoder_fields
+from engine.models.layers import CHAIN, MLP, Attention, Batch, Mode, RMSNorm, RopeSpec
 
 
-@dataclass(frozen=True)
-class ModelArgs:
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    tie_word_embeddings: bool
-    rope_theta: float
-    partial_rotary_factor: float
-    layer_is_attention: tuple[bool, ...]
-    linear_num_key_heads: int = 0
-    linear_num_value_heads: int = 0
-    linear_key_head_dim: int = 0
-    linear_value_head_dim: int = 0
-    linear_conv_kernel_dim: int = 4
-
-    @classmethod
-    def from_config(cls, cfg: dict) -> ModelArgs:
-        """cfg: the text config (nested text_config already merged by the loader)."""
-        n = cfg["num_hidden_layers"]
-        if "layer_types" in cfg:
-            is_attn = tuple(t == "full_attention" for t in cfg["layer_types"])
-        else:
-            every = cfg.get("full_attention_interval", 4)
-            is_attn = tuple((i + 1) % every == 0 for i in range(n))
-        return cls(
-            **decoder_fields(cfg, default_theta=1e7, default_rotary=0.25),
-            layer_is_attention=is_attn,
-            linear_num_key_heads=cfg["linear_num_key_heads"],
-            linear_num_value_heads=cfg["linear_num_value_heads"],
-            linear_key_head_dim=cfg["linear_key_head_dim"],
-            linear_value_head_dim=cfg["linear_value_head_dim"],
-            linear_conv_kernel_dim=cfg.get("linear_conv_kernel_dim", 4),
-        )
-
-
-def decoder_fields(cfg: dict, default_theta: float, default_rotary: float) -> dict:
-    """The ModelArgs fields every decoder family reads the same way."""
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    heads = cfg["num_attention_heads"]
-    return dict(
-        model_type=cfg["model_type"],
-        vocab_size=cfg["vocab_size"],
-        hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg["intermediate_size"],
-        num_hidden_layers=cfg["num_hidden_layers"],
-        num_attention_heads=heads,
-        num_key_value_heads=cfg.get("num_key_value_heads", heads),
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", default_theta))),
-        partial_rotary_factor=float(rope.get("partial_rotary_factor",
-                                             cfg.get("partial_rotary_factor", default_rotary))),
+def args_from_config(cfg: dict[str, Any]) -> ModelArgs:
+    """cfg: the text config (nested text_config already merged by the loader)."""
+    n = cfg["num_hidden_layers"]
+    if "layer_types" in cfg:
+        is_attn = tuple(t == "full_attention" for t in cfg["layer_types"])
+    else:
+        every = cfg.get("full_attention_interval", 4)
+        is_attn = tuple((i + 1) % every == 0 for i in range(n))
+    return ModelArgs(
+        **decoder_fields(cfg, default_theta=1e7, default_rotary=0.25),
+        layer_is_attention=is_attn,
+        linear_num_key_heads=cfg["linear_num_key_heads"],
+        linear_num_value_heads=cfg["linear_num_value_heads"],
+        linear_key_head_dim=cfg["linear_key_head_dim"],
+        linear_value_head_dim=cfg["linear_value_head_dim"],
+        linear_conv_kernel_dim=cfg.get("linear_conv_kernel_dim", 4),
     )
+
+
+def gdn_shape(a: ModelArgs) -> GDNShape:
+    return GDNShape(a.linear_num_key_heads, a.linear_num_value_heads, a.linear_key_head_dim,
+                    a.linear_value_head_dim, a.linear_conv_kernel_dim)
 
 
 class DepthwiseConv(nn.Module):
@@ -102,211 +68,202 @@ class GatedRMSNorm(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, a: ModelArgs) -> None:
+    """Input projections -> recurrent core (engine/gdn/core.py) -> gated norm -> output projection."""
+
+    def __init__(self, a: ModelArgs, core: GDNCore) -> None:
         super().__init__()
-        self.Hk, self.Hv = a.linear_num_key_heads, a.linear_num_value_heads
-        self.Dk, self.Dv = a.linear_key_head_dim, a.linear_value_head_dim
-        self.key_dim, self.value_dim = self.Hk * self.Dk, self.Hv * self.Dv
-        self.conv_dim = 2 * self.key_dim + self.value_dim
-        self.K = a.linear_conv_kernel_dim
-        H = a.hidden_size
-        self.in_proj_qkv = nn.Linear(H, self.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(H, self.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(H, self.Hv, bias=False)
-        self.in_proj_a = nn.Linear(H, self.Hv, bias=False)
-        self.conv1d = DepthwiseConv(self.conv_dim, self.K)
-        self.A_log = mx.zeros((self.Hv,))
-        self.dt_bias = mx.ones((self.Hv,))
-        self.norm = GatedRMSNorm(self.Dv, a.rms_norm_eps)
-        self.out_proj = nn.Linear(self.value_dim, H, bias=False)
+        self.shape = gdn_shape(a)
+        self.core = core
+        s, H = self.shape, a.hidden_size
+        self.in_proj_qkv = nn.Linear(H, s.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(H, s.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(H, s.Hv, bias=False)
+        self.in_proj_a = nn.Linear(H, s.Hv, bias=False)
+        self.conv1d = DepthwiseConv(s.conv_dim, s.K)
+        self.A_log = mx.zeros((s.Hv,))
+        self.dt_bias = mx.ones((s.Hv,))
+        self.norm = GatedRMSNorm(s.Dv, a.rms_norm_eps)
+        self.out_proj = nn.Linear(s.value_dim, H, bias=False)
 
-    def _split_heads(self, y: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        """Post-conv rows [T, C] -> q, k [T, Hv, Dk] (normalised, repeated) and v [T, Hv, Dv]."""
-        T = y.shape[0]
-        q = y[:, : self.key_dim].reshape(T, self.Hk, self.Dk)
-        k = y[:, self.key_dim : 2 * self.key_dim].reshape(T, self.Hk, self.Dk)
-        v = y[:, 2 * self.key_dim :].reshape(T, self.Hv, self.Dv).astype(mx.float32)
-        q = gdn.l2norm(q) * (self.Dk**-0.5)
-        k = gdn.l2norm(k)
-        if self.Hv != self.Hk:
-            q = mx.repeat(q, self.Hv // self.Hk, axis=1)
-            k = mx.repeat(k, self.Hv // self.Hk, axis=1)
-        return q, k, v
+    def forward(self, mode: Mode, x: mx.array, conv_state: mx.array, S: mx.array,
+                tree: tuple[mx.array, ...]) -> tuple[mx.array, tuple[mx.array, ...]]:
+        """Pure (compilable): x [1, T, H] -> (out [1, T, H], what the cache keeps: the new
+        (conv state, state) for a token or a chain, the TreeRows fields for a tree)."""
+        s, T = self.shape, x.shape[1]
+        qkv, a, b = self.in_proj_qkv(x)[0], self.in_proj_a(x)[0], self.in_proj_b(x)[0]
+        w = GDNWeights(self.conv1d.weight, self.A_log, self.dt_bias)
+        result: tuple[mx.array, ...]
+        if mode == "tree":
+            taps, *masks = tree
+            o, rows = self.core.tree(s, w, qkv, a, b, conv_state, S, TreeInputs(taps, ops.TreeMasks(*masks)))
+            result = (rows.x, rows.k, rows.u, rows.g)
+        else:
+            run = self.core.step if mode == "token" else self.core.chain
+            o, conv_state, S = run(s, w, qkv, a, b, conv_state, S)
+            result = (conv_state, S)
+        z = self.in_proj_z(x)[0].reshape(T, s.Hv, s.Dv)
+        out = self.norm(o, z).astype(x.dtype).reshape(1, T, -1)
+        return self.out_proj(out), result
 
-    def initial_state(self, cache: GDNCache, dtype) -> tuple[mx.array, mx.array]:
-        if cache.state is None:
-            cache.conv_state = mx.zeros((1, self.K - 1, self.conv_dim), dtype)
-            cache.state = mx.zeros((1, self.Hv, self.Dv, self.Dk), mx.float32)
-        return cache.conv_state[0], cache.state[0]
-
-    def token(self, x: mx.array, conv_state: mx.array, S0: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        """One token, pure (compilable): x [1, 1, H] -> (out [1, 1, H], new conv state, new state)."""
-        qkv = self.in_proj_qkv(x)[0]
-        z = self.in_proj_z(x)[0].reshape(1, self.Hv, self.Dv)
-        g, beta = gdn.gates(self.in_proj_a(x)[0], self.in_proj_b(x)[0], self.A_log, self.dt_bias)
-        y, new_conv = gdn.causal_conv(qkv, conv_state, self.conv1d.weight)
-        q, k, v = self._split_heads(y)
-        o, S = gdn.gdn_step(q[0], k[0], v[0], g[0], beta[0], S0)
-        out = self.norm(o[None], z).astype(x.dtype).reshape(1, 1, -1)
-        return self.out_proj(out), new_conv, S
-
-    def tree_rows(self, x: mx.array, conv_state: mx.array, S0: mx.array, taps: mx.array,
-                  masks: gdn_tree.TreeMasks) -> tuple[mx.array, ...]:
-        """N tree rows, pure (compilable): x [1, N, H] -> (out [1, N, H], and for the commit:
-        pre-conv rows [N, C], k [N, Hv, Dk], innovations u [N, Hv, Dv], log-decays g [N, Hv])."""
-        N = x.shape[1]
-        qkv = self.in_proj_qkv(x)[0]
-        z = self.in_proj_z(x)[0].reshape(N, self.Hv, self.Dv)
-        g, beta = gdn.gates(self.in_proj_a(x)[0], self.in_proj_b(x)[0], self.A_log, self.dt_bias)
-        y = gdn_tree.tree_conv(qkv, None, conv_state, self.conv1d.weight, taps)
-        q, k, v = self._split_heads(y)
-        o, u = gdn_tree.gdn_tree_dense(q, k, v, g, beta, masks, S0)
-        out = self.norm(o, z).astype(x.dtype).reshape(1, N, -1)
-        return self.out_proj(out), qkv, k, u, g
-
-    def __call__(self, x: mx.array, cache: GDNCache, tree: TreeBatch | None) -> mx.array:
-        conv_state, S0 = self.initial_state(cache, x.dtype)
-        if x.shape[1] == 1:
-            out, new_conv, S = self.token(x, conv_state, S0)
-            store(cache, tree, new_conv, S)
-            return out
-        if tree is not None:
-            out, qkv, k, u, g = self.tree_rows(x, conv_state, S0, tree.conv_taps, tree.gdn_masks)
-            cache.pending = GDNPending(x=qkv, k=k, u=u, g=g)
-            return out
-        B, T, _ = x.shape
-        qkv = self.in_proj_qkv(x)[0]
-        z = self.in_proj_z(x)[0].reshape(T, self.Hv, self.Dv)
-        g, beta = gdn.gates(self.in_proj_a(x)[0], self.in_proj_b(x)[0], self.A_log, self.dt_bias)
-        y, new_conv = gdn.causal_conv(qkv, conv_state, self.conv1d.weight)
-        q, k, v = self._split_heads(y)
-        o, S = gdn.gdn_chain(q, k, v, g, beta, S0)
-        cache.conv_state, cache.state = new_conv[None], S[None]
-        out = self.norm(o, z).astype(x.dtype).reshape(B, T, -1)
-        return self.out_proj(out)
+    @staticmethod
+    def store(cache: GDNCache, batch: Batch, mode: Mode, result: tuple[mx.array, ...], rows: int) -> None:
+        """A chain's states replace the committed ones; a verify's wait for the commit."""
+        if mode == "tree":
+            cache.defer(TreeRows(*result))
+        elif batch.deferred:
+            conv_state, S = result
+            cache.defer((conv_state, S))
+        else:
+            conv_state, S = result
+            cache.write(conv_state, S, rows)
 
 
-def store(cache: GDNCache, tree: TreeBatch | None, conv_state: mx.array, S: mx.array) -> None:
-    """A chain token is written at once; a one-node tree waits for its commit."""
-    if tree is None:
-        cache.conv_state, cache.state = conv_state[None], S[None]
-    else:
-        cache.pending = GDNPending(single=(conv_state, S))
+def tree_arrays(batch: Batch) -> tuple[mx.array, ...]:
+    """The per-tree GDN inputs as a flat tuple of arrays (what a compiled function can take)."""
+    if batch.gdn is None:
+        return ()
+    m = batch.gdn.masks
+    return (batch.gdn.conv_taps, m.incl, m.strict, m.incl_f32)
+
+
+class _Phases:
+    """A layer's functions per mode, built once (compiled for decoding)."""
+
+    def __init__(self) -> None:
+        self.by_mode: dict[tuple[Mode, bool], tuple[Callable[..., Any], Callable[..., Any]]] = {}
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, a: ModelArgs, is_attention: bool) -> None:
+    """Pre-norm mixer (attention or GDN) + pre-norm MLP, both residual.
+
+    A layer runs as pure functions around one cache access: attention projects, attends through
+    its KV cache, then outputs; GDN reads its states, computes the whole layer, then stores what
+    the cache keeps. Decoding (one token, a tree) is where per-op overhead dominates, so there the
+    pure functions are compiled (one trace per row count); a chain (prefill) runs them plain.
+    """
+
+    compile_decode = True  # class-wide switch: tests flip it to hold the compiled path to the plain one
+    attention_output_gate = True  # Qwen3.5 gates the attention output; Qwen3 does not
+
+    def __init__(self, a: ModelArgs, is_attention: bool, core: GDNCore) -> None:
         super().__init__()
         self.is_attention = is_attention
         if is_attention:
             rope = RopeSpec(int(a.head_dim * a.partial_rotary_factor), a.rope_theta)
             self.self_attn = Attention(a.hidden_size, a.num_attention_heads, a.num_key_value_heads,
-                                       a.head_dim, a.rms_norm_eps, rope, output_gate=True)
+                                       a.head_dim, a.rms_norm_eps, rope, self.attention_output_gate)
         else:
-            self.linear_attn = GatedDeltaNet(a)
+            self.linear_attn = GatedDeltaNet(a, core)
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.mlp = MLP(a.hidden_size, a.intermediate_size)
+        self._phases = _Phases()
 
-    def __call__(self, x: mx.array, cache: LayerCache, tree: TreeBatch | None) -> mx.array:
-        if self.compiled and (tree is not None or x.shape[1] == 1):
-            return self._compiled_forward(x, cache, tree)
-        mixer = self.self_attn if self.is_attention else self.linear_attn
-        h = x + mixer(self.input_layernorm(x), cache, tree)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-    # Decoding (a one-token step or a tree verify) is where per-op overhead dominates: the same
-    # code as above, split at the cache into pure parts that mx.compile fuses (one trace per
-    # row count). Chain prefill keeps the plain path.
-    compiled = True
-
-    def _compiled_forward(self, x: mx.array, cache: LayerCache, tree: TreeBatch | None) -> mx.array:
-        if not hasattr(self, "_fns"):
-            self._fns = self._compile_fns()
+    def __call__(self, x: mx.array, cache: LayerCache, batch: Batch) -> mx.array:
+        mode = batch.mode(x.shape[1])
+        before, after = self._functions(mode)
         if self.is_attention:
-            pre, post = self._fns
-            q, k, v, *gate = pre(x)
-            return post(x, self.self_attn.attend(q, k, v, cache, tree), *gate)
-        token_fn, tree_fn = self._fns
-        conv_state, S0 = self.linear_attn.initial_state(cache, x.dtype)
-        if x.shape[1] == 1:
-            out, new_conv, S = token_fn(x, conv_state, S0)
-            store(cache, tree, new_conv, S)
-            return out
-        m = tree.gdn_masks
-        out, qkv, k, u, g = tree_fn(x, conv_state, S0, tree.conv_taps, m.incl, m.strict, m.incl_f32, m.max_depth)
-        cache.pending = GDNPending(x=qkv, k=k, u=u, g=g)
-        return out
+            assert isinstance(cache, KVCache)
+            q, k, v, *gate = before(x)
+            return after(x, self.self_attn.attend(q, k, v, cache, batch), *gate)
+        assert isinstance(cache, GDNCache)
+        h, result = before(x, *cache.states(x.dtype), tree_arrays(batch))
+        self.linear_attn.store(cache, batch, mode, result, x.shape[1])
+        return after(h)
 
-    def _compile_fns(self):
-        def finish(h):
+    def _functions(self, mode: Mode) -> tuple[Callable[..., Any], Callable[..., Any]]:
+        compiled = self.compile_decode and mode != "chain"
+        key = (mode, compiled)
+        if key not in self._phases.by_mode:
+            before, after = self._pure_functions(mode)
+            if compiled:
+                before, after = mx.compile(before), mx.compile(after)
+            self._phases.by_mode[key] = (before, after)
+        return self._phases.by_mode[key]
+
+    def _pure_functions(self, mode: Mode) -> tuple[Callable[..., Any], Callable[..., Any]]:
+        def finish(h: mx.array) -> mx.array:
             return h + self.mlp(self.post_attention_layernorm(h))
 
-        if not self.is_attention:
-            gdn_layer = self.linear_attn
+        if self.is_attention:
+            attn = self.self_attn
 
-            def token(x, conv_state, S0):
-                o, new_conv, S = gdn_layer.token(self.input_layernorm(x), conv_state, S0)
-                return finish(x + o), new_conv, S
+            def project(x: mx.array) -> list[mx.array]:
+                return attn.project(self.input_layernorm(x))
 
-            def rows(x, conv_state, S0, taps, incl, strict, incl_f32, max_depth):
-                masks = gdn_tree.TreeMasks(incl, strict, incl_f32, max_depth)
-                o, *rest = gdn_layer.tree_rows(self.input_layernorm(x), conv_state, S0, taps, masks)
-                return (finish(x + o), *rest)
+            def output(x: mx.array, out: mx.array, gate: mx.array | None = None) -> mx.array:
+                return finish(x + attn.output(out, gate))
 
-            return mx.compile(token), mx.compile(rows)
-        attn = self.self_attn
+            return project, output
+        gdn = self.linear_attn
 
-        def post(x, out, gate=None):
-            return finish(x + attn.output(out, gate))
+        def layer(x: mx.array, conv_state: mx.array, S: mx.array, tree: tuple[mx.array, ...]):
+            out, result = gdn.forward(mode, self.input_layernorm(x), conv_state, S, tree)
+            return finish(x + out), result
 
-        return mx.compile(lambda x: attn.project(self.input_layernorm(x))), mx.compile(post)
+        return layer, _identity
+
+
+def _identity(h: mx.array) -> mx.array:
+    return h
 
 
 class TextModel(nn.Module):
-    def __init__(self, a: ModelArgs, layer_cls=DecoderLayer) -> None:
+    def __init__(self, a: ModelArgs, layer_cls: type[DecoderLayer], core: GDNCore) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
-        self.layers = [layer_cls(a, is_attn) for is_attn in a.layer_is_attention]
+        self.layers = [layer_cls(a, is_attn, core) for is_attn in a.layer_is_attention]
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
-    def __call__(self, tokens: mx.array, cache: list[LayerCache], tree: TreeBatch | None) -> mx.array:
+    def __call__(self, tokens: mx.array, cache: list[LayerCache], batch: Batch) -> mx.array:
         h = self.embed_tokens(tokens)
-        for layer, c in zip(self.layers, cache):
-            h = layer(h, c, tree)
+        for layer, c in zip(self.layers, cache, strict=True):
+            h = layer(h, c, batch)
         return self.norm(h)
 
 
+# Norms stored zero-centred in HF checkpoints (applied as 1 + w): sanitize adds 1.
+ZERO_CENTRED_NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight",
+                      "model.norm.weight", "q_norm.weight", "k_norm.weight")
+
+
 class Model(nn.Module):
-    """Causal LM: tokens [1, T] -> logits [1, T, V] (or [1, 1, V] with last_only)."""
+    """Causal LM: tokens [1, T] -> logits [1, T, V]."""
 
-    # Norms stored zero-centred in HF checkpoints (applied as 1 + w): the loader adds 1.
-    zero_centred_norms = ("input_layernorm.weight", "post_attention_layernorm.weight",
-                          "model.norm.weight", "q_norm.weight", "k_norm.weight")
+    layer_class: type[DecoderLayer] = DecoderLayer
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, core: GDNCore | None = None) -> None:
         super().__init__()
         self.args = args
-        self.model = TextModel(args, self.layer_class())
+        self.core = core or select_gdn_core()
+        self.model = TextModel(args, self.layer_class, self.core)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
-    @staticmethod
-    def layer_class():
-        return DecoderLayer
-
     def make_cache(self) -> list[LayerCache]:
-        return [KVCache() if attn else GDNCache() for attn in self.args.layer_is_attention]
+        shape = gdn_shape(self.args)
+        return [KVCache() if attn else GDNCache(self.core, shape) for attn in self.args.layer_is_attention]
 
-    def hidden(self, tokens: mx.array, cache: list[LayerCache], tree: TreeBatch | None = None) -> mx.array:
-        return self.model(tokens, cache, tree)
+    def hidden(self, tokens: mx.array, cache: list[LayerCache], batch: Batch = CHAIN) -> mx.array:
+        return self.model(tokens, cache, batch)
 
     def logits(self, h: mx.array) -> mx.array:
         if self.args.tie_word_embeddings:
             return self.model.embed_tokens.as_linear(h)
         return self.lm_head(h)
 
-    def __call__(self, tokens: mx.array, cache: list[LayerCache], tree: TreeBatch | None = None,
-                 last_only: bool = False) -> mx.array:
-        h = self.hidden(tokens, cache, tree)
-        return self.logits(h[:, -1:] if last_only else h)
+    def __call__(self, tokens: mx.array, cache: list[LayerCache], batch: Batch = CHAIN) -> mx.array:
+        return self.logits(self.hidden(tokens, cache, batch))
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        """HF layout stores the conv weight [C, 1, K] and zero-centred norms; MLX layout (mlx-lm)
+        stores the conv weight [C, K, 1] with the norms already shifted."""
+        if self.args.tie_word_embeddings:
+            weights.pop("lm_head.weight", None)
+        hf_layout = any(k.endswith("conv1d.weight") and v.ndim == 3 and v.shape[-1] != 1 for k, v in weights.items())
+        for name, v in weights.items():
+            if name.endswith("conv1d.weight") and v.ndim == 3:
+                weights[name] = v[:, 0, :] if v.shape[-1] != 1 else v[..., 0]
+            elif hf_layout and v.ndim == 1 and name.endswith(ZERO_CENTRED_NORMS):
+                weights[name] = v.astype(mx.float32) + 1.0
+        return weights

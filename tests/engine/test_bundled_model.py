@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from engine.loader import load_model
+from tests.helpers import hf_logits
 
 BUNDLED = Path(__file__).resolve().parents[2] / "engine" / "bundled"
 TARGET, DRAFT = BUNDLED / "target", BUNDLED / "draft"
@@ -71,14 +72,6 @@ def test_chat_template_renders(hf_tokenizer):
                    "<|im_start|>assistant\n<think>\n\n</think>\n\n")
     on = hf_tokenizer.apply_chat_template(messages[1:], tokenize=False, add_generation_prompt=True)
     assert on == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n"
-
-
-def hf_logits(path: Path, ids: list[int]) -> np.ndarray:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return model(input_ids=torch.tensor([ids])).logits[0].numpy()
 
 
 @pytest.mark.parametrize("path", [TARGET, DRAFT], ids=["target", "draft"])

@@ -6,8 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from engine import verify
-from engine.cache import GDNCache, KVCache
+from engine import forward
 from engine.config import SamplingParams
 from engine.loader import load_model
 from engine.sampler import accept
@@ -41,15 +40,11 @@ def random_tree(rng, root: int, n: int, vocab: int, truth: list[int]) -> DraftTr
 
 
 def assert_same_state(a, b, upto: int) -> None:
-    for ca, cb in zip(a, b):
-        if isinstance(ca, KVCache):
-            assert ca.offset == cb.offset == upto
-            np.testing.assert_allclose(np.array(ca.keys[:, :, :upto]), np.array(cb.keys[:, :, :upto]), atol=1e-5)
-            np.testing.assert_allclose(np.array(ca.values[:, :, :upto]), np.array(cb.values[:, :, :upto]), atol=1e-5)
-        else:
-            assert isinstance(ca, GDNCache)
-            np.testing.assert_allclose(np.array(ca.state), np.array(cb.state), atol=1e-5)
-            np.testing.assert_allclose(np.array(ca.conv_state), np.array(cb.conv_state), atol=1e-5)
+    """Every layer's state after `upto` tokens, through the cache protocol (snapshots raise when a
+    cache holds another length)."""
+    for ca, cb in zip(a, b, strict=True):
+        for x, y in zip(ca.snapshot(upto).arrays(), cb.snapshot(upto).arrays(), strict=True):
+            np.testing.assert_allclose(np.array(x), np.array(y), atol=1e-5)
 
 
 def test_commit_equals_replay(tiny_qwen35):
@@ -65,9 +60,9 @@ def test_commit_equals_replay(tiny_qwen35):
     for _ in range(12):
         done = len(seq) - len(prompt)
         tree = random_tree(rng, root, int(rng.integers(0, 12)), 512, truth[done : done + 6])
-        logits = verify.verify(model, cache, tree, committed)
+        logits = np.array(forward.verify(model, cache, tree, committed))
         acc = accept(tree, logits, params, 3, committed)
-        verify.commit(cache, list(acc.path))
+        forward.commit(cache, list(acc.path))
         committed += len(acc.path)
         seq += list(acc.tokens)
         root = acc.tokens[-1]
@@ -85,8 +80,8 @@ def plain_run(model, prompt, params, n) -> list[int]:
     out, committed, root = [], len(prompt) - 1, prompt[-1]
     while len(out) < n:
         tree = DraftTree.single(root)
-        acc = accept(tree, verify.verify(model, cache, tree, committed), params, 3, committed)
-        verify.commit(cache, list(acc.path))
+        acc = accept(tree, np.array(forward.verify(model, cache, tree, committed)), params, 3, committed)
+        forward.commit(cache, list(acc.path))
         committed += 1
         out += acc.tokens
         root = acc.tokens[-1]

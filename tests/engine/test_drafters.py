@@ -8,7 +8,7 @@ import pytest
 from engine.config import EngineConfig, SamplingParams, SpecConfig
 from engine.drafters.ngram import NgramDrafter
 from engine.generate import Engine
-from engine.types import GenerationRequest
+from tests.helpers import checkpoint_maker, generate
 
 GREEDY = SamplingParams(max_tokens=48, ignore_eos=True)
 SAMPLED = SamplingParams(max_tokens=48, temperature=0.8, top_k=40, seed=99, ignore_eos=True)
@@ -17,11 +17,6 @@ SAMPLED = SamplingParams(max_tokens=48, temperature=0.8, top_k=40, seed=99, igno
 @pytest.fixture(scope="module")
 def engine(tiny_qwen35):
     return Engine(EngineConfig(model_path=str(tiny_qwen35), prefill_chunk=16))
-
-
-def run(engine, prompt, sampling, spec=None):
-    steps = list(engine.generate(GenerationRequest(prompt_ids=prompt, sampling=sampling, spec=spec)))
-    return [t for s in steps for t in s.token_ids], steps[-1].stats
 
 
 def repetitive_prompt(seed: int) -> list[int]:
@@ -34,8 +29,9 @@ def repetitive_prompt(seed: int) -> list[int]:
 def test_ngram_lossless(engine, sampling):
     for seed in range(3):
         prompt = repetitive_prompt(seed)
-        plain, _ = run(engine, prompt, sampling)
-        spec_out, stats = run(engine, prompt, sampling, SpecConfig(method="ngram", budget=10, max_depth=6))
+        plain = generate(engine, prompt, sampling).tokens
+        fast = generate(engine, prompt, sampling, SpecConfig(method="ngram", budget=10, max_depth=6))
+        spec_out, stats = fast.tokens, fast.stats
         assert spec_out == plain
         assert stats.drafted > 0
 
@@ -54,15 +50,8 @@ def test_ngram_builds_branches():
 @pytest.fixture(scope="module")
 def small_draft(tmp_path_factory):
     """An unrelated 2-layer hybrid model with the same tokenizer."""
-    import importlib.util
-    from pathlib import Path
-
-    spec_file = Path(__file__).resolve().parents[2] / "scripts" / "make_tiny_checkpoint.py"
-    mod_spec = importlib.util.spec_from_file_location("mtc", spec_file)
-    mtc = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(mtc)
     small = tmp_path_factory.mktemp("draft_small")
-    mtc.main([str(small), "--layers", "2", "--full-every", "2", "--hidden", "32", "--seed", "9"])
+    checkpoint_maker().main([str(small), "--layers", "2", "--full-every", "2", "--hidden", "32", "--seed", "9"])
     return small
 
 
@@ -70,11 +59,12 @@ def small_draft(tmp_path_factory):
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "seeded"])
 def test_draft_model_lossless(engine, tiny_qwen35, small_draft, sampling, method):
     prompt = repetitive_prompt(5)
-    plain, _ = run(engine, prompt, sampling)
+    plain = generate(engine, prompt, sampling).tokens
     for draft in (small_draft, tiny_qwen35):  # an unrelated small model, and the target itself
-        out, stats = run(engine, prompt, sampling,
-                         SpecConfig(method=method, budget=12, max_depth=5, draft_model=str(draft)))
-        assert out == plain
+        fast = generate(engine, prompt, sampling,
+                        SpecConfig(method=method, budget=12, max_depth=5, draft_model=str(draft)))
+        stats = fast.stats
+        assert fast.tokens == plain
     assert stats.drafted > 0  # (an unrelated random draft may be too unsure to draft at all)
     if sampling.greedy:  # the target as its own drafter: its top choices are right
         assert stats.tokens_per_forward > 3
@@ -82,4 +72,4 @@ def test_draft_model_lossless(engine, tiny_qwen35, small_draft, sampling, method
 
 def test_draft_without_model_is_a_clear_error(engine):
     with pytest.raises(ValueError, match="needs a draft model"):
-        run(engine, [1, 2, 3], GREEDY, SpecConfig(method="draft"))
+        generate(engine, [1, 2, 3], GREEDY, SpecConfig(method="draft"))

@@ -12,20 +12,12 @@ import pytest
 from engine.config import EngineConfig, SamplingParams, SpecConfig
 from engine.generate import Engine
 from engine.tree import DraftTree
-from engine.types import GenerationRequest
+from tests.helpers import generate
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_qwen35):
     return Engine(EngineConfig(model_path=str(tiny_qwen35), prefill_chunk=16))
-
-
-def run(engine, prompt, sampling, drafter=None, spec=None) -> list[int]:
-    out = []
-    req = GenerationRequest(prompt_ids=prompt, sampling=sampling, spec=spec)
-    for step in engine.generate(req, drafter=drafter):
-        out += step.token_ids
-    return out
 
 
 class OracleDrafter:
@@ -96,7 +88,7 @@ SAMPLED = SamplingParams(max_tokens=40, temperature=0.9, top_p=0.95, top_k=50, s
 def test_spec_equals_plain(engine, sampling, kind):
     spec = SpecConfig(method="none", budget=12, max_depth=12 if kind == "deep" else 6)
     for i, prompt in enumerate(PROMPTS):
-        plain = run(engine, prompt, sampling)
+        plain = generate(engine, prompt, sampling).tokens
         drafter = {
             "right": lambda: OracleDrafter(plain, len(prompt)),
             "wrong": lambda: OracleDrafter(plain, len(prompt), wrong=True),
@@ -104,15 +96,14 @@ def test_spec_equals_plain(engine, sampling, kind):
             "random": lambda: RandomTreeDrafter(i, 512, plain),
             "deep": lambda: OracleDrafter(plain, len(prompt)),
         }[kind]()
-        assert run(engine, prompt, sampling, drafter, spec) == plain
+        assert generate(engine, prompt, sampling, spec, drafter).tokens == plain
 
 
 def test_right_drafter_needs_fewer_forwards(engine):
     prompt = PROMPTS[0]
-    plain = run(engine, prompt, GREEDY)
-    req = GenerationRequest(prompt_ids=prompt, sampling=GREEDY, spec=SpecConfig(budget=8, max_depth=8))
-    steps = list(engine.generate(req, drafter=OracleDrafter(plain, len(prompt))))
-    stats = steps[-1].stats
-    assert sum(len(s.token_ids) for s in steps) == len(plain)
+    plain = generate(engine, prompt, GREEDY).tokens
+    out = generate(engine, prompt, GREEDY, SpecConfig(budget=8, max_depth=8), OracleDrafter(plain, len(prompt)))
+    stats = out.stats
+    assert out.tokens == plain
     assert stats.forward_passes <= len(plain) // 8 + 1
     assert stats.tokens_per_forward > 7

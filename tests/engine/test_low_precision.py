@@ -9,7 +9,7 @@ import pytest
 
 from engine.config import EngineConfig, SamplingParams, SpecConfig
 from engine.generate import Engine
-from engine.types import GenerationRequest
+from tests.helpers import generate
 
 # bf16 keeps 8 significant bits: logits of magnitude ~4-8 round in steps of 1/32-1/16, and a
 # forward pass accumulates a few such steps.
@@ -23,8 +23,8 @@ def engine(tiny_qwen35):
 
 def run(engine, prompt, spec=None):
     sampling = SamplingParams(max_tokens=48, ignore_eos=True, logprobs=2)
-    steps = list(engine.generate(GenerationRequest(prompt_ids=prompt, sampling=sampling, spec=spec)))
-    return [t for s in steps for t in s.token_ids], [lp for s in steps for lp in s.logprobs]
+    out = generate(engine, prompt, sampling, spec)
+    return out.tokens, out.logprobs
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])

@@ -8,17 +8,9 @@ import pytest
 import torch
 
 from engine.loader import load_model
+from tests.helpers import generate, hf_logits
 
 PROMPT = np.random.RandomState(0).randint(0, 500, size=(1, 80))  # longer than one prefill chunk below
-
-
-def hf_logits(path, ids: np.ndarray, cg: bool = False) -> np.ndarray:
-    import transformers as tf
-
-    cls = tf.Qwen3_5ForConditionalGeneration if cg else tf.AutoModelForCausalLM
-    model = cls.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return model(input_ids=torch.tensor(ids)).logits.numpy()
 
 
 def our_logits(path, ids: np.ndarray, chunk: int | None = None) -> np.ndarray:
@@ -32,7 +24,7 @@ def our_logits(path, ids: np.ndarray, chunk: int | None = None) -> np.ndarray:
 @pytest.mark.parametrize("fixture", ["tiny_qwen35", "tiny_qwen3"])
 def test_logits_match_transformers(fixture, request):
     path = request.getfixturevalue(fixture)
-    ref = hf_logits(path, PROMPT)
+    ref = hf_logits(path, PROMPT[0])[None]
     assert np.abs(our_logits(path, PROMPT) - ref).max() <= 1e-4
     # prompt longer than one prefill chunk: the state carries over chunks
     assert np.abs(our_logits(path, PROMPT, chunk=32) - ref).max() <= 1e-4
@@ -41,7 +33,7 @@ def test_logits_match_transformers(fixture, request):
 def test_conditional_generation_layout(tiny_qwen35_cg):
     loaded = load_model(tiny_qwen35_cg)
     assert loaded.skipped.get("vision", 0) > 0  # vision tower noted, not loaded
-    ref = hf_logits(tiny_qwen35_cg, PROMPT[:, :24], cg=True)
+    ref = hf_logits(tiny_qwen35_cg, PROMPT[0, :24], conditional=True)[None]
     assert np.abs(our_logits(tiny_qwen35_cg, PROMPT[:, :24]) - ref).max() <= 1e-4
 
 
@@ -56,15 +48,11 @@ def test_greedy_matches_transformers_64_steps(tiny_qwen35):
 
     from engine.config import EngineConfig, SamplingParams
     from engine.generate import Engine
-    from engine.types import GenerationRequest
 
     prompt = [int(t) for t in PROMPT[0, :30]]
     engine = Engine(EngineConfig(model_path=str(tiny_qwen35), prefill_chunk=16))
     eos = set(engine.tokenizer.eos_token_ids)
-    ours = []
-    req = GenerationRequest(prompt_ids=prompt, sampling=SamplingParams(max_tokens=64))
-    for step in engine.generate(req):
-        ours += step.token_ids
+    ours = generate(engine, prompt, SamplingParams(max_tokens=64)).tokens
     hf = tf.AutoModelForCausalLM.from_pretrained(tiny_qwen35, dtype=torch.float32).eval()
     with torch.no_grad():
         out = hf.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False,
@@ -100,17 +88,17 @@ def test_compiled_token_path_equals_plain(tiny_qwen35):
 
     ids = PROMPT[:, :20]
     fast = our_logits(tiny_qwen35, ids, chunk=1)
-    DecoderLayer.compiled = False
+    DecoderLayer.compile_decode = False
     try:
         plain = our_logits(tiny_qwen35, ids, chunk=1)
     finally:
-        DecoderLayer.compiled = True
+        DecoderLayer.compile_decode = True
     assert np.abs(fast - plain).max() <= 1e-5
 
 
 def test_compiled_tree_verify_equals_plain(tiny_qwen35):
     """Tree verify through the compiled layer functions (fast) equals the plain modules (twin)."""
-    from engine import verify
+    from engine import forward
     from engine.models.qwen3_5 import DecoderLayer
     from engine.tree import DraftTree
 
@@ -118,11 +106,11 @@ def test_compiled_tree_verify_equals_plain(tiny_qwen35):
     tree = DraftTree((7, 3, 9, 4, 3, 8), (-1, 0, 0, 1, 2, 4))
     out = {}
     for compiled in (True, False):
-        DecoderLayer.compiled = compiled
+        DecoderLayer.compile_decode = compiled
         try:
             cache = model.make_cache()
             model.hidden(mx.array(PROMPT[:, :20]), cache)
-            out[compiled] = verify.verify(model, cache, tree, 20)
+            out[compiled] = np.array(forward.verify(model, cache, tree, 20))
         finally:
-            DecoderLayer.compiled = True
+            DecoderLayer.compile_decode = True
     assert np.abs(out[True] - out[False]).max() <= 1e-5

@@ -9,7 +9,7 @@ import pytest
 
 from engine.config import EngineConfig, SamplingParams, SpecConfig
 from engine.generate import Engine
-from engine.types import GenerationRequest
+from tests.helpers import generate
 
 
 @pytest.fixture(scope="module")
@@ -18,10 +18,8 @@ def engine(tiny_qwen35):
 
 
 def run(engine, prompt, sampling, spec=None):
-    steps = list(engine.generate(GenerationRequest(prompt_ids=prompt, sampling=sampling, spec=spec)))
-    tokens = [t for s in steps for t in s.token_ids]
-    logprobs = [lp for s in steps for lp in (s.logprobs or [])]
-    return tokens, logprobs
+    out = generate(engine, prompt, sampling, spec)
+    return out.tokens, out.logprobs
 
 
 PROMPT = [int(t) for t in np.random.RandomState(11).randint(0, 500, size=6)] * 4

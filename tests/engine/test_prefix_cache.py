@@ -9,7 +9,7 @@ import pytest
 from engine.config import EngineConfig, SamplingParams, SpecConfig
 from engine.generate import Engine
 from engine.prefix_cache import PrefixCache
-from engine.types import GenerationRequest
+from tests.helpers import generate
 
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 SAMPLED = SamplingParams(max_tokens=24, temperature=0.9, seed=7, ignore_eos=True)
@@ -20,14 +20,8 @@ def engine_for(path, on: bool, budget: int = 1 << 30) -> Engine:
 
 
 def run(engine, prompt, sampling, spec=None, cancel_after=None):
-    req = GenerationRequest(prompt_ids=prompt, sampling=sampling, spec=spec)
-    out, stats = [], None
-    for i, step in enumerate(engine.generate(req)):
-        out += step.token_ids
-        stats = step.stats or stats
-        if cancel_after is not None and i == cancel_after:
-            req.cancel.set()
-    return out, stats
+    out = generate(engine, prompt, sampling, spec, cancel_after=cancel_after)
+    return out.tokens, out.stats
 
 
 @pytest.fixture(scope="module")

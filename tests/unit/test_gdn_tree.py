@@ -8,20 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.gdn_tree import (
-    SOLVERS,
-    _neumann_repeats,
-    _solve_unit_lower,
-    conv_state_after,
-    gdn_chunked,
-    gdn_commit_fold,
-    gdn_commit_replay,
-    gdn_sequential,
-    gdn_tree_dense,
-    gdn_tree_sequential,
-    tree_conv,
-    tree_conv_taps,
-)
+from engine.gdn.ops import chunked, commit_fold, conv_state_after, tree_conv, tree_conv_taps, tree_dense
+from engine.gdn.reference import commit_replay, sequential, tree_sequential
+from engine.gdn.triangular import SOLVERS, inverse_unit_lower, solve_unit_lower
 from engine.tree import DraftTree
 from tests.unit.strategies import draft_trees
 
@@ -79,11 +68,11 @@ def test_sequential_equals_dense_and_fp64(shape, n, rng) -> None:
     tree = shaped_tree(shape, n, rng)
     x = gdn_inputs(rng, n)
     o_ref, u_ref, _ = reference_tree(*x[:5], tree.parents, x[5])
-    o_seq, u_seq = gdn_tree_sequential(*x[:5], tree.parents, x[5])
+    o_seq, u_seq = tree_sequential(*x[:5], tree.parents, x[5])
     assert o_seq.dtype == mx.float32 and o_seq.shape == (n, 4, 8) and u_seq.shape == (n, 4, 8)
     assert maxdiff(o_seq, o_ref) <= TOL and maxdiff(u_seq, u_ref) <= TOL
     for solver in SOLVERS:
-        o_d, u_d = gdn_tree_dense(*x[:5], tree.ancestor_mask(), x[5], solver=solver)
+        o_d, u_d = tree_dense(*x[:5], tree.ancestor_mask(), x[5], solver=solver)
         assert maxdiff(o_d, o_seq) <= TOL, solver
         assert maxdiff(u_d, u_seq) <= TOL, solver
         assert maxdiff(o_d, o_ref) <= TOL, solver
@@ -93,9 +82,9 @@ def test_sequential_equals_dense_and_fp64(shape, n, rng) -> None:
 @given(draft_trees(max_nodes=40), st.integers(0, 2**32 - 1), st.sampled_from([0.05, 1.0, 30.0]))
 def test_sequential_equals_dense_random_trees(tree, seed, decay) -> None:
     x = gdn_inputs(np.random.default_rng(seed), tree.size, hv=3, dk=8, dv=12, decay=decay)
-    o_seq, u_seq = gdn_tree_sequential(*x[:5], tree.parents, x[5])
+    o_seq, u_seq = tree_sequential(*x[:5], tree.parents, x[5])
     for solver in SOLVERS:
-        o_d, u_d = gdn_tree_dense(*x[:5], tree.ancestor_mask(), x[5], solver=solver)
+        o_d, u_d = tree_dense(*x[:5], tree.ancestor_mask(), x[5], solver=solver)
         assert not np.isnan(np.asarray(o_d)).any()
         assert maxdiff(o_d, o_seq) <= TOL and maxdiff(u_d, u_seq) <= TOL
 
@@ -105,8 +94,8 @@ def test_strong_decay_has_no_nan(rng) -> None:
     tree = shaped_tree("wide", 40, rng)
     x = list(gdn_inputs(rng, 40))
     x[3] = x[3] * 0 - 60.0
-    o_d, u_d = gdn_tree_dense(*x[:5], tree.ancestor_mask(), x[5])
-    o_seq, _ = gdn_tree_sequential(*x[:5], tree.parents, x[5])
+    o_d, u_d = tree_dense(*x[:5], tree.ancestor_mask(), x[5])
+    o_seq, _ = tree_sequential(*x[:5], tree.parents, x[5])
     assert np.isfinite(np.asarray(o_d)).all() and maxdiff(o_d, o_seq) <= TOL
 
 
@@ -115,12 +104,12 @@ def test_strong_decay_has_no_nan(rng) -> None:
 def test_commit_fold_equals_replay_equals_path_state(tree, seed, data) -> None:
     x = gdn_inputs(np.random.default_rng(seed), tree.size, hv=2, dk=8, dv=4)
     q, k, v, g, beta, S0 = x
-    _, u = gdn_tree_dense(q, k, v, g, beta, tree.ancestor_mask(), S0)
+    _, u = tree_dense(q, k, v, g, beta, tree.ancestor_mask(), S0)
     leaf = data.draw(st.integers(0, tree.size - 1))
     path = tree.path_to(leaf)
-    fold = gdn_commit_fold(k, u, g, path, S0)
-    replay = gdn_commit_replay(k, v, g, beta, path, S0)
-    _, chain_state = gdn_sequential(q[path], k[path], v[path], g[path], beta[path], S0)
+    fold = commit_fold(k, u, g, path, S0)
+    replay = commit_replay(k, v, g, beta, path, S0)
+    _, chain_state = sequential(q[path], k[path], v[path], g[path], beta[path], S0)
     _, _, ref_states = reference_tree(q, k, v, g, beta, tree.parents, S0)
     assert fold.shape == (2, 4, 8)
     assert maxdiff(fold, replay) <= TOL and maxdiff(fold, chain_state) <= TOL
@@ -129,8 +118,8 @@ def test_commit_fold_equals_replay_equals_path_state(tree, seed, data) -> None:
 
 def test_root_only_commit_still_advances(rng) -> None:
     q, k, v, g, beta, S0 = gdn_inputs(rng, 5)
-    _, u = gdn_tree_sequential(q, k, v, g, beta, [-1, 0, 0, 1, 2], S0)
-    fold = gdn_commit_fold(k, u, g, [0], S0)
+    _, u = tree_sequential(q, k, v, g, beta, [-1, 0, 0, 1, 2], S0)
+    fold = commit_fold(k, u, g, [0], S0)
     _, _, ref = reference_tree(q, k, v, g, beta, [-1, 0, 0, 1, 2], S0)
     assert maxdiff(fold, ref[0]) <= TOL and maxdiff(fold, S0) > 1e-3
 
@@ -138,31 +127,15 @@ def test_root_only_commit_still_advances(rng) -> None:
 @pytest.mark.parametrize("t", [1, 63, 64, 65, 130])
 def test_chunked_equals_sequential(t, rng) -> None:
     q, k, v, g, beta, S0 = gdn_inputs(rng, t, hv=3, dk=16, dv=16)
-    o_seq, s_seq = gdn_sequential(q, k, v, g, beta, S0)
+    o_seq, s_seq = sequential(q, k, v, g, beta, S0)
     o_ref, _, states = reference_tree(q, k, v, g, beta, [-1, *range(t - 1)], S0)
     assert maxdiff(o_seq, o_ref) <= TOL and maxdiff(s_seq, states[-1]) <= TOL
     for solver in SOLVERS:
-        o_c, s_c = gdn_chunked(q, k, v, g, beta, S0, chunk=64, solver=solver)
+        o_c, s_c = chunked(q, k, v, g, beta, S0, chunk=64, solver=solver)
         assert o_c.shape == (t, 3, 16) and s_c.shape == (3, 16, 16)
         assert maxdiff(o_c, o_seq) <= TOL and maxdiff(s_c, s_seq) <= TOL
-    o_small, s_small = gdn_chunked(q, k, v, g, beta, S0, chunk=7)
+    o_small, s_small = chunked(q, k, v, g, beta, S0, chunk=7)
     assert maxdiff(o_small, o_seq) <= TOL and maxdiff(s_small, s_seq) <= TOL
-
-
-def test_neumann_repeat_count() -> None:
-    # need 2^(r+1) - 1 >= D, i.e. r = max(0, ceil(log2(D + 1)) - 1)
-    expected = {0: 0, 1: 0, 2: 1, 3: 1, 4: 2, 7: 2, 8: 3, 15: 3, 16: 4, 64: 6}
-    assert {d: _neumann_repeats(d) for d in expected} == expected
-
-
-def test_neumann_with_too_few_repeats_is_wrong(rng) -> None:
-    # negative control: the repeat count matters on a deep chain
-    n = 17
-    A = mx.array(np.tril(rng.normal(size=(2, n, n)) * 0.5, -1).astype(np.float32))
-    rhs = mx.array(rng.normal(size=(2, n, 3)).astype(np.float32))
-    exact = _solve_unit_lower(A, rhs, n - 1, "substitution")
-    assert maxdiff(_solve_unit_lower(A, rhs, n - 1, "neumann"), exact) <= 1e-4
-    assert maxdiff(_solve_unit_lower(A, rhs, 7, "neumann"), exact) > 1e-3
 
 
 def chain_conv(x: np.ndarray, state: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -184,13 +157,13 @@ def test_tree_conv_equals_chain_conv_along_paths(kernel, shape, rng) -> None:
     x = rng.normal(size=(12, c))
     state = rng.normal(size=(kernel - 1, c))
     w = rng.normal(size=(c, kernel))
-    y = np.asarray(tree_conv(x, tree.parents, state, w))
+    y = np.asarray(tree_conv(x, state, w, mx.array(tree_conv_taps(tree.parents, kernel))))
     assert y.shape == (12, c)
     for i in range(tree.size):
         path = tree.path_to(i)
         y_chain, state_chain = chain_conv(x[path], state, w)
         assert maxdiff(y[i], y_chain[-1]) <= TOL, (i, path)
-        assert maxdiff(conv_state_after(x, path, state), state_chain) <= TOL
+        assert maxdiff(conv_state_after(mx.array(x), mx.array(path), mx.array(state)), state_chain) <= TOL
 
 
 def test_tree_conv_taps_read_committed_state_past_the_root() -> None:
@@ -202,28 +175,71 @@ def test_bad_inputs_raise(rng) -> None:
     q, k, v, g, beta, S0 = gdn_inputs(rng, 3)
     tree = DraftTree.chain(0, [1, 2])
     with pytest.raises(ValueError, match="S0 must have shape"):
-        gdn_tree_sequential(q, k, v, g, beta, tree.parents, S0[:, :, :3])
+        tree_sequential(q, k, v, g, beta, tree.parents, S0[:, :, :3])
     with pytest.raises(ValueError, match="beta must have shape"):
-        gdn_tree_dense(q, k, v, g, beta[:2], tree.ancestor_mask(), S0)
+        tree_dense(q, k, v, g, beta[:2], tree.ancestor_mask(), S0)
     with pytest.raises(ValueError, match="parents"):
-        gdn_tree_sequential(q, k, v, g, beta, [-1, 0, 2], S0)
+        tree_sequential(q, k, v, g, beta, [-1, 0, 2], S0)
     with pytest.raises(ValueError, match="ancestor_mask"):
-        gdn_tree_dense(q, k, v, g, beta, np.ones((3, 3), dtype=bool), S0)
+        tree_dense(q, k, v, g, beta, np.ones((3, 3), dtype=bool), S0)
     not_closed = np.array([[1, 0, 0], [1, 1, 0], [0, 1, 1]], dtype=bool)  # node 2 misses the root
     with pytest.raises(ValueError, match="single-rooted tree"):
-        gdn_tree_dense(q, k, v, g, beta, not_closed, S0)
+        tree_dense(q, k, v, g, beta, not_closed, S0)
     two_roots = np.eye(3, dtype=bool)
     with pytest.raises(ValueError, match="single-rooted tree"):
-        gdn_tree_dense(q, k, v, g, beta, two_roots, S0)
+        tree_dense(q, k, v, g, beta, two_roots, S0)
     with pytest.raises(ValueError, match="solver"):
-        gdn_tree_dense(q, k, v, g, beta, tree.ancestor_mask(), S0, solver="lu")
+        tree_dense(q, k, v, g, beta, tree.ancestor_mask(), S0, solver="lu")
     with pytest.raises(ValueError, match="path"):
-        gdn_commit_fold(k, v, g, [1, 2], S0)
+        commit_fold(k, v, g, [1, 2], S0)
     with pytest.raises(ValueError, match="path"):
-        gdn_commit_replay(k, v, g, beta, [0, 3], S0)
+        commit_replay(k, v, g, beta, [0, 3], S0)
     with pytest.raises(ValueError, match="chunk"):
-        gdn_chunked(q, k, v, g, beta, S0, chunk=0)
+        chunked(q, k, v, g, beta, S0, chunk=0)
     with pytest.raises(ValueError, match="conv_state"):
-        tree_conv(np.zeros((3, 4)), tree.parents, np.zeros((2, 4)), np.zeros((4, 4)))
+        tree_conv(np.zeros((3, 4)), np.zeros((2, 4)), np.zeros((4, 4)), mx.array(tree_conv_taps(tree.parents, 4)))
     with pytest.raises(ValueError, match="kernel size"):
         tree_conv_taps([-1], 1)
+
+
+def correlated_inputs(r: np.random.Generator, n: int, corr: float, hv: int = 2, dk: int = 32, dv: int = 32):
+    """Keys sharing one direction (pairwise correlation ~corr), the case that breaks series solves."""
+    q, k, v, g, beta, S0 = gdn_inputs(r, n, hv=hv, dk=dk, dv=dv)
+    common = r.normal(size=(1, hv, dk))
+    k = np.sqrt(corr) * common + np.sqrt(1 - corr) * r.normal(size=(n, hv, dk))
+    k = k / np.linalg.norm(k, axis=-1, keepdims=True)
+    return q, k, v, g * 0.05, beta, S0  # slow decay: old keys keep their weight
+
+
+@pytest.mark.parametrize("chunk", [32, 64])
+def test_chunked_is_accurate_with_correlated_keys(chunk, rng) -> None:
+    # Regression: the matmul-only Neumann series used off the CPU lost all precision here
+    # (T = 128, Dk = Dv = 32, key correlation 0.8: max error 9.5e-2 at chunk 32, 2e12 at chunk 64).
+    q, k, v, g, beta, S0 = correlated_inputs(rng, 128, 0.8)
+    o_ref, _, states = reference_tree(q, k, v, g, beta, [-1, *range(127)], S0)
+    for solver in SOLVERS:
+        o, S = chunked(q, k, v, g, beta, S0, chunk=chunk, solver=solver)
+        assert maxdiff(o, o_ref) <= 1e-4, solver
+        assert maxdiff(S, states[-1]) <= 1e-4, solver
+
+
+@pytest.mark.parametrize("shape", ["chain", "star", "random"])
+def test_tree_dense_is_accurate_with_correlated_keys(shape, rng) -> None:
+    tree = shaped_tree(shape, 33, rng)
+    x = correlated_inputs(rng, 33, 0.9)
+    o_ref, u_ref, _ = reference_tree(*x[:5], tree.parents, x[5])
+    for solver in SOLVERS:
+        o, u = tree_dense(*x[:5], tree.ancestor_mask(), x[5], solver=solver)
+        assert maxdiff(o, o_ref) <= 1e-4 and maxdiff(u, u_ref) <= 1e-4, solver
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 16, 33, 64])
+def test_blocked_inverse_equals_fp64_inverse(n, rng) -> None:
+    A = np.tril(rng.normal(size=(3, n, n)) * 0.3, -1)
+    ref = np.linalg.inv(np.eye(n) + A)
+    T = inverse_unit_lower(mx.array(A.astype(np.float32)))
+    assert T.shape == (3, n, n)
+    assert maxdiff(T, ref) <= 1e-5 * max(1.0, float(np.abs(ref).max()))
+    rhs = rng.normal(size=(3, n, 5))
+    U = solve_unit_lower(mx.array(A.astype(np.float32)), mx.array(rhs.astype(np.float32)), "blocked")
+    assert maxdiff(U, ref @ rhs) <= 1e-4 * max(1.0, float(np.abs(ref @ rhs).max()))

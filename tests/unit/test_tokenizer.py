@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -11,16 +10,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.tokenizer import Tokenizer
+from tests.helpers import checkpoint_maker
 
-REPO = Path(__file__).resolve().parents[2]
 TEMPLATE = "{% for m in messages %}{{ m.content }}{% endfor %}"
 
 
 @pytest.fixture(scope="module")
 def tok_dir(tmp_path_factory) -> Path:
-    spec = importlib.util.spec_from_file_location("mtc", REPO / "scripts" / "make_tiny_checkpoint.py")
-    maker = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(maker)
+    maker = checkpoint_maker()
     out = tmp_path_factory.mktemp("tok")
     maker.write_tokenizer(out, maker.train_tokenizer(512, maker.stdlib_files(40)), TEMPLATE)
     return out

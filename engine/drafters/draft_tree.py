@@ -18,12 +18,14 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from engine import verify
+from engine import forward
+from engine.cache import LayerCache
+from engine.models.base import CausalLM
 from engine.tree import DraftTree
 
 
 @dataclass(frozen=True)
-class DraftModelConfig:
+class DraftTreeConfig:
     top_k: int = 4  # children offered per expanded node
     width: int = 6  # frontier size per level
     # Candidates less likely than this are not added (the best one of each level always is):
@@ -32,12 +34,12 @@ class DraftModelConfig:
     min_score: float = 0.02
 
 
-class DraftModelDrafter:
-    def __init__(self, model, config: DraftModelConfig = DraftModelConfig()) -> None:
+class DraftTreeDrafter:
+    def __init__(self, model: CausalLM, config: DraftTreeConfig = DraftTreeConfig()) -> None:
         self.model, self.config = model, config
-        self.cache = None
+        self.cache: list[LayerCache] = []
         self.committed = 0
-        self.pending_root: int | None = None
+        self.pending_root = 0
 
     def begin(self, prompt_ids: list[int]) -> None:
         self.cache = self.model.make_cache()
@@ -45,7 +47,7 @@ class DraftModelDrafter:
         self._extend(prompt_ids[:-1])
 
     def _extend(self, ids: list[int]) -> None:
-        verify.extend(self.model, self.cache, ids)
+        forward.extend(self.model, self.cache, ids)
         self.committed += len(ids)
 
     def propose(self, root: int, budget: int, max_depth: int) -> DraftTree:
@@ -73,7 +75,7 @@ class DraftModelDrafter:
     def _top_k(self, tree: DraftTree, frontier: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """Draft-model probabilities and ids of the top_k next tokens of each frontier node,
         computed on the device so only [F, top_k] values come to the host."""
-        logits = verify.tree_logits(self.model, self.cache, tree, self.committed)  # never commits
+        logits = forward.verify(self.model, self.cache, tree, self.committed)  # never commits
         probs = mx.softmax(logits[mx.array(frontier)].astype(mx.float32), axis=-1)
         ids = mx.argpartition(-probs, self.config.top_k - 1, axis=-1)[:, : self.config.top_k]
         return np.array(mx.take_along_axis(probs, ids, axis=-1)), np.array(ids)

@@ -1,0 +1,61 @@
+"""The target's forward passes over its caches: extend a chain, verify a tree, commit a path.
+
+- `extend`: append tokens to the committed state (prefill; a drafter catching up), in chunks.
+- `verify`: every node of a draft tree in ONE forward pass from the committed state, which is
+  read and never written; each layer defers what its commit needs.
+- `commit`: keep the accepted path of the last verify in every layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from engine.cache import AcceptedPath, LayerCache, commit_all
+from engine.gdn import ops
+from engine.gdn.core import TreeInputs
+from engine.models.base import CausalLM
+from engine.models.layers import Batch
+from engine.tree import DraftTree
+
+
+def tree_batch(tree: DraftTree, committed_len: int, conv_kernel: int) -> Batch:
+    """The verify Batch of a tree whose root sits at position committed_len."""
+    positions = mx.array(tree.positions(committed_len))
+    if tree.size == 1:
+        return Batch(deferred=True, positions=positions)
+    ancestors = tree.ancestor_mask()
+    attn = np.concatenate([np.ones((tree.size, committed_len), dtype=bool), ancestors], axis=1)
+    gdn = TreeInputs(mx.array(ops.tree_conv_taps(tree.parents, conv_kernel)), ops.tree_masks(ancestors))
+    return Batch(deferred=True, positions=positions, attn_mask=mx.array(attn), gdn=gdn)
+
+
+def verify(model: CausalLM, cache: list[LayerCache], tree: DraftTree, committed_len: int,
+           tokens: mx.array | None = None) -> mx.array:
+    """Logits [N, V] of every tree node (lazy). tokens: the tree's tokens as a device array
+    [1, N], when they are not on the host yet (a pipelined root)."""
+    if tokens is None:
+        tokens = mx.array([list(tree.tokens)])
+    batch = tree_batch(tree, committed_len, model.args.linear_conv_kernel_dim)
+    return model(tokens, cache, batch)[0]
+
+
+def extend(model: CausalLM, cache: list[LayerCache], ids: Sequence[int], chunk: int = 512) -> None:
+    """Append a chain of tokens to the committed state, `chunk` tokens per forward pass."""
+    for i in range(0, len(ids), chunk):
+        h = model.hidden(mx.array([list(ids[i : i + chunk])]), cache)
+        mx.eval(h, state_arrays(cache))
+
+
+def commit(cache: list[LayerCache], path: Sequence[int], evaluate: bool = True) -> None:
+    """Fold the accepted rows (node indices root..leaf) into every layer. evaluate=False leaves
+    the new state lazy (a pipelined round queues it with the next verify)."""
+    commit_all(cache, AcceptedPath(tuple(path)))
+    if evaluate:
+        mx.eval(state_arrays(cache))
+
+
+def state_arrays(cache: list[LayerCache]) -> list[mx.array]:
+    return [a for c in cache for a in c.arrays()]

@@ -1,0 +1,149 @@
+"""The recurrent core of a GDN layer, behind one interface: what the layer computes between its
+input projections and its gated output norm.
+
+A core takes the layer's projected rows (pre-conv qkv [T, C], gate inputs a, b [T, Hv]) and the
+committed conv state [K-1, C] and recurrent state S [Hv, Dv, Dk], and runs the short conv, the
+gates, the q/k normalisation and the delta rule:
+- `step`   one token; returns the new states.
+- `chain`  T tokens of a prefill; returns the states after them.
+- `tree`   every node of a draft tree from the committed states, which it never writes
+           (rollback-free); returns what `commit` needs for any root-to-node path.
+- `commit` the states after an accepted path.
+
+State passed in is never written in place: every core returns fresh arrays. Cache marks and
+prefix-cache snapshots hold references to old states and rely on that; a kernel that updated
+state in place would have to copy first.
+
+`OpsCore` is the plain-MLX implementation (and the twin the kernels are tested against);
+engine/kernels.py adds the Metal / CUDA ones and picks one per backend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import mlx.core as mx
+
+from engine.gdn import ops
+
+
+@dataclass(frozen=True)
+class GDNShape:
+    """Head layout of one GDN layer (from the checkpoint's config)."""
+
+    Hk: int  # key heads (q and k)
+    Hv: int  # value heads; Hv is a multiple of Hk
+    Dk: int
+    Dv: int
+    K: int  # short-conv taps
+
+    @property
+    def key_dim(self) -> int:
+        return self.Hk * self.Dk
+
+    @property
+    def value_dim(self) -> int:
+        return self.Hv * self.Dv
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+
+@dataclass(frozen=True)
+class GDNWeights:
+    """The layer parameters a core reads besides the projections."""
+
+    conv: mx.array  # [C, K] depthwise conv taps (tap K-1 = the token itself)
+    A_log: mx.array  # [Hv]
+    dt_bias: mx.array  # [Hv]
+
+
+@dataclass(frozen=True)
+class TreeInputs:
+    """Per-tree arrays shared by every GDN layer of one verify (built once on the host)."""
+
+    conv_taps: mx.array  # int32 [N, K] rows of concat(conv_state, x) in each node's conv window
+    masks: ops.TreeMasks
+
+
+@dataclass(frozen=True)
+class TreeRows:
+    """What a tree verify leaves for the commit (all float32 but x)."""
+
+    x: mx.array  # [N, C] pre-conv rows: the conv state is rebuilt along the accepted path
+    k: mx.array  # [N, Hv, Dk] normalised keys
+    u: mx.array  # [N, Hv, Dv] innovations
+    g: mx.array  # [N, Hv] log-decays
+
+
+class GDNCore(Protocol):
+    name: str
+
+    def step(self, shape: GDNShape, w: GDNWeights, qkv: mx.array, a: mx.array, b: mx.array,
+             conv_state: mx.array, S: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """qkv [1, C], a, b [1, Hv] -> (o [1, Hv, Dv] fp32, conv state, S)."""
+        ...
+
+    def chain(self, shape: GDNShape, w: GDNWeights, qkv: mx.array, a: mx.array, b: mx.array,
+              conv_state: mx.array, S: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """qkv [T, C], a, b [T, Hv] -> (o [T, Hv, Dv] fp32, conv state, S) after the T tokens."""
+        ...
+
+    def tree(self, shape: GDNShape, w: GDNWeights, qkv: mx.array, a: mx.array, b: mx.array,
+             conv_state: mx.array, S0: mx.array, tree: TreeInputs) -> tuple[mx.array, TreeRows]:
+        """qkv [N, C], a, b [N, Hv] for the nodes of a tree -> (o [N, Hv, Dv] fp32, rows to commit)."""
+        ...
+
+    def commit(self, rows: TreeRows, path: mx.array, conv_state: mx.array,
+               S0: mx.array) -> tuple[mx.array, mx.array]:
+        """path: int32 node indices root..leaf -> (conv state, S) after the path."""
+        ...
+
+
+def split_heads(shape: GDNShape, y: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """Post-conv rows [T, C] -> q, k [T, Hv, Dk] (normalised, q scaled, repeated to Hv heads)
+    and v [T, Hv, Dv] fp32."""
+    T, kd = y.shape[0], shape.key_dim
+    q = y[:, :kd].reshape(T, shape.Hk, shape.Dk)
+    k = y[:, kd : 2 * kd].reshape(T, shape.Hk, shape.Dk)
+    v = y[:, 2 * kd :].reshape(T, shape.Hv, shape.Dv).astype(mx.float32)
+    q = ops.l2norm(q) * (shape.Dk**-0.5)
+    k = ops.l2norm(k)
+    if shape.Hv != shape.Hk:
+        q = mx.repeat(q, shape.Hv // shape.Hk, axis=1)
+        k = mx.repeat(k, shape.Hv // shape.Hk, axis=1)
+    return q, k, v
+
+
+class OpsCore:
+    """The core in plain MLX ops: the CPU path and the kernels' twin."""
+
+    name = "ops"
+
+    def step(self, shape, w, qkv, a, b, conv_state, S):
+        g, beta = ops.gates(a, b, w.A_log, w.dt_bias)
+        y, conv_state = ops.causal_conv(qkv, conv_state, w.conv)
+        q, k, v = split_heads(shape, y)
+        o, S = ops.step(q[0], k[0], v[0], g[0], beta[0], S)
+        return o[None], conv_state, S
+
+    def chain(self, shape, w, qkv, a, b, conv_state, S):
+        g, beta = ops.gates(a, b, w.A_log, w.dt_bias)
+        y, conv_state = ops.causal_conv(qkv, conv_state, w.conv)
+        q, k, v = split_heads(shape, y)
+        o, S = ops.chain(q, k, v, g, beta, S)
+        return o, conv_state, S
+
+    def tree(self, shape, w, qkv, a, b, conv_state, S0, tree):
+        g, beta = ops.gates(a, b, w.A_log, w.dt_bias)
+        y = ops.tree_conv(qkv, conv_state, w.conv, tree.conv_taps)
+        q, k, v = split_heads(shape, y)
+        o, u = ops.tree_dense(q, k, v, g, beta, tree.masks, S0)
+        return o, TreeRows(x=qkv, k=k, u=u, g=g)
+
+    def commit(self, rows, path, conv_state, S0):
+        S = ops.commit_fold(rows.k, rows.u, rows.g, path, S0)
+        conv = ops.conv_state_after(rows.x, path, conv_state).astype(conv_state.dtype)
+        return conv, S

@@ -1,0 +1,142 @@
+"""One round of the loop: draft -> verify -> accept -> commit, split at the host round trip.
+
+`launch` drafts a tree and queues its verify (and, where nothing on the host is needed, the
+choice of every node's token and the commit); `land` waits for the result, walks the tree to the
+accepted path, commits it and lets the drafter observe it. Plain decoding is a round with a
+one-node tree.
+
+Where the next round needs nothing from the host (no drafter, greedy, no logits on the host), the
+loop launches round r+1 from round r's token while it is still on the device, before landing
+round r: building the next graph overlaps the compute, as mlx-lm's generate_step does. That is a
+property of the round (`pipelined`), not a second loop.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from engine import forward, sampler
+from engine.cache import LayerCache
+from engine.config import SamplingParams, SpecConfig
+from engine.drafters.base import Drafter, NoDrafter
+from engine.logits_extras import token_logprobs
+from engine.models.base import CausalLM
+from engine.tree import DraftTree
+from engine.types import Stats, TokenLogprob
+
+
+@dataclass
+class Sequence:
+    """The sequence so far (prompt + emitted; its last token is the next root) and how many of
+    its tokens the caches hold (at most all of them)."""
+
+    tokens: list[int]
+    covered: int
+    prompt_len: int  # tokens[prompt_len:] is what this completion generated (penalties look at it)
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+
+@dataclass
+class InFlight:
+    """A launched round: its verify is queued on the device."""
+
+    tree: DraftTree
+    committed_len: int  # the root's position
+    logits: mx.array  # [N, V], lazy
+    choices: mx.array | None  # [N] int32 argmax per node, when greedy is decided on the device
+    committed: bool  # the commit was queued at launch (a one-node tree's root is always accepted)
+    t_start: float
+    draft_ms: float
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    path: tuple[int, ...]  # accepted rows, root first
+    tokens: tuple[int, ...]  # emitted: accepted drafts + the target's bonus token
+    logprobs: list[TokenLogprob] | None
+
+
+class Rounds:
+    """The rounds of one generation against the target's caches."""
+
+    def __init__(self, model: CausalLM, cache: list[LayerCache], seq: Sequence, params: SamplingParams,
+                 seed: int, spec: SpecConfig, drafter: Drafter, stats: Stats) -> None:
+        self.model, self.cache, self.seq = model, cache, seq
+        self.params, self.seed, self.spec, self.drafter, self.stats = params, seed, spec, drafter, stats
+        # greedy without host-side logit work: every node's choice is made on the device
+        self.on_device = params.greedy and not params.adjusts_logits and params.logprobs is None
+        self.pipelined = self.on_device and isinstance(drafter, NoDrafter)
+        self._last_landed = 0.0
+
+    def launch(self, room: int) -> InFlight:
+        """Draft a tree of at most `room` emitted tokens from the last token and queue its verify."""
+        t0 = time.perf_counter()
+        budget = max(0, min(self.spec.budget, room - 1))
+        # the drafter is asked even for a root-only tree: it keeps its context in step that way
+        tree = self.drafter.propose(self.seq.tokens[-1], budget, self.spec.max_depth)
+        t1 = time.perf_counter()
+        return self._queue(tree, None, t0, (t1 - t0) * 1e3)
+
+    def launch_after(self, flight: InFlight) -> InFlight:
+        """Pipelined: the next one-node round, rooted at `flight`'s token while still on the device."""
+        assert self.pipelined and flight.choices is not None
+        return self._queue(DraftTree.single(0), flight.choices[:1].reshape(1, 1), time.perf_counter(), 0.0)
+
+    def _queue(self, tree: DraftTree, root: mx.array | None, t0: float, draft_ms: float) -> InFlight:
+        committed_len = self.seq.covered
+        logits = forward.verify(self.model, self.cache, tree, committed_len, tokens=root)
+        choices = mx.argmax(logits, axis=-1).astype(mx.int32) if self.on_device else None
+        committed = tree.size == 1 and choices is not None
+        if committed:  # the root is accepted whatever the choice: commit without waiting for it
+            forward.commit(self.cache, [0], evaluate=False)
+            self.seq.covered += 1
+            mx.async_eval(choices)
+        return InFlight(tree, committed_len, logits, choices, committed, t0, draft_ms)
+
+    def land(self, flight: InFlight) -> RoundResult:
+        """Wait for the verify, walk to the accepted path, commit it, let the drafter observe."""
+        tree, params = flight.tree, self.params
+        host_logits = None
+        if flight.choices is not None:
+            choices = np.array(flight.choices)
+            acc = sampler.accept_walk(tree, lambda node: int(choices[node]), params.stop_token_ids)
+        else:
+            host_logits = np.array(flight.logits.astype(mx.float32))
+            acc = sampler.accept(tree, host_logits, params, self.seed, flight.committed_len, self.seq.generated)
+        t2 = time.perf_counter()
+        if not flight.committed:
+            forward.commit(self.cache, acc.path)
+            self.seq.covered += len(acc.path)
+        t3 = time.perf_counter()
+        self.seq.tokens += acc.tokens
+        self.drafter.observe(list(acc.tokens))  # counted as drafting: the drafter syncs its own state
+        logprobs = None
+        if params.logprobs is not None and host_logits is not None:
+            logprobs = token_logprobs(host_logits[list(acc.path)], list(acc.tokens), params.logprobs)
+        self._count(flight, len(acc.path) - 1, len(acc.tokens), t2, t3)
+        return RoundResult(acc.path, acc.tokens, logprobs)
+
+    def _count(self, flight: InFlight, accepted: int, emitted: int, t2: float, t3: float) -> None:
+        s = self.stats
+        s.forward_passes += 1
+        s.drafted += flight.tree.size - 1
+        s.accepted += accepted
+        for pos in range(accepted):
+            if pos == len(s.accepted_per_pos):
+                s.accepted_per_pos.append(0)
+            s.accepted_per_pos[pos] += 1
+        s.generated_tokens += emitted
+        end = time.perf_counter()
+        s.draft_ms += flight.draft_ms + (end - t3) * 1e3
+        # from the end of drafting to the result on the host; pipelined rounds overlap, so a round's
+        # wait starts no earlier than the previous landing: the phases add up to the wall time
+        s.verify_ms += (t2 - max(flight.t_start + flight.draft_ms / 1e3, self._last_landed)) * 1e3
+        s.commit_ms += (t3 - t2) * 1e3
+        self._last_landed = end

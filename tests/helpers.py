@@ -1,0 +1,64 @@
+"""Helpers shared by the test packages: running a generation, the checkpoint maker, HF logits."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+
+from engine.config import SamplingParams, SpecConfig
+from engine.drafters.base import Drafter
+from engine.generate import Engine
+from engine.types import GenerationRequest, Stats, TokenLogprob
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_SAMPLING = SamplingParams()
+
+
+@dataclass
+class Generated:
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    stats: Stats | None = None
+    finish_reason: str | None = None
+
+
+def generate(engine: Engine, prompt: list[int], sampling: SamplingParams = DEFAULT_SAMPLING,
+             spec: SpecConfig | None = None, drafter: Drafter | None = None,
+             cancel_after: int | None = None) -> Generated:
+    """Run one request to its end; cancel_after=i cancels it once step i has been read."""
+    req = GenerationRequest(prompt_ids=prompt, sampling=sampling, spec=spec)
+    out = Generated()
+    for i, step in enumerate(engine.generate(req, drafter=drafter)):
+        out.tokens += step.token_ids
+        out.logprobs += step.logprobs or []
+        out.stats = step.stats or out.stats
+        out.finish_reason = step.finish_reason or out.finish_reason
+        if cancel_after is not None and i == cancel_after:
+            req.cancel.set()
+    return out
+
+
+@functools.cache
+def checkpoint_maker() -> ModuleType:
+    """scripts/make_tiny_checkpoint.py as a module (scripts/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("make_tiny_checkpoint", REPO / "scripts" / "make_tiny_checkpoint.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def hf_logits(path: Path | str, ids, conditional: bool = False) -> np.ndarray:
+    """Logits [T, V] of HF transformers (PyTorch, CPU, fp32) for the token ids [T]."""
+    import torch
+    import transformers as tf
+
+    cls = tf.Qwen3_5ForConditionalGeneration if conditional else tf.AutoModelForCausalLM
+    model = cls.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([list(map(int, ids))])).logits[0].numpy()
