@@ -92,8 +92,11 @@ class Engine:
         rounds = Rounds(self.model, cache, seq, params, seed, spec, drafter, stats)
         try:
             yield from self._decode(req, params, rounds, seq, stats, t_start)
-        finally:  # the committed state is consistent whatever ended the request
-            self.prefix.store(cache, seq.tokens[: seq.covered], "generation")
+        finally:
+            # whatever ended the request, the caches hold seq.tokens[:covered], unless an interrupt
+            # came between a pipelined launch and its landing (the caches are then one token ahead)
+            if seq.covered <= len(seq.tokens):
+                self.prefix.store(cache, seq.tokens[: seq.covered], "generation")
 
     def _decode(self, req: GenerationRequest, params: SamplingParams, rounds: Rounds, seq: Sequence,
                 stats: Stats, t_start: float) -> Iterator[Step]:

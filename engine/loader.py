@@ -71,6 +71,8 @@ def _read_tensors(path: Path) -> tuple[dict[str, mx.array], dict[str, str]]:
             loaded = mx.load(str(f))
         except Exception as e:  # a truncated or foreign file
             raise CheckpointError(f"cannot read {f.name}: {e}") from None
+        if not isinstance(loaded, dict):
+            raise CheckpointError(f"{f.name} holds no named tensors")
         for k, v in loaded.items():
             tensors[k] = v
             origin[k] = f.name

@@ -32,6 +32,6 @@ def token_logprobs(rows: np.ndarray, tokens: list[int], k: int) -> list[TokenLog
     for row, tok in zip(rows, tokens):
         x = np.asarray(row, dtype=np.float64)
         lp = x - (x.max() + np.log(np.exp(x - x.max()).sum()))
-        top = np.argsort(-lp, kind="stable")[:k] if k else []
+        top = np.argsort(-lp, kind="stable")[:k]
         out.append(TokenLogprob(int(tok), float(lp[tok]), [(int(t), float(lp[t])) for t in top]))
     return out

@@ -1,4 +1,8 @@
-"""Helpers shared by the test packages: running a generation, the checkpoint maker, HF logits."""
+"""Helpers shared by the test packages: running a generation, the checkpoint maker, HF logits.
+
+Imports nothing of MLX at module level: tests/conftest.py imports this before the test process
+re-executes itself with OpenBLAS preloaded, which must happen before MLX loads.
+"""
 
 from __future__ import annotations
 
@@ -7,16 +11,17 @@ import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from engine.config import SamplingParams, SpecConfig
-from engine.drafters.base import Drafter
-from engine.generate import Engine
-from engine.types import GenerationRequest, Stats, TokenLogprob
+if TYPE_CHECKING:
+    from engine.config import SamplingParams, SpecConfig
+    from engine.drafters.base import Drafter
+    from engine.generate import Engine
+    from engine.types import Stats, TokenLogprob
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_SAMPLING = SamplingParams()
 
 
 @dataclass
@@ -27,11 +32,14 @@ class Generated:
     finish_reason: str | None = None
 
 
-def generate(engine: Engine, prompt: list[int], sampling: SamplingParams = DEFAULT_SAMPLING,
+def generate(engine: Engine, prompt: list[int], sampling: SamplingParams | None = None,
              spec: SpecConfig | None = None, drafter: Drafter | None = None,
              cancel_after: int | None = None) -> Generated:
     """Run one request to its end; cancel_after=i cancels it once step i has been read."""
-    req = GenerationRequest(prompt_ids=prompt, sampling=sampling, spec=spec)
+    from engine.config import SamplingParams
+    from engine.types import GenerationRequest
+
+    req = GenerationRequest(prompt_ids=prompt, sampling=sampling or SamplingParams(), spec=spec)
     out = Generated()
     for i, step in enumerate(engine.generate(req, drafter=drafter)):
         out.tokens += step.token_ids

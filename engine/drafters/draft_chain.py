@@ -56,14 +56,14 @@ class DraftChainDrafter:
             ids.append(top)
             probs.append(p[top])
             token = top[:1]
-        if depth:
-            mx.eval(ids, probs, forward.state_arrays(self.cache))  # the marked states are on its way
-        ids = [np.array(a).tolist() for a in ids]
-        probs = [np.array(a).tolist() for a in probs]
-        self.chain = [level[0] for level in ids]
-        return self._tree(root, ids, probs, budget)
+        if depth:  # one evaluation for the whole chain; the marked states are computed on the way
+            mx.eval(ids, probs, forward.state_arrays(self.cache))
+        level_ids: list[list[int]] = [np.array(a).tolist() for a in ids]
+        level_probs: list[list[float]] = [np.array(a).tolist() for a in probs]
+        self.chain = [level[0] for level in level_ids]
+        return self._tree(root, level_ids, level_probs, budget)
 
-    def _tree(self, root, ids, probs, budget) -> DraftTree:
+    def _tree(self, root: int, ids: list[list[int]], probs: list[list[float]], budget: int) -> DraftTree:
         tokens, parents = [root, *self.chain], [-1, *range(len(self.chain))]
         # siblings of chain node d+1 hang under chain node d; the likeliest go first
         leaves = sorted(((probs[d][j], d, ids[d][j]) for d in range(len(ids)) for j in range(1, len(ids[d]))),

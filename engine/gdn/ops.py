@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -23,7 +24,7 @@ L2_EPS = 1e-6
 PREFILL_CHUNK = 32  # rows per dense block of a chain; 32 measured a little faster than 64 on CPU
 
 
-def f32(x) -> mx.array:
+def f32(x: Any) -> mx.array:
     return mx.array(x).astype(mx.float32)
 
 
@@ -134,8 +135,8 @@ def chain_masks(n: int) -> TreeMasks:
     return tree_masks(np.tri(n, dtype=bool))
 
 
-def tree_dense(q, k, v, g, beta, masks: TreeMasks | np.ndarray, S0,
-               solver: str | None = None) -> tuple[mx.array, mx.array]:
+def tree_dense(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, masks: TreeMasks | np.ndarray,
+               S0: mx.array, solver: str | None = None) -> tuple[mx.array, mx.array]:
     """Dense ancestor-masked tree verify -> o, u [N, Hv, Dv]; S0 is read, never written.
 
     masks: the tree's TreeMasks (built once per verify), or its inclusive ancestor mask [N, N].
@@ -172,7 +173,7 @@ def fold(k: mx.array, u: mx.array, g: mx.array, S0: mx.array) -> mx.array:
     return mx.exp(total)[:, None, None] * S0 + weighted_u @ k.transpose(1, 0, 2)
 
 
-def commit_fold(k, u, g, path: mx.array | Sequence[int], S0) -> mx.array:
+def commit_fold(k: mx.array, u: mx.array, g: mx.array, path: mx.array | Sequence[int], S0: mx.array) -> mx.array:
     """S after the accepted path (node indices root..leaf, every ancestor listed; an int32 array
     or a list) from the verify's innovations u."""
     if not isinstance(path, mx.array):
@@ -180,8 +181,8 @@ def commit_fold(k, u, g, path: mx.array | Sequence[int], S0) -> mx.array:
     return fold(f32(k)[path], f32(u)[path], f32(g)[path], f32(S0))
 
 
-def chunked(q, k, v, g, beta, S0, chunk: int = PREFILL_CHUNK,
-            solver: str | None = None) -> tuple[mx.array, mx.array]:
+def chunked(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, S0: mx.array,
+            chunk: int = PREFILL_CHUNK, solver: str | None = None) -> tuple[mx.array, mx.array]:
     """A chain of T tokens: the dense form on causal masks of `chunk` rows, state folded between
     chunks. Returns o [T, Hv, Dv] and S_T."""
     if chunk < 1:
@@ -197,7 +198,8 @@ def chunked(q, k, v, g, beta, S0, chunk: int = PREFILL_CHUNK,
     return mx.concatenate(outs), S
 
 
-def chain(q, k, v, g, beta, S) -> tuple[mx.array, mx.array]:
+def chain(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,
+          S: mx.array) -> tuple[mx.array, mx.array]:
     """A chain of T tokens from state S -> (o [T, Hv, Dv], S_T): one step or the chunked form."""
     if q.shape[0] == 1:
         o, S = step(q[0], k[0], v[0], g[0], beta[0], S)
@@ -208,9 +210,9 @@ def chain(q, k, v, g, beta, S) -> tuple[mx.array, mx.array]:
 # ---------------------------------------------------------------- checks of host-side structure
 
 
-def check_gdn(q, k, v, g, beta, S0) -> tuple[mx.array, ...]:
-    """The inputs as float32, with their shapes checked against each other."""
-    q, k, v, g, beta, S0 = (f32(a) for a in (q, k, v, g, beta, S0))
+def check_gdn(*arrays: Any) -> tuple[mx.array, ...]:
+    """(q, k, v, g, beta, S0) as float32, with their shapes checked against each other."""
+    q, k, v, g, beta, S0 = (f32(a) for a in arrays)
     if q.ndim != 3 or q.shape[0] == 0:
         raise ValueError(f"q must be [N >= 1, Hv, Dk], got {q.shape}")
     n, hv, dk = q.shape

@@ -124,9 +124,8 @@ class Attention(nn.Module):
         q = apply_rope(q, self.rope, offset, batch)
         k = apply_rope(k, self.rope, offset, batch)
         keys, values = cache.write(k, v)
-        if batch.deferred:
-            mask = batch.attn_mask
-        else:
+        mask: mx.array | str | None = batch.attn_mask
+        if not batch.deferred:
             mask = "causal" if T > 1 else None
             cache.advance(T)
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)

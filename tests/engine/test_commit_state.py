@@ -86,3 +86,32 @@ def plain_run(model, prompt, params, n) -> list[int]:
         out += acc.tokens
         root = acc.tokens[-1]
     return out
+
+
+def test_snapshots_and_marks_survive_later_writes(tiny_qwen35):
+    """Snapshots (prefix cache) and marks (draft drafter) keep the state they were taken at while
+    the live cache goes on: tree verifies, commits, chain extends. An implementation that wrote
+    state in place would break this."""
+    from engine.cache import snapshot_all
+
+    model = load_model(tiny_qwen35).model
+    rng = np.random.default_rng(3)
+    prompt = [int(t) for t in rng.integers(0, 500, size=10)]
+    cache = model.make_cache()
+    forward.extend(model, cache, prompt)
+    snaps = snapshot_all(cache, len(prompt))
+    marks = [c.mark() for c in cache]
+    before = [np.array(a) for s in snaps for a in s.arrays()]
+    committed = len(prompt)
+    for _ in range(4):
+        tree = random_tree(rng, int(rng.integers(0, 500)), 6, 512, [])
+        forward.verify(model, cache, tree, committed)
+        path = tree.path_to(tree.size - 1)
+        forward.commit(cache, path)
+        committed += len(path)
+    forward.extend(model, cache, [1, 2, 3])
+    assert all(np.array_equal(a, np.array(b)) for a, b in zip(before, (x for s in snaps for x in s.arrays())))
+    for c, m in zip(cache, marks):
+        c.rewind(m)
+    after = [np.array(a) for s in snapshot_all(cache, len(prompt)) for a in s.arrays()]
+    assert all(np.array_equal(a, b) for a, b in zip(before, after))

@@ -1,0 +1,94 @@
+"""The one decode loop: every drafter at the edges of max_tokens and of the context, the pipelined
+round's bookkeeping, and the stats it reports."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.config import EngineConfig, SamplingParams, SpecConfig
+from engine.generate import Engine
+from engine.round import Rounds
+from tests.helpers import generate
+
+METHODS = ["none", "ngram", "draft", "draft-tree"]
+PROMPT = [int(t) for t in np.random.RandomState(4).randint(0, 500, size=9)] * 2
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_qwen35):
+    return Engine(EngineConfig(model_path=str(tiny_qwen35), prefill_chunk=16, max_context=64))
+
+
+def spec(method: str, path) -> SpecConfig:
+    return SpecConfig(method=method, budget=6, max_depth=4, draft_model=str(path))
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("max_tokens", [0, 1, 2, 5])
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "seeded"])
+def test_every_drafter_at_small_max_tokens(engine, tiny_qwen35, method, max_tokens, temperature):
+    # Regression: with one token of room the loop skipped propose but still called observe, and
+    # the draft drafters crashed (IndexError / ValueError).
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=7, ignore_eos=True)
+    plain = generate(engine, PROMPT, SamplingParams(max_tokens=8, temperature=temperature, seed=7, ignore_eos=True))
+    out = generate(engine, PROMPT, sampling, spec(method, tiny_qwen35))
+    assert out.tokens == plain.tokens[:max_tokens]
+    assert out.finish_reason == "length"
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_drafter_with_one_token_of_room_in_the_context(engine, tiny_qwen35, method):
+    prompt = (PROMPT * 4)[:63]  # the context holds 64: one token of room
+    out = generate(engine, prompt, SamplingParams(max_tokens=10, ignore_eos=True), spec(method, tiny_qwen35))
+    assert len(out.tokens) == 1 and out.finish_reason == "length"
+    assert out.tokens == generate(engine, prompt, SamplingParams(max_tokens=10, ignore_eos=True)).tokens
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_stopped_or_cancelled_request_leaves_a_consistent_cache(tiny_qwen35, method):
+    """Whatever ends a request (a stop token, a cancel, the length), the prefix cache stores the
+    state of exactly the tokens it holds: the next request resumes from it with the same output."""
+    on = Engine(EngineConfig(model_path=str(tiny_qwen35), prefill_chunk=16))
+    off = Engine(EngineConfig(model_path=str(tiny_qwen35), prefill_chunk=16, prefix_cache=False))
+    reference = generate(off, PROMPT, SamplingParams(max_tokens=12, ignore_eos=True)).tokens
+    stop_at = SamplingParams(max_tokens=12, stop_token_ids=(reference[5],), ignore_eos=True)
+    stopped = generate(on, PROMPT, stop_at, spec(method, tiny_qwen35))
+    assert stopped.tokens == reference[: reference.index(reference[5])] and stopped.finish_reason == "stop"
+    generate(on, PROMPT, SamplingParams(max_tokens=12, ignore_eos=True), spec(method, tiny_qwen35), cancel_after=1)
+    follow = PROMPT + reference[:8]
+    expected = generate(off, follow, SamplingParams(max_tokens=6, ignore_eos=True)).tokens
+    resumed = generate(on, follow, SamplingParams(max_tokens=6, ignore_eos=True))
+    assert resumed.tokens == expected and resumed.stats.cached_tokens >= len(PROMPT)
+
+
+def test_stats_add_up(engine, tiny_qwen35):
+    out = generate(engine, PROMPT, SamplingParams(max_tokens=20, ignore_eos=True), spec("draft", tiny_qwen35))
+    s = out.stats
+    assert s.generated_tokens == len(out.tokens) == 20
+    assert s.accepted == sum(s.accepted_per_pos) > 0  # the target itself as draft: drafts are accepted
+    assert all(a >= b for a, b in zip(s.accepted_per_pos, s.accepted_per_pos[1:]))  # deeper is rarer
+    assert s.accepted_per_pos[0] <= s.forward_passes
+    assert s.ttft_ms >= s.prompt_ms > 0
+    plain = generate(engine, PROMPT, SamplingParams(max_tokens=20, ignore_eos=True)).stats
+    assert plain.forward_passes == 20 and plain.tokens_per_forward == 1.0 and plain.accepted_per_pos == []
+    assert plain.ttft_ms >= plain.prompt_ms > 0  # the pipelined round defines TTFT the same way
+
+
+def test_an_interrupt_inside_a_pipelined_round_is_not_masked(engine, monkeypatch):
+    # Regression: Ctrl-C in `spruce run` printed "KV cache holds 226 tokens, the snapshot key 225":
+    # the pipelined loop had committed the next root when the interrupt came, and the prefix-cache
+    # store in the loop's cleanup raised over the KeyboardInterrupt.
+    real, landed = Rounds.land, []
+
+    def land(self, flight):
+        if len(landed) == 3:
+            raise KeyboardInterrupt
+        landed.append(flight)
+        return real(self, flight)
+
+    monkeypatch.setattr(Rounds, "land", land)
+    with pytest.raises(KeyboardInterrupt):
+        generate(engine, PROMPT + [1], SamplingParams(max_tokens=10, ignore_eos=True))
+    monkeypatch.setattr(Rounds, "land", real)
+    assert generate(engine, PROMPT + [1], SamplingParams(max_tokens=4, ignore_eos=True)).tokens
