@@ -28,7 +28,9 @@ def tree_batch(tree: DraftTree, committed_len: int, conv_kernel: int) -> Batch:
         return Batch(deferred=True, positions=positions)
     ancestors = tree.ancestor_mask()
     attn = np.concatenate([np.ones((tree.size, committed_len), dtype=bool), ancestors], axis=1)
-    gdn = TreeInputs(mx.array(ops.tree_conv_taps(tree.parents, conv_kernel)), ops.tree_masks(ancestors))
+    levels = 1 << tree.max_depth.bit_length()  # max depth + 1, rounded up to a power of two
+    gdn = TreeInputs(mx.array(ops.tree_conv_taps(tree.parents, conv_kernel)), ops.tree_masks(ancestors),
+                     mx.array(tree.dfs_order), mx.array(tree.depths), levels)
     return Batch(deferred=True, positions=positions, attn_mask=mx.array(attn), gdn=gdn)
 
 

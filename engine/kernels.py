@@ -1,13 +1,178 @@
-"""Picks the implementation of the GDN recurrent core for the backend MLX runs on.
+"""GPU kernels: loads the sources in metal/ once, compiles them for the backend MLX runs on, and
+picks the implementation of the GDN recurrent core.
 
-On the CPU the plain-MLX core runs (engine/gdn/core.py, OpsCore). GPU kernels plug in here as
-further GDNCore implementations.
+Each kernel body in metal/ is written once. For Metal it is compiled by mx.fast.metal_kernel,
+for CUDA by mx.fast.cuda_kernel, each with a small prelude (metal/prelude_*.h) that maps the
+SPR_* names to the backend, plus a first line that names the thread indices (MLX declares the
+Metal index attributes a body mentions, so the Metal names must appear in the body itself).
+
+Which core runs (SPRUCE_GDN_CORE overrides: ops | kernels):
+- CPU: the plain-MLX OpsCore.
+- CUDA: the kernels, verified against their twins on an H200 (metal/README.md).
+- Metal: OpsCore unless SPRUCE_GDN_CORE=kernels: the Metal build of the bodies has only been
+  compile-checked against a stub here, never run on an Apple GPU.
 """
 
 from __future__ import annotations
 
-from engine.gdn.core import GDNCore, OpsCore
+import functools
+import os
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+import mlx.core as mx
+
+from engine.gdn.core import GDNCore, GDNShape, GDNWeights, OpsCore, TreeInputs, TreeRows
+
+BACKENDS = ("metal", "cuda")
+SHARED_FLOATS = 8192  # 32 KiB of threadgroup memory: Apple GPUs' limit, under CUDA's static 48 KiB
+
+INDEX_NAMES = {  # the thread indices every body uses
+    "metal": ("const uint spr_group = threadgroup_position_in_grid.x;"
+              " const uint spr_local = thread_position_in_threadgroup.x;"
+              " const uint spr_threads = threads_per_threadgroup.x;"
+              " const uint spr_ngroups = threadgroups_per_grid.x;"
+              " const uint spr_lane = thread_index_in_simdgroup;"
+              " const uint spr_warp = simdgroup_index_in_threadgroup;\n"),
+    "cuda": ("const uint spr_group = blockIdx.x; const uint spr_local = threadIdx.x;"
+             " const uint spr_threads = blockDim.x; const uint spr_ngroups = gridDim.x;"
+             " const uint spr_lane = threadIdx.x % SPR_SIMD; const uint spr_warp = threadIdx.x / SPR_SIMD;\n"),
+}
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    name: str
+    file: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    header: tuple[str, ...] = ("gdn_common.h",)
+
+
+GDN_STEP = KernelSpec("spruce_gdn_step", "gdn_step.kernel",
+                      ("qkv", "a", "b", "conv_state", "conv_w", "A_log", "dt_bias", "state"),
+                      ("o", "conv_out", "state_out"))
+GDN_TREE = KernelSpec("spruce_gdn_tree", "gdn_tree.kernel",
+                      ("qkv", "a", "b", "conv_state", "conv_w", "A_log", "dt_bias", "state", "taps", "order",
+                       "depth", "n"),
+                      ("o", "u", "k_out", "g_out"))
+GDN_COMMIT = KernelSpec("spruce_gdn_commit", "gdn_commit.kernel",
+                        ("x", "k", "u", "g", "path", "path_len", "conv_state", "state"),
+                        ("conv_out", "state_out"))
+KERNELS = (GDN_STEP, GDN_TREE, GDN_COMMIT)
+
+
+def read_source(file: str) -> str:
+    return resources.files("metal").joinpath(file).read_text()
+
+
+def kernel_text(spec: KernelSpec, backend: str) -> tuple[str, str]:
+    """(header, body) of a kernel for a backend, as handed to MLX."""
+    header = "".join(read_source(f) for f in (f"prelude_{backend}.h", *spec.header))
+    return header, INDEX_NAMES[backend] + read_source(spec.file)
+
+
+@functools.cache
+def compiled_kernel(spec: KernelSpec, backend: str) -> Any:
+    """The MLX kernel object, built once per process (each build is a new library)."""
+    header, body = kernel_text(spec, backend)
+    make = mx.fast.metal_kernel if backend == "metal" else mx.fast.cuda_kernel
+    return make(name=spec.name, input_names=list(spec.inputs), output_names=list(spec.outputs),
+                source=body, header=header, ensure_row_contiguous=True)
+
+
+def gpu_backend() -> str | None:
+    if mx.default_device() == mx.cpu:
+        return None
+    if mx.metal.is_available():
+        return "metal"
+    return "cuda" if mx.cuda.is_available() else None
+
+
+class KernelCore(OpsCore):
+    """The GDN core on GPU kernels; shapes the kernels do not cover run the plain ops."""
+
+    def __init__(self, backend: str) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"kernel backend must be one of {BACKENDS}, got {backend!r}")
+        self.backend = backend
+        self.name = f"kernels-{backend}"
+
+    @staticmethod
+    def covers(shape: GDNShape) -> bool:
+        return shape.Dk % 32 == 0 and shape.Dk <= 256 and shape.Hv % shape.Hk == 0
+
+    def _launch(self, spec: KernelSpec, shape: GDNShape, inputs: list[mx.array],
+                outputs: list[tuple[tuple[int, ...], mx.Dtype]], rows_per_group: int,
+                **extra: int) -> list[mx.array]:
+        s = shape
+        template = [("Hk", s.Hk), ("Hv", s.Hv), ("Dk", s.Dk), ("Dv", s.Dv), ("K", s.K), ("RPG", rows_per_group),
+                    *extra.items()]
+        return compiled_kernel(spec, self.backend)(
+            inputs=inputs, template=template, grid=(s.Hv * s.Dv * 32, 1, 1), threadgroup=(rows_per_group * 32, 1, 1),
+            output_shapes=[o[0] for o in outputs], output_dtypes=[o[1] for o in outputs])
+
+    @staticmethod
+    def _rows_per_group(shape: GDNShape, most: int) -> int:
+        rpg = most
+        while shape.Dv % rpg:
+            rpg //= 2
+        return rpg
+
+    def step(self, shape, w, qkv, a, b, conv_state, S):
+        if not self.covers(shape) or qkv.dtype != conv_state.dtype:
+            return super().step(shape, w, qkv, a, b, conv_state, S)
+        o, conv, S = self._launch(
+            GDN_STEP, shape, [qkv, a, b, conv_state, w.conv, w.A_log, w.dt_bias, S],
+            [((shape.Hv, shape.Dv), mx.float32), (tuple(conv_state.shape), conv_state.dtype),
+             (tuple(S.shape), mx.float32)], self._rows_per_group(shape, 4))
+        return o[None], conv, S
+
+    def tree(self, shape, w, qkv, a, b, conv_state, S0, tree: TreeInputs):
+        n = qkv.shape[0]
+        levels = tree.levels
+        if not self.covers(shape) or qkv.dtype != conv_state.dtype or levels * shape.Dk > SHARED_FLOATS:
+            return super().tree(shape, w, qkv, a, b, conv_state, S0, tree)
+        rpg = self._rows_per_group(shape, max(1, min(4, SHARED_FLOATS // (levels * shape.Dk))))
+        s = shape
+        o, u, k, g = self._launch(
+            GDN_TREE, shape,
+            [qkv, a, b, conv_state, w.conv, w.A_log, w.dt_bias, S0, tree.conv_taps, tree.dfs_order, tree.depths,
+             mx.array([n], dtype=mx.int32)],
+            [((n, s.Hv, s.Dv), mx.float32), ((n, s.Hv, s.Dv), mx.float32), ((n, s.Hv, s.Dk), mx.float32),
+             ((n, s.Hv), mx.float32)], rpg, MAXD=levels)
+        return o, TreeRows(x=qkv, k=k, u=u, g=g)
+
+    def commit(self, rows, path, conv_state, S0):
+        if rows.x.dtype != conv_state.dtype or rows.k.shape[-1] % 32 or rows.k.shape[-1] > 256:
+            return super().commit(rows, path, conv_state, S0)
+        n, Hv, Dk = rows.k.shape
+        K = conv_state.shape[0] + 1
+        C = conv_state.shape[1]
+        Dv = rows.u.shape[-1]
+        Hk = (C - Hv * Dv) // (2 * Dk)
+        shape = GDNShape(Hk, Hv, Dk, Dv, K)
+        conv, S = self._launch(
+            GDN_COMMIT, shape,
+            [rows.x, rows.k, rows.u, rows.g, path.astype(mx.int32), mx.array([path.shape[0]], dtype=mx.int32),
+             conv_state, S0],
+            [(tuple(conv_state.shape), conv_state.dtype), (tuple(S0.shape), mx.float32)],
+            self._rows_per_group(shape, 4))
+        return conv, S
 
 
 def select_gdn_core() -> GDNCore:
+    """OpsCore on the CPU; the kernels on CUDA; on Metal only when asked (see the module doc)."""
+    choice = os.environ.get("SPRUCE_GDN_CORE", "auto")
+    if choice not in ("auto", "ops", "kernels"):
+        raise ValueError(f"SPRUCE_GDN_CORE must be auto, ops or kernels, got {choice!r}")
+    backend = gpu_backend()
+    if choice == "ops" or backend is None:
+        return OpsCore()
+    if choice == "kernels" or backend == "cuda":
+        return KernelCore(backend)
     return OpsCore()
+
+
+__all__ = ["GDNWeights", "KernelCore", "select_gdn_core"]

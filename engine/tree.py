@@ -92,6 +92,18 @@ class DraftTree:
         """bool [N, N], inclusive: M[i, j] is True iff node j is an ancestor-or-self of i."""
         return self._ancestor_mask
 
+    @cached_property
+    def dfs_order(self) -> np.ndarray:
+        """int32 [N] node indices in depth-first preorder (children in node order). Visiting nodes in
+        this order, a node's parent is the last node visited one level up: a per-depth stack of
+        states is all a node-by-node kernel has to keep."""
+        order, stack = [], [0]
+        while stack:
+            node = stack.pop()
+            order.append(node)
+            stack.extend(reversed(self._children[node]))
+        return _readonly(np.array(order, dtype=np.int32))
+
     def positions(self, committed_len: int) -> np.ndarray:
         """int32 [N] absolute positions: committed_len + depth (the root sits at committed_len)."""
         if _as_int(committed_len, "committed_len") < 0:

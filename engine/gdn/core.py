@@ -65,7 +65,22 @@ class TreeInputs:
     """Per-tree arrays shared by every GDN layer of one verify (built once on the host)."""
 
     conv_taps: mx.array  # int32 [N, K] rows of concat(conv_state, x) in each node's conv window
-    masks: ops.TreeMasks
+    masks: ops.TreeMasks  # for the dense form
+    dfs_order: mx.array  # int32 [N] depth-first preorder, for node-by-node kernels
+    depths: mx.array  # int32 [N]
+    # states a node-by-node kernel keeps (max depth + 1), rounded up to a power of two so that
+    # functions compiled per value retrace rarely
+    levels: int
+
+    def arrays(self) -> tuple[mx.array, ...]:
+        """The arrays, flat, in the order from_arrays takes (what a compiled function can receive)."""
+        m = self.masks
+        return (self.conv_taps, m.incl, m.strict, m.incl_f32, self.dfs_order, self.depths)
+
+    @classmethod
+    def from_arrays(cls, arrays: tuple[mx.array, ...], levels: int) -> TreeInputs:
+        taps, incl, strict, incl_f32, order, depths = arrays
+        return cls(taps, ops.TreeMasks(incl, strict, incl_f32), order, depths, levels)
 
 
 @dataclass(frozen=True)

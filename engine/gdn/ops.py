@@ -46,17 +46,19 @@ def gates(a: mx.array, b: mx.array, A_log: mx.array, dt_bias: mx.array) -> tuple
 
 
 def causal_conv(x: mx.array, conv_state: mx.array, weight: mx.array) -> tuple[mx.array, mx.array]:
-    """Depthwise causal conv + SiLU along a chain.
+    """Depthwise causal conv + SiLU along a chain, computed in fp32 like the tree conv.
 
     x [T, C] pre-conv rows, conv_state [K-1, C] (the last K-1 pre-conv rows), weight [C, K]
-    (tap K-1 is the token itself) -> (y [T, C], new conv_state [K-1, C]).
+    (tap K-1 is the token itself) -> (y [T, C] fp32, new conv_state [K-1, C] in x's dtype).
     """
     K = weight.shape[1]
     T = x.shape[0]
     window = mx.concatenate([conv_state.astype(x.dtype), x], axis=0)  # [K-1+T, C]
-    y = window[0:T] * weight[:, 0]
+    w = f32(weight)
+    rows = f32(window)
+    y = rows[0:T] * w[:, 0]
     for j in range(1, K):
-        y = y + window[j : j + T] * weight[:, j]
+        y = y + rows[j : j + T] * w[:, j]
     return y * mx.sigmoid(y), window[T:]
 
 

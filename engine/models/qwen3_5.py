@@ -14,7 +14,6 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.cache import GDNCache, KVCache, LayerCache
-from engine.gdn import ops
 from engine.gdn.core import GDNCore, GDNShape, GDNWeights, TreeInputs, TreeRows
 from engine.kernels import select_gdn_core
 from engine.models.base import ModelArgs, decoder_fields
@@ -85,8 +84,8 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(s.Dv, a.rms_norm_eps)
         self.out_proj = nn.Linear(s.value_dim, H, bias=False)
 
-    def forward(self, mode: Mode, x: mx.array, conv_state: mx.array, S: mx.array,
-                tree: tuple[mx.array, ...]) -> tuple[mx.array, tuple[mx.array, ...]]:
+    def forward(self, mode: Mode, x: mx.array, conv_state: mx.array, S: mx.array, tree: tuple[mx.array, ...],
+                levels: int) -> tuple[mx.array, tuple[mx.array, ...]]:
         """Pure (compilable): x [1, T, H] -> (out [1, T, H], what the cache keeps: the new
         (conv state, state) for a token or a chain, the TreeRows fields for a tree)."""
         s, T = self.shape, x.shape[1]
@@ -94,8 +93,7 @@ class GatedDeltaNet(nn.Module):
         w = GDNWeights(self.conv1d.weight, self.A_log, self.dt_bias)
         result: tuple[mx.array, ...]
         if mode == "tree":
-            taps, *masks = tree
-            o, rows = self.core.tree(s, w, qkv, a, b, conv_state, S, TreeInputs(taps, ops.TreeMasks(*masks)))
+            o, rows = self.core.tree(s, w, qkv, a, b, conv_state, S, TreeInputs.from_arrays(tree, levels))
             result = (rows.x, rows.k, rows.u, rows.g)
         else:
             run = self.core.step if mode == "token" else self.core.chain
@@ -120,10 +118,7 @@ class GatedDeltaNet(nn.Module):
 
 def tree_arrays(batch: Batch) -> tuple[mx.array, ...]:
     """The per-tree GDN inputs as a flat tuple of arrays (what a compiled function can take)."""
-    if batch.gdn is None:
-        return ()
-    m = batch.gdn.masks
-    return (batch.gdn.conv_taps, m.incl, m.strict, m.incl_f32)
+    return () if batch.gdn is None else batch.gdn.arrays()
 
 
 class _Phases:
@@ -167,7 +162,8 @@ class DecoderLayer(nn.Module):
             q, k, v, *gate = before(x)
             return after(x, self.self_attn.attend(q, k, v, cache, batch), *gate)
         assert isinstance(cache, GDNCache)
-        h, result = before(x, *cache.states(x.dtype), tree_arrays(batch))
+        levels = 0 if batch.gdn is None else batch.gdn.levels
+        h, result = before(x, *cache.states(x.dtype), tree_arrays(batch), levels)
         self.linear_attn.store(cache, batch, mode, result, x.shape[1])
         return after(h)
 
@@ -197,8 +193,8 @@ class DecoderLayer(nn.Module):
             return project, output
         gdn = self.linear_attn
 
-        def layer(x: mx.array, conv_state: mx.array, S: mx.array, tree: tuple[mx.array, ...]):
-            out, result = gdn.forward(mode, self.input_layernorm(x), conv_state, S, tree)
+        def layer(x: mx.array, conv_state: mx.array, S: mx.array, tree: tuple[mx.array, ...], levels: int):
+            out, result = gdn.forward(mode, self.input_layernorm(x), conv_state, S, tree, levels)
             return finish(x + out), result
 
         return layer, _identity

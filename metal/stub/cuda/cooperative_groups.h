@@ -1,0 +1,2 @@
+// Stub for the g++ check (see ../cuda_stub.h).
+#pragma once

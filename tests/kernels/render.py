@@ -1,0 +1,51 @@
+"""The full source MLX builds from a kernel body, for each backend, to compile it outside MLX.
+
+Mirrors mx.fast.metal_kernel's and mx.fast.cuda_kernel's source generation (the signature from
+the input and output names and dtypes, template arguments, Metal index attributes named in the
+body), so that g++ against metal/stub/ (CI) or nvcc against CUDA's headers (a machine that has
+it) can check the exact text MLX would compile.
+"""
+
+from __future__ import annotations
+
+from engine.kernels import KernelSpec, kernel_text
+
+METAL_TYPES = {"float32": "float", "bfloat16": "bfloat16_t", "float16": "half", "int32": "int32_t"}
+CUDA_TYPES = {"float32": "float", "bfloat16": "__nv_bfloat16", "float16": "__half", "int32": "int32_t"}
+METAL_ATTRIBUTES = {
+    "threadgroup_position_in_grid": "uint3", "thread_position_in_threadgroup": "uint3",
+    "threads_per_threadgroup": "uint3", "threadgroups_per_grid": "uint3",
+    "thread_index_in_simdgroup": "uint", "simdgroup_index_in_threadgroup": "uint",
+}
+
+
+def render_metal(spec: KernelSpec, dtypes: dict[str, str], sizes: dict[str, int],
+                 template: dict[str, int]) -> str:
+    """dtypes: per input and output name; sizes: element counts of inputs (< 8 -> constant space).
+    Ends with an explicit instantiation, so g++ checks the body with these template values."""
+    header, body = kernel_text(spec, "metal")
+    name = f"custom_kernel_{spec.name}"
+    types = [f"const {'constant' if sizes.get(n, 8) < 8 else 'device'} {METAL_TYPES[dtypes[n]]}*" for n in spec.inputs]
+    types += [f"device {METAL_TYPES[dtypes[n]]}*" for n in spec.outputs]
+    names = [*spec.inputs, *spec.outputs]
+    params = [f"  {t} {n} [[buffer({i})]]" for i, (t, n) in enumerate(zip(types, names))]
+    attributes = [(a, t) for a, t in METAL_ATTRIBUTES.items() if a in body]
+    params += [f"  {t} {a} [[{a}]]" for a, t in attributes]
+    types += [t for _, t in attributes]
+    targs = ", ".join(f"int {k}" for k in template)
+    tvals = ", ".join(str(v) for v in template.values())
+    return (f"#include \"metal_stub.h\"\nusing namespace metal;\n{header}\ntemplate <{targs}>\n"
+            f"[[kernel]] void {name}(\n" + ",\n".join(params) + f") {{\n{body}\n}}\n"
+            f"template void {name}<{tvals}>({', '.join(types)});\n")
+
+
+def render_cuda(spec: KernelSpec, dtypes: dict[str, str], template: dict[str, int], stub: bool) -> str:
+    header, body = kernel_text(spec, "cuda")
+    params = [f"    const {CUDA_TYPES[dtypes[n]]}* {n}" for n in spec.inputs]
+    params += [f"    {CUDA_TYPES[dtypes[n]]}* {n}" for n in spec.outputs]
+    consts = "".join(f"  constexpr int {k} = {v};\n" for k, v in template.items())
+    prefix = "#include \"cuda_stub.h\"\n" if stub else ""
+    return (f"{prefix}#include <cooperative_groups.h>\n{header}\nnamespace mlx::core::cu {{\n"
+            "namespace cg = cooperative_groups;\n"
+            f"__global__ void custom_kernel_{spec.name}(\n" + ",\n".join(params) + f") {{\n{consts}\n{body}\n}}\n"
+            "}  // namespace mlx::core::cu\n")

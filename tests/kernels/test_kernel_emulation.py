@@ -1,0 +1,120 @@
+"""The kernel bodies executed on the CPU (tests/kernels/emulate.py) against their plain-MLX twins:
+indexing, conv windows, gates, norms, the tree walk and the commit, on fresh random inputs and
+trees of many shapes. Runs wherever g++ is (CI included); the GPU run adds the SIMD lanes."""
+
+from __future__ import annotations
+
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine.forward import tree_batch
+from engine.gdn.core import GDNShape, GDNWeights, OpsCore
+from engine.kernels import GDN_COMMIT, GDN_STEP, GDN_TREE
+from engine.tree import DraftTree
+from tests.kernels.emulate import emulate
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is not installed")
+
+SHAPES = {"small": GDNShape(Hk=2, Hv=4, Dk=8, Dv=8, K=4), "bundled": GDNShape(Hk=6, Hv=12, Dk=32, Dv=32, K=4),
+          "k3": GDNShape(Hk=1, Hv=3, Dk=4, Dv=2, K=3)}
+F32 = np.float32
+
+
+def random_layer(rng: np.random.Generator, s: GDNShape, n: int) -> dict[str, np.ndarray]:
+    return {
+        "qkv": rng.normal(size=(n, s.conv_dim)).astype(F32),
+        "a": rng.normal(size=(n, s.Hv)).astype(F32),
+        "b": rng.normal(size=(n, s.Hv)).astype(F32),
+        "conv_state": rng.normal(size=(s.K - 1, s.conv_dim)).astype(F32),
+        "conv_w": (rng.normal(size=(s.conv_dim, s.K)) * 0.5).astype(F32),
+        "A_log": rng.normal(size=s.Hv).astype(F32),
+        "dt_bias": rng.normal(size=s.Hv).astype(F32),
+        "state": (rng.normal(size=(s.Hv, s.Dv, s.Dk)) * 0.3).astype(F32),
+    }
+
+
+def twin_args(x: dict[str, np.ndarray]) -> tuple:
+    """(weights, qkv, a, b, conv_state, state): a core's arguments after the shape."""
+    m = {k: mx.array(v) for k, v in x.items()}
+    w = GDNWeights(m["conv_w"], m["A_log"], m["dt_bias"])
+    return w, m["qkv"], m["a"], m["b"], m["conv_state"], m["state"]
+
+
+def template(s: GDNShape, **extra: int) -> dict[str, int]:
+    return dict(Hk=s.Hk, Hv=s.Hv, Dk=s.Dk, Dv=s.Dv, K=s.K, RPG=2, **extra)
+
+
+def launch(s: GDNShape) -> dict[str, int]:
+    return {"groups": s.Hv * s.Dv // 2, "threads": 2}  # RPG = 2 rows per group, one lane per row
+
+
+def maxdiff(a, b) -> float:
+    return float(np.abs(np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)).max())
+
+
+def a_tree(rng: np.random.Generator, kind: str, n: int) -> DraftTree:
+    if kind == "chain":
+        parents = [-1, *range(n - 1)]
+    elif kind == "star":
+        parents = [-1] + [0] * (n - 1)
+    else:
+        parents = [-1] + [int(rng.integers(i)) for i in range(1, n)]
+    return DraftTree(tuple(range(n)), tuple(parents))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_step_body_equals_twin(shape, rng, tmp_path):
+    s = SHAPES[shape]
+    x = random_layer(rng, s, 1)
+    out = emulate(GDN_STEP, x, {"o": ((s.Hv, s.Dv), F32), "conv_out": ((s.K - 1, s.conv_dim), F32),
+                                "state_out": ((s.Hv, s.Dv, s.Dk), F32)}, template(s), **launch(s), tmp=tmp_path)
+    o, conv, S = OpsCore().step(s, *twin_args(x))
+    assert maxdiff(out["o"], o[0]) <= 1e-5
+    assert maxdiff(out["conv_out"], conv) == 0.0
+    assert maxdiff(out["state_out"], S) <= 1e-5
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize(("kind", "n"), [("chain", 1), ("chain", 6), ("star", 7), ("random", 12), ("random", 30)])
+def test_tree_body_equals_twin(shape, kind, n, rng, tmp_path):
+    s = SHAPES[shape]
+    tree = a_tree(rng, kind, n)
+    x = random_layer(rng, s, n)
+    batch = tree_batch(tree, 5, s.K)
+    from engine.gdn import ops
+    from engine.gdn.core import TreeInputs
+
+    gdn = batch.gdn or TreeInputs(mx.array(ops.tree_conv_taps(tree.parents, s.K)), ops.tree_masks(tree.ancestor_mask()),
+                                  mx.array(tree.dfs_order), mx.array(tree.depths), 1)
+    inputs = dict(x, taps=np.array(gdn.conv_taps), order=np.array(gdn.dfs_order), depth=np.array(gdn.depths),
+                  n=np.array([n], dtype=np.int32))
+    out = emulate(GDN_TREE, inputs, {"o": ((n, s.Hv, s.Dv), F32), "u": ((n, s.Hv, s.Dv), F32),
+                                     "k_out": ((n, s.Hv, s.Dk), F32), "g_out": ((n, s.Hv), F32)},
+                  template(s, MAXD=gdn.levels), **launch(s), tmp=tmp_path)
+    o, rows = OpsCore().tree(s, *twin_args(x), gdn)
+    assert maxdiff(out["o"], o) <= 1e-4
+    assert maxdiff(out["u"], rows.u) <= 1e-4
+    assert maxdiff(out["k_out"], rows.k) <= 1e-5
+    assert maxdiff(out["g_out"], rows.g) <= 1e-5
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_commit_body_equals_twin(shape, rng, tmp_path):
+    s = SHAPES[shape]
+    tree = a_tree(rng, "random", 12)
+    x = random_layer(rng, s, 12)
+    _, rows = OpsCore().tree(s, *twin_args(x), tree_batch(tree, 5, s.K).gdn)
+    for leaf in (0, 3, 11):
+        path = np.array(tree.path_to(leaf), dtype=np.int32)
+        inputs = {"x": x["qkv"], "k": np.array(rows.k), "u": np.array(rows.u), "g": np.array(rows.g), "path": path,
+                  "path_len": np.array([len(path)], dtype=np.int32), "conv_state": x["conv_state"],
+                  "state": x["state"]}
+        out = emulate(GDN_COMMIT, inputs, {"conv_out": ((s.K - 1, s.conv_dim), F32),
+                                           "state_out": ((s.Hv, s.Dv, s.Dk), F32)}, template(s), **launch(s),
+                      tmp=tmp_path)
+        conv, S = OpsCore().commit(rows, mx.array(path), mx.array(x["conv_state"]), mx.array(x["state"]))
+        assert maxdiff(out["conv_out"], conv) == 0.0
+        assert maxdiff(out["state_out"], S) <= 1e-5

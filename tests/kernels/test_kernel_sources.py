@@ -1,0 +1,91 @@
+"""Every kernel body, as MLX would assemble it for Metal and for CUDA, compiles: with g++ against
+the stubs in metal/stub/ (everywhere g++ is; CI), and with nvcc where CUDA's compiler is present.
+
+This is the check the Metal text gets on machines without an Apple GPU: names, types and template
+arguments, not Metal semantics (metal/README.md says what ran where)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from engine.kernels import KERNELS, KernelSpec
+from tests.kernels.render import render_cuda, render_metal
+
+STUB = Path(__file__).resolve().parents[2] / "metal" / "stub"
+INT_INPUTS = {"taps", "order", "depth", "n", "path", "path_len"}
+F32 = {"state", "A_log", "o", "state_out", "u", "k_out", "g_out", "k", "g"}  # always float32 in the engine
+# the bundled model's GDN shape and the 9B one; RPG / MAXD as the engine picks them
+SHAPES = {"bundled": dict(Hk=6, Hv=12, Dk=32, Dv=32, K=4), "9b": dict(Hk=16, Hv=32, Dk=128, Dv=128, K=4)}
+
+
+def dtypes_for(spec: KernelSpec, activations: str) -> dict[str, str]:
+    out = {}
+    for n in (*spec.inputs, *spec.outputs):
+        out[n] = "int32" if n in INT_INPUTS else "float32" if n in F32 else activations
+    return out
+
+
+def template_for(spec: KernelSpec, shape: str) -> dict[str, int]:
+    t = dict(SHAPES[shape], RPG=2)
+    if spec.name.endswith("tree"):
+        t["MAXD"] = 16
+    return t
+
+
+def compile_cxx(source: str, tmp_path: Path, includes: list[Path]) -> subprocess.CompletedProcess:
+    src = tmp_path / "kernel.cpp"
+    src.write_text(source)
+    cmd = ["g++", "-std=c++17", "-fsyntax-only", "-Wno-attributes", *(f"-I{p}" for p in includes), str(src)]
+    return subprocess.run(cmd, capture_output=True, text=True)
+
+
+needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is not installed")
+CASES = [(spec, act, shape) for spec in KERNELS for act in ("float32", "bfloat16") for shape in SHAPES]
+IDS = [f"{s.name}-{a}-{sh}" for s, a, sh in CASES]
+
+
+@needs_gxx
+@pytest.mark.parametrize(("spec", "activations", "shape"), CASES, ids=IDS)
+def test_metal_text_compiles_against_the_stub(spec, activations, shape, tmp_path):
+    sizes = {"n": 1, "path_len": 1, "path": 3}  # small arrays go to Metal's constant address space
+    source = render_metal(spec, dtypes_for(spec, activations), sizes, template_for(spec, shape))
+    p = compile_cxx(source, tmp_path, [STUB])
+    assert p.returncode == 0, p.stderr[-3000:]
+
+
+@needs_gxx
+@pytest.mark.parametrize(("spec", "activations", "shape"), CASES, ids=IDS)
+def test_cuda_text_compiles_against_the_stub(spec, activations, shape, tmp_path):
+    source = render_cuda(spec, dtypes_for(spec, activations), template_for(spec, shape), stub=True)
+    p = compile_cxx(source, tmp_path, [STUB, STUB / "cuda"])
+    assert p.returncode == 0, p.stderr[-3000:]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("spec", KERNELS, ids=[s.name for s in KERNELS])
+def test_cuda_text_compiles_with_nvcc(spec, tmp_path):
+    source = render_cuda(spec, dtypes_for(spec, "bfloat16"), template_for(spec, "9b"), stub=False)
+    src = tmp_path / "kernel.cu"
+    src.write_text(source)
+    p = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-c", "-o", str(tmp_path / "k.o"), str(src)],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-3000:]
+
+
+def test_a_typo_in_a_body_fails_the_check(tmp_path, monkeypatch):
+    """The check can fail: an undeclared name in a body is an error for both backends."""
+    if shutil.which("g++") is None:
+        pytest.skip("g++ is not installed")
+    import engine.kernels as kernels
+
+    real = kernels.read_source
+    monkeypatch.setattr(kernels, "read_source", lambda f: real(f).replace("spr_simd_sum(kv)", "spr_simd_summ(kv)"))
+    spec = KERNELS[0]
+    metal = render_metal(spec, dtypes_for(spec, "float32"), {}, template_for(spec, "bundled"))
+    cuda = render_cuda(spec, dtypes_for(spec, "float32"), template_for(spec, "bundled"), stub=True)
+    assert compile_cxx(metal, tmp_path, [STUB]).returncode != 0
+    assert compile_cxx(cuda, tmp_path, [STUB, STUB / "cuda"]).returncode != 0
