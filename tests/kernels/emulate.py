@@ -38,7 +38,7 @@ def emulate(spec: KernelSpec, inputs: dict[str, np.ndarray], outputs: dict[str, 
               f"    for (unsigned emu_t = 0; emu_t < {threads}u; ++emu_t) {{",
               "    blockIdx = {emu_g, 0u, 0u}; threadIdx = {emu_t, 0u, 0u};",
               f"    mlx::core::cu::custom_kernel_{spec.name}({call_args});", "  }"]
-    for n, (shape, t) in outputs.items():
+    for n in outputs:
         lines.append(f'  {{ FILE* f = fopen("{tmp}/out_{n}.bin", "wb"); fwrite({n}.data(), sizeof({n}[0]), '
                      f"{n}.size(), f); fclose(f); }}")
     lines += ["  return 0;", "}"]
