@@ -1,0 +1,412 @@
+"""GPU benchmark: Spruce against mlx-lm in the same run, on checkpoints it writes itself.
+
+    python scripts/bench_gpu.py --out DIR [--targets 9b,bundled] [--tokens 128] [--runs 3]
+
+On the machine with the GPU (MLX CUDA or Metal). Writes random-weight checkpoints in MLX layout
+with mlx-lm's own model code (a Qwen3.5-9B-shaped 4-bit g64 target, a 0.8B-shaped 4-bit draft)
+and uses the bundled model as shipped; then prints and writes (DIR/results.json, DIR/results.md):
+- plain decode tok/s: Spruce with the GDN kernels, Spruce with the plain-ops core, mlx-lm;
+- greedy tokens equal or not, and the max |logit| difference on a 128-token prompt (parity);
+- the cost of one speculation round for trees of N nodes, split into verify / accept / commit,
+  as a ratio to Spruce's plain step, kernels and ops; the draft model's drafting time;
+- prefill tok/s on a 4k-token prompt;
+- per-layer kernel times against their plain-ops twins.
+Random weights make acceptance meaningless, so the rounds are timed on fixed tree shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+BUNDLED = REPO / "engine" / "bundled" / "target"
+SHAPES = {  # text configs of the random checkpoints (Qwen3.5 layouts)
+    "9b": dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=12288, num_attention_heads=16,
+               num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
+               linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=248320, tie_word_embeddings=False),
+    "0.8b": dict(hidden_size=1024, num_hidden_layers=24, intermediate_size=3584, num_attention_heads=8,
+                 num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
+                 linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=248320, tie_word_embeddings=True),
+}
+COMMON = dict(model_type="qwen3_5_text", linear_conv_kernel_dim=4, full_attention_interval=4, rms_norm_eps=1e-6,
+              max_position_embeddings=32768, rope_parameters={"rope_type": "default", "rope_theta": 1e7,
+                                                              "partial_rotary_factor": 0.25})
+TREE_SIZES = (1, 4, 8, 16, 17, 32)
+RESULTS: dict[str, Any] = {}
+
+
+def log(*a: object) -> None:
+    print(*a, flush=True)
+
+
+@contextlib.contextmanager
+def section(name: str) -> Iterator[None]:
+    """A part of the benchmark: a failure is printed and recorded, the rest goes on."""
+    t0 = time.perf_counter()
+    log(f"\n== {name}")
+    try:
+        yield
+    except Exception:
+        RESULTS.setdefault("errors", {})[name] = traceback.format_exc()
+        log(traceback.format_exc())
+    log(f"   ({time.perf_counter() - t0:.1f} s)")
+
+
+def make_checkpoint(out: Path, shape: str, bits: int = 4, group_size: int = 64) -> Path:
+    """A random-weight Qwen3.5 checkpoint in MLX layout, written by mlx-lm's code (bf16, quantized)."""
+    from mlx.utils import tree_flatten, tree_map_with_path
+    from mlx_lm.models import qwen3_5 as mq
+    from mlx_lm.utils import quantize_model, save_config, save_model
+
+    text = dict(COMMON, **SHAPES[shape])
+    config = {"model_type": "qwen3_5", "text_config": text, "tie_word_embeddings": text["tie_word_embeddings"]}
+    mx.random.seed(0)
+    model = mq.Model(mq.ModelArgs.from_dict(config))
+    model.update(tree_map_with_path(lambda p, x: x if p.endswith("A_log") else x.astype(mx.bfloat16),
+                                    model.parameters()))
+    mx.eval(model.parameters())
+    model, config = quantize_model(model, config, group_size, bits)
+    out.mkdir(parents=True)
+    save_model(out, model)
+    save_config(config, out / "config.json")
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        if (BUNDLED / f).is_file():  # a real tokenizer; ids past its vocabulary are just never decoded
+            shutil.copy(BUNDLED / f, out / f)
+    n = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    log(f"   wrote {out.name}: {n / 1e9:.2f} GB of parameters")
+    return out
+
+
+def mlx_lm_view(path: Path, tmp: Path) -> Path:
+    """A copy mlx-lm reads: it knows model_type qwen3_5, not HF's causal-LM qwen3_5_text."""
+    out = tmp / path.name
+    shutil.copytree(path, out)
+    cfg = json.loads((out / "config.json").read_text())
+    if cfg.get("model_type") == "qwen3_5_text":
+        cfg["model_type"] = "qwen3_5"
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+def spruce_engine(path: Path, dtype: str, core: str) -> Any:
+    from engine.config import EngineConfig
+    from engine.generate import Engine
+
+    os.environ["SPRUCE_GDN_CORE"] = core
+    try:
+        return Engine(EngineConfig(model_path=str(path), dtype=dtype, prefix_cache=False, max_context=8192))
+    finally:
+        os.environ.pop("SPRUCE_GDN_CORE", None)
+
+
+def spruce_decode(engine: Any, prompt: list[int], n: int) -> tuple[float, list[int]]:
+    from engine.config import SamplingParams
+    from engine.types import GenerationRequest
+
+    req = GenerationRequest(prompt_ids=prompt, sampling=SamplingParams(max_tokens=n, ignore_eos=True))
+    tokens: list[int] = []
+    t_first = 0.0
+    for step in engine.generate(req):
+        if not tokens and step.token_ids:
+            t_first = time.perf_counter()
+        tokens += step.token_ids
+    return (len(tokens) - 1) / (time.perf_counter() - t_first), tokens
+
+
+def mlx_lm_decode(model: Any, prompt: list[int], n: int) -> tuple[float, list[int]]:
+    from mlx_lm.generate import generate_step
+
+    tokens: list[int] = []
+    t_first = 0.0
+    for tok, _ in generate_step(mx.array(prompt), model, max_tokens=n):
+        if not tokens:
+            t_first = time.perf_counter()
+        tokens.append(int(tok))
+    return (len(tokens) - 1) / (time.perf_counter() - t_first), tokens
+
+
+def median_of(fn: Callable[[], float], runs: int) -> float:
+    return statistics.median(fn() for _ in range(runs))
+
+
+def decode_section(name: str, path: Path, dtype: str, args: argparse.Namespace, prompt: list[int]) -> dict:
+    from mlx_lm import load
+
+    row: dict[str, Any] = {"checkpoint": name, "dtype": dtype}
+    engines = {core: spruce_engine(path, dtype, core) for core in ("kernels", "ops")}
+    ref, _ = load(str(path))
+    if dtype == "float32":
+        ref.set_dtype(mx.float32)
+    outs: dict[str, list[int]] = {}
+    for label, fn in [("spruce_kernels", lambda: spruce_decode(engines["kernels"], prompt, args.tokens)),
+                      ("spruce_ops", lambda: spruce_decode(engines["ops"], prompt, args.tokens)),
+                      ("mlx_lm", lambda: mlx_lm_decode(ref, prompt, args.tokens))]:
+        fn()  # warm-up (compiles)
+        runs = [fn() for _ in range(args.runs)]
+        row[f"{label}_tok_s"] = statistics.median(r[0] for r in runs)
+        outs[label] = runs[-1][1]
+    row["kernels_vs_mlx_lm"] = row["spruce_kernels_tok_s"] / row["mlx_lm_tok_s"]
+    row["greedy_equal_kernels_mlx_lm"] = _same_prefix(outs["spruce_kernels"], outs["mlx_lm"])
+    row["greedy_equal_kernels_ops"] = _same_prefix(outs["spruce_kernels"], outs["spruce_ops"])
+    row["parity"] = parity(engines, ref, prompt)
+    row["rounds"] = {core: round_costs(engines[core], prompt) for core in engines}
+    row["plain_step_ms"] = 1e3 / row["spruce_kernels_tok_s"]
+    row["prefill"] = prefill(engines["kernels"], ref, args.prefill_tokens)
+    return row
+
+
+def _same_prefix(a: list[int], b: list[int]) -> str:
+    n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return f"{n}/{min(len(a), len(b))}"
+
+
+def parity(engines: dict[str, Any], ref: Any, prompt: list[int]) -> dict[str, float]:
+    """Last-position logits over the prompt: Spruce (each core) against mlx-lm, and kernels vs ops."""
+    ids = mx.array([prompt])
+    theirs = ref(ids)[0, -1].astype(mx.float32)
+    out = {}
+    ours = {}
+    for core, e in engines.items():
+        ours[core] = e.model(ids, e.model.make_cache())[0, -1].astype(mx.float32)
+        out[f"{core}_vs_mlx_lm_max_abs"] = float(mx.abs(ours[core] - theirs).max())
+    out["kernels_vs_ops_max_abs"] = float(mx.abs(ours["kernels"] - ours["ops"]).max())
+    out["max_abs_logit"] = float(mx.abs(theirs).max())
+    out["argmax_equal"] = bool(int(mx.argmax(theirs)) == int(mx.argmax(ours["kernels"])))
+    return out
+
+
+def chain_with_siblings(n: int, root: int = 1) -> Any:
+    from engine.tree import DraftTree
+
+    depth = min(n - 1, 8)
+    parents = [-1, *range(depth)]
+    parents += [1 + (i % max(1, depth)) - 1 for i in range(n - 1 - depth)]  # siblings along the chain
+    tokens = [root] + [100 + i for i in range(n - 1)]
+    return DraftTree(tuple(tokens), tuple(parents))
+
+
+def round_costs(engine: Any, prompt: list[int], rounds: int = 10) -> dict[str, dict[str, float]]:
+    """Median ms of verify / accept / commit for trees of N nodes (each phase synchronised)."""
+    from engine import forward, sampler
+
+    model = engine.model
+    cache = model.make_cache()
+    forward.extend(model, cache, prompt[:-1])
+    committed = len(prompt) - 1
+    out = {}
+    for n in TREE_SIZES:
+        tree = chain_with_siblings(n, prompt[-1])
+        path = tree.path_to(min(n - 1, 8))  # the whole chain is accepted
+        times: dict[str, list[float]] = {"verify": [], "accept": [], "commit": []}
+        for r in range(rounds + 2):
+            t0 = time.perf_counter()
+            logits = forward.verify(model, cache, tree, committed)
+            choices = mx.argmax(logits, axis=-1)
+            mx.eval(choices)
+            t1 = time.perf_counter()
+            sampler.accept_walk(tree, np.array(choices).__getitem__)
+            t2 = time.perf_counter()
+            forward.commit(cache, path)
+            t3 = time.perf_counter()
+            committed += len(path)
+            if r >= 2:
+                for k, v in zip(times, (t1 - t0, t2 - t1, t3 - t2)):
+                    times[k].append(v * 1e3)
+        out[str(n)] = {k: statistics.median(v) for k, v in times.items()}
+        out[str(n)]["round"] = sum(out[str(n)].values())
+    base = out["1"]["round"]
+    for v in out.values():
+        v["vs_1_node"] = v["round"] / base
+    return out
+
+
+def prefill(engine: Any, ref: Any, n: int) -> dict[str, float]:
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from engine import forward
+
+    ids = [int(t) for t in np.random.RandomState(1).randint(0, min(engine.vocab_size, 8000), size=n)]
+
+    def ours() -> float:
+        cache = engine.model.make_cache()
+        t0 = time.perf_counter()
+        forward.extend(engine.model, cache, ids, engine.config.prefill_chunk)
+        return n / (time.perf_counter() - t0)
+
+    def theirs() -> float:
+        cache = make_prompt_cache(ref)
+        t0 = time.perf_counter()
+        for i in range(0, n, 2048):
+            mx.eval(ref(mx.array([ids[i : i + 2048]]), cache=cache))
+        return n / (time.perf_counter() - t0)
+
+    ours()
+    theirs()
+    return {"tokens": n, "spruce_tok_s": median_of(ours, 3), "mlx_lm_tok_s": median_of(theirs, 3)}
+
+
+def draft_section(target: Path, draft: Path, prompt: list[int]) -> dict[str, float]:
+    from engine.config import EngineConfig
+    from engine.drafters.draft_chain import DraftChainDrafter
+    from engine.generate import Engine
+
+    engine = Engine(EngineConfig(model_path=str(target), dtype="bfloat16", prefix_cache=False))
+    drafter = DraftChainDrafter(engine.draft_model(str(draft)))
+    drafter.begin(prompt)
+    times = []
+    for _ in range(8):
+        t0 = time.perf_counter()
+        tree = drafter.propose(prompt[-1], 16, 8)
+        times.append((time.perf_counter() - t0) * 1e3)
+        drafter.observe([tree.tokens[1], 7])  # one accepted draft and a bonus
+    ms = statistics.median(times[2:])
+    return {"draft_ms_per_round": ms, "drafted_nodes": tree.size - 1, "ms_per_chain_token": ms / 8}
+
+
+def per_call_us(fn: Callable[[], Any], calls: int = 20) -> float:
+    """Median µs per call, `calls` calls queued per evaluation."""
+    mx.eval(fn())
+
+    def timed() -> float:
+        t0 = time.perf_counter()
+        mx.eval([fn() for _ in range(calls)])
+        return (time.perf_counter() - t0) / calls * 1e6
+
+    return median_of(timed, 5)
+
+
+def kernel_micro(shape_name: str) -> dict[str, float]:
+    """Per-layer µs of the GDN core: kernels and plain ops, 9B layer shape, 20 calls per evaluation."""
+    from engine.forward import tree_batch
+    from engine.gdn.core import GDNShape, GDNWeights, OpsCore
+    from engine.kernels import KernelCore, gpu_backend
+
+    s = GDNShape(16, 32, 128, 128, 4) if shape_name == "9b" else GDNShape(6, 12, 32, 32, 4)
+    rng = np.random.default_rng(0)
+
+    def arr(*shape: int, dt: Any = mx.bfloat16) -> mx.array:
+        return mx.array(rng.normal(size=shape).astype(np.float32)).astype(dt)
+
+    w = GDNWeights(arr(s.conv_dim, s.K), arr(s.Hv, dt=mx.float32), arr(s.Hv))
+    S = arr(s.Hv, s.Dv, s.Dk, dt=mx.float32) * 0.1
+    conv = arr(s.K - 1, s.conv_dim)
+    cores = {"kernels": KernelCore(gpu_backend() or "cuda"), "ops": OpsCore()}
+    out: dict[str, float] = {}
+    tree = chain_with_siblings(17)
+    gdn = tree_batch(tree, 100, s.K).gdn
+    path = mx.array(tree.path_to(8), dtype=mx.int32)
+    for name, core in cores.items():
+        q1, a1, b1 = arr(1, s.conv_dim), arr(1, s.Hv), arr(1, s.Hv)
+        qn, an, bn = arr(17, s.conv_dim), arr(17, s.Hv), arr(17, s.Hv)
+        step = mx.compile(lambda q, a, b, c, S, core=core: core.step(s, w, q, a, b, c, S))
+        treef = mx.compile(lambda q, a, b, c, S, core=core: core.tree(s, w, q, a, b, c, S, gdn)[0])
+        _, rows = core.tree(s, w, qn, an, bn, conv, S, gdn)
+        mx.eval(rows.u, rows.k, rows.g)
+        calls: dict[str, Callable[[], Any]] = {
+            "step": lambda step=step, q=q1, a=a1, b=b1: step(q, a, b, conv, S),
+            "tree17": lambda treef=treef, q=qn, a=an, b=bn: treef(q, a, b, conv, S),
+            "commit": lambda core=core, rows=rows: core.commit(rows, path, conv, S),
+        }
+        for label, fn in calls.items():
+            out[f"{label}_{name}_us"] = per_call_us(fn)
+    return out
+
+
+def markdown(r: dict) -> str:
+    lines = [f"device: {r.get('device')}, mlx {r.get('mlx')}, mlx-lm {r.get('mlx_lm')}", ""]
+    rows = r.get("decode", [])
+    if rows:
+        lines += ["| checkpoint | compute | Spruce kernels tok/s | Spruce ops tok/s | mlx-lm tok/s | kernels / mlx-lm |"
+                  " greedy = mlx-lm | greedy kernels = ops | max abs logit diff vs mlx-lm (kernels, ops) |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for x in rows:
+            p = x["parity"]
+            lines.append(f"| {x['checkpoint']} | {x['dtype']} | {x['spruce_kernels_tok_s']:.1f} | "
+                         f"{x['spruce_ops_tok_s']:.1f} | {x['mlx_lm_tok_s']:.1f} | {x['kernels_vs_mlx_lm']:.2f} | "
+                         f"{x['greedy_equal_kernels_mlx_lm']} | {x['greedy_equal_kernels_ops']} | "
+                         f"{p['kernels_vs_mlx_lm_max_abs']:.4f}, {p['ops_vs_mlx_lm_max_abs']:.4f} "
+                         f"(max abs logit {p['max_abs_logit']:.1f}) |")
+        lines += ["", "Speculation round (verify + accept + commit), median ms; ratio to the 1-node round:", "",
+                  "| checkpoint | core | " + " | ".join(f"N={n}" for n in TREE_SIZES) + " |",
+                  "|---|---|" + "---|" * len(TREE_SIZES)]
+        for x in rows:
+            for core, costs in x["rounds"].items():
+                cells = [f"{c['round']:.2f} ({c['vs_1_node']:.2f}x; v {c['verify']:.2f} a {c['accept']:.2f}"
+                         f" c {c['commit']:.2f})" for c in (costs[str(n)] for n in TREE_SIZES)]
+                lines.append(f"| {x['checkpoint']} {x['dtype']} | {core} | " + " | ".join(cells) + " |")
+        lines += ["", "| checkpoint | prefill tokens | Spruce tok/s | mlx-lm tok/s |", "|---|---|---|---|"]
+        for x in rows:
+            p = x["prefill"]
+            lines.append(f"| {x['checkpoint']} {x['dtype']} | {p['tokens']} | {p['spruce_tok_s']:.0f} | "
+                         f"{p['mlx_lm_tok_s']:.0f} |")
+    for key in ("draft", "kernels_9b", "kernels_bundled"):
+        if key in r:
+            lines += ["", f"{key}: " + ", ".join(f"{k} {v:.2f}" for k, v in r[key].items())]
+    if r.get("errors"):
+        lines += ["", "errors in: " + ", ".join(r["errors"])]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--targets", default="9b,bundled")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--prefill-tokens", type=int, default=4096)
+    ap.add_argument("--skip-draft", action="store_true")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    import mlx_lm
+
+    RESULTS.update(device=str(mx.default_device()), mlx=mx.__version__, mlx_lm=mlx_lm.__version__,
+                   date=time.strftime("%Y-%m-%d"), decode=[])
+    prompt = [int(t) for t in np.random.RandomState(0).randint(0, 8000, size=128)]
+    targets = args.targets.split(",")
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt: dict[str, Path] = {"bundled": mlx_lm_view(BUNDLED, Path(tmp))}
+        with section("checkpoints"):
+            if "9b" in targets:
+                ckpt["9b"] = make_checkpoint(Path(tmp) / "qwen35-9b-shape-4bit", "9b")
+                if not args.skip_draft:
+                    ckpt["0.8b"] = make_checkpoint(Path(tmp) / "qwen35-0.8b-shape-4bit", "0.8b")
+        for name in targets:
+            for dtype in (("bfloat16",) if name == "9b" else ("float32", "bfloat16")):
+                with section(f"decode {name} {dtype}"):
+                    row = decode_section(name, ckpt[name], dtype, args, prompt)
+                    RESULTS["decode"].append(row)
+                    log(json.dumps(row, indent=1))
+                mx.clear_cache()
+        if "0.8b" in ckpt:
+            with section("draft model round"):
+                RESULTS["draft"] = draft_section(ckpt["9b"], ckpt["0.8b"], prompt)
+                log(RESULTS["draft"])
+        for shape in ("9b", "bundled"):
+            with section(f"kernel micro {shape}"):
+                RESULTS[f"kernels_{shape}"] = kernel_micro(shape)
+                log(RESULTS[f"kernels_{shape}"])
+    (args.out / "results.json").write_text(json.dumps(RESULTS, indent=1))
+    md = markdown(RESULTS)
+    (args.out / "results.md").write_text(md)
+    log("\n" + md)
+
+
+if __name__ == "__main__":
+    main()
