@@ -69,20 +69,28 @@ def section(name: str) -> Iterator[None]:
     log(f"   ({time.perf_counter() - t0:.1f} s)")
 
 
+def bundled_text_config() -> dict:
+    cfg = json.loads((BUNDLED / "config.json").read_text())
+    cfg = dict(cfg, **cfg.get("text_config", {}))
+    return {k: cfg[k] for k in SHAPES["9b"]}
+
+
 def make_checkpoint(out: Path, shape: str, bits: int = 4, group_size: int = 64) -> Path:
-    """A random-weight Qwen3.5 checkpoint in MLX layout, written by mlx-lm's code (bf16, quantized)."""
+    """A random-weight Qwen3.5 checkpoint in MLX layout, written by mlx-lm's code (bf16; quantized
+    unless bits is 0)."""
     from mlx.utils import tree_flatten, tree_map_with_path
     from mlx_lm.models import qwen3_5 as mq
     from mlx_lm.utils import quantize_model, save_config, save_model
 
-    text = dict(COMMON, **SHAPES[shape])
+    text = dict(COMMON, **(bundled_text_config() if shape == "bundled" else SHAPES[shape]))
     config = {"model_type": "qwen3_5", "text_config": text, "tie_word_embeddings": text["tie_word_embeddings"]}
     mx.random.seed(0)
     model = mq.Model(mq.ModelArgs.from_dict(config))
     model.update(tree_map_with_path(lambda p, x: x if p.endswith("A_log") else x.astype(mx.bfloat16),
                                     model.parameters()))
     mx.eval(model.parameters())
-    model, config = quantize_model(model, config, group_size, bits)
+    if bits:
+        model, config = quantize_model(model, config, group_size, bits)
     out.mkdir(parents=True)
     save_model(out, model)
     save_config(config, out / "config.json")
@@ -381,8 +389,11 @@ def main() -> None:
     prompt = [int(t) for t in np.random.RandomState(0).randint(0, 8000, size=128)]
     targets = args.targets.split(",")
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt: dict[str, Path] = {"bundled": mlx_lm_view(BUNDLED, Path(tmp))}
+        ckpt: dict[str, Path] = {}
         with section("checkpoints"):
+            if "bundled" in targets:  # the shipped weights, or random ones of its shape when they are absent
+                ckpt["bundled"] = (mlx_lm_view(BUNDLED, Path(tmp)) if (BUNDLED / "model.safetensors").is_file()
+                                   else make_checkpoint(Path(tmp) / "bundled-shape", "bundled", bits=0))
             if "9b" in targets:
                 ckpt["9b"] = make_checkpoint(Path(tmp) / "qwen35-9b-shape-4bit", "9b")
                 if not args.skip_draft:
