@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import mlx.core as mx
-import numpy as np
 
 from engine.cache import AcceptedPath, LayerCache, commit_all
 from engine.gdn import ops
@@ -23,15 +22,14 @@ from engine.tree import DraftTree
 
 def tree_batch(tree: DraftTree, committed_len: int, conv_kernel: int) -> Batch:
     """The verify Batch of a tree whose root sits at position committed_len."""
+    if tree.size == 1:  # the root sits where the caches end: no positions, no masks to send
+        return Batch(deferred=True)
     positions = mx.array(tree.positions(committed_len))
-    if tree.size == 1:
-        return Batch(deferred=True, positions=positions)
     ancestors = tree.ancestor_mask()
-    attn = np.concatenate([np.ones((tree.size, committed_len), dtype=bool), ancestors], axis=1)
     levels = 1 << tree.max_depth.bit_length()  # max depth + 1, rounded up to a power of two
     gdn = TreeInputs(mx.array(ops.tree_conv_taps(tree.parents, conv_kernel)), ops.tree_masks(ancestors),
                      mx.array(tree.dfs_order), mx.array(tree.depths), levels)
-    return Batch(deferred=True, positions=positions, attn_mask=mx.array(attn), gdn=gdn)
+    return Batch(deferred=True, positions=positions, tree_mask=mx.array(ancestors), gdn=gdn)
 
 
 def verify(model: CausalLM, cache: list[LayerCache], tree: DraftTree, committed_len: int,

@@ -23,7 +23,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine.gdn.core import GDNCore, GDNShape, GDNWeights, OpsCore, TreeInputs, TreeRows
+from engine.gdn import ops
+from engine.gdn.core import GDNCore, GDNShape, GDNWeights, OpsCore, TreeInputs, TreeRows, split_heads
 
 BACKENDS = ("metal", "cuda")
 SHARED_FLOATS = 8192  # 32 KiB of threadgroup memory: Apple GPUs' limit, under CUDA's static 48 KiB
@@ -53,12 +54,10 @@ class KernelSpec:
 GDN_STEP = KernelSpec("spruce_gdn_step", "gdn_step.kernel",
                       ("qkv", "a", "b", "conv_state", "conv_w", "A_log", "dt_bias", "state"),
                       ("o", "conv_out", "state_out"))
-GDN_TREE = KernelSpec("spruce_gdn_tree", "gdn_tree.kernel",
-                      ("qkv", "a", "b", "conv_state", "conv_w", "A_log", "dt_bias", "state", "taps", "order",
-                       "depth", "n"),
-                      ("o", "u", "k_out", "g_out"))
+GDN_TREE = KernelSpec("spruce_gdn_tree", "gdn_tree.kernel", ("q", "k", "v", "g", "beta", "state", "order", "depth"),
+                      ("o", "u"))
 GDN_COMMIT = KernelSpec("spruce_gdn_commit", "gdn_commit.kernel",
-                        ("x", "k", "u", "g", "path", "path_len", "conv_state", "state"),
+                        ("x", "k", "u", "g", "path", "conv_state", "state"),
                         ("conv_out", "state_out"))
 KERNELS = (GDN_STEP, GDN_TREE, GDN_COMMIT)
 
@@ -130,18 +129,16 @@ class KernelCore(OpsCore):
         return o[None], conv, S
 
     def tree(self, shape, w, qkv, a, b, conv_state, S0, tree: TreeInputs):
-        n = qkv.shape[0]
         levels = tree.levels
-        if not self.covers(shape) or qkv.dtype != conv_state.dtype or levels * shape.Dk > SHARED_FLOATS:
+        if not self.covers(shape) or levels * shape.Dk > SHARED_FLOATS:
             return super().tree(shape, w, qkv, a, b, conv_state, S0, tree)
+        # the front once per node in ops (fused by the layer's compile), the recurrence in the kernel
+        g, beta = ops.gates(a, b, w.A_log, w.dt_bias)
+        q, k, v = split_heads(shape, ops.tree_conv(qkv, conv_state, w.conv, tree.conv_taps))
+        n, s = qkv.shape[0], shape
         rpg = self._rows_per_group(shape, max(1, min(4, SHARED_FLOATS // (levels * shape.Dk))))
-        s = shape
-        o, u, k, g = self._launch(
-            GDN_TREE, shape,
-            [qkv, a, b, conv_state, w.conv, w.A_log, w.dt_bias, S0, tree.conv_taps, tree.dfs_order, tree.depths,
-             mx.array([n], dtype=mx.int32)],
-            [((n, s.Hv, s.Dv), mx.float32), ((n, s.Hv, s.Dv), mx.float32), ((n, s.Hv, s.Dk), mx.float32),
-             ((n, s.Hv), mx.float32)], rpg, MAXD=levels)
+        o, u = self._launch(GDN_TREE, shape, [q, k, v, g, beta, S0, tree.dfs_order, tree.depths],
+                            [((n, s.Hv, s.Dv), mx.float32), ((n, s.Hv, s.Dv), mx.float32)], rpg, MAXD=levels)
         return o, TreeRows(x=qkv, k=k, u=u, g=g)
 
     def commit(self, rows, path, conv_state, S0):
@@ -155,8 +152,7 @@ class KernelCore(OpsCore):
         shape = GDNShape(Hk, Hv, Dk, Dv, K)
         conv, S = self._launch(
             GDN_COMMIT, shape,
-            [rows.x, rows.k, rows.u, rows.g, path.astype(mx.int32), mx.array([path.shape[0]], dtype=mx.int32),
-             conv_state, S0],
+            [rows.x, rows.k, rows.u, rows.g, path, conv_state, S0],
             [(tuple(conv_state.shape), conv_state.dtype), (tuple(S0.shape), mx.float32)],
             self._rows_per_group(shape, 4))
         return conv, S

@@ -22,14 +22,15 @@ class Batch:
     A chain (the default) continues the committed sequence and is written at once (prefill, a
     drafter's own steps). A verify (`deferred`) is a draft tree in topological order, one row for
     plain decoding: every row is computed from the committed state, nothing is written, and each
-    layer defers what `commit(path)` needs. For a verify, positions [N] int32 are absolute
-    (committed_len + depth); with N > 1 the per-tree masks are built once and shared by all layers:
-    attn_mask [N, committed_len + N] (the prefix and ancestors-or-self) and the GDN tree inputs.
+    layer defers what `commit(path)` needs. For a verify of N > 1 rows, positions [N] int32 are
+    absolute (committed_len + depth) and the per-tree inputs are built once and shared by all layers:
+    tree_mask [N, N] (ancestors-or-self; every row also sees the whole committed prefix) and the
+    GDN tree inputs.
     """
 
     deferred: bool = False
     positions: mx.array | None = None
-    attn_mask: mx.array | None = None
+    tree_mask: mx.array | None = None
     gdn: TreeInputs | None = None
 
     def mode(self, rows: int) -> Mode:
@@ -84,6 +85,22 @@ def apply_rope(x: mx.array, rope: RopeSpec, offset: int, batch: Batch) -> mx.arr
     return rows.swapaxes(0, 2)
 
 
+def tree_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float, tree_mask: mx.array) -> mx.array:
+    """Attention of N tree rows q [1, H, N, D] over keys/values [1, Hkv, L, D] whose last N rows
+    are the tree's: each row sees the committed prefix and its ancestors-or-self (tree_mask
+    [N, N]). Spelled out in ops (softmax in fp32) rather than mx.fast.scaled_dot_product_attention
+    with an array mask: on CUDA that routes bf16 to cuDNN, which plans a new graph for every
+    prefix length, about 40 ms a round (measured on the H200). The mask is built on the device."""
+    B, H, N, D = q.shape
+    Hkv, L = keys.shape[1], keys.shape[2]
+    G = H // Hkv  # query heads per kv head (GQA); head h reads kv head h // G
+    scores = (q.reshape(B, Hkv, G * N, D) * scale) @ keys.swapaxes(-1, -2)  # [B, Hkv, G*N, L]
+    mask = mx.concatenate([mx.ones((N, L - N), dtype=mx.bool_), tree_mask], axis=1)  # [N, L]
+    scores = mx.where(mask, scores.reshape(B, Hkv, G, N, L).astype(mx.float32), -mx.inf)
+    probs = mx.softmax(scores, axis=-1).astype(values.dtype).reshape(B, Hkv, G * N, L)
+    return (probs @ values).reshape(B, H, N, D)
+
+
 class Attention(nn.Module):
     """GQA attention with per-head q/k RMSNorm and (Qwen3.5) a sigmoid output gate.
 
@@ -124,11 +141,13 @@ class Attention(nn.Module):
         q = apply_rope(q, self.rope, offset, batch)
         k = apply_rope(k, self.rope, offset, batch)
         keys, values = cache.write(k, v)
-        mask: mx.array | str | None = batch.attn_mask
-        if not batch.deferred:
-            mask = "causal" if T > 1 else None
-            cache.advance(T)
-        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
+        if batch.tree_mask is not None:
+            out = tree_attention(q, keys, values, self.scale, batch.tree_mask)
+        else:
+            if not batch.deferred:
+                cache.advance(T)
+            mask = "causal" if T > 1 and not batch.deferred else None
+            out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
         return out.transpose(0, 2, 1, 3).reshape(q.shape[0], T, -1)
 
     def output(self, out: mx.array, gate: mx.array | None) -> mx.array:

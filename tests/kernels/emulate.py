@@ -32,7 +32,14 @@ def emulate(spec: KernelSpec, inputs: dict[str, np.ndarray], outputs: dict[str, 
                      f"if (fread({n}.data(), sizeof({t}), {a.size}, f) != {a.size}) return 1; fclose(f); }}")
     for n, (shape, t) in outputs.items():
         lines.append(f"  std::vector<{CTYPES[np.dtype(t)]}> {n}({int(np.prod(shape))});")
-    call_args = ", ".join(f"{n}.data()" for n in (*spec.inputs, *spec.outputs))
+    body = render_cuda(spec, dtypes, template, stub=True)
+    call = []
+    for n in spec.inputs:
+        call.append(f"{n}.data()")
+        if f"{n}_shape" in body:
+            call.append("Shape{{" + ", ".join(str(d) for d in arrays[n].shape) + "}}")
+    call += [f"{n}.data()" for n in spec.outputs]
+    call_args = ", ".join(call)
     lines += [f"  gridDim = {{{groups}u, 1u, 1u}}; blockDim = {{{threads}u, 1u, 1u}};",
               f"  for (unsigned emu_g = 0; emu_g < {groups}u; ++emu_g)",
               f"    for (unsigned emu_t = 0; emu_t < {threads}u; ++emu_t) {{",
@@ -43,7 +50,7 @@ def emulate(spec: KernelSpec, inputs: dict[str, np.ndarray], outputs: dict[str, 
                      f"{n}.size(), f); fclose(f); }}")
     lines += ["  return 0;", "}"]
     source = ("#define SPR_SIMD 1\n#include <cstdio>\n#include <vector>\n"
-              + render_cuda(spec, dtypes, template, stub=True) + "\n".join(lines) + "\n")
+              + body + "\n".join(lines) + "\n")
     (tmp / "emulate.cpp").write_text(source)
     exe = tmp / "emulate"
     build = subprocess.run(["g++", "-std=c++17", "-O1", "-Wno-attributes", f"-I{STUB}", f"-I{STUB / 'cuda'}",

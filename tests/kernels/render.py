@@ -25,9 +25,15 @@ def render_metal(spec: KernelSpec, dtypes: dict[str, str], sizes: dict[str, int]
     Ends with an explicit instantiation, so g++ checks the body with these template values."""
     header, body = kernel_text(spec, "metal")
     name = f"custom_kernel_{spec.name}"
-    types = [f"const {'constant' if sizes.get(n, 8) < 8 else 'device'} {METAL_TYPES[dtypes[n]]}*" for n in spec.inputs]
+    types, names = [], []
+    for n in spec.inputs:
+        types.append(f"const {'constant' if sizes.get(n, 8) < 8 else 'device'} {METAL_TYPES[dtypes[n]]}*")
+        names.append(n)
+        if f"{n}_shape" in body:
+            types.append("const constant int*")
+            names.append(f"{n}_shape")
     types += [f"device {METAL_TYPES[dtypes[n]]}*" for n in spec.outputs]
-    names = [*spec.inputs, *spec.outputs]
+    names += spec.outputs
     params = [f"  {t} {n} [[buffer({i})]]" for i, (t, n) in enumerate(zip(types, names))]
     attributes = [(a, t) for a, t in METAL_ATTRIBUTES.items() if a in body]
     params += [f"  {t} {a} [[{a}]]" for a, t in attributes]
@@ -41,10 +47,16 @@ def render_metal(spec: KernelSpec, dtypes: dict[str, str], sizes: dict[str, int]
 
 def render_cuda(spec: KernelSpec, dtypes: dict[str, str], template: dict[str, int], stub: bool) -> str:
     header, body = kernel_text(spec, "cuda")
-    params = [f"    const {CUDA_TYPES[dtypes[n]]}* {n}" for n in spec.inputs]
+    params = []
+    for n in spec.inputs:
+        params.append(f"    const {CUDA_TYPES[dtypes[n]]}* {n}")
+        if f"{n}_shape" in body:
+            params.append(f"    const __grid_constant__ Shape {n}_shape")
     params += [f"    {CUDA_TYPES[dtypes[n]]}* {n}" for n in spec.outputs]
     consts = "".join(f"  constexpr int {k} = {v};\n" for k, v in template.items())
-    prefix = "#include \"cuda_stub.h\"\n" if stub else ""
+    # MLX's own device header defines Shape; outside MLX a stand-in with the same use
+    prefix = "#include \"cuda_stub.h\"\n" if stub else (
+        "struct Shape {\n  int dims[8];\n  __device__ int operator[](int i) const { return dims[i]; }\n};\n")
     return (f"{prefix}#include <cooperative_groups.h>\n{header}\nnamespace mlx::core::cu {{\n"
             "namespace cg = cooperative_groups;\n"
             f"__global__ void custom_kernel_{spec.name}(\n" + ",\n".join(params) + f") {{\n{consts}\n{body}\n}}\n"

@@ -8,7 +8,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.gdn.core import GDNShape, GDNWeights, OpsCore, TreeInputs
+from engine.gdn.core import GDNShape, GDNWeights, OpsCore, TreeInputs, split_heads
+from engine.gdn.ops import gates, tree_conv
 from engine.gdn.reference import tree_sequential
 from engine.kernels import KernelCore, gpu_backend
 from engine.tree import DraftTree
@@ -81,7 +82,8 @@ def test_step_equals_twin(shape, dtype, rng):
     s = SHAPES[shape]
     qkv, a, b, conv, w, S = inputs(rng, s, 1, DTYPES[dtype])
     fast = kernels().step(s, w, qkv, a, b, conv, S)
-    slow = OpsCore().step(s, w, qkv, a, b, conv, S)
+    with mx.stream(mx.cpu):
+        slow = OpsCore().step(s, w, qkv, a, b, conv, S)
     close(fast[0], slow[0], 1e-4)
     assert fast[1].dtype == conv.dtype and mx.array_equal(fast[1], slow[1])
     close(fast[2], slow[2], 1e-4)
@@ -100,21 +102,18 @@ def test_tree_equals_twins(shape, dtype, tree_shape, n, rng):
     gdn = tree_inputs(tree, s.K)
     S_before = np.array(S)
     o, rows = kernels().tree(s, w, qkv, a, b, conv, S, gdn)
-    o_ref, rows_ref = OpsCore().tree(s, w, qkv, a, b, conv, S, gdn)
+    with mx.stream(mx.cpu):  # the twins in exact fp32 (GPU matmuls may round through TF32)
+        o_ref, rows_ref = OpsCore().tree(s, w, qkv, a, b, conv, S, gdn)
+        g, beta = gates(a, b, w.A_log, w.dt_bias)
+        q, k, v = split_heads(s, tree_conv(qkv, conv, w.conv, gdn.conv_taps))
+        o_seq, u_seq = tree_sequential(q, k, v, g, beta, tree.parents, S)  # node by node, the definition
     close(o, o_ref, 2e-4)
     close(rows.u, rows_ref.u, 2e-4)
     close(rows.k, rows_ref.k, 1e-5)
     close(rows.g, rows_ref.g, 1e-5)
-    assert np.array_equal(S_before, np.array(S))  # rollback-free: the committed state is never written
-    # and the per-node definition, node by node
-    from engine.gdn.core import split_heads
-    from engine.gdn.ops import gates, tree_conv
-
-    g, beta = gates(a, b, w.A_log, w.dt_bias)
-    q, k, v = split_heads(s, tree_conv(qkv, conv, w.conv, gdn.conv_taps))
-    o_seq, u_seq = tree_sequential(q, k, v, g, beta, tree.parents, S)
     close(o, o_seq, 2e-4)
     close(rows.u, u_seq, 2e-4)
+    assert np.array_equal(S_before, np.array(S))  # rollback-free: the committed state is never written
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -127,7 +126,8 @@ def test_commit_equals_twin(shape, dtype, rng):
     for leaf in (0, 1, 5, 12, 16):
         path = mx.array(tree.path_to(leaf), dtype=mx.int32)
         conv_k, S_k = kernels().commit(rows, path, conv, S)
-        conv_o, S_o = OpsCore().commit(rows, path, conv, S)
+        with mx.stream(mx.cpu):
+            conv_o, S_o = OpsCore().commit(rows, path, conv, S)
         assert conv_k.dtype == conv.dtype and mx.array_equal(conv_k, conv_o)
         close(S_k, S_o, 1e-4)
 

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from engine.forward import tree_batch
-from engine.gdn.core import GDNShape, GDNWeights, OpsCore
+from engine.gdn import ops
+from engine.gdn.core import GDNShape, GDNWeights, OpsCore, TreeInputs, split_heads
 from engine.kernels import GDN_COMMIT, GDN_STEP, GDN_TREE
 from engine.tree import DraftTree
 from tests.kernels.emulate import emulate
@@ -84,21 +85,19 @@ def test_tree_body_equals_twin(shape, kind, n, rng, tmp_path):
     tree = a_tree(rng, kind, n)
     x = random_layer(rng, s, n)
     batch = tree_batch(tree, 5, s.K)
-    from engine.gdn import ops
-    from engine.gdn.core import TreeInputs
 
     gdn = batch.gdn or TreeInputs(mx.array(ops.tree_conv_taps(tree.parents, s.K)), ops.tree_masks(tree.ancestor_mask()),
                                   mx.array(tree.dfs_order), mx.array(tree.depths), 1)
-    inputs = dict(x, taps=np.array(gdn.conv_taps), order=np.array(gdn.dfs_order), depth=np.array(gdn.depths),
-                  n=np.array([n], dtype=np.int32))
-    out = emulate(GDN_TREE, inputs, {"o": ((n, s.Hv, s.Dv), F32), "u": ((n, s.Hv, s.Dv), F32),
-                                     "k_out": ((n, s.Hv, s.Dk), F32), "g_out": ((n, s.Hv), F32)},
+    w, qkv, a, b, conv, S = twin_args(x)
+    g, beta = ops.gates(a, b, w.A_log, w.dt_bias)
+    q, k, v = split_heads(s, ops.tree_conv(qkv, conv, w.conv, gdn.conv_taps))
+    inputs = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "state": S, "order": gdn.dfs_order, "depth": gdn.depths}
+    out = emulate(GDN_TREE, {name: np.array(a) for name, a in inputs.items()},
+                  {"o": ((n, s.Hv, s.Dv), F32), "u": ((n, s.Hv, s.Dv), F32)},
                   template(s, MAXD=gdn.levels), **launch(s), tmp=tmp_path)
     o, rows = OpsCore().tree(s, *twin_args(x), gdn)
     assert maxdiff(out["o"], o) <= 1e-4
     assert maxdiff(out["u"], rows.u) <= 1e-4
-    assert maxdiff(out["k_out"], rows.k) <= 1e-5
-    assert maxdiff(out["g_out"], rows.g) <= 1e-5
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -110,8 +109,7 @@ def test_commit_body_equals_twin(shape, rng, tmp_path):
     for leaf in (0, 3, 11):
         path = np.array(tree.path_to(leaf), dtype=np.int32)
         inputs = {"x": x["qkv"], "k": np.array(rows.k), "u": np.array(rows.u), "g": np.array(rows.g), "path": path,
-                  "path_len": np.array([len(path)], dtype=np.int32), "conv_state": x["conv_state"],
-                  "state": x["state"]}
+                  "conv_state": x["conv_state"], "state": x["state"]}
         out = emulate(GDN_COMMIT, inputs, {"conv_out": ((s.K - 1, s.conv_dim), F32),
                                            "state_out": ((s.Hv, s.Dv, s.Dk), F32)}, template(s), **launch(s),
                       tmp=tmp_path)
