@@ -162,6 +162,7 @@ def decode_section(name: str, path: Path, dtype: str, args: argparse.Namespace, 
     ref, _ = load(str(path))
     if dtype == "float32":
         ref.set_dtype(mx.float32)
+    log(f"   engines loaded ({time.perf_counter() - T0:.0f} s)")
     outs: dict[str, list[int]] = {}
     for label, fn in [("spruce_kernels", lambda: spruce_decode(engines["kernels"], prompt, args.tokens)),
                       ("spruce_ops", lambda: spruce_decode(engines["ops"], prompt, args.tokens)),
@@ -170,14 +171,30 @@ def decode_section(name: str, path: Path, dtype: str, args: argparse.Namespace, 
         runs = [fn() for _ in range(args.runs)]
         row[f"{label}_tok_s"] = statistics.median(r[0] for r in runs)
         outs[label] = runs[-1][1]
+        log(f"   {label}: {row[f'{label}_tok_s']:.1f} tok/s ({time.perf_counter() - T0:.0f} s)")
     row["kernels_vs_mlx_lm"] = row["spruce_kernels_tok_s"] / row["mlx_lm_tok_s"]
     row["greedy_equal_kernels_mlx_lm"] = _same_prefix(outs["spruce_kernels"], outs["mlx_lm"])
     row["greedy_equal_kernels_ops"] = _same_prefix(outs["spruce_kernels"], outs["spruce_ops"])
     row["parity"] = parity(engines, ref, prompt)
-    row["rounds"] = {core: round_costs(engines[core], prompt) for core in engines}
+    log(f"   parity {row['parity']} ({time.perf_counter() - T0:.0f} s)")
     row["plain_step_ms"] = 1e3 / row["spruce_kernels_tok_s"]
+    row["rounds"] = {}
+    for core, sizes in (("kernels", args.tree_sizes), ("ops", args.ops_tree_sizes)):
+        row["rounds"][core] = round_costs(engines[core], prompt, sizes)
+        log(f"   rounds {core}: {row['rounds'][core]} ({time.perf_counter() - T0:.0f} s)")
+        save(args.out, row)
     row["prefill"] = prefill(engines["kernels"], ref, args.prefill_tokens)
+    log(f"   prefill {row['prefill']} ({time.perf_counter() - T0:.0f} s)")
     return row
+
+
+T0 = time.perf_counter()
+
+
+def save(out: Path, partial: dict | None = None) -> None:
+    """Results so far (a later section may not finish inside the machine's time)."""
+    data = dict(RESULTS, partial=partial) if partial is not None else RESULTS
+    (out / "results.json").write_text(json.dumps(data, indent=1))
 
 
 def _same_prefix(a: list[int], b: list[int]) -> str:
@@ -210,7 +227,8 @@ def chain_with_siblings(n: int, root: int = 1) -> Any:
     return DraftTree(tuple(tokens), tuple(parents))
 
 
-def round_costs(engine: Any, prompt: list[int], rounds: int = 10) -> dict[str, dict[str, float]]:
+def round_costs(engine: Any, prompt: list[int], sizes: tuple[int, ...],
+                rounds: int = 6) -> dict[str, dict[str, float]]:
     """Median ms of verify / accept / commit for trees of N nodes (each phase synchronised)."""
     from engine import forward, sampler
 
@@ -219,7 +237,7 @@ def round_costs(engine: Any, prompt: list[int], rounds: int = 10) -> dict[str, d
     forward.extend(model, cache, prompt[:-1])
     committed = len(prompt) - 1
     out = {}
-    for n in TREE_SIZES:
+    for n in sizes:
         tree = chain_with_siblings(n, prompt[-1])
         path = tree.path_to(min(n - 1, 8))  # the whole chain is accepted
         times: dict[str, list[float]] = {"verify": [], "accept": [], "commit": []}
@@ -239,9 +257,8 @@ def round_costs(engine: Any, prompt: list[int], rounds: int = 10) -> dict[str, d
                     times[k].append(v * 1e3)
         out[str(n)] = {k: statistics.median(v) for k, v in times.items()}
         out[str(n)]["round"] = sum(out[str(n)].values())
-    base = out["1"]["round"]
     for v in out.values():
-        v["vs_1_node"] = v["round"] / base
+        v["vs_1_node"] = v["round"] / out["1"]["round"]
     return out
 
 
@@ -270,13 +287,12 @@ def prefill(engine: Any, ref: Any, n: int) -> dict[str, float]:
     return {"tokens": n, "spruce_tok_s": median_of(ours, 3), "mlx_lm_tok_s": median_of(theirs, 3)}
 
 
-def draft_section(target: Path, draft: Path, prompt: list[int]) -> dict[str, float]:
-    from engine.config import EngineConfig
+def draft_section(draft: Path, prompt: list[int]) -> dict[str, float]:
+    """The draft-chain drafter's time per round with the 0.8B-shaped draft (depth 8, budget 16)."""
     from engine.drafters.draft_chain import DraftChainDrafter
-    from engine.generate import Engine
+    from engine.loader import load_model
 
-    engine = Engine(EngineConfig(model_path=str(target), dtype="bfloat16", prefix_cache=False))
-    drafter = DraftChainDrafter(engine.draft_model(str(draft)))
+    drafter = DraftChainDrafter(load_model(draft, "bfloat16").model)
     drafter.begin(prompt)
     times = []
     for _ in range(8):
@@ -357,7 +373,7 @@ def markdown(r: dict) -> str:
         for x in rows:
             for core, costs in x["rounds"].items():
                 cells = [f"{c['round']:.2f} ({c['vs_1_node']:.2f}x; v {c['verify']:.2f} a {c['accept']:.2f}"
-                         f" c {c['commit']:.2f})" for c in (costs[str(n)] for n in TREE_SIZES)]
+                         f" c {c['commit']:.2f})" if c else "" for c in (costs.get(str(n)) for n in TREE_SIZES)]
                 lines.append(f"| {x['checkpoint']} {x['dtype']} | {core} | " + " | ".join(cells) + " |")
         lines += ["", "| checkpoint | prefill tokens | Spruce tok/s | mlx-lm tok/s |", "|---|---|---|---|"]
         for x in rows:
@@ -380,6 +396,9 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--prefill-tokens", type=int, default=4096)
     ap.add_argument("--skip-draft", action="store_true")
+    ap.add_argument("--tree-sizes", type=lambda s: tuple(int(x) for x in s.split(",")), default=TREE_SIZES)
+    ap.add_argument("--ops-tree-sizes", type=lambda s: tuple(int(x) for x in s.split(",")), default=(1, 17))
+    ap.add_argument("--micro", default="9b,bundled", help="layer shapes for the per-layer kernel times ('' = none)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     import mlx_lm
@@ -403,13 +422,15 @@ def main() -> None:
                 with section(f"decode {name} {dtype}"):
                     row = decode_section(name, ckpt[name], dtype, args, prompt)
                     RESULTS["decode"].append(row)
+                    save(args.out)
                     log(json.dumps(row, indent=1))
                 mx.clear_cache()
         if "0.8b" in ckpt:
             with section("draft model round"):
-                RESULTS["draft"] = draft_section(ckpt["9b"], ckpt["0.8b"], prompt)
+                RESULTS["draft"] = draft_section(ckpt["0.8b"], prompt)
+                save(args.out)
                 log(RESULTS["draft"])
-        for shape in ("9b", "bundled"):
+        for shape in filter(None, args.micro.split(",")):
             with section(f"kernel micro {shape}"):
                 RESULTS[f"kernels_{shape}"] = kernel_micro(shape)
                 log(RESULTS[f"kernels_{shape}"])
