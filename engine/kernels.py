@@ -59,7 +59,10 @@ GDN_TREE = KernelSpec("spruce_gdn_tree", "gdn_tree.kernel", ("q", "k", "v", "g",
 GDN_COMMIT = KernelSpec("spruce_gdn_commit", "gdn_commit.kernel",
                         ("x", "k", "u", "g", "path", "conv_state", "state"),
                         ("conv_out", "state_out"))
-KERNELS = (GDN_STEP, GDN_TREE, GDN_COMMIT)
+QMM_ROWS = KernelSpec("spruce_qmm_rows", "qmm_rows.kernel", ("x", "w", "scales", "biases"), ("y",), header=())
+READ_FLOOR = KernelSpec("spruce_read_floor", "read_floor.kernel", ("w", "scales", "biases"), ("y",), header=())
+KERNELS = (GDN_STEP, GDN_TREE, GDN_COMMIT, QMM_ROWS, READ_FLOOR)
+QMM_MAX_ROWS = 32
 
 
 def read_source(file: str) -> str:
@@ -156,6 +159,41 @@ class KernelCore(OpsCore):
             [(tuple(conv_state.shape), conv_state.dtype), (tuple(S0.shape), mx.float32)],
             self._rows_per_group(shape, 4))
         return conv, S
+
+
+def qmm_rows_for(m: int) -> tuple[int, int]:
+    """(MAXM, R) for m activation rows: MAXM rounds m up to a power of two (few compiled
+    variants); R output rows per SIMD group shrink as MAXM grows, so the registers stay bounded."""
+    maxm = 1 << max(0, (m - 1).bit_length())
+    return maxm, 8 if maxm <= 4 else 4 if maxm == 8 else 2
+
+
+def quantized_matmul_rows(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
+                          bits: int, backend: str) -> mx.array:
+    """x [M, I] @ dequantize(w)^T with the batch-invariant small-M kernel (metal/qmm_rows.kernel);
+    shapes it does not cover go to mx.quantized_matmul."""
+    m, i = x.shape
+    o = w.shape[0]
+    if m > QMM_MAX_ROWS or bits not in (4, 8) or i % (32 * (32 // bits)) or i % group_size:
+        return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
+    maxm, r = qmm_rows_for(m)
+    rpg = 4
+    groups = -(-o // r)
+    template = [("OutT", x.dtype), ("I", i), ("O", o), ("GS", group_size), ("BITS", bits), ("MAXM", maxm), ("R", r),
+                ("RPG", rpg)]
+    return compiled_kernel(QMM_ROWS, backend)(
+        inputs=[x, w, scales, biases], template=template, grid=(groups * 32, 1, 1), threadgroup=(rpg * 32, 1, 1),
+        output_shapes=[(m, o)], output_dtypes=[x.dtype])[0]
+
+
+def read_floor(w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int, backend: str) -> mx.array:
+    """Streams the packed weights once (the read floor of a matmul with them), launched like qmm_rows."""
+    o, words = w.shape
+    template = [("OutT", scales.dtype), ("WORDS", words), ("O", o), ("GS", group_size), ("BITS", bits), ("R", 8),
+                ("RPG", 4)]
+    return compiled_kernel(READ_FLOOR, backend)(
+        inputs=[w, scales, biases], template=template, grid=(-(-o // 8) * 32, 1, 1), threadgroup=(128, 1, 1),
+        output_shapes=[(o,)], output_dtypes=[mx.float32])[0]
 
 
 def select_gdn_core() -> GDNCore:

@@ -1,6 +1,7 @@
 // Just enough of CUDA for g++ to check the CUDA build of the kernel bodies where nvcc is absent
 // (CI). It checks syntax and names; the real compile is NVRTC's, on a GPU machine.
 #pragma once
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -20,6 +21,8 @@ inline float logf(float x) { return std::log(x); }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 inline float fabsf(float x) { return std::fabs(x); }
 inline float fmaxf(float a, float b) { return a > b ? a : b; }
+inline float fmaf(float a, float b, float c) { return std::fma(a, b, c); }
+using std::min;
 namespace cooperative_groups {}
 struct Shape {  // MLX passes an input's shape by value when the body names `<input>_shape`
   int dims[8];

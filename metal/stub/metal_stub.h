@@ -2,6 +2,7 @@
 // bodies (names, types, template arguments) on machines without an Apple GPU. It checks syntax
 // and names, nothing about Metal semantics or performance.
 #pragma once
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -11,6 +12,7 @@
 #define thread
 
 typedef unsigned int uint;
+using std::min;
 struct uint3 {
   uint x, y, z;
 };
@@ -37,4 +39,5 @@ inline float log(float x) { return std::log(x); }
 inline float rsqrt(float x) { return 1.0f / std::sqrt(x); }
 inline float abs(float x) { return std::fabs(x); }
 inline float max(float a, float b) { return a > b ? a : b; }
+inline float fma(float a, float b, float c) { return std::fma(a, b, c); }
 }  // namespace metal

@@ -15,15 +15,16 @@ from engine.kernels import KernelSpec
 from tests.kernels.render import render_cuda
 
 STUB = Path(__file__).resolve().parents[2] / "metal" / "stub"
-CTYPES = {np.dtype(np.float32): "float", np.dtype(np.int32): "int32_t"}
+CTYPES = {np.dtype(np.float32): "float", np.dtype(np.int32): "int32_t", np.dtype(np.uint32): "uint32_t"}
+DTYPES = {np.dtype(np.float32): "float32", np.dtype(np.int32): "int32", np.dtype(np.uint32): "uint32"}
 
 
 def emulate(spec: KernelSpec, inputs: dict[str, np.ndarray], outputs: dict[str, tuple[tuple[int, ...], type]],
-            template: dict[str, int], groups: int, threads: int, tmp: Path) -> dict[str, np.ndarray]:
+            template: dict[str, int | str], groups: int, threads: int, tmp: Path) -> dict[str, np.ndarray]:
     """Run `spec` over `groups` threadgroups of `threads` threads -> its outputs."""
     arrays = {n: np.ascontiguousarray(inputs[n]) for n in spec.inputs}
-    dtypes = {n: "int32" if a.dtype == np.int32 else "float32" for n, a in arrays.items()}
-    dtypes.update({n: "int32" if np.dtype(t) == np.int32 else "float32" for n, (_, t) in outputs.items()})
+    dtypes = {n: DTYPES[a.dtype] for n, a in arrays.items()}
+    dtypes.update({n: DTYPES[np.dtype(t)] for n, (_, t) in outputs.items()})
     lines = ["dim3 blockIdx, threadIdx, blockDim, gridDim;", "int main() {"]
     for n, a in arrays.items():
         (tmp / f"in_{n}.bin").write_bytes(a.tobytes())

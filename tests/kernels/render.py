@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from engine.kernels import KernelSpec, kernel_text
 
-METAL_TYPES = {"float32": "float", "bfloat16": "bfloat16_t", "float16": "half", "int32": "int32_t"}
-CUDA_TYPES = {"float32": "float", "bfloat16": "__nv_bfloat16", "float16": "__half", "int32": "int32_t"}
+METAL_TYPES = {"float32": "float", "bfloat16": "bfloat16_t", "float16": "half", "int32": "int32_t",
+               "uint32": "uint32_t"}
+CUDA_TYPES = {"float32": "float", "bfloat16": "__nv_bfloat16", "float16": "__half", "int32": "int32_t",
+              "uint32": "uint32_t"}
 METAL_ATTRIBUTES = {
     "threadgroup_position_in_grid": "uint3", "thread_position_in_threadgroup": "uint3",
     "threads_per_threadgroup": "uint3", "threadgroups_per_grid": "uint3",
@@ -20,7 +22,7 @@ METAL_ATTRIBUTES = {
 
 
 def render_metal(spec: KernelSpec, dtypes: dict[str, str], sizes: dict[str, int],
-                 template: dict[str, int]) -> str:
+                 template: dict[str, int | str]) -> str:
     """dtypes: per input and output name; sizes: element counts of inputs (< 8 -> constant space).
     Ends with an explicit instantiation, so g++ checks the body with these template values."""
     header, body = kernel_text(spec, "metal")
@@ -38,14 +40,14 @@ def render_metal(spec: KernelSpec, dtypes: dict[str, str], sizes: dict[str, int]
     attributes = [(a, t) for a, t in METAL_ATTRIBUTES.items() if a in body]
     params += [f"  {t} {a} [[{a}]]" for a, t in attributes]
     types += [t for _, t in attributes]
-    targs = ", ".join(f"int {k}" for k in template)
-    tvals = ", ".join(str(v) for v in template.values())
+    targs = ", ".join(f"typename {k}" if isinstance(v, str) else f"int {k}" for k, v in template.items())
+    tvals = ", ".join(METAL_TYPES[v] if isinstance(v, str) else str(v) for v in template.values())
     return (f"#include \"metal_stub.h\"\nusing namespace metal;\n{header}\ntemplate <{targs}>\n"
             f"[[kernel]] void {name}(\n" + ",\n".join(params) + f") {{\n{body}\n}}\n"
             f"template void {name}<{tvals}>({', '.join(types)});\n")
 
 
-def render_cuda(spec: KernelSpec, dtypes: dict[str, str], template: dict[str, int], stub: bool) -> str:
+def render_cuda(spec: KernelSpec, dtypes: dict[str, str], template: dict[str, int | str], stub: bool) -> str:
     header, body = kernel_text(spec, "cuda")
     params = []
     for n in spec.inputs:
@@ -53,7 +55,8 @@ def render_cuda(spec: KernelSpec, dtypes: dict[str, str], template: dict[str, in
         if f"{n}_shape" in body:
             params.append(f"    const __grid_constant__ Shape {n}_shape")
     params += [f"    {CUDA_TYPES[dtypes[n]]}* {n}" for n in spec.outputs]
-    consts = "".join(f"  constexpr int {k} = {v};\n" for k, v in template.items())
+    consts = "".join(f"  using {k} = {CUDA_TYPES[v]};\n" if isinstance(v, str) else f"  constexpr int {k} = {v};\n"
+                     for k, v in template.items())
     # MLX's own device header defines Shape; outside MLX a stand-in with the same use
     prefix = "#include \"cuda_stub.h\"\n" if stub else (
         "struct Shape {\n  int dims[8];\n  __device__ int operator[](int i) const { return dims[i]; }\n};\n")

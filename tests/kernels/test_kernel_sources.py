@@ -26,12 +26,19 @@ SHAPES = {"bundled": dict(Hk=6, Hv=12, Dk=32, Dv=32, K=4), "9b": dict(Hk=16, Hv=
 def dtypes_for(spec: KernelSpec, activations: str) -> dict[str, str]:
     out = {}
     for n in (*spec.inputs, *spec.outputs):
-        out[n] = "int32" if n in INT_INPUTS else activations if n in ACTIVATIONS else "float32"
+        if spec.name.endswith(("qmm_rows", "read_floor")):
+            out[n] = "uint32" if n == "w" else "float32" if n == "y" and spec.name.endswith("floor") else activations
+        else:
+            out[n] = "int32" if n in INT_INPUTS else activations if n in ACTIVATIONS else "float32"
     return out
 
 
-def template_for(spec: KernelSpec, shape: str) -> dict[str, int]:
-    t = dict(SHAPES[shape], RPG=2)
+def template_for(spec: KernelSpec, shape: str, activations: str = "float32") -> dict[str, int | str]:
+    if spec.name.endswith("qmm_rows"):
+        return dict(OutT=activations, I=4096 if shape == "9b" else 384, O=256, GS=64, BITS=4, MAXM=8, R=4, RPG=4)
+    if spec.name.endswith("read_floor"):
+        return dict(OutT=activations, WORDS=512 if shape == "9b" else 48, O=256, GS=64, BITS=4, R=8, RPG=4)
+    t: dict[str, int | str] = dict(SHAPES[shape], RPG=2)
     if spec.name.endswith("tree"):
         t["MAXD"] = 16
     return t
@@ -53,7 +60,7 @@ IDS = [f"{s.name}-{a}-{sh}" for s, a, sh in CASES]
 @pytest.mark.parametrize(("spec", "activations", "shape"), CASES, ids=IDS)
 def test_metal_text_compiles_against_the_stub(spec, activations, shape, tmp_path):
     sizes = {"path": 3}  # small arrays go to Metal's constant address space
-    source = render_metal(spec, dtypes_for(spec, activations), sizes, template_for(spec, shape))
+    source = render_metal(spec, dtypes_for(spec, activations), sizes, template_for(spec, shape, activations))
     p = compile_cxx(source, tmp_path, [STUB])
     assert p.returncode == 0, p.stderr[-3000:]
 
@@ -61,7 +68,7 @@ def test_metal_text_compiles_against_the_stub(spec, activations, shape, tmp_path
 @needs_gxx
 @pytest.mark.parametrize(("spec", "activations", "shape"), CASES, ids=IDS)
 def test_cuda_text_compiles_against_the_stub(spec, activations, shape, tmp_path):
-    source = render_cuda(spec, dtypes_for(spec, activations), template_for(spec, shape), stub=True)
+    source = render_cuda(spec, dtypes_for(spec, activations), template_for(spec, shape, activations), stub=True)
     p = compile_cxx(source, tmp_path, [STUB, STUB / "cuda"])
     assert p.returncode == 0, p.stderr[-3000:]
 
@@ -69,7 +76,7 @@ def test_cuda_text_compiles_against_the_stub(spec, activations, shape, tmp_path)
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 @pytest.mark.parametrize("spec", KERNELS, ids=[s.name for s in KERNELS])
 def test_cuda_text_compiles_with_nvcc(spec, tmp_path):
-    source = render_cuda(spec, dtypes_for(spec, "bfloat16"), template_for(spec, "9b"), stub=False)
+    source = render_cuda(spec, dtypes_for(spec, "bfloat16"), template_for(spec, "9b", "bfloat16"), stub=False)
     src = tmp_path / "kernel.cu"
     src.write_text(source)
     p = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-c", "-o", str(tmp_path / "k.o"), str(src)],

@@ -2,5 +2,7 @@
 #pragma once
 struct __half {
   unsigned short bits;
+  __half() = default;
+  __half(float f) : bits(static_cast<unsigned short>(f)) {}
 };
 inline float __half2float(__half x) { return float(x.bits); }

@@ -1,0 +1,66 @@
+"""The small-M quantized matmul (metal/qmm_rows.kernel) against mx.quantized_matmul, and its batch
+invariance: a row's result is bitwise the same whatever the number of rows. Executed on the CPU
+through the emulation (tests/kernels/emulate.py) everywhere g++ is, and on a GPU backend when
+there is one."""
+
+from __future__ import annotations
+
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine.kernels import QMM_ROWS, gpu_backend, qmm_rows_for, quantized_matmul_rows
+from tests.kernels.emulate import emulate
+
+
+def quantized(rng: np.random.Generator, out: int, inp: int, group_size: int, bits: int):
+    w = mx.array(rng.normal(size=(out, inp)).astype(np.float32) * 0.05)
+    return mx.quantize(w, group_size=group_size, bits=bits)
+
+
+def run_emulated(x: np.ndarray, wq, group_size: int, bits: int, tmp) -> np.ndarray:
+    w, scales, biases = (np.array(a) for a in wq)
+    m, i = x.shape
+    o = w.shape[0]
+    maxm, r = qmm_rows_for(m)
+    template = dict(OutT="float32", I=i, O=o, GS=group_size, BITS=bits, MAXM=maxm, R=r, RPG=1)
+    inputs = {"x": x, "w": w.view(np.uint32), "scales": scales, "biases": biases}
+    return emulate(QMM_ROWS, inputs, {"y": ((m, o), np.float32)}, template, groups=-(-o // r), threads=1,
+                   tmp=tmp)["y"]
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is not installed")
+@pytest.mark.parametrize(("bits", "group_size"), [(4, 32), (4, 64), (4, 128), (8, 64)])
+def test_emulated_kernel_equals_twin_and_is_batch_invariant(bits, group_size, rng, tmp_path):
+    o, i = 37, 512  # an output count that R does not divide: the tail rows are computed, not stored
+    wq = quantized(rng, o, i, group_size, bits)
+    x = rng.normal(size=(17, i)).astype(np.float32)
+    ours = run_emulated(x, wq, group_size, bits, tmp_path)
+    twin = np.array(mx.quantized_matmul(mx.array(x), *wq, transpose=True, group_size=group_size, bits=bits))
+    assert np.abs(ours - twin).max() <= 1e-4 * max(1.0, np.abs(twin).max())
+    for m in (1, 2, 5):  # the same rows alone: bitwise the same results
+        assert np.array_equal(run_emulated(x[:m], wq, group_size, bits, tmp_path), ours[:m])
+
+
+@pytest.mark.skipif(gpu_backend() is None, reason="needs a GPU backend (Metal or CUDA)")
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+@pytest.mark.parametrize(("bits", "group_size"), [(4, 32), (4, 64), (8, 128)])
+@pytest.mark.parametrize(("out", "inp"), [(1030, 4096)])
+def test_gpu_kernel_equals_twin_and_is_batch_invariant(dtype, bits, group_size, out, inp, rng):
+    backend = gpu_backend()
+    assert backend is not None
+    wq = quantized(rng, out, inp, group_size, bits)
+    x = mx.array(rng.normal(size=(32, inp)).astype(np.float32)).astype(dtype)
+    full = quantized_matmul_rows(x, *wq, group_size, bits, backend)
+    with mx.stream(mx.cpu):
+        twin = mx.quantized_matmul(x.astype(mx.float32), *(a.astype(mx.float32) if a.dtype != mx.uint32 else a
+                                                          for a in wq), transpose=True, group_size=group_size,
+                                   bits=bits)
+    scale = float(mx.abs(twin).max())
+    tol = 1e-4 if dtype == mx.float32 else 2e-2
+    assert float(mx.abs(full.astype(mx.float32) - twin).max()) <= tol * max(1.0, scale)
+    for m in (1, 2, 4, 8, 16, 17):
+        part = quantized_matmul_rows(x[:m], *wq, group_size, bits, backend)
+        assert mx.array_equal(part, full[:m]), m  # bitwise: a verify row equals the one-row step
