@@ -38,7 +38,7 @@ from peer_engines import ENGINES, PeerOptions, Unavailable, model_context, prepa
 
 from server.bench.command import slug, write_outputs  # noqa: E402
 from server.bench.prompts import class_names, class_target_tokens  # noqa: E402
-from server.bench.records import EngineResult, save  # noqa: E402
+from server.bench.records import ClassSummary, EngineResult, save  # noqa: E402
 from server.bench.runner import CONTEXT_MARGIN, BenchConfig, describe_machine, run_bench  # noqa: E402
 
 GOAL_CLASS = "code"
@@ -46,6 +46,7 @@ GOAL_CLASS = "code"
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds, so the running server is stopped too
     model = Path(a.model).resolve()
     if not (model / "config.json").is_file():
         sys.exit(f"bench_peers: {a.model} is not a checkpoint directory (no config.json)")
@@ -65,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
                        work=Path(a.work or out / "work").resolve(), context=server_ctx,
                        mlx_lm_dtype=a.mlx_lm_dtype, mlx_lm_draft_tokens=a.mlx_lm_draft_tokens,
                        llama_server=a.llama_server, llama_convert=a.llama_convert,
-                       gguf=Path(a.gguf).resolve() if a.gguf else None, gguf_type=a.gguf_type)
+                       gguf=Path(a.gguf).resolve() if a.gguf else None, gguf_type=a.gguf_type,
+                       threads=a.threads)
     results: list[EngineResult] = []
     reference: EngineResult | None = None
     for name in engines:
@@ -106,6 +108,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                                           "above the llama-server binary)")
     ap.add_argument("--gguf", default=None, help="a GGUF of the checkpoint (default: convert one)")
     ap.add_argument("--gguf-type", default="f32", help="converter --outtype (f32, bf16, q8_0; default f32)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="CPU threads per engine: OPENBLAS_NUM_THREADS for Spruce and mlx-lm, -t for llama-server "
+                         "(default: each engine's own; on a loaded machine llama.cpp's spin-waiting threads suffer)")
     ap.add_argument("--work", default=None, help="where converted checkpoints go (default OUT/work)")
     ap.add_argument("--ready-timeout", type=float, default=900.0, help="seconds a server may take to start")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
@@ -121,6 +126,8 @@ def run_engine(name: str, opts: PeerOptions, config: BenchConfig, reference: Eng
     except Unavailable as e:
         print(f"bench_peers: {name}: not run: {e}", file=sys.stderr)
         return skipped_result(name, config, str(e))
+    if opts.threads is not None:
+        launch.info["threads"] = opts.threads
     print(f"bench_peers: starting {name}: {launch.info.get('command')}", file=sys.stderr)
     log_path = out / "logs" / f"{slug(name)}.log"
     with open(log_path, "w", encoding="utf-8") as log:
@@ -132,7 +139,10 @@ def run_engine(name: str, opts: PeerOptions, config: BenchConfig, reference: Eng
             if why is not None:
                 return skipped_result(name, config, f"{why} (log: {log_path.name}: {last_line(log_path)})")
             bench = replace(config, base_url=base_url, extra_body=launch.extra_body)
-            return run_bench(bench, reference, engine_info=launch.info)
+            result = run_bench(bench, reference, engine_info=launch.info)
+            if any(p.error for p in result.prompts):
+                result.engine_info["server error"] = last_error(log_path)
+            return result
         finally:
             stop(proc)
 
@@ -149,13 +159,13 @@ def free_port() -> int:
 
 
 def wait_ready(proc: subprocess.Popen, base_url: str, timeout: float) -> str | None:
-    """None once the server answers GET /v1/models with 200; else why not."""
+    """None once the server answers GET /health with 200; else why not."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             return f"the server exited with status {proc.returncode} before answering"
-        try:
-            if httpx.get(f"{base_url}/v1/models", timeout=5).status_code == 200:
+        try:  # /health: Spruce, mlx_lm.server and llama-server (503 while it loads) all have it
+            if httpx.get(f"{base_url}/health", timeout=5).status_code == 200:
                 return None
         except httpx.HTTPError:
             pass
@@ -179,6 +189,13 @@ def stop(proc: subprocess.Popen) -> None:
             continue
 
 
+def last_error(path: Path) -> str:
+    """The last line of a server log that names an error (Python's "ValueError: ...", llama.cpp's "error")."""
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    hits = [ln.strip() for ln in lines if "Error" in ln or "error" in ln]
+    return hits[-1][:300] if hits else "none in the log"
+
+
 def last_line(path: Path) -> str:
     lines = [ln for ln in path.read_text(encoding="utf-8", errors="replace").splitlines() if ln.strip()]
     return lines[-1][:300] if lines else "empty"
@@ -188,28 +205,32 @@ def goal_check(results: list[EngineResult], cls: str = GOAL_CLASS) -> str:
     """The issue's goal, on `cls` prompts: Spruce's best configuration has the highest decode tok/s
     of the engines at identical greedy output, and its p99 inter-token latency is no worse than
     plain decoding's."""
-    rows = {r.label: r.summary(cls) for r in results if not r.skipped and r.summary(cls) and r.summary(cls).runs}
-    spruce = {k: v for k, v in rows.items() if k.startswith("spruce-") and v.decode_tps}
+    rows: dict[str, ClassSummary] = {}
+    for r in results:
+        row = r.summary(cls)
+        if not r.skipped and row is not None and row.runs:
+            rows[r.label] = row
+    speed = {name: row.decode_tps for name, row in rows.items() if row.decode_tps}
+    spruce = {name: tps for name, tps in speed.items() if name.startswith("spruce-")}
     lines = [f"## Goal check ({cls} prompts)", ""]
     if not spruce:
         return "\n".join(lines + ["No Spruce configuration ran on this class."])
-    best_name, best = max(spruce.items(), key=lambda kv: kv[1].decode_tps)
-    lines.append(f"- Spruce's best configuration: {best_name}, {best.decode_tps:.1f} tok/s "
+    best_name = max(spruce, key=lambda name: spruce[name])
+    best, best_tps = rows[best_name], spruce[best_name]
+    lines.append(f"- Spruce's best configuration: {best_name}, {best_tps:.1f} tok/s "
                  f"(same text as the reference: {best.same_as_reference or '-'}).")
-    for name, row in rows.items():
-        if name == best_name or not row.decode_tps:
-            continue
-        lines.append(f"- vs {name}: {row.decode_tps:.1f} tok/s, ratio {best.decode_tps / row.decode_tps:.2f}x "
-                     f"(same text: {row.same_as_reference or '-'})")
-    others = [v.decode_tps for k, v in rows.items() if not k.startswith("spruce-") and v.decode_tps]
-    fastest = best.decode_tps >= max(others) if others else None
-    lines.append(f"- Highest decode tok/s of the engines: "
-                 f"{'yes' if fastest else 'no' if fastest is not None else 'no other engine ran'}.")
+    for name, tps in speed.items():
+        if name != best_name:
+            lines.append(f"- vs {name}: {tps:.1f} tok/s, ratio {best_tps / tps:.2f}x "
+                         f"(same text: {rows[name].same_as_reference or '-'})")
+    others = [tps for name, tps in speed.items() if not name.startswith("spruce-")]
+    verdict = ("no other engine ran" if not others else "yes" if best_tps >= max(others) else "no")
+    lines.append(f"- Highest decode tok/s of the engines: {verdict}.")
     plain = rows.get("spruce-none")
     if plain is not None and plain.itl_p99_ms and best.itl_p99_ms:
-        verdict = "yes" if best.itl_p99_ms <= plain.itl_p99_ms else "no"
+        no_worse = "yes" if best.itl_p99_ms <= plain.itl_p99_ms else "no"
         lines.append(f"- p99 inter-token latency {best.itl_p99_ms:.1f} ms vs plain decoding's "
-                     f"{plain.itl_p99_ms:.1f} ms: no worse: {verdict}.")
+                     f"{plain.itl_p99_ms:.1f} ms: no worse: {no_worse}.")
     return "\n".join(lines)
 
 

@@ -3,8 +3,9 @@ copy or conversion it needs, and what to call its weights in the table.
 
 Engines: Spruce with each speculation method (spruce-none, spruce-ngram, spruce-draft,
 spruce-draft-tree), mlx-lm's server (mlx-lm; mlx-lm-draft with its own speculative decoding), and
-llama.cpp's llama-server (llama.cpp). An engine that cannot run here raises Unavailable with the
-reason, which goes into the table instead of a row.
+llama.cpp's llama-server (llama.cpp; llama.cpp-ngram and llama.cpp-draft with its own). Each runs
+with its own default speculation settings. An engine that cannot run here raises Unavailable with
+the reason, which goes into the table instead of a row.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ REPO = Path(__file__).resolve().parents[1]
 BUNDLED = REPO / "engine" / "bundled"
 SPRUCE_METHODS = {"spruce-none": "none", "spruce-ngram": "ngram", "spruce-draft": "draft",
                   "spruce-draft-tree": "draft-tree"}
-ENGINES = (*SPRUCE_METHODS, "mlx-lm", "mlx-lm-draft", "llama.cpp")
+LLAMA_CPP_SPEC = {"llama.cpp": None, "llama.cpp-ngram": "ngram-simple", "llama.cpp-draft": "draft-simple"}
+ENGINES = (*SPRUCE_METHODS, "mlx-lm", "mlx-lm-draft", *LLAMA_CPP_SPEC)
 OPENBLAS = ("/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3",
             "/usr/lib/aarch64-linux-gnu/openblas-pthread/libblas.so.3")
 
@@ -82,6 +84,7 @@ class PeerOptions:
     gguf_type: str = "f32"
     spec_budget: int = 16
     spec_depth: int = 8
+    threads: int | None = None  # CPU threads per engine (BLAS for Spruce and mlx-lm, -t for llama.cpp)
 
 
 @dataclass
@@ -98,8 +101,8 @@ def prepare(name: str, opts: PeerOptions, port: int) -> Launch:
         return _spruce(SPRUCE_METHODS[name], opts, port)
     if name in ("mlx-lm", "mlx-lm-draft"):
         return _mlx_lm(opts, port, draft=name == "mlx-lm-draft")
-    if name == "llama.cpp":
-        return _llama_cpp(opts, port)
+    if name in LLAMA_CPP_SPEC:
+        return _llama_cpp(opts, port, LLAMA_CPP_SPEC[name])
     raise Unavailable(f"unknown engine {name!r} (known: {', '.join(ENGINES)})")
 
 
@@ -131,10 +134,12 @@ def _config(path: Path) -> dict:
     return json.loads((path / "config.json").read_text())
 
 
-def _base_env() -> dict[str, str]:
+def _base_env(threads: int | None) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     env["PYTHONUNBUFFERED"] = "1"
+    if threads is not None:
+        env["OPENBLAS_NUM_THREADS"] = env["OMP_NUM_THREADS"] = str(threads)
     return env
 
 
@@ -148,7 +153,7 @@ def _spruce(method: str, opts: PeerOptions, port: int) -> Launch:
     if draft is not None and method in ("draft", "draft-tree"):
         argv += ["--draft-model", str(draft)]
     # Spruce computes float weights in float32 (EngineConfig.dtype) and preloads OpenBLAS itself.
-    return Launch(argv, _base_env(), REPO,
+    return Launch(argv, _base_env(opts.threads), REPO,
                   info={"weights": f"{checkpoint_dtype(opts.model)} file, f32 compute",
                         "command": display_command(argv)})
 
@@ -174,13 +179,20 @@ def _mlx_lm(opts: PeerOptions, port: int, draft: bool) -> Launch:
     if draft and draft_src is not None:
         argv += ["--draft-model", str(mlx_lm_checkpoint(draft_src, opts.work, opts.mlx_lm_dtype)),
                  "--num-draft-tokens", str(opts.mlx_lm_draft_tokens)]
-    env = _base_env()
+    env = _base_env(opts.threads)
+    # Its /v1/models lists the Hugging Face cache and fails when there is none; no hub access either.
+    hub = opts.work / "hf-cache"
+    hub.mkdir(parents=True, exist_ok=True)
+    env.update(HF_HUB_CACHE=str(hub), HF_HUB_OFFLINE="1")
     blas = next((p for p in OPENBLAS if os.path.exists(p)), None)
     if platform.system() == "Linux" and blas and "openblas" not in env.get("LD_PRELOAD", ""):
         env["LD_PRELOAD"] = ":".join(p for p in (blas, env.get("LD_PRELOAD", "")) if p)  # as Spruce does
     weights = (f"{checkpoint_dtype(opts.model)} file, f32 copy" if opts.mlx_lm_dtype == "float32"
                else f"{checkpoint_dtype(opts.model)} file, as is")
-    return Launch(argv, env, REPO, info={"weights": weights, "command": display_command(argv),
+    shown = display_command(argv).replace(f"-c {MLX_LM_SERVER_OWN_TOKENIZER}", "-m mlx_lm server")
+    if relabelled:
+        shown += " (transformers told to keep the checkpoint's tokenizer.json)"
+    return Launch(argv, env, REPO, info={"weights": weights, "command": shown,
                                          "version": f"mlx-lm {_version('mlx-lm')}, mlx {_version('mlx')}"})
 
 
@@ -236,42 +248,53 @@ def _attention_interval(cfg: dict) -> int | None:
 def _cast_safetensors(src: Path, dst: Path) -> None:
     import mlx.core as mx
 
-    arrays, meta = mx.load(str(src), return_metadata=True)
+    arrays, meta = mx.load(str(src), return_metadata=True)  # a .safetensors file: (dict of arrays, dict)
+    assert isinstance(arrays, dict) and isinstance(meta, dict)
     cast = {k: v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in arrays.items()}
-    mx.save_safetensors(str(dst), cast, metadata=meta)
+    mx.save_safetensors(str(dst), cast, metadata={str(k): str(v) for k, v in meta.items()})
 
 
-def _llama_cpp(opts: PeerOptions, port: int) -> Launch:
+def _llama_cpp(opts: PeerOptions, port: int, spec: str | None) -> Launch:
     server = opts.llama_server or shutil.which("llama-server")
     if server is None or not Path(server).is_file():
         raise Unavailable("no llama-server binary (pass --llama-server PATH; BENCHMARKS.md says how it was built)")
-    gguf = opts.gguf or _convert_gguf(opts, Path(server))
+    gguf = opts.gguf or _convert_gguf(opts, opts.model, Path(server))
     argv = [server, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-c", str(opts.context),
-            "-np", "1", "--jinja", "--no-webui"]
+            "-np", "1", "--jinja", "--no-webui", "--no-cache-prompt"]
+    if opts.threads is not None:
+        argv += ["-t", str(opts.threads)]
+    if spec == "draft-simple":
+        draft = opts.draft_model or _bundled_draft_for(opts.model)
+        if draft is None:
+            raise Unavailable("no draft model for this checkpoint (pass --draft-model DIR)")
+        argv += ["--spec-type", spec, "-md", str(_convert_gguf(opts, draft, Path(server)))]
+    elif spec is not None:
+        argv += ["--spec-type", spec]
     version = subprocess.run([server, "--version"], capture_output=True, text=True, timeout=60)
-    build = next((line for line in (version.stdout + version.stderr).splitlines() if "version" in line), "?")
+    build = next((line.split("version:", 1)[-1] for line in (version.stdout + version.stderr).splitlines()
+                  if "version" in line), "?")
     weights = f"GGUF {opts.gguf_type}" if opts.gguf is None else f"GGUF {Path(gguf).name}"
-    return Launch(argv, dict(os.environ), REPO, extra_body={"cache_prompt": False},
-                  info={"weights": weights, "command": display_command(argv), "version": build.strip()})
+    return Launch(argv, dict(os.environ), REPO,
+                  info={"weights": weights, "command": display_command(argv), "version": f"llama.cpp {build.strip()}"})
 
 
-def _convert_gguf(opts: PeerOptions, server: Path) -> Path:
+def _convert_gguf(opts: PeerOptions, model: Path, server: Path) -> Path:
     converter = Path(opts.llama_convert) if opts.llama_convert else _find_converter(server)
     if converter is None:
         raise Unavailable("no GGUF file and no convert_hf_to_gguf.py found (pass --gguf FILE or --llama-convert)")
-    out = opts.work / f"{opts.model.resolve().name}-{opts.gguf_type}.gguf"
+    out = opts.work / f"{model.resolve().name}-{opts.gguf_type}.gguf"
     if out.is_file():
         return out
     env = dict(os.environ)
-    if _byte_level_bpe(opts.model):
+    if _byte_level_bpe(model):
         env["SPRUCE_GPT2_PRETOKENIZER"] = "1"
     opts.work.mkdir(parents=True, exist_ok=True)
-    argv = [sys.executable, "-c", CONVERT_WRAPPER, str(converter), str(opts.model), "--outfile", str(out),
+    argv = [sys.executable, "-c", CONVERT_WRAPPER, str(converter), str(model), "--outfile", str(out),
             "--outtype", opts.gguf_type, "--no-mtp"]
     done = subprocess.run(argv, env=env, capture_output=True, text=True)
     if done.returncode != 0 or not out.is_file():
         tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
-        raise Unavailable(f"GGUF conversion failed: {tail[0][:300]}")
+        raise Unavailable(f"GGUF conversion of {model.name} failed: {tail[0][:300]}")
     return out
 
 

@@ -107,6 +107,8 @@ def stream_chat(client: httpx.Client, base_url: str, prompt: str, settings: Requ
             except json.JSONDecodeError:
                 raise RequestFailed(f"the server sent a line that is not JSON: {payload[:200]!r}") from None
             state.feed(chunk, now)
+    if state.finish_reason is None:
+        raise RequestFailed("the answer stream ended without a finish_reason (the server's log may say why)")
     total_ms = (time.perf_counter() - state.t0) * 1000.0
     return _record(state, total_ms)
 
@@ -151,30 +153,32 @@ def probe_server(client: httpx.Client, base_url: str) -> tuple[str | None, int |
     vLLM's max_model_len, Spruce's context_length; llama.cpp's /props n_ctx). Raises when nothing
     answers at base_url at all."""
     root = root_url(base_url)
-    model_id = context = None
-    try:
-        r = client.get(f"{root}/v1/models", timeout=30)
-    except httpx.HTTPError as e:
-        raise RequestFailed(f"cannot reach {base_url}: {e}") from None
-    if r.status_code == 200:
-        models = _json_or_none(r)
-        data = (models or {}).get("data") or []
-        if data and isinstance(data[0], dict):
-            model_id = data[0].get("id")
-            context = data[0].get("max_model_len") or data[0].get("context_length")
+    models = _get_json(client, f"{root}/v1/models")
+    # A server whose model list breaks (mlx_lm.server without a Hugging Face cache dir) may still serve.
+    if models is None and _get_json(client, f"{root}/health") is None and not _answers(client, root):
+        raise RequestFailed(f"cannot reach {base_url}: no answer at /v1/models, /health or /")
+    data = (models or {}).get("data") or []
+    card = data[0] if data and isinstance(data[0], dict) else {}
+    context = card.get("max_model_len") or card.get("context_length")
     if context is None:
-        try:
-            p = client.get(f"{root}/props", timeout=30)
-            if p.status_code == 200:
-                context = ((_json_or_none(p) or {}).get("default_generation_settings") or {}).get("n_ctx")
-        except httpx.HTTPError:
-            pass
-    return model_id, int(context) if isinstance(context, (int, float)) and context > 0 else None
+        props = _get_json(client, f"{root}/props") or {}
+        context = (props.get("default_generation_settings") or {}).get("n_ctx")
+    return card.get("id"), int(context) if isinstance(context, (int, float)) and context > 0 else None
 
 
-def _json_or_none(r: httpx.Response) -> dict | None:
+def _get_json(client: httpx.Client, url: str) -> dict | None:
+    """The JSON object at url, or None (unreachable, an error status, not a JSON object)."""
     try:
-        out = r.json()
-    except ValueError:
+        r = client.get(url, timeout=30)
+        out = r.json() if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
         return None
     return out if isinstance(out, dict) else None
+
+
+def _answers(client: httpx.Client, url: str) -> bool:
+    try:
+        client.get(url, timeout=30)
+    except httpx.HTTPError:
+        return False
+    return True

@@ -26,26 +26,32 @@ def _pyplot():
     return plt
 
 
-def _plain_log_axis(ax) -> None:
-    """Log scale with plain numbers on the major ticks and none on the minor ones (they collide)."""
-    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+def _plain_log_axis(ax, lo: float, hi: float) -> None:
+    """Log scale with plain numbers on the major ticks (1-2-5 steps over a short range, decades over a
+    long one) and none on the minor ones (they collide)."""
+    import math
+
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     ax.set_xscale("log")
-    ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-    ax.xaxis.set_major_formatter(ScalarFormatter())
+    decades = math.log10(hi / lo) if lo > 0 and hi > lo else 0.0
+    ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0) if decades <= 2.5 else (1.0,)))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     ax.xaxis.set_minor_formatter(NullFormatter())
 
 
 def draw_plots(results: list[EngineResult], out_dir: Path) -> list[Path]:
     plt = _pyplot()
-    ran = [r for r in results if not r.skipped]
+    # Engines that produced no numbers (skipped, or every request failed) get no bar and no line.
+    ran = [r for r in results if not r.skipped and any(c.runs for c in r.classes)]
+    colors = {r.label: plt.get_cmap("tab10")(i % 10) for i, r in enumerate(ran)}  # one colour per engine
     classes = [c for c in _class_order(ran) if any(_decode(r, c) for r in ran)]
     paths = []
     if classes:
-        paths.append(_decode_bars(plt, ran, classes, out_dir / "decode_tps.png"))
+        paths.append(_decode_bars(plt, ran, classes, colors, out_dir / "decode_tps.png"))
     itl_classes = [c for c in classes if any(r.class_gaps(c) for r in ran)]
     if itl_classes:
-        paths.append(_itl_cdf(plt, ran, itl_classes, out_dir / "itl.png"))
+        paths.append(_itl_cdf(plt, ran, itl_classes, colors, out_dir / "itl.png"))
     return paths
 
 
@@ -61,13 +67,13 @@ def _class_order(results: list[EngineResult]) -> list[str]:
     return seen
 
 
-def _decode_bars(plt, results: list[EngineResult], classes: list[str], path: Path) -> Path:
+def _decode_bars(plt, results: list[EngineResult], classes: list[str], colors: dict, path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(classes) * max(1, len(results)) ** 0.5 + 3), 4.0))
     width = 0.8 / len(results)
     for i, r in enumerate(results):
         values = [_decode(r, c) or 0.0 for c in classes]
         xs = [k + (i - (len(results) - 1) / 2) * width for k in range(len(classes))]
-        ax.bar(xs, values, width, label=r.label)
+        ax.bar(xs, values, width, label=r.label, color=colors[r.label])
     ax.set_xticks(range(len(classes)), classes)
     ax.set_ylabel("decode tok/s (client, median)")
     ax.set_title("Decode speed per prompt class")
@@ -79,16 +85,19 @@ def _decode_bars(plt, results: list[EngineResult], classes: list[str], path: Pat
     return path
 
 
-def _itl_cdf(plt, results: list[EngineResult], classes: list[str], path: Path) -> Path:
+def _itl_cdf(plt, results: list[EngineResult], classes: list[str], colors: dict, path: Path) -> Path:
     cols = min(3, len(classes))
     rows = (len(classes) + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
     for ax, cls in zip(axes.flat, classes):
+        lo, hi = float("inf"), 0.0
         for r in results:
             gaps = sorted(g for g in r.class_gaps(cls) if g > 0)
             if gaps:
-                ax.step(gaps, [(i + 1) / len(gaps) for i in range(len(gaps))], where="post", label=r.label)
-        _plain_log_axis(ax)
+                ax.step(gaps, [(i + 1) / len(gaps) for i in range(len(gaps))], where="post", label=r.label,
+                        color=colors[r.label])
+                lo, hi = min(lo, gaps[0]), max(hi, gaps[-1])
+        _plain_log_axis(ax, lo, hi)
         ax.set_title(cls, fontsize=10)
         ax.set_xlabel("inter-token latency, ms (log)")
         ax.set_ylabel("share of gaps <= x")

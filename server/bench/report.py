@@ -67,8 +67,9 @@ def _header(results: list[EngineResult], base: EngineResult | None) -> list[str]
     out = [f"- date: {first.date}; machine: {first.machine}",
            f"- greedy (temperature 0), thinking off, streamed; up to {s.get('max_tokens')} new tokens; "
            f"{s.get('warmup')} discarded + {s.get('runs')} measured run(s) per prompt"]
+    reference = next((r.reference for r in results if r.reference), None)
     if base is not None:
-        out.append(f"- baseline for x: {base.label}; reference for same text: {first.reference or 'none'}")
+        out.append(f"- baseline for x: {base.label}; reference for same text: {reference or 'none'}")
     for r in results:
         info = "; ".join(f"{k}: {v}" for k, v in r.engine_info.items() if k != "weights")
         out.append(f"- {r.label}: {r.base_url}" + (f" ({info})" if info else ""))

@@ -73,7 +73,8 @@ def run_bench(config: BenchConfig, reference: EngineResult | None = None, engine
         context = min((c for c in (config.max_context, server_context) if c), default=None)
         skipped = {cls: why for cls in config.classes if (why := _too_long(cls, config.max_tokens, context))}
         todo = [p for p in prompts if p.cls not in skipped]
-        label = config.label or model_id or urlparse(config.base_url).netloc
+        # llama-server's model id is the GGUF's path: name the engine by the file, not this machine's paths.
+        label = config.label or (Path(model_id).name if model_id else urlparse(config.base_url).netloc)
         progress = Progress(len(todo) * (config.warmup + config.runs), label, progress_stream)
         results = [_run_prompt(client, config, settings, p, progress) for p in todo]
     reference_texts = reference.texts() if reference is not None else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import random
 from pathlib import Path
 
@@ -181,3 +182,44 @@ def test_plots_are_png(tmp_path):
     assert [p.name for p in paths] == ["decode_tps.png", "itl.png"]
     for p in paths:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size < 200_000
+
+
+def sse(*events: dict | str) -> bytes:
+    return "".join(f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n" for e in events).encode()
+
+
+def peer_stream(body: bytes, status: int = 200) -> RunRecord:
+    """The client's parsing of what another server sends (llama.cpp, mlx_lm.server shapes), through
+    httpx's in-memory transport: these servers are not part of the test suite."""
+    import httpx
+
+    from server.bench.client import RequestSettings, stream_chat
+
+    transport = httpx.MockTransport(lambda request: httpx.Response(status, content=body))
+    with httpx.Client(transport=transport) as client:
+        return stream_chat(client, "http://peer", "hi", RequestSettings(max_tokens=8))
+
+
+def test_client_reads_llama_cpp_style_streams():
+    chunk = {"choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": None}]}
+    last = {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}],
+            "timings": {"prompt_n": 12, "prompt_per_second": 300.0, "predicted_n": 3, "draft_n": 4,
+                        "draft_n_accepted": 1}}
+    r = peer_stream(sse({"choices": [{"index": 0, "delta": {"role": "assistant"}}]}, chunk, chunk, chunk, last,
+                        "[DONE]"))
+    assert r.text == "xxx" and r.completion_tokens == 3 and r.tokens_counted == "chunks"  # no usage sent
+    assert r.prompt_tokens == 12 and tokens_per_forward(r) == 1.5 and prefill_tps(r) == (300.0, "server")
+    assert len(r.arrivals_ms) == 3 and r.finish_reason == "length"
+
+
+def test_client_turns_broken_streams_into_failures():
+    from server.bench.client import RequestFailed
+
+    with pytest.raises(RequestFailed, match="ended without a finish_reason"):
+        peer_stream(b"")  # mlx_lm.server when its generation thread raises
+    with pytest.raises(RequestFailed, match="boom"):
+        peer_stream(sse({"error": {"message": "boom", "type": "server_error"}}))
+    with pytest.raises(RequestFailed, match="HTTP 400: too long"):
+        peer_stream(json.dumps({"error": {"message": "too long"}}).encode(), status=400)
+    with pytest.raises(RequestFailed, match="not JSON"):
+        peer_stream(b"data: {oops\n\n")
