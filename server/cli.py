@@ -1,4 +1,5 @@
-"""The `spruce` command: `spruce serve` (OpenAI-compatible HTTP server) and `spruce run` (one prompt).
+"""The `spruce` command: `spruce serve` (OpenAI-compatible HTTP server), `spruce run` (one prompt) and
+`spruce bench` (an HTTP client that benchmarks any OpenAI-compatible server: server/bench/).
 
 `spruce run` streams the answer to stdout and prints its statistics to stderr afterwards, so
 stdout holds only the answer and can be piped.
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 
 from engine.config import SPEC_METHODS
+from server.bench.options import add_bench_parser
 
 EXIT_USAGE = 2
 M_ARENA_MAX = -8  # glibc mallopt parameter
@@ -112,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=int, default=None)
     run.add_argument("--no-chat", action="store_true", help="send the prompt as raw text, without the chat template")
     run.add_argument("--think", action="store_true", help="let the model think first (off by default for run)")
+    add_bench_parser(sub)
     return ap
 
 
@@ -247,8 +250,21 @@ def peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux KiB
 
 
+def cmd_bench(a: argparse.Namespace) -> int:
+    from server.bench.command import BenchError, bench_command
+
+    try:
+        return bench_command(a)
+    except BenchError as e:
+        raise CLIError(str(e)) from None
+
+
+COMMANDS = {"serve": cmd_serve, "run": cmd_run, "bench": cmd_bench}
+
+
 def main(argv: list[str] | None = None) -> int:
-    if argv is None:  # a real command line: in-process callers (tests) are never re-exec'd
+    # A real command line: in-process callers (tests) are never re-exec'd; bench never loads MLX.
+    if argv is None and sys.argv[1:2] != ["bench"]:
         from engine.blas import reexec_with_openblas
 
         hint = reexec_with_openblas(sys.orig_argv[1:])
@@ -256,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
             print(hint, file=sys.stderr)
     a = build_parser().parse_args(argv)
     try:
-        return cmd_serve(a) if a.command == "serve" else cmd_run(a)
+        return COMMANDS[a.command](a)
     except CLIError as e:
         print(f"spruce: error: {e}", file=sys.stderr)
         return EXIT_USAGE
