@@ -58,8 +58,13 @@ class RotatedLinear(nn.Linear):
         return super().__call__(rotate(x, self.input_signs))
 
     def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine", **kwargs):
+        if mode != "affine":
+            raise ValueError(f"rotated layers are quantized in affine mode only, not {mode!r}")
         out_dims, in_dims = self.weight.shape
         q = RotatedQuantizedLinear(in_dims, out_dims, "bias" in self, group_size, bits)
+        q.weight, q.scales, q.biases = mx.quantize(self.weight, group_size=group_size, bits=bits)
+        if "bias" in self:
+            q.bias = self.bias
         q.input_signs = self.input_signs
         return q
 
