@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -54,7 +55,8 @@ class LoadedModel:
 
 
 def model_nbytes(model: nn.Module) -> int:
-    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    params = cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
+    return sum(v.nbytes for _, v in params)
 
 
 def read_config(path: Path) -> tuple[str, dict]:

@@ -57,9 +57,11 @@ class RotatedLinear(nn.Linear):
     def __call__(self, x: mx.array) -> mx.array:
         return super().__call__(rotate(x, self.input_signs))
 
-    def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine", **kwargs):
-        if mode != "affine":
-            raise ValueError(f"rotated layers are quantized in affine mode only, not {mode!r}")
+    def to_quantized(self, group_size: int | None = None, bits: int | None = None, mode: str = "affine",
+                     quantize_input: bool = False):
+        group_size, bits = group_size or 64, bits or 4
+        if mode != "affine" or quantize_input:
+            raise ValueError("rotated layers are quantized in affine mode only, weights only")
         out_dims, in_dims = self.weight.shape
         q = RotatedQuantizedLinear(in_dims, out_dims, "bias" in self, group_size, bits)
         q.weight, q.scales, q.biases = mx.quantize(self.weight, group_size=group_size, bits=bits)

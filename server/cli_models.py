@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from server.cli_settings import SettingsError, resolve_model
@@ -78,10 +79,10 @@ def cmd_models(a: argparse.Namespace) -> int:
     if not cached:
         print("  (empty)")
         return 0
-    rows = [(m.repo_id, f"{m.size_bytes / 1e9:.2f} GB", ", ".join(m.revisions),
-             (m.model_type or "no config.json") + ("" if m.model_type in FAMILIES else " (not supported)"))
-            for m in cached]
-    _table(["repo", "size", "revisions", "model type"], rows)
+    cache_rows = [(m.repo_id, f"{m.size_bytes / 1e9:.2f} GB", ", ".join(m.revisions),
+                   (m.model_type or "no config.json") + ("" if m.model_type in FAMILIES else " (not supported)"))
+                  for m in cached]
+    _table(["repo", "size", "revisions", "model type"], cache_rows)
     return 0
 
 
@@ -97,7 +98,7 @@ def _spec_summary(preset, hardware: str) -> str:
     return "none" + (f" ({entry.method} measured {entry.speedup:.2f}x)" if entry is not None else " (no entry)")
 
 
-def _table(header: list[str], rows: list[tuple[str, ...]]) -> None:
-    widths = [max(len(str(r[i])) for r in [tuple(header), *rows]) for i in range(len(header))]
-    for row in [tuple(header), *rows]:
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
         print("  " + "  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())

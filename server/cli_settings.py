@@ -80,7 +80,8 @@ def resolve_model(arg: str | None, flag: str) -> ModelSource:
     if arg is None or arg.startswith(BUNDLED_PREFIX):
         path = bundled_path(arg or BUNDLED_PREFIX + "target")
         if not (path / "config.json").is_file():
-            raise SettingsError(f"no bundled model {path.name!r} in this install; pass {flag} DIR")
+            which = "" if path.name == "target" else f"{path.name} "
+            raise SettingsError(f"no bundled {which}model in this install; pass {flag} DIR")
         return ModelSource(path=path, name=path.name)
     path = Path(arg).expanduser()
     if path.is_dir():

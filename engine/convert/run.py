@@ -8,6 +8,7 @@ import json
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -55,7 +56,7 @@ def convert(src: Path, out: Path, options: ConvertOptions, progress: bool = True
     report.vision_skipped = len(source.tensors) - len(kept)
     bar = _progress(sum(t.nbytes for t in kept), progress)
     for file in source.files:
-        arrays = mx.load(str(file))  # lazy: a tensor is read when its output is evaluated
+        arrays = _load(file)  # lazy: a tensor is read when its output is evaluated
         for info in (t for t in kept if t.file == file):
             outputs = rules.apply(info, arrays.pop(info.key))
             mx.eval([a for _, a in outputs])
@@ -83,7 +84,7 @@ def _check_source(source: Source, options: ConvertOptions) -> None:
         args = family.args_from_config(source.text_config)
     except KeyError as e:
         raise ConvertError(f"{source.path / 'config.json'}: missing key {e.args[0]!r}") from None
-    expected = {k for k, _ in tree_flatten(family.Model(args).parameters())}
+    expected = {k for k, _ in cast(list[tuple[str, mx.array]], tree_flatten(family.Model(args).parameters()))}
     text = {t.name for t in source.tensors if t.group == "text"}
     missing = sorted(expected - text)
     if missing:
@@ -111,10 +112,14 @@ def _folded_norms(source: Source) -> dict[str, mx.array]:
     for file in source.files:
         wanted = [n for n in folded_norm_names(source) if by_name[n].file == file]
         if wanted:
-            arrays = mx.load(str(file))
+            arrays = _load(file)
             out.update({n: rules.shifted(n, arrays[by_name[n].key]) for n in wanted})
     mx.eval(list(out.values()))
     return out
+
+
+def _load(file: Path) -> dict[str, mx.array]:
+    return cast(dict[str, mx.array], mx.load(str(file)))
 
 
 def _prepare_out(out: Path) -> None:
