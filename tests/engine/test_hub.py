@@ -124,3 +124,21 @@ def test_cached_models_lists_the_cache(hub_cache, tiny_qwen35):
     (listed,) = hub.cached_models()
     assert listed.repo_id == "org/tiny" and listed.model_type == "qwen3_5_text" and listed.revisions == ("main",)
     assert listed.size_bytes > 0
+
+
+def test_cli_settings_resolve_repo_ids_for_model_and_draft(hub_cache, monkeypatch, tiny_qwen35):
+    import argparse
+
+    from huggingface_hub import constants
+
+    from server.cli_settings import SettingsError, engine_settings
+
+    snapshot = add_to_hub_cache(hub_cache, "org/tiny", tiny_qwen35, COMMIT)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    flags = dict(model="org/tiny", config=None, max_context=None, dtype=None, spec="draft", spec_budget=None,
+                 spec_depth=None, draft_model="org/tiny@main", no_prefix_cache=False, prefix_cache_bytes=None)
+    settings = engine_settings(argparse.Namespace(**flags))
+    assert settings.config.model_path == str(snapshot) and settings.config.model_id == "org/tiny"
+    assert settings.config.spec.draft_model == str(snapshot) and settings.config.dtype == "auto"
+    with pytest.raises(SettingsError, match="--draft-model org/other is not in the local Hugging Face cache"):
+        engine_settings(argparse.Namespace(**{**flags, "draft_model": "org/other"}))
