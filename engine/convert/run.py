@@ -49,6 +49,14 @@ def convert(src: Path, out: Path, options: ConvertOptions, progress: bool = True
         raise ConvertError(str(e)) from None
     _check_source(source, options)
     _prepare_out(out)
+    try:
+        return _convert(source, out, options, progress)
+    except BaseException:  # a failed or interrupted conversion leaves no half-written checkpoint
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
+def _convert(source: Source, out: Path, options: ConvertOptions, progress: bool) -> ConvertReport:
     rules = Rules(source, options, _folded_norms(source) if options.hadamard else {})
     report = ConvertReport(out=out)
     writer = ShardWriter(out, options.max_shard_bytes)
@@ -59,7 +67,10 @@ def convert(src: Path, out: Path, options: ConvertOptions, progress: bool = True
         arrays = _load(file)  # lazy: a tensor is read when its output is evaluated
         for info in (t for t in kept if t.file == file):
             outputs = rules.apply(info, arrays.pop(info.key))
-            mx.eval([a for _, a in outputs])
+            try:
+                mx.eval([a for _, a in outputs])
+            except (RuntimeError, ValueError) as e:  # a truncated or corrupt file
+                raise ConvertError(f"cannot read tensor {info.key!r} from {file.name}: {e}") from None
             writer.add(outputs)
             report.tensors_in += 1
             report.bytes_in += info.nbytes
@@ -71,7 +82,7 @@ def convert(src: Path, out: Path, options: ConvertOptions, progress: bool = True
     report.bytes_out = sum(f.stat().st_size for f in report.files)
     report.quantized, report.rotated_online = rules.quantized, rules.rotated_online
     _write_config(source, out, options, rules)
-    _copy_small_files(src, out)
+    _copy_small_files(source.path, out)
     return report
 
 
@@ -119,7 +130,10 @@ def _folded_norms(source: Source) -> dict[str, mx.array]:
 
 
 def _load(file: Path) -> dict[str, mx.array]:
-    return cast(dict[str, mx.array], mx.load(str(file)))
+    try:
+        return cast(dict[str, mx.array], mx.load(str(file)))
+    except (RuntimeError, ValueError) as e:  # truncated or not safetensors
+        raise ConvertError(f"cannot read {file.name}: {e}") from None
 
 
 def _prepare_out(out: Path) -> None:

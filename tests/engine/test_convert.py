@@ -153,3 +153,14 @@ def test_hadamard_needs_blocks_of_32(tmp_path):
     checkpoint_maker().main([str(src), "--hidden", "64", "--intermediate", "144"])
     with pytest.raises(ConvertError, match="intermediate_size is 144"):
         convert(src, tmp_path / "out", ConvertOptions(hadamard=True), progress=False)
+
+
+def test_a_failed_conversion_leaves_nothing_behind(tiny_qwen35, tmp_path):
+    src = tmp_path / "truncated"
+    shutil.copytree(tiny_qwen35, src)
+    weights = src / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])  # the header is intact, half the tensors are not there
+    with pytest.raises(ConvertError, match="cannot read model.safetensors: .*incomplete"):
+        convert(src, tmp_path / "out", ConvertOptions(bits=8), progress=False)
+    assert not (tmp_path / "out").exists()
