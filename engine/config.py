@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 SPEC_METHODS = ("none", "ngram", "draft", "draft-tree")
+# "auto" = bfloat16 on a GPU, float32 on the CPU (engine/dtypes.py resolves it when the model loads)
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -83,9 +85,10 @@ class SpecConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     model_path: str
+    model_id: str | None = None  # the name clients see (a hub repo id); None = the directory's name
     max_context: int = 8192
     prefill_chunk: int = 512
-    dtype: str = "float32"  # compute dtype for float weights
+    dtype: str = "auto"  # compute dtype for float weights (DTYPE_NAMES)
     spec: SpecConfig = field(default_factory=SpecConfig)
     prefix_cache: bool = True
     prefix_cache_bytes: int = 2 << 30
@@ -95,5 +98,5 @@ class EngineConfig:
             raise ValueError(f"max_context must be >= 1, got {self.max_context}")
         if self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
-        if self.dtype not in ("float32", "float16", "bfloat16"):
-            raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")

@@ -18,6 +18,7 @@ from engine.config import EngineConfig, SamplingParams, SpecConfig
 from engine.drafters import make_drafter
 from engine.drafters.base import Drafter
 from engine.loader import load_model
+from engine.memory import MemoryReport, cache_nbytes
 from engine.models.base import CausalLM
 from engine.prefix_cache import PrefixCache
 from engine.round import InFlight, Rounds, Sequence
@@ -34,11 +35,14 @@ class Engine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.model: CausalLM = load_model(config.model_path, config.dtype).model
+        loaded = load_model(config.model_path, config.dtype)
+        self.model: CausalLM = loaded.model
+        self.dtype, self.weights_bytes, self.last_cache_bytes = loaded.dtype, loaded.nbytes, 0
         self.tokenizer = Tokenizer.from_dir(config.model_path)
-        self.model_id = Path(config.model_path).resolve().name
+        self.model_id = config.model_id or Path(config.model_path).resolve().name
         self.vocab_size = self.model.args.vocab_size
         self._draft_models: dict[str, CausalLM] = {}
+        self._draft_bytes = 0
         attention_only = all(self.model.args.layer_is_attention)
         self.prefix = PrefixCache(config.prefix_cache_bytes, config.prefix_cache, trimmable=attention_only)
         self.boundary_id = self.tokenizer.token_id("<|im_start|>")
@@ -50,12 +54,18 @@ class Engine:
             raise RequestError("spec method 'draft' needs a draft model (--draft-model DIR)")
         key = str(Path(path).resolve())
         if key not in self._draft_models:
-            model = load_model(path, self.config.dtype).model
+            loaded = load_model(path, self.config.dtype)
+            model = loaded.model
             if model.args.vocab_size != self.vocab_size:
                 raise RequestError(f"draft model {path} has vocab {model.args.vocab_size}, "
                                    f"the target {self.vocab_size}: they must share the tokenizer")
             self._draft_models[key] = model
+            self._draft_bytes += loaded.nbytes
         return self._draft_models[key]
+
+    def memory(self) -> MemoryReport:
+        return MemoryReport(self.dtype, self.weights_bytes, self._draft_bytes, self.last_cache_bytes,
+                            self.prefix.nbytes)
 
     def check_request(self, req: GenerationRequest) -> None:
         ids = req.prompt_ids
@@ -93,6 +103,7 @@ class Engine:
         try:
             yield from self._decode(req, params, rounds, seq, stats, t_start)
         finally:
+            self.last_cache_bytes = cache_nbytes(cache)
             # whatever ended the request, the caches hold seq.tokens[:covered], unless an interrupt
             # came between a pipelined launch and its landing (the caches are then one token ahead)
             if seq.covered <= len(seq.tokens):

@@ -6,7 +6,13 @@ Two layouts are read:
   stored as w and applied as (1 + w). Vision (`model.visual.*`) and MTP (`mtp.*`) tensors are
   skipped and reported.
 - MLX (mlx-community / mlx-lm): `language_model.model.*` names, conv1d [C, K, 1], norms already
-  shifted, optional affine `quantization` block (group size 32/64/128, 4/8 bit).
+  shifted, optional affine `quantization` block (group size 32/64/128, 4/8 bit), and from
+  `spruce convert --hadamard` the `input_signs` of projections whose inputs are rotated at run
+  time (engine/rotation.py).
+
+Weights load one file at a time: the tensors of a file are read, converted to the compute dtype and
+evaluated before the next file is read, so a checkpoint is never held twice (stored dtype and
+compute dtype) in memory. When the compute dtype is the stored one nothing is copied.
 """
 
 from __future__ import annotations
@@ -14,14 +20,16 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from engine.dtypes import DTYPES, resolve_dtype
 from engine.models import FAMILIES
+from engine.rotation import rotate_inputs_of
 
-DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 SKIPPED_PREFIXES = ("model.visual.", "visual.", "vision_tower.", "mtp.", "model.mtp.")
 KEEP_FP32 = ("A_log",)
 
@@ -37,6 +45,18 @@ class LoadedModel:
     path: Path
     skipped: dict[str, int] = field(default_factory=dict)  # prefix -> count of tensors ignored
     quantization: dict | None = None
+    dtype: str = "float32"  # the compute dtype the float weights were loaded in
+    rotated_inputs: int = 0  # projections whose inputs are Hadamard-rotated at run time
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all weights as loaded (quantized ones packed)."""
+        return model_nbytes(self.model)
+
+
+def model_nbytes(model: nn.Module) -> int:
+    params = cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
+    return sum(v.nbytes for _, v in params)
 
 
 def read_config(path: Path) -> tuple[str, dict]:
@@ -79,18 +99,31 @@ def _read_tensors(path: Path) -> tuple[dict[str, mx.array], dict[str, str]]:
     return tensors, origin
 
 
-def _canonical_name(key: str) -> str | None:
-    """Map a checkpoint key to our parameter name; None = skip (vision, MTP)."""
+def canonical_key(key: str) -> str:
+    """A checkpoint key (HF, HF ForConditionalGeneration, MLX) -> our parameter name
+    (`model.layers.N...`, `lm_head.weight`; vision and MTP keys keep their own prefixes)."""
     for old, new in (("model.language_model.", "model."), ("language_model.model.", "model."),
                      ("language_model.lm_head.", "lm_head."), ("language_model.", "")):
         if key.startswith(old):
-            key = new + key[len(old):]
-            break
-    return None if key.startswith(SKIPPED_PREFIXES) else key
+            return new + key[len(old):]
+    return key
+
+
+def tensor_group(name: str) -> str:
+    """'text' (what the language model loads), 'mtp' or 'vision', for a canonical name."""
+    if not name.startswith(SKIPPED_PREFIXES):
+        return "text"
+    return "mtp" if "mtp." in name else "vision"
+
+
+def _canonical_name(key: str) -> str | None:
+    """Map a checkpoint key to our parameter name; None = skip (vision, MTP)."""
+    name = canonical_key(key)
+    return name if tensor_group(name) == "text" else None
 
 
 def _skip_group(key: str) -> str:
-    return "mtp" if "mtp." in key else "vision"
+    return tensor_group(canonical_key(key))
 
 
 def _canonical(tensors: dict[str, mx.array], origin: dict[str, str],
@@ -105,6 +138,11 @@ def _canonical(tensors: dict[str, mx.array], origin: dict[str, str],
             continue
         out[name], where[name] = value, origin[key]
     return out, where
+
+
+def _rotate(model: nn.Module, weights: dict[str, mx.array]) -> int:
+    suffix = ".input_signs"
+    return rotate_inputs_of(model, sorted(k[: -len(suffix)] for k in weights if k.endswith(suffix)))
 
 
 def _quantize(model: nn.Module, cfg: dict, weights: dict[str, mx.array]) -> dict | None:
@@ -142,12 +180,15 @@ def _check_and_cast(model: nn.Module, weights: dict[str, mx.array], where: dict[
     return out
 
 
-def load_model(path: str | Path, dtype: str = "float32") -> LoadedModel:
+def load_model(path: str | Path, dtype: str = "auto") -> LoadedModel:
+    """dtype: a name of engine.config.DTYPE_NAMES ('auto' = bfloat16 on a GPU, float32 on the CPU)."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"model directory {str(path)!r} does not exist")
-    if dtype not in DTYPES:
-        raise CheckpointError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    try:
+        dtype = resolve_dtype(dtype)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
     model_type, cfg = read_config(path)
     family = FAMILIES[model_type]
     try:
@@ -155,11 +196,26 @@ def load_model(path: str | Path, dtype: str = "float32") -> LoadedModel:
     except KeyError as e:
         raise CheckpointError(f"{path / 'config.json'}: missing key {e.args[0]!r}") from None
     model = family.Model(args)
-    loaded = LoadedModel(model=model, config=cfg, path=path)
+    loaded = LoadedModel(model=model, config=cfg, path=path, dtype=dtype)
     tensors, origin = _read_tensors(path)
     weights, where = _canonical(tensors, origin, loaded)
+    del tensors  # from here on only the lazy graph of each final weight refers to the file's arrays
     weights = model.sanitize(weights)
+    loaded.rotated_inputs = _rotate(model, weights)
     loaded.quantization = _quantize(model, cfg, weights)
-    model.load_weights(_check_and_cast(model, weights, where, path, DTYPES[dtype]), strict=True)
-    mx.eval(model.parameters())
+    final = _check_and_cast(model, weights, where, path, DTYPES[dtype])
+    del weights
+    _evaluate_by_file(final, where)
+    model.load_weights(final, strict=True)
+    mx.eval(model.parameters())  # nothing left to compute; a guard against a lazy parameter
     return loaded
+
+
+def _evaluate_by_file(final: list[tuple[str, mx.array]], where: dict[str, str]) -> None:
+    """Evaluate the weights one checkpoint file at a time: a file's stored arrays are freed once
+    its converted weights exist, so memory holds the converted model plus at most one file."""
+    by_file: dict[str, list[mx.array]] = {}
+    for name, w in final:
+        by_file.setdefault(where.get(name, ""), []).append(w)
+    for arrays in by_file.values():
+        mx.eval(arrays)

@@ -102,7 +102,8 @@ class Server:
         return {"default_generation_settings": {"n_ctx": self.engine.config.max_context,
                                                 "params": {"n_predict": self.options.max_tokens_cap or -1}},
                 "total_slots": 1, "model_path": self.engine.config.model_path,
-                "chat_template": self.tokenizer.chat_template or "", "modalities": {"vision": False}}
+                "chat_template": self.tokenizer.chat_template or "", "modalities": {"vision": False},
+                "memory": self.engine.memory().as_dict()}  # Spruce: weights' and caches' bytes
 
 
 def _too_large(limit: int) -> APIError:

@@ -17,10 +17,11 @@ import os
 import resource
 import sys
 import time
-from pathlib import Path
 
-from engine.config import SPEC_METHODS
+from engine.config import DTYPE_NAMES, SPEC_METHODS
 from server.bench.options import add_bench_parser
+from server.cli_models import add_convert_parser, add_models_parser, cmd_convert, cmd_models
+from server.cli_settings import Settings, SettingsError, engine_settings
 
 EXIT_USAGE = 2
 M_ARENA_MAX = -8  # glibc mallopt parameter
@@ -30,52 +31,31 @@ class CLIError(Exception):
     """A user-facing problem: printed as one line, exit code 2."""
 
 
-def bundled_model_dir() -> Path:
-    import engine
-
-    return Path(engine.__file__).resolve().parent / "bundled" / "target"
-
-
-def resolve_model(arg: str | None) -> Path:
-    if arg is None:
-        path = bundled_model_dir()
-        if not (path / "config.json").is_file():
-            raise CLIError("no bundled model in this install; pass --model DIR")
-        return path
-    path = Path(arg).expanduser()
-    if not path.exists():
-        raise CLIError(f"--model {arg}: no such directory")
-    if not path.is_dir():
-        raise CLIError(f"--model {arg}: not a directory (pass the checkpoint directory)")
-    missing = [f for f in ("config.json", "tokenizer.json") if not (path / f).is_file()]
-    if missing:
-        raise CLIError(f"--model {arg}: not a checkpoint directory (missing {', '.join(missing)})")
-    return path
-
-
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="checkpoint directory (default: the bundled model)")
-    p.add_argument("--max-context", type=int, default=8192, help="context length in tokens (default 8192)")
-    p.add_argument("--spec", choices=SPEC_METHODS, default="none",
-                   help="speculative decoding: none, ngram (prompt lookup), draft (draft-model chain with "
+    """Engine flags of serve and run; defaults are None so that a --config preset can fill them
+    (server/cli_settings.py holds the defaults and the merge)."""
+    p.add_argument("--model", help="checkpoint directory or Hugging Face repo id (org/name[@revision]); "
+                                   "default: the bundled model")
+    p.add_argument("--config", metavar="NAME|FILE",
+                   help="a preset from configs/ (see `spruce models`) or a TOML file; flags override it")
+    p.add_argument("--max-context", type=int, help="context length in tokens (default 8192)")
+    p.add_argument("--dtype", choices=DTYPE_NAMES,
+                   help="compute dtype of float weights (default auto: bfloat16 on a GPU, float32 on the CPU)")
+    p.add_argument("--spec", choices=("auto", *SPEC_METHODS),
+                   help="speculative decoding: auto (default: what the model's preset measured to pay on this "
+                        "hardware, else none), none, ngram (prompt lookup), draft (draft-model chain with "
                         "siblings), draft-tree (draft-model best-first tree)")
-    p.add_argument("--spec-budget", type=int, default=16, help="draft-tree nodes per round (default 16)")
-    p.add_argument("--spec-depth", type=int, default=8, help="draft-tree depth (default 8)")
-    p.add_argument("--draft-model", help="draft checkpoint directory for --spec draft")
+    p.add_argument("--spec-budget", type=int, help="draft-tree nodes per round (default 16)")
+    p.add_argument("--spec-depth", type=int, help="draft-tree depth (default 8)")
+    p.add_argument("--draft-model", help="draft checkpoint directory or repo id for --spec draft / draft-tree")
     p.add_argument("--no-prefix-cache", action="store_true", help="turn off the prompt prefix cache")
-    p.add_argument("--prefix-cache-bytes", type=int, default=2 << 30, help="prefix cache budget in bytes")
+    p.add_argument("--prefix-cache-bytes", type=int, help="prefix cache budget in bytes (default 2 GiB)")
 
 
-def engine_config(a: argparse.Namespace):
-    from engine.config import EngineConfig, SpecConfig
-
-    model = resolve_model(a.model)
-    draft = str(resolve_model(a.draft_model)) if a.draft_model else None
+def engine_config(a: argparse.Namespace) -> Settings:
     try:
-        spec = SpecConfig(method=a.spec, budget=a.spec_budget, max_depth=a.spec_depth, draft_model=draft)
-        return EngineConfig(model_path=str(model), max_context=a.max_context, spec=spec,
-                            prefix_cache=not a.no_prefix_cache, prefix_cache_bytes=a.prefix_cache_bytes)
-    except ValueError as e:
+        return engine_settings(a)
+    except SettingsError as e:
         raise CLIError(str(e)) from None
 
 
@@ -115,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-chat", action="store_true", help="send the prompt as raw text, without the chat template")
     run.add_argument("--think", action="store_true", help="let the model think first (off by default for run)")
     add_bench_parser(sub)
+    add_convert_parser(sub)
+    add_models_parser(sub)
     return ap
 
 
@@ -125,10 +107,12 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from server.bridge import EngineBridge
 
     options = server_options(a)
-    config = engine_config(a)
+    settings = engine_config(a)
     limit_malloc_arenas()
-    bridge = EngineBridge(lambda: load_engine(config), max_queue=a.max_queue)
+    bridge = EngineBridge(lambda: load_engine(settings.config), max_queue=a.max_queue)
     bridge.start()
+    for note in settings.notes:
+        print(f"spruce: {note}", file=sys.stderr)
     print(f"spruce: serving {bridge.engine.model_id} on http://{a.host}:{a.port}/v1"
           + (" (API key required)" if options.api_key else ""), file=sys.stderr)
     uvicorn.run(create_app(bridge, options), host=a.host, port=a.port, log_level=a.log_level)
@@ -165,7 +149,10 @@ def server_options(a: argparse.Namespace):
 
 def cmd_run(a: argparse.Namespace) -> int:
     prompt = a.message if a.message is not None else _read_stdin()
-    engine = load_engine(engine_config(a))
+    settings = engine_config(a)
+    engine = load_engine(settings.config)
+    for note in settings.notes:
+        print(f"spruce: {note}", file=sys.stderr)
     ids = engine.tokenizer.encode(prompt if a.no_chat else _render_chat(engine.tokenizer, prompt, a.think))
     request = _run_request(engine, ids, a)
     _generate_and_print(engine, request)
@@ -225,10 +212,10 @@ def _generate_and_print(engine, request) -> None:
     sys.stdout.write("\n")
     sys.stdout.flush()
     if stats is not None:
-        print_stats(stats, first, time.perf_counter() - t0)
+        print_stats(stats, first, time.perf_counter() - t0, engine.memory())
 
 
-def print_stats(stats, ttft_s: float | None, duration_s: float) -> None:
+def print_stats(stats, ttft_s: float | None, duration_s: float, memory=None) -> None:
     lines = [
         f"time to first token: {ttft_s if ttft_s is not None else duration_s:.2f} s",
         f"prompt tokens: {stats.prompt_tokens} ({stats.cached_tokens} from the prefix cache)",
@@ -239,6 +226,10 @@ def print_stats(stats, ttft_s: float | None, duration_s: float) -> None:
            f"commit {stats.draft_ms:.0f} / {stats.verify_ms:.0f} / {stats.commit_ms:.0f} ms"]
           if stats.drafted else []),
         f"memory used: {peak_rss_bytes() / 1e9:.2f} GB",
+        *([f"weights: {memory.weights_bytes / 1e6:.1f} MB ({memory.dtype})"
+           + (f" + draft {memory.draft_weights_bytes / 1e6:.1f} MB" if memory.draft_weights_bytes else ""),
+           f"caches: {memory.cache_bytes / 1e6:.2f} MB (this request's KV + GDN states); prefix cache "
+           f"{memory.prefix_cache_bytes / 1e6:.2f} MB"] if memory is not None else []),
         f"duration: {duration_s:.2f} s",
     ]
     print("\n".join(lines), file=sys.stderr)
@@ -259,7 +250,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         raise CLIError(str(e)) from None
 
 
-COMMANDS = {"serve": cmd_serve, "run": cmd_run, "bench": cmd_bench}
+COMMANDS = {"serve": cmd_serve, "run": cmd_run, "bench": cmd_bench, "convert": cmd_convert, "models": cmd_models}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -273,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     try:
         return COMMANDS[a.command](a)
-    except CLIError as e:
+    except (CLIError, SettingsError) as e:
         print(f"spruce: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

@@ -118,12 +118,18 @@ class StreamOptions(StrictModel):
 
 
 class SpecRequest(StrictModel):
-    """Extra body field `spec`: per-request speculation (engine.config.SpecConfig)."""
+    """Extra body field `spec`: per-request speculation (engine.config.SpecConfig), as an object
+    or as a bare method name (`"spec": "none"` turns speculation off for the request)."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
     method: Literal["none", "ngram", "draft", "draft-tree"]
     budget: Annotated[int, Field(ge=1, le=4096)] | None = None
     max_depth: Annotated[int, Field(ge=1, le=1024)] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _method_name(cls, value: Any) -> Any:
+        return {"method": value} if isinstance(value, str) else value
 
 
 NonNegInt = Annotated[int, Field(ge=0)]

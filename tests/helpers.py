@@ -70,3 +70,28 @@ def hf_logits(path: Path | str, ids, conditional: bool = False) -> np.ndarray:
     model = cls.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         return model(input_ids=torch.tensor([list(map(int, ids))])).logits[0].numpy()
+
+
+def add_to_hub_cache(cache: Path, repo_id: str, src: Path, commit: str = "0" * 40, ref: str = "main") -> Path:
+    """Lay `src`'s files out in a Hugging Face hub cache dir as huggingface_hub does (content-addressed
+    blobs, a snapshot of symlinks per commit, refs/<ref> naming the commit). -> the snapshot dir."""
+    import hashlib
+    import os
+
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / commit
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    snapshot.mkdir(parents=True, exist_ok=True)
+    for f in sorted(src.iterdir()):
+        if not f.is_file():
+            continue
+        data = f.read_bytes()
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        link = snapshot / f.name
+        if link.exists() or link.is_symlink():
+            link.unlink()
+        os.symlink(os.path.relpath(blob, snapshot), link)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / ref).write_text(commit)
+    return snapshot

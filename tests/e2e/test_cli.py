@@ -121,8 +121,9 @@ def test_serve_answers_http(tiny_checkpoint):
 
 
 def test_no_bundled_model_message(monkeypatch, tmp_path, capsys):
+    from engine import presets
     from server import cli
 
-    monkeypatch.setattr(cli, "bundled_model_dir", lambda: tmp_path / "bundled" / "target")
+    monkeypatch.setattr(presets, "bundled_path", lambda model: tmp_path / "bundled" / "target")
     assert cli.main(["run", "-m", "hi"]) == 2
     assert "no bundled model in this install; pass --model DIR" in capsys.readouterr().err

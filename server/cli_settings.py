@@ -1,0 +1,95 @@
+"""How `spruce serve` and `spruce run` turn their flags (server/cli.py add_engine_args) into an
+EngineConfig: model references (a directory, a Hugging Face repo id, the bundled model), `--config`
+presets (a flag given on the command line wins over the preset), and `--spec auto` (the preset's
+measured choice for this hardware, or plain decoding, with the reason)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.config import EngineConfig, SpecConfig
+from engine.hub import ModelSource
+
+# Used when neither a flag nor the preset sets a value.
+DEFAULTS: dict[str, Any] = {"max_context": 8192, "dtype": "auto", "prefix_cache_bytes": 2 << 30,
+                            "spec_budget": 16, "spec_depth": 8}
+DRAFT_METHODS = ("draft", "draft-tree")
+
+
+class SettingsError(Exception):
+    """A flag, preset or model reference that cannot be used; printed as one line."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    config: EngineConfig
+    notes: list[str] = field(default_factory=list)  # printed once the engine is up (what auto chose, why)
+
+
+def engine_settings(a: argparse.Namespace) -> Settings:
+    from engine import presets
+
+    try:
+        preset = presets.find(a.config) if a.config else None
+    except presets.PresetError as e:
+        raise SettingsError(f"--config: {e}") from None
+    model_arg = a.model if a.model is not None else (preset.model if preset else None)
+    model = resolve_model(model_arg, "--model")
+    notes: list[str] = []
+    method = a.spec or "auto"
+    budget, depth, draft_arg = a.spec_budget, a.spec_depth, a.draft_model
+    if method == "auto":
+        choice = presets.choose_spec(preset or presets.for_model(model_arg), presets.hardware_class())
+        method = choice.method
+        budget = budget if budget is not None else choice.budget
+        depth = depth if depth is not None else choice.depth
+        draft_arg = draft_arg or choice.draft_model
+        notes.append(f"speculation: {method} (--spec auto: {choice.reason})")
+    elif preset is not None and method in DRAFT_METHODS:
+        draft_arg = draft_arg or preset.draft_model
+    # a draft model is fetched only when it will be used (or was asked for by name)
+    draft = resolve_model(draft_arg, "--draft-model") if draft_arg and (a.draft_model or method in DRAFT_METHODS) \
+        else None
+    try:
+        spec = SpecConfig(method=method, budget=_pick(budget, None, "spec_budget"),
+                          max_depth=_pick(depth, None, "spec_depth"), draft_model=str(draft.path) if draft else None)
+        config = EngineConfig(
+            model_path=str(model.path), model_id=model.name,
+            max_context=_pick(a.max_context, preset and preset.max_context, "max_context"),
+            dtype=_pick(a.dtype, preset and preset.dtype, "dtype"), spec=spec, prefix_cache=not a.no_prefix_cache,
+            prefix_cache_bytes=_pick(a.prefix_cache_bytes, preset and preset.prefix_cache_bytes, "prefix_cache_bytes"))
+    except ValueError as e:
+        raise SettingsError(str(e)) from None
+    return Settings(config, notes)
+
+
+def _pick(flag: Any, preset_value: Any, key: str) -> Any:
+    if flag is not None:
+        return flag
+    return preset_value if preset_value is not None else DEFAULTS[key]
+
+
+def resolve_model(arg: str | None, flag: str) -> ModelSource:
+    """None = the bundled target; 'bundled:NAME' = a bundled checkpoint; a directory; a repo id."""
+    from engine.hub import HubError, resolve
+    from engine.presets import BUNDLED_PREFIX, bundled_path
+
+    if arg is None or arg.startswith(BUNDLED_PREFIX):
+        path = bundled_path(arg or BUNDLED_PREFIX + "target")
+        if not (path / "config.json").is_file():
+            which = "" if path.name == "target" else f"{path.name} "
+            raise SettingsError(f"no bundled {which}model in this install; pass {flag} DIR")
+        return ModelSource(path=path, name=path.name)
+    path = Path(arg).expanduser()
+    if path.is_dir():
+        missing = [f for f in ("config.json", "tokenizer.json") if not (path / f).is_file()]
+        if missing:
+            raise SettingsError(f"{flag} {arg}: not a checkpoint directory (missing {', '.join(missing)})")
+        return ModelSource(path=path, name=path.resolve().name)
+    try:
+        return resolve(arg)
+    except HubError as e:
+        raise SettingsError(f"{flag} {e}") from None
