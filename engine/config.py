@@ -72,6 +72,9 @@ class SpecConfig:
     budget: int = 16  # max draft-tree nodes besides the root
     max_depth: int = 8
     draft_model: str | None = None  # checkpoint dir for method 'draft'
+    # size each round's tree by measured tokens per second, the root alone included
+    # (engine/spec_control.py); False: every round gets the full budget
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:

@@ -22,9 +22,10 @@ import numpy as np
 from engine import forward, sampler
 from engine.cache import LayerCache
 from engine.config import SamplingParams, SpecConfig
-from engine.drafters.base import Drafter, NoDrafter
+from engine.drafters.base import Drafter, NoDrafter, skip_round
 from engine.logits_extras import token_logprobs
 from engine.models.base import CausalLM
+from engine.spec_control import SpecController
 from engine.tree import DraftTree
 from engine.types import Stats, TokenLogprob
 
@@ -54,6 +55,8 @@ class InFlight:
     committed: bool  # the commit was queued at launch (a one-node tree's root is always accepted)
     t_start: float
     draft_ms: float
+    drafted: bool = True  # False: the drafter had no tree in this round (it is told with skip)
+    arm: int = -1  # the budget the controller chose for this round (-1: none to credit)
 
 
 @dataclass(frozen=True)
@@ -73,16 +76,22 @@ class Rounds:
         # greedy without host-side logit work: every node's choice is made on the device
         self.on_device = params.greedy and not params.adjusts_logits and params.logprobs is None
         self.pipelined = self.on_device and isinstance(drafter, NoDrafter)
+        drafts = not isinstance(drafter, NoDrafter)
+        self.controller = SpecController(spec.budget) if spec.adaptive and drafts else None
         self._last_landed = 0.0
 
     def launch(self, room: int) -> InFlight:
         """Draft a tree of at most `room` emitted tokens from the last token and queue its verify."""
         t0 = time.perf_counter()
-        budget = max(0, min(self.spec.budget, room - 1))
-        # the drafter is asked even for a root-only tree: it keeps its context in step that way
-        tree = self.drafter.propose(self.seq.tokens[-1], budget, self.spec.max_depth)
+        arm = self.controller.budget() if self.controller else self.spec.budget
+        budget = max(0, min(arm, room - 1))
+        root = self.seq.tokens[-1]
+        drafted = budget > 0 and not isinstance(self.drafter, NoDrafter)
+        tree = self.drafter.propose(root, budget, self.spec.max_depth) if drafted else DraftTree.single(root)
         t1 = time.perf_counter()
-        return self._queue(tree, None, t0, (t1 - t0) * 1e3)
+        flight = self._queue(tree, None, t0, (t1 - t0) * 1e3)
+        flight.drafted, flight.arm = drafted, arm if budget == arm else -1
+        return flight
 
     def launch_after(self, flight: InFlight) -> InFlight:
         """Pipelined: the next one-node round, rooted at `flight`'s token while still on the device."""
@@ -116,7 +125,11 @@ class Rounds:
             self.seq.covered += len(acc.path)
         t3 = time.perf_counter()
         self.seq.tokens += acc.tokens
-        self.drafter.observe(list(acc.tokens))  # counted as drafting: the drafter syncs its own state
+        # counted as drafting: the drafter syncs its own state
+        if flight.drafted:
+            self.drafter.observe(list(acc.tokens))
+        else:
+            skip_round(self.drafter, tree.tokens[0], list(acc.tokens))
         logprobs = None
         if params.logprobs is not None and host_logits is not None:
             logprobs = token_logprobs(host_logits[list(acc.path)], list(acc.tokens), params.logprobs)
@@ -140,3 +153,5 @@ class Rounds:
         s.verify_ms += (t2 - max(flight.t_start + flight.draft_ms / 1e3, self._last_landed)) * 1e3
         s.commit_ms += (t3 - t2) * 1e3
         self._last_landed = end
+        if self.controller is not None:
+            self.controller.record(flight.arm, emitted, (end - flight.t_start) * 1e3)

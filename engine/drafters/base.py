@@ -1,5 +1,7 @@
 """The drafter protocol: propose a draft tree from the committed context, then observe
-what the target accepted. Plain decoding is the drafter that proposes only the root."""
+what the target accepted; or, for a round that runs without a tree (the controller chose plain
+decoding, or one token of room was left), skip it. Plain decoding is the drafter that proposes
+only the root."""
 
 from __future__ import annotations
 
@@ -19,6 +21,24 @@ class Drafter(Protocol):
         """The tokens the round emitted (accepted drafts + bonus), in order."""
 
 
+class Skips(Protocol):
+    def skip(self, root: int, emitted: list[int]) -> None:
+        """A round ran from `root` without a tree of this drafter's and emitted `emitted`. Keep the
+        context in step, lazily where that is cheaper (a draft model extends its cache once, at the
+        next propose, instead of once a round)."""
+
+
+def skip_round(drafter: Drafter, root: int, emitted: list[int]) -> None:
+    """Tell a drafter about a round it had no tree in; one without `skip` gets the same as a
+    root-only proposal and its observation."""
+    skip = getattr(drafter, "skip", None)
+    if skip is not None:
+        skip(root, emitted)
+    else:
+        drafter.propose(root, 0, 1)
+        drafter.observe(emitted)
+
+
 class NoDrafter:
     """Plain decoding through the same loop: a one-node tree every round."""
 
@@ -29,4 +49,7 @@ class NoDrafter:
         return DraftTree.single(root)
 
     def observe(self, emitted: list[int]) -> None:
+        pass
+
+    def skip(self, root: int, emitted: list[int]) -> None:
         pass

@@ -37,12 +37,20 @@ class DraftChainDrafter:
         self.chain: list[int] = []  # this round's chain tokens (root excluded)
         self.root = 0
         self.saved: list[list[object]] = []  # saved[d]: cache marks after consuming d tokens of [root, *chain]
+        self.behind: list[int] = []  # tokens of skipped rounds the draft cache has not consumed yet
 
     def begin(self, prompt_ids: list[int]) -> None:
         self.cache = self.model.make_cache()
+        self.behind = []
         forward.extend(self.model, self.cache, prompt_ids[:-1])
 
+    def skip(self, root: int, emitted: list[int]) -> None:
+        self.behind += [root, *emitted[:-1]]  # consumed in one chain forward by the next propose
+
     def propose(self, root: int, budget: int, max_depth: int) -> DraftTree:
+        if self.behind:
+            forward.extend(self.model, self.cache, self.behind)
+            self.behind = []
         depth = max(0, min(max_depth, budget))
         k = 1 + self.config.siblings
         token, ids, probs = mx.array([root]), [], []

@@ -40,17 +40,25 @@ class DraftTreeDrafter:
         self.cache: list[LayerCache] = []
         self.committed = 0
         self.pending_root = 0
+        self.behind: list[int] = []  # tokens of skipped rounds the draft cache has not consumed yet
 
     def begin(self, prompt_ids: list[int]) -> None:
         self.cache = self.model.make_cache()
         self.committed = 0
+        self.behind = []
         self._extend(prompt_ids[:-1])
 
     def _extend(self, ids: list[int]) -> None:
         forward.extend(self.model, self.cache, ids)
         self.committed += len(ids)
 
+    def skip(self, root: int, emitted: list[int]) -> None:
+        self.behind += [root, *emitted[:-1]]  # consumed in one chain forward by the next propose
+
     def propose(self, root: int, budget: int, max_depth: int) -> DraftTree:
+        if self.behind:
+            self._extend(self.behind)
+            self.behind = []
         self.pending_root = root
         tokens, parents, scores = [root], [-1], [1.0]
         frontier = [0]

@@ -32,6 +32,9 @@ class NgramDrafter:
         for t in emitted:
             self._append(t)
 
+    def skip(self, root: int, emitted: list[int]) -> None:
+        self.observe(emitted)  # the index is the context: nothing to gain by waiting
+
     def _append(self, token: int) -> None:
         self.ctx.append(token)
         end = len(self.ctx) - 1

@@ -30,7 +30,7 @@ def test_ngram_lossless(engine, sampling):
     for seed in range(3):
         prompt = repetitive_prompt(seed)
         plain = generate(engine, prompt, sampling).tokens
-        fast = generate(engine, prompt, sampling, SpecConfig(method="ngram", budget=10, max_depth=6))
+        fast = generate(engine, prompt, sampling, SpecConfig(method="ngram", budget=10, max_depth=6, adaptive=False))
         spec_out, stats = fast.tokens, fast.stats
         assert spec_out == plain
         assert stats.drafted > 0
@@ -62,7 +62,7 @@ def test_draft_model_lossless(engine, tiny_qwen35, small_draft, sampling, method
     plain = generate(engine, prompt, sampling).tokens
     for draft in (small_draft, tiny_qwen35):  # an unrelated small model, and the target itself
         fast = generate(engine, prompt, sampling,
-                        SpecConfig(method=method, budget=12, max_depth=5, draft_model=str(draft)))
+                        SpecConfig(method=method, budget=12, max_depth=5, draft_model=str(draft), adaptive=False))
         stats = fast.stats
         assert fast.tokens == plain
     assert stats.drafted > 0  # (an unrelated random draft may be too unsure to draft at all)
@@ -72,4 +72,4 @@ def test_draft_model_lossless(engine, tiny_qwen35, small_draft, sampling, method
 
 def test_draft_without_model_is_a_clear_error(engine):
     with pytest.raises(ValueError, match="needs a draft model"):
-        generate(engine, [1, 2, 3], GREEDY, SpecConfig(method="draft"))
+        generate(engine, [1, 2, 3], GREEDY, SpecConfig(method="draft", adaptive=False))

@@ -20,8 +20,8 @@ def engine(tiny_qwen35):
     return Engine(EngineConfig(model_path=str(tiny_qwen35), prefill_chunk=16, max_context=64))
 
 
-def spec(method: str, path) -> SpecConfig:
-    return SpecConfig(method=method, budget=6, max_depth=4, draft_model=str(path))
+def spec(method: str, path, adaptive: bool = False) -> SpecConfig:
+    return SpecConfig(method=method, budget=6, max_depth=4, draft_model=str(path), adaptive=adaptive)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -92,3 +92,31 @@ def test_an_interrupt_inside_a_pipelined_round_is_not_masked(engine, monkeypatch
         generate(engine, PROMPT + [1], SamplingParams(max_tokens=10, ignore_eos=True))
     monkeypatch.setattr(Rounds, "land", real)
     assert generate(engine, PROMPT + [1], SamplingParams(max_tokens=4, ignore_eos=True)).tokens
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft", "draft-tree"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "seeded"])
+def test_adaptive_rounds_are_lossless(engine, tiny_qwen35, method, temperature):
+    """The controller sizes trees (the root alone included, skipping the drafter, which catches
+    up lazily); the output stays the plain output."""
+    sampling = SamplingParams(max_tokens=40, temperature=temperature, seed=3, ignore_eos=True)
+    plain = generate(engine, PROMPT, sampling).tokens
+    out = generate(engine, PROMPT, sampling, spec(method, tiny_qwen35, adaptive=True))
+    assert out.tokens == plain and out.stats.drafted > 0
+
+
+def test_adaptive_rounds_stop_drafting_when_guesses_miss(engine):
+    """An always-wrong drafter: after trying each tree size, the controller keeps the root alone
+    (a plain round), drafting again only for its periodic re-tries."""
+    from tests.engine.test_lossless import OracleDrafter
+
+    sampling = SamplingParams(max_tokens=44, ignore_eos=True)  # the context holds 64
+    plain = generate(engine, PROMPT, sampling).tokens
+    wrong = OracleDrafter(plain, len(PROMPT), wrong=True)
+    fixed = generate(engine, PROMPT, sampling, SpecConfig(budget=6, max_depth=6, adaptive=False), wrong).stats
+    wrong = OracleDrafter(plain, len(PROMPT), wrong=True)
+    adaptive = generate(engine, PROMPT, sampling, SpecConfig(budget=6, max_depth=6), wrong)
+    assert adaptive.tokens == plain
+    assert fixed.forward_passes == 44 and fixed.drafted >= 4 * 44  # a tree every round
+    assert adaptive.stats.forward_passes == 44
+    assert adaptive.stats.drafted <= fixed.drafted // 3  # the tries and a few re-tries

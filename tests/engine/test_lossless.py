@@ -86,7 +86,7 @@ SAMPLED = SamplingParams(max_tokens=40, temperature=0.9, top_p=0.95, top_k=50, s
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("kind", ["right", "wrong", "fan", "random", "deep"])
 def test_spec_equals_plain(engine, sampling, kind):
-    spec = SpecConfig(method="none", budget=12, max_depth=12 if kind == "deep" else 6)
+    spec = SpecConfig(method="none", budget=12, max_depth=12 if kind == "deep" else 6, adaptive=False)
     for i, prompt in enumerate(PROMPTS):
         plain = generate(engine, prompt, sampling).tokens
         drafter = {
@@ -102,7 +102,8 @@ def test_spec_equals_plain(engine, sampling, kind):
 def test_right_drafter_needs_fewer_forwards(engine):
     prompt = PROMPTS[0]
     plain = generate(engine, prompt, GREEDY).tokens
-    out = generate(engine, prompt, GREEDY, SpecConfig(budget=8, max_depth=8), OracleDrafter(plain, len(prompt)))
+    out = generate(engine, prompt, GREEDY, SpecConfig(budget=8, max_depth=8, adaptive=False),
+                   OracleDrafter(plain, len(prompt)))
     stats = out.stats
     assert out.tokens == plain
     assert stats.forward_passes <= len(plain) // 8 + 1

@@ -1,0 +1,48 @@
+"""The per-request tree-size controller: tries every arm, then keeps the best tokens per ms."""
+
+from __future__ import annotations
+
+from engine.spec_control import REVISIT, TRIES, SpecController
+
+
+def drive(c: SpecController, outcome, rounds: int) -> list[int]:
+    """Run `rounds` rounds where outcome(budget) -> (tokens, ms); returns the budgets chosen."""
+    chosen = []
+    for _ in range(rounds):
+        b = c.budget()
+        chosen.append(b)
+        c.record(b, *outcome(b))
+    return chosen
+
+
+def test_arms_are_powers_of_four_the_root_and_the_budget():
+    assert [a.budget for a in SpecController(16).arms] == [16, 4, 0]
+    assert [a.budget for a in SpecController(32).arms] == [32, 16, 4, 0]
+    assert [a.budget for a in SpecController(1).arms] == [1, 0]
+
+
+def test_misses_settle_on_plain_decoding():
+    # every guess misses: one token a round whatever the tree, and bigger trees cost more
+    chosen = drive(SpecController(16), lambda b: (1, 10.0 + b), 200)
+    assert chosen[: 3 * TRIES] == [16, 16, 4, 4, 0, 0]  # each arm tried first
+    later = chosen[3 * TRIES :]
+    assert later.count(0) >= len(later) * (1 - 1.5 / REVISIT)  # plain, but for the revisits
+
+
+def test_hits_keep_the_full_budget():
+    chosen = drive(SpecController(16), lambda b: (1 + b // 2, 10.0 + b * 0.5), 100)
+    later = chosen[3 * TRIES :]
+    assert later.count(16) >= len(later) * (1 - 1.5 / REVISIT)
+
+
+def test_a_change_of_text_is_followed():
+    c = SpecController(16)
+    drive(c, lambda b: (1 + b // 2, 10.0 + b * 0.5), 50)  # guesses hit...
+    chosen = drive(c, lambda b: (1, 10.0 + b), 100)  # ...then miss
+    assert chosen[-40:].count(0) >= 35
+
+
+def test_a_budget_cut_by_the_room_left_credits_no_arm():
+    c = SpecController(16)
+    c.record(-1, 3, 5.0)
+    assert all(a.rounds == 0 for a in c.arms)
