@@ -5,7 +5,10 @@ choice of every node's token and the commit); `land` waits for the result, walks
 accepted path, commits it and lets the drafter observe it. Plain decoding is a round with a
 one-node tree.
 
-Where the next round needs nothing from the host (no drafter, greedy, no logits on the host), the
+Every node's token is chosen on the device (engine/device_sampler.py: the argmax, or the seeded
+draw), so only N ids reach the host, unless a request needs the logits there (logit bias,
+penalties, logprobs: engine/sampler.py). Where the next round needs nothing from the host (no
+drafter, no logits on the host), the
 loop launches round r+1 from round r's token while it is still on the device, before landing
 round r: building the next graph overlaps the compute, as mlx-lm's generate_step does. That is a
 property of the round (`pipelined`), not a second loop.
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from engine import forward, sampler
+from engine import device_sampler, forward, sampler
 from engine.cache import LayerCache
 from engine.config import SamplingParams, SpecConfig
 from engine.drafters.base import Drafter, NoDrafter, skip_round
@@ -51,7 +54,7 @@ class InFlight:
     tree: DraftTree
     committed_len: int  # the root's position
     logits: mx.array  # [N, V], lazy
-    choices: mx.array | None  # [N] int32 argmax per node, when greedy is decided on the device
+    choices: mx.array | None  # [N] int32 token per node, when chosen on the device
     committed: bool  # the commit was queued at launch (a one-node tree's root is always accepted)
     t_start: float
     draft_ms: float
@@ -73,8 +76,8 @@ class Rounds:
                  seed: int, spec: SpecConfig, drafter: Drafter, stats: Stats) -> None:
         self.model, self.cache, self.seq = model, cache, seq
         self.params, self.seed, self.spec, self.drafter, self.stats = params, seed, spec, drafter, stats
-        # greedy without host-side logit work: every node's choice is made on the device
-        self.on_device = params.greedy and not params.adjusts_logits and params.logprobs is None
+        # without host-side logit work every node's choice is made on the device
+        self.on_device = not params.adjusts_logits and params.logprobs is None
         self.pipelined = self.on_device and isinstance(drafter, NoDrafter)
         drafts = not isinstance(drafter, NoDrafter)
         self.controller = SpecController(spec.budget) if spec.adaptive and drafts else None
@@ -101,7 +104,11 @@ class Rounds:
     def _queue(self, tree: DraftTree, root: mx.array | None, t0: float, draft_ms: float) -> InFlight:
         committed_len = self.seq.covered
         logits = forward.verify(self.model, self.cache, tree, committed_len, tokens=root)
-        choices = mx.argmax(logits, axis=-1).astype(mx.int32) if self.on_device else None
+        choices = None
+        if self.on_device:
+            positions = committed_len + tree.depths + 1  # the index each node's token will take
+            uniforms = None if self.params.greedy else device_sampler.node_uniforms(self.seed, positions)
+            choices = device_sampler.choose(logits, self.params, uniforms)
         committed = tree.size == 1 and choices is not None
         if committed:  # the root is accepted whatever the choice: commit without waiting for it
             forward.commit(self.cache, [0], evaluate=False)
