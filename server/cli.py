@@ -6,12 +6,18 @@ stdout holds only the answer and can be piped.
 On Linux the MLX CPU wheel ships a slow reference BLAS: when Debian/Ubuntu's OpenBLAS is
 installed the command re-execs itself once with it in LD_PRELOAD, before mlx is imported
 (engine/blas.py; SPRUCE_NO_BLAS_PRELOAD=1 turns this off).
+
+Exit codes: 0, 2 for a usage or load error (one line on stderr), 130 when `run` is interrupted.
+Before the process ends, the engine (its MLX arrays) is released and the engine thread joined:
+MLX state torn down during interpreter exit aborts the process ("terminate called without an
+active exception").
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
+import gc
+import json
 import os
 import resource
 import sys
@@ -21,7 +27,10 @@ from pathlib import Path
 from engine.config import SPEC_METHODS
 
 EXIT_USAGE = 2
-M_ARENA_MAX = -8  # glibc mallopt parameter
+EXIT_INTERRUPTED = 130
+DEFAULT_MAX_CONTEXT = 8192
+MAX_SPEC_BUDGET, MAX_SPEC_DEPTH = 4096, 1024
+ENGINE_STOP_S = 30.0  # after the HTTP server is down: how long the engine thread may take to stop
 
 
 class CLIError(Exception):
@@ -34,26 +43,43 @@ def bundled_model_dir() -> Path:
     return Path(engine.__file__).resolve().parent / "bundled" / "target"
 
 
-def resolve_model(arg: str | None) -> Path:
+def resolve_model(arg: str | None, flag: str = "--model") -> Path:
     if arg is None:
         path = bundled_model_dir()
         if not (path / "config.json").is_file():
-            raise CLIError("no bundled model in this install; pass --model DIR")
+            raise CLIError(f"no bundled model in this install; pass {flag} DIR")
         return path
     path = Path(arg).expanduser()
     if not path.exists():
-        raise CLIError(f"--model {arg}: no such directory")
+        raise CLIError(f"{flag} {arg}: no such directory")
     if not path.is_dir():
-        raise CLIError(f"--model {arg}: not a directory (pass the checkpoint directory)")
+        raise CLIError(f"{flag} {arg}: not a directory (pass the checkpoint directory)")
     missing = [f for f in ("config.json", "tokenizer.json") if not (path / f).is_file()]
     if missing:
-        raise CLIError(f"--model {arg}: not a checkpoint directory (missing {', '.join(missing)})")
+        raise CLIError(f"{flag} {arg}: not a checkpoint directory (missing {', '.join(missing)})")
     return path
+
+
+def trained_context(model: Path) -> int | None:
+    """max_position_embeddings of the checkpoint (nested text_config first), if it says."""
+    try:
+        cfg = json.loads((model / "config.json").read_text())
+    except (OSError, ValueError):
+        return None  # the loader reports a broken config.json
+    if not isinstance(cfg, dict):
+        return None
+    for section in (cfg.get("text_config"), cfg):
+        value = section.get("max_position_embeddings") if isinstance(section, dict) else None
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="checkpoint directory (default: the bundled model)")
-    p.add_argument("--max-context", type=int, default=8192, help="context length in tokens (default 8192)")
+    p.add_argument("--max-context", type=int, default=None,
+                   help=f"context length in tokens (default: the model's trained length, at most "
+                        f"{DEFAULT_MAX_CONTEXT})")
     p.add_argument("--spec", choices=SPEC_METHODS, default="none",
                    help="speculative decoding: none, ngram (prompt lookup), draft (draft-model chain with "
                         "siblings), draft-tree (draft-model best-first tree)")
@@ -68,22 +94,57 @@ def engine_config(a: argparse.Namespace):
     from engine.config import EngineConfig, SpecConfig
 
     model = resolve_model(a.model)
-    draft = str(resolve_model(a.draft_model)) if a.draft_model else None
+    draft = str(resolve_model(a.draft_model, "--draft-model")) if a.draft_model else None
+    if not 1 <= a.spec_budget <= MAX_SPEC_BUDGET:
+        raise CLIError(f"--spec-budget must be in [1, {MAX_SPEC_BUDGET}], got {a.spec_budget}")
+    if not 1 <= a.spec_depth <= MAX_SPEC_DEPTH:
+        raise CLIError(f"--spec-depth must be in [1, {MAX_SPEC_DEPTH}], got {a.spec_depth}")
+    if a.prefix_cache_bytes < 0:
+        raise CLIError(f"--prefix-cache-bytes must be >= 0, got {a.prefix_cache_bytes}")
+    trained = trained_context(model)
+    max_context = a.max_context
+    if max_context is None:
+        max_context = min(DEFAULT_MAX_CONTEXT, trained or DEFAULT_MAX_CONTEXT)
+    elif max_context < 2:
+        raise CLIError(f"--max-context must be >= 2, got {max_context}")
+    elif trained is not None and max_context > trained:
+        print(f"spruce: warning: --max-context {max_context} is longer than the {trained} tokens the model was "
+              "trained on; answers past that length may degrade", file=sys.stderr)
     try:
         spec = SpecConfig(method=a.spec, budget=a.spec_budget, max_depth=a.spec_depth, draft_model=draft)
-        return EngineConfig(model_path=str(model), max_context=a.max_context, spec=spec,
+        return EngineConfig(model_path=str(model), max_context=max_context, spec=spec,
                             prefix_cache=not a.no_prefix_cache, prefix_cache_bytes=a.prefix_cache_bytes)
     except ValueError as e:
         raise CLIError(str(e)) from None
 
 
 def load_engine(config):
+    """The engine, with its draft model when one is configured (a broken one is found at start,
+    not by the first request that asks for it)."""
     from engine.generate import Engine
 
     try:
-        return Engine(config)
+        engine = Engine(config)
     except Exception as e:  # any load failure is the user's checkpoint: one clear line, no traceback
-        raise CLIError(f"cannot load model from {config.model_path}: {e}") from None
+        message = f"cannot load model from {config.model_path}: {e}"
+    else:
+        if not (config.spec.draft_model or config.spec.method in ("draft", "draft-tree")):
+            return engine
+        try:
+            engine.draft_model(None)
+            return engine
+        except Exception as e:
+            message = f"cannot load the draft model: {e}"
+        del engine
+    # Raised outside the except block: the failure's traceback holds the half-built model's MLX
+    # arrays, and they must be freed now (release_mlx), not during interpreter exit.
+    raise CLIError(message)
+
+
+def release_mlx() -> None:
+    """Free MLX objects that only the cycle collector would find (a failed load leaves such cycles)
+    while MLX is fully alive."""
+    gc.collect()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,6 +162,19 @@ def build_parser() -> argparse.ArgumentParser:
                        help="allow browser requests from ORIGIN (repeatable; '*' for any); CORS is off by default")
     serve.add_argument("--max-tokens", type=int, default=None,
                        help="most tokens one answer may generate, whatever the request asks (default: no cap)")
+    serve.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                       help="also answer requests whose Host header is NAME (repeatable); by default only "
+                            "localhost and IP addresses are accepted, against DNS rebinding")
+    serve.add_argument("--allow-any-host", action="store_true", help="turn the Host header check off")
+    serve.add_argument("--show-model-path", action="store_true",
+                       help="let /props show the model's directory path (default: only its name)")
+    serve.add_argument("--shutdown-timeout", type=float, default=5.0, metavar="S",
+                       help="on SIGTERM / Ctrl-C, let the running request finish for up to S seconds (default 5)")
+    serve.add_argument("--read-timeout", type=float, default=15.0, metavar="S",
+                       help="a client must send a request's headers, and then its body, within S seconds each "
+                            "(default 15)")
+    serve.add_argument("--max-connections", type=int, default=128,
+                       help="open connections at most; more get 503 (default 128)")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     run = sub.add_parser("run", help="answer one prompt and print speed statistics to stderr")
     add_engine_args(run)
@@ -116,56 +190,94 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
-    import uvicorn
-
     from server.app import create_app
     from server.bridge import EngineBridge
+    from server.memory import limit_malloc_arenas
+    from server.serve import AddressInUse, SpruceConfig, SpruceServer, bind_socket, url_host, warn_if_exposed
 
     options = server_options(a)
     config = engine_config(a)
+    try:
+        sock = bind_socket(a.host, a.port)  # before the model loads: a port in use is found at once
+    except AddressInUse as e:
+        raise CLIError(e.strerror) from None
+    except OSError as e:
+        raise CLIError(f"cannot listen on {a.host}:{a.port}: {e.strerror or e}") from None
     limit_malloc_arenas()
     bridge = EngineBridge(lambda: load_engine(config), max_queue=a.max_queue)
-    bridge.start()
-    print(f"spruce: serving {bridge.engine.model_id} on http://{a.host}:{a.port}/v1"
-          + (" (API key required)" if options.api_key else ""), file=sys.stderr)
-    uvicorn.run(create_app(bridge, options), host=a.host, port=a.port, log_level=a.log_level)
-    bridge.stop()
+    try:
+        bridge.start()
+    except KeyboardInterrupt:  # while the model loads: MLX is busy on the engine thread, nothing to save
+        print(file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(EXIT_INTERRUPTED)
+    except BaseException:
+        sock.close()
+        release_mlx()
+        raise
+    try:
+        warn_if_exposed(a.host, options.api_key)
+        print(f"spruce: serving {bridge.engine.model_id} on http://{url_host(a.host)}:{a.port}/v1"
+              + (" (API key required)" if options.api_key else ""), file=sys.stderr)
+        uv_config = SpruceConfig(create_app(bridge, options), log_level=a.log_level, lifespan="off",
+                                 head_timeout_s=a.read_timeout, max_connections=a.max_connections)
+        SpruceServer(uv_config, bridge, a.shutdown_timeout).run(sockets=[sock])
+    finally:
+        sock.close()
+        stop_engine(bridge)
     return 0
 
 
-def limit_malloc_arenas(arenas: int = 2) -> None:
-    """glibc gives threads that allocate their own malloc arenas (up to 8 per core) and seldom hands
-    their memory back, so a long-running server's RSS creeps up with its threads (event loop,
-    planning, engine, BLAS). Two arenas keep it flat under load (scripts/load_test.py). Call before
-    threads start; a no-op off glibc."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(M_ARENA_MAX, arenas)
-    except (OSError, AttributeError):
-        pass  # not glibc (musl, ...)
+def stop_engine(bridge) -> None:
+    """Stop and join the engine thread, then free the engine while MLX is alive. If the thread will
+    not stop (a long prefill), leave at once rather than let interpreter exit tear MLX down under it."""
+    if not bridge.stop(ENGINE_STOP_S):
+        print(f"spruce: the engine did not stop within {ENGINE_STOP_S:g} s; exiting anyway", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(0)
+    bridge.engine = None
+    release_mlx()
 
 
 def server_options(a: argparse.Namespace):
+    from server.http_guards import is_ip_literal
     from server.planning import ServerOptions
 
     if a.max_queue < 1:
         raise CLIError(f"--max-queue must be >= 1, got {a.max_queue}")
     if a.max_tokens is not None and a.max_tokens < 0:
         raise CLIError(f"--max-tokens must be >= 0, got {a.max_tokens}")
+    for flag, value in (("--shutdown-timeout", a.shutdown_timeout), ("--read-timeout", a.read_timeout)):
+        if not value >= 0 or value == float("inf"):
+            raise CLIError(f"{flag} must be a number of seconds >= 0, got {value}")
+    if a.read_timeout == 0:
+        raise CLIError("--read-timeout must be more than 0 s")
+    if a.max_connections < 1:
+        raise CLIError(f"--max-connections must be >= 1, got {a.max_connections}")
     key = a.api_key if a.api_key is not None else os.environ.get("SPRUCE_API_KEY") or None
     if key is not None and not key.strip():
         raise CLIError("--api-key is empty")
-    return ServerOptions(max_tokens_cap=a.max_tokens, api_key=key, cors_origins=tuple(a.cors_origin))
+    hosts = tuple(a.allowed_host) + ((a.host,) if not is_ip_literal(a.host) else ())
+    return ServerOptions(max_tokens_cap=a.max_tokens, api_key=key, cors_origins=tuple(a.cors_origin),
+                         allowed_hosts=hosts, check_host=not a.allow_any_host, show_model_path=a.show_model_path,
+                         read_timeout_s=a.read_timeout)
 
 
 def cmd_run(a: argparse.Namespace) -> int:
     prompt = a.message if a.message is not None else _read_stdin()
-    engine = load_engine(engine_config(a))
-    ids = engine.tokenizer.encode(prompt if a.no_chat else _render_chat(engine.tokenizer, prompt, a.think))
-    request = _run_request(engine, ids, a)
-    _generate_and_print(engine, request)
+    config = engine_config(a)
+    try:
+        engine = load_engine(config)
+    except CLIError:
+        release_mlx()
+        raise
+    try:
+        ids = engine.tokenizer.encode(prompt) if a.no_chat else _chat_ids(engine.tokenizer, prompt, a.think)
+        request = _run_request(engine, ids, a)
+        _generate_and_print(engine, request)
+    finally:
+        del engine
+        release_mlx()
     return 0
 
 
@@ -176,14 +288,17 @@ def _read_stdin() -> str:
     return text
 
 
-def _render_chat(tokenizer, prompt: str, think: bool) -> str:
+def _chat_ids(tokenizer, prompt: str, think: bool) -> list[int]:
+    """The prompt as a user message; special tokens spelled out in it stay text (--no-chat: raw)."""
     from server.chat import ChatRenderOptions, ChatTemplate, ChatTemplateError
 
-    template = ChatTemplate(tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token)
+    template = ChatTemplate.of(tokenizer)
     try:
-        return template.render([{"role": "user", "content": prompt}], ChatRenderOptions(enable_thinking=think))
+        rendered = template.render_prompt([{"role": "user", "content": prompt}],
+                                          ChatRenderOptions(enable_thinking=think))
     except ChatTemplateError as e:
         raise CLIError(f"{e} (or pass --no-chat)") from None
+    return template.guard.encode(tokenizer, rendered)
 
 
 def _run_request(engine, ids: list[int], a: argparse.Namespace):
@@ -211,14 +326,17 @@ def _generate_and_print(engine, request) -> None:
         steps = engine.generate(request)
     except ValueError as e:  # the engine refused the request (empty prompt, bad ids)
         raise CLIError(str(e)) from None
-    for step in steps:
-        if first is None and step.token_ids:
-            first = time.perf_counter() - t0
-        delta = assembler.feed(step)
-        sys.stdout.write(delta.text)
-        sys.stdout.flush()
-        if delta.finish_reason is not None:
-            stats = delta.stats
+    try:
+        for step in steps:
+            if first is None and step.token_ids:
+                first = time.perf_counter() - t0
+            delta = assembler.feed(step)
+            sys.stdout.write(delta.text)
+            sys.stdout.flush()
+            if delta.finish_reason is not None:
+                stats = delta.stats
+    finally:  # on Ctrl-C too: the engine's cleanup runs now, not whenever the generator is collected
+        steps.close()
     sys.stdout.write("\n")
     sys.stdout.flush()
     if stats is not None:
@@ -260,9 +378,24 @@ def main(argv: list[str] | None = None) -> int:
     except CLIError as e:
         print(f"spruce: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        print(file=sys.stderr)
-        return 130
+    except BaseException as e:
+        if not interrupted(e):
+            raise
+    # Here the interruption and the frames its traceback held (with MLX arrays) are gone.
+    release_mlx()
+    print(file=sys.stderr)
+    return EXIT_INTERRUPTED
+
+
+def interrupted(e: BaseException | None) -> bool:
+    """Ctrl-C, or an error raised while the code that Ctrl-C interrupted was cleaning up."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, KeyboardInterrupt):
+            return True
+        seen.add(id(e))
+        e = e.__context__
+    return False
 
 
 if __name__ == "__main__":
