@@ -50,8 +50,9 @@ class Tokenizer:
         self.special_tokens = tuple(sorted({a.content for a in added if a.special}, key=lambda t: (-len(t), t)))
         self.max_token_bytes = max(map(self._piece_bytes, tok.get_vocab(with_added_tokens=True)), default=1)
         self._bytes_per_token_bound = self.max_token_bytes * (1 if tok.normalizer is None else _NORMALIZER_SLACK)
-        self._literal: HFTokenizer | None = None  # a copy that reads special tokens as plain text
-        self._literal_lock = threading.Lock()
+        # encode_special_tokens (read special tokens as text) is a switch on the one tokenizer:
+        # encodes hold this lock, so that no encode sees another's setting
+        self._encode_lock = threading.Lock()
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -71,10 +72,11 @@ class Tokenizer:
         """encode() of several texts in one call."""
         if not texts:
             return []
-        tok = self._tok if special else self._literal_tokenizer()
         # tokenizers >= 0.21 has encode_batch_fast: no offsets, about 2x faster
-        batch = getattr(tok, "encode_batch_fast", tok.encode_batch)
-        return [e.ids for e in batch(texts, add_special_tokens=False)]
+        batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        with self._encode_lock:
+            self._tok.encode_special_tokens = not special
+            return [e.ids for e in batch(texts, add_special_tokens=False)]
 
     def decode(self, ids, skip_special: bool = True) -> str:
         ids = list(ids)
@@ -94,14 +96,6 @@ class Tokenizer:
         if isinstance(self._tok.decoder, decoders.ByteLevel) and all(ch in _BYTE_DECODER for ch in piece):
             return len(piece)  # one character per byte
         return len(piece.encode("utf-8"))
-
-    def _literal_tokenizer(self) -> HFTokenizer:
-        with self._literal_lock:
-            if self._literal is None:
-                literal = HFTokenizer.from_str(self._tok.to_str())
-                literal.encode_special_tokens = True
-                self._literal = literal
-            return self._literal
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes one token stands for (a byte-level BPE token may hold part of a UTF-8

@@ -42,7 +42,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
     """A listening socket, so that a port in use is found before the model loads (and clients that
     connect while it loads wait in the backlog)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on such sockets' connections, and
+    # without it a keep-alive client waits out a delayed ACK (40 ms) for every small answer
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))

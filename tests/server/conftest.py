@@ -42,7 +42,7 @@ def live_server(tiny_checkpoint):
     config = EngineConfig(model_path=str(tiny_checkpoint), max_context=MAX_CONTEXT)
     bridge = EngineBridge(lambda: Engine(config), max_queue=MAX_QUEUE)
     bridge.start()
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # TCP_NODELAY on connections
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
