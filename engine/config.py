@@ -6,6 +6,7 @@ construction so later stages never re-check it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 SPEC_METHODS = ("none", "ngram", "draft", "draft-tree")
@@ -31,6 +32,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI: (token id, bias in [-100, 100]) added to logits
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -45,6 +49,8 @@ class SamplingParams:
         for tok, bias in self.logit_bias:
             if tok < 0 or not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias needs token ids >= 0 and biases in [-100, 100], got {tok}: {bias}")
+        if len({tok for tok, _ in self.logit_bias}) != len(self.logit_bias):
+            raise ValueError("logit_bias names a token more than once")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if self.max_tokens < 0:
@@ -101,5 +107,7 @@ class EngineConfig:
             raise ValueError(f"max_context must be >= 1, got {self.max_context}")
         if self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+        if self.prefix_cache_bytes < 0:
+            raise ValueError(f"prefix_cache_bytes must be >= 0, got {self.prefix_cache_bytes}")
         if self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")

@@ -72,8 +72,10 @@ def process_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         p = np.zeros(x.shape[0], dtype=np.float64)
         p[int(np.argmax(x))] = 1.0
         return p
-    x = x / params.temperature
-    p = np.exp(x - x.max())
+    # Shift before dividing: (x - max) <= 0, so a tiny temperature sends the others to -inf (their
+    # probability 0) instead of overflowing every logit to +-inf and the difference to NaN.
+    with np.errstate(over="ignore"):
+        p = np.exp((x - x.max()) / params.temperature)
     if params.top_k > 0:
         p = _top_k(p, params.top_k)
     if params.top_p < 1.0:

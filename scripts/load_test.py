@@ -4,14 +4,19 @@
     python scripts/load_test.py --model DIR --requests 400 --clients 16
 
 Traffic: chat and legacy completions, streamed and not, /infill, logprobs / n=2 / tools, streams
-the client drops midway, non-streamed requests it abandons, and invalid bodies (which must get a
+the client drops midway, streams read by a slow reader, non-streamed requests it abandons, long
+prompts, prompts of megabytes (refused by their length: 400) and invalid bodies (which must get a
 400). The server's queue is small, so some requests meet a full queue (429 with Retry-After).
-The run is bounded in requests and in time, and stops by itself.
+The run is bounded in requests and in time, and stops by itself. Meanwhile a separate process
+asks /health every 50 ms and records how long each answer took.
 
 Afterwards the server must still be healthy and give the same greedy answer as before the load;
 its resident memory (/proc/PID/status VmRSS, after a warm-up vs after the load) must not grow by
 more than --max-rss-growth-mb. The exit status is non-zero if any of that fails, or if any
-request ended in an unexpected way (5xx, transport error, a broken stream, a wrong status).
+request ended in an unexpected way (5xx, transport error, a broken stream, a wrong status), or
+if /health failed to answer.
+
+    python scripts/load_test.py --model engine/bundled/target --clients 32 --requests 100000 --time-limit 120
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import random
 import socket
 import statistics
@@ -44,6 +50,8 @@ INVALID = [
     {"messages": [{"role": "wizard", "content": "x"}]}, {"messages": MSG, "n": 0},
     {"messages": MSG, "response_format": {"type": "sound"}}, {"messages": [{"role": "user", "content": "x" * 200_000}]},
 ]
+HUGE_PROMPT_CHARS = 8 << 20  # far past any context: refused by its length, before tokenizing
+HEALTH_EVERY_S = 0.05
 
 
 @dataclass
@@ -60,6 +68,8 @@ class Report:
     results: list[Result] = field(default_factory=list)
     skipped: int = 0
     rss_trace: list[tuple[int, float]] = field(default_factory=list)  # (requests done, server RSS MB)
+    health_s: list[float] = field(default_factory=list)  # /health answer times during the load
+    health_failures: int = 0
 
     def outcomes(self) -> Counter:
         return Counter(r.outcome for r in self.results)
@@ -118,18 +128,18 @@ def rss_mb(pid: int) -> float:
 # ---------------------------------------------------------------- traffic
 
 
-def plan_requests(n: int, rng: random.Random) -> list[tuple[str, dict]]:
+def plan_requests(n: int, rng: random.Random, long_prompt_chars: int) -> list[tuple[str, dict]]:
     kinds = ["chat", "chat_stream", "completion", "completion_stream", "infill", "extras", "cancel_stream",
-             "abandon", "invalid"]
-    weights = [18, 18, 8, 8, 10, 8, 10, 5, 15]
+             "slow_stream", "abandon", "long_prompt", "huge", "invalid"]
+    weights = [16, 16, 8, 8, 10, 8, 10, 8, 5, 3, 2, 13]
     out = []
     for _ in range(n):
         kind = rng.choices(kinds, weights)[0]
-        out.append((kind, request_body(kind, rng)))
+        out.append((kind, request_body(kind, rng, long_prompt_chars)))
     return out
 
 
-def request_body(kind: str, rng: random.Random) -> dict:
+def request_body(kind: str, rng: random.Random, long_prompt_chars: int = 8000) -> dict:
     tokens = rng.randint(1, 48)
     if kind in ("chat", "chat_stream"):
         return {"messages": MSG, "max_tokens": tokens, "temperature": rng.choice([0, 0.7, 1.0]),
@@ -150,6 +160,13 @@ def request_body(kind: str, rng: random.Random) -> dict:
                                                              "function": {"name": "get_weather"}}])}])
     if kind in ("cancel_stream", "abandon"):
         return {"messages": MSG, "max_tokens": 2000, "ignore_eos": True, "stream": kind == "cancel_stream", **OFF}
+    if kind == "slow_stream":
+        return {"messages": MSG, "max_tokens": rng.randint(4, 12), "stream": True, **OFF}
+    if kind == "long_prompt":  # near the context: a long prefill
+        text = "".join(rng.choice("abcdefgh ") for _ in range(long_prompt_chars))
+        return {"prompt": text, "max_tokens": 4}
+    if kind == "huge":
+        return {"prompt": "word " * (HUGE_PROMPT_CHARS // 5), "max_tokens": 4}
     return rng.choice(INVALID)
 
 
@@ -203,6 +220,8 @@ async def _read_stream(r: httpx.Response, kind: str, rng: random.Random) -> tupl
     cut_after = rng.randint(1, 6) if kind == "cancel_stream" else None
     events, finishes = 0, 0
     async for line in r.aiter_lines():
+        if kind == "slow_stream":  # a reader slower than the server writes
+            await asyncio.sleep(rng.uniform(0.02, 0.1))
         if not line.startswith("data: "):
             continue
         if line == "data: [DONE]":
@@ -222,7 +241,7 @@ def _status_outcome(r: httpx.Response, kind: str) -> tuple[str, str]:
         return "ok", ""
     if r.status_code == 429 and r.headers.get("retry-after", "").isdigit():
         return "busy_429", r.headers["retry-after"]
-    if r.status_code == 400 and kind == "invalid" and "error" in r.json():
+    if r.status_code == 400 and kind in ("invalid", "huge") and "error" in r.json():
         return "rejected_400", ""
     return f"http_{r.status_code}", r.text[:200]
 
@@ -255,6 +274,38 @@ async def drive(base: str, plan: list[tuple[str, dict]], clients: int, deadline:
     return report
 
 
+def probe_health(base: str, stop, out) -> None:
+    """In its own process (the load's client code does not delay it): /health every 50 ms on one
+    keep-alive connection; -> answer times in seconds, or -1 for a failure."""
+    times = []
+    with httpx.Client(base_url=base, timeout=30) as client:
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            try:
+                ok = client.get("/health").status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            times.append(time.perf_counter() - t0 if ok else -1.0)
+            stop.wait(HEALTH_EVERY_S)
+    out.send(times)
+
+
+def drive_with_health_probe(base: str, plan, clients: int, deadline: float, seed: int, pid: int) -> Report:
+    ctx = multiprocessing.get_context("spawn")
+    stop, (receive, send) = ctx.Event(), ctx.Pipe(duplex=False)
+    prober = ctx.Process(target=probe_health, args=(base, stop, send), daemon=True)
+    prober.start()
+    try:
+        report = asyncio.run(drive(base, plan, clients, deadline, seed, pid))
+    finally:
+        stop.set()
+    times = receive.recv()
+    prober.join(30)
+    report.health_s = sorted(t for t in times if t >= 0)
+    report.health_failures = sum(1 for t in times if t < 0)
+    return report
+
+
 def rss_curve(trace: list[tuple[int, float]], total: int) -> str:
     """Server RSS after each quarter of the requests: a leak climbs steadily, allocator growth levels off."""
     marks = []
@@ -274,11 +325,12 @@ def probe(base: str) -> str:
     return r.json()["choices"][0]["message"]["content"]
 
 
-def warm_up(base: str) -> None:
+def warm_up(base: str, long_prompt_chars: int) -> None:
     """One request of each kind, so that later growth is not first-use allocation."""
     rng = random.Random(0)
-    plan = [(k, request_body(k, rng)) for k in ("chat", "chat_stream", "completion", "completion_stream", "infill",
-                                                "extras", "extras", "extras")]
+    kinds = ("chat", "chat_stream", "completion", "completion_stream", "infill", "extras", "extras", "extras",
+             "slow_stream", "long_prompt", "huge")
+    plan = [(k, request_body(k, rng, long_prompt_chars)) for k in kinds]
     asyncio.run(drive(base, plan, 1, time.monotonic() + 120, 0))
 
 
@@ -297,6 +349,9 @@ def print_report(report: Report, wall_s: float, rss: dict, checks: dict) -> None
          f"p99 {percentile(direct, 0.99) * 1e3:.0f} ms ({len(direct)} requests)"),
         (f"server RSS: start {rss['start']:.1f} MB, after warm-up {rss['warm']:.1f} MB, after load {rss['end']:.1f} MB "
          f"(growth {rss['end'] - rss['warm']:+.1f} MB, bound +{rss['bound']:.0f} MB)"),
+        (f"/health during the load: {len(report.health_s)} answers, {report.health_failures} failures, "
+         f"p50 {percentile(report.health_s, 0.5) * 1e3:.1f} ms, p99 {percentile(report.health_s, 0.99) * 1e3:.1f} ms, "
+         f"max {report.health_s[-1] * 1e3 if report.health_s else float('nan'):.1f} ms"),
         f"server RSS during the load (MB after % of requests): {rss_curve(report.rss_trace, len(report.results))}",
     ] + [f"check {name}: {'ok' if good else 'FAILED'}" for name, good in checks.items()]
     for r in report.unexpected()[:10]:
@@ -315,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server-max-queue", type=int, default=4)
     ap.add_argument("--prefix-cache-mb", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--long-prompt-chars", type=int, default=None,
+                    help="characters of the long-prompt requests (default: --max-context - 64, which always fits)")
     ap.add_argument("--json", help="also write the numbers to this JSON file")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
@@ -336,17 +393,19 @@ def run(model: Path, args) -> int:
     try:
         wait_healthy(proc, base, 120)
         rss = {"start": rss_mb(proc.pid), "bound": args.max_rss_growth_mb}
-        warm_up(base)
+        long_chars = args.long_prompt_chars or args.max_context - 64  # ASCII: at most one token per character
+        warm_up(base, long_chars)
         before = probe(base)
         rss["warm"] = rss_mb(proc.pid)
         t0 = time.monotonic()
-        plan = plan_requests(args.requests, random.Random(args.seed))
-        report = asyncio.run(drive(base, plan, args.clients, t0 + args.time_limit, args.seed, proc.pid))
+        plan = plan_requests(args.requests, random.Random(args.seed), long_chars)
+        report = drive_with_health_probe(base, plan, args.clients, t0 + args.time_limit, args.seed, proc.pid)
         wall = time.monotonic() - t0
         checks = after_checks(proc, base, before)
         rss["end"] = rss_mb(proc.pid) if proc.poll() is None else float("nan")
         checks["memory growth within bound"] = rss["end"] - rss["warm"] <= args.max_rss_growth_mb
         checks["no unexpected outcomes"] = not report.unexpected()
+        checks["/health always answered"] = report.health_failures == 0 and bool(report.health_s)
         print_report(report, wall, rss, checks)
         if args.json:
             write_json(args.json, report, wall, rss, checks)
@@ -377,6 +436,10 @@ def write_json(path: str, report: Report, wall: float, rss: dict, checks: dict) 
             "p99_ms": percentile(lat, 0.99) * 1e3,
             "direct_p50_ms": percentile(report.latencies(True), 0.5) * 1e3,
             "direct_p99_ms": percentile(report.latencies(True), 0.99) * 1e3, "rss_mb": rss,
+            "health_p50_ms": percentile(report.health_s, 0.5) * 1e3,
+            "health_p99_ms": percentile(report.health_s, 0.99) * 1e3,
+            "health_max_ms": report.health_s[-1] * 1e3 if report.health_s else None,
+            "health_failures": report.health_failures,
             "rss_trace": report.rss_trace, "checks": checks}
     Path(path).write_text(json.dumps(data, indent=2))
 

@@ -1,135 +1,33 @@
-"""FastAPI app: routes (OpenAI ones with and without /v1, llama.cpp's native ones), errors, auth, CORS.
+"""FastAPI app: routes (OpenAI ones with and without /v1, llama.cpp's native ones), errors, and the
+middlewares: Host check, CORS, API key, JSON Content-Type.
 
 Every bad input is checked before a request is queued, so it leaves as a plain HTTP 400 with the
 OpenAI error body; once an SSE stream has started, a failure is sent as an error event + [DONE].
+A server fault is a 500 whose body says where to look (the server log), not what broke.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
-from collections.abc import AsyncIterator, Awaitable
-from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.middleware.cors import CORSMiddleware
 
-from engine.types import GenerationRequest
 from server import native_routes as native
 from server import openai_routes as oai
 from server.auth import APIKeyMiddleware
-from server.bridge import EngineBridge, EngineFailure, Job, QueueFullError
-from server.errors import APIError, parse_request, validation_error
-from server.logprobs import TokenTexts
+from server.bridge import EngineBridge
+from server.errors import APIError, validation_error
+from server.http_guards import HostGuard, JSONContentTypeGuard, JSONCORSMiddleware
 from server.native_schemas import DetokenizeRequest, InfillRequest, NativeCompletionRequest, TokenizeRequest
-from server.planning import Planner, ServerOptions
+from server.planning import ServerOptions
 from server.schemas import ChatCompletionRequest, CompletionRequest
+from server.service import MemoryRelease, Server, json_response, sse
 from server.streaming import ChunkContext
 
 log = logging.getLogger("spruce.server")
-DISCONNECT_POLL_S = 0.25
-SSE_PING_S = 15
-
-
-class Server:
-    """Route handlers around one EngineBridge (already started).
-
-    Planning (chat template, tokenization) runs in a worker thread: a prompt of megabytes takes
-    a second to tokenize, and the event loop keeps streaming other answers meanwhile.
-    """
-
-    def __init__(self, bridge: EngineBridge, options: ServerOptions):
-        self.bridge = bridge
-        self.engine = bridge.engine
-        self.tokenizer = self.engine.tokenizer
-        self.options = options
-        self.planner = Planner(self.engine, options)
-        self.texts = TokenTexts(self.tokenizer)
-        self.created = int(time.time())
-        # One planning thread: enough for one generation slot, and every extra thread that
-        # allocates costs the process a malloc arena.
-        self._planning = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spruce-plan")
-
-    async def off_loop(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._planning, fn, *args)
-
-    async def body(self, request: Request, model):
-        """The request body, size-capped (413), parsed and validated (400)."""
-        limit = self.options.max_body_bytes
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
-            raise _too_large(limit)
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise _too_large(limit)
-            chunks.append(chunk)
-        return parse_request(b"".join(chunks), model)
-
-    def submit(self, requests: list[GenerationRequest]) -> Job:
-        if not self.bridge.alive:
-            raise APIError("the engine is not running", status=503)
-        try:
-            return self.bridge.submit(requests)
-        except QueueFullError as e:
-            raise APIError(f"server busy: {e}; retry later", status=429, code="rate_limit_exceeded",
-                           headers={"Retry-After": "1"}) from None
-
-    async def collect(self, job: Job, request: Request, answer: Awaitable):
-        """Await a non-streamed answer, cancelling the job if the client goes away first."""
-        watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
-        try:
-            return await answer
-        except EngineFailure as e:
-            raise oai.engine_error(e) from None
-        finally:
-            watcher.cancel()
-            job.cancel()
-
-    def model_card(self) -> dict:
-        context = self.engine.config.max_context
-        return {"id": self.engine.model_id, "object": "model", "created": self.created, "owned_by": "spruce",
-                "max_model_len": context, "context_length": context}
-
-    def props(self) -> dict:
-        """llama.cpp's /props, the part editors read (llama.vscode takes n_ctx from it)."""
-        return {"default_generation_settings": {"n_ctx": self.engine.config.max_context,
-                                                "params": {"n_predict": self.options.max_tokens_cap or -1}},
-                "total_slots": 1, "model_path": self.engine.config.model_path,
-                "chat_template": self.tokenizer.chat_template or "", "modalities": {"vision": False},
-                "memory": self.engine.memory().as_dict()}  # Spruce: weights' and caches' bytes
-
-
-def _too_large(limit: int) -> APIError:
-    return APIError(f"request body is larger than {limit} bytes", status=413, code="request_too_large")
-
-
-async def _cancel_on_disconnect(request: Request, job: Job) -> None:
-    """Non-streamed requests get no disconnect signal from Starlette: poll for it."""
-    while not await request.is_disconnected():
-        await asyncio.sleep(DISCONNECT_POLL_S)
-    job.cancel()
-
-
-def _sse(job: Job, events: AsyncIterator[str]) -> EventSourceResponse:
-    """SSE with LF line separators as OpenAI sends (not CRLF), and a neutral keep-alive comment
-    (Continue treats ": ping" specially).
-
-    The generator's own `finally` cancels the job, but it never runs if the client leaves before the
-    first event is pulled: the close handler covers that case.
-    """
-
-    async def on_client_close(_message) -> None:
-        job.cancel()
-
-    return EventSourceResponse(events, sep="\n", ping=SSE_PING_S, client_close_handler_callable=on_client_close,
-                               ping_message_factory=lambda: ServerSentEvent(comment="keep-alive"))
 
 
 def add_openai_routes(app: FastAPI, server: Server) -> None:
@@ -141,7 +39,7 @@ def add_openai_routes(app: FastAPI, server: Server) -> None:
         job = server.submit(plan.planned.requests)
         if body.stream:
             ctx = ChunkContext.new("chat.completion.chunk", model, "chatcmpl")
-            return _sse(job, oai.chat_events(job, plan, ctx, server.tokenizer, server.texts))
+            return sse(job, oai.chat_events(job, plan, ctx, server.tokenizer, server.texts))
         ctx = ChunkContext.new("chat.completion", model, "chatcmpl")
         return await server.collect(job, request, oai.chat_answer(job, plan, ctx, server.tokenizer, server.texts))
 
@@ -151,7 +49,7 @@ def add_openai_routes(app: FastAPI, server: Server) -> None:
         job = server.submit(planned.requests)
         ctx = ChunkContext.new("text_completion", model, "cmpl")
         if body.stream:
-            return _sse(job, oai.completion_events(job, planned, ctx, server.tokenizer, server.texts))
+            return sse(job, oai.completion_events(job, planned, ctx, server.tokenizer, server.texts))
         return await server.collect(job, request,
                                     oai.completion_answer(job, planned, ctx, server.tokenizer, server.texts))
 
@@ -165,16 +63,20 @@ def add_openai_routes(app: FastAPI, server: Server) -> None:
         return server.model_card()
 
     async def health():
-        if not server.bridge.alive:
-            raise APIError("the engine is not running", status=503)
-        return {"status": "ok", "queued": server.bridge.queued}
+        status = server.bridge.status
+        if status == "stopped":
+            raise APIError("the engine is not running (it stopped after an internal error; see the server log)",
+                           status=503, code="engine_stopped")
+        if status == "shutting_down":
+            raise APIError("the server is shutting down", status=503, code="server_shutting_down")
+        return {"status": status, "queued": server.bridge.queued}
 
     for prefix in ("/v1", ""):
         app.add_api_route(f"{prefix}/chat/completions", chat_completions, methods=["POST"])
         app.add_api_route(f"{prefix}/completions", completions, methods=["POST"])
-        app.add_api_route(f"{prefix}/models", models, methods=["GET"])
-        app.add_api_route(f"{prefix}/models/{{model_id:path}}", one_model, methods=["GET"])
-        app.add_api_route(f"{prefix}/health", health, methods=["GET"])
+        app.add_api_route(f"{prefix}/models", models, methods=["GET", "HEAD"])
+        app.add_api_route(f"{prefix}/models/{{model_id:path}}", one_model, methods=["GET", "HEAD"])
+        app.add_api_route(f"{prefix}/health", health, methods=["GET", "HEAD"])
 
 
 def add_native_routes(app: FastAPI, server: Server) -> None:
@@ -183,7 +85,7 @@ def add_native_routes(app: FastAPI, server: Server) -> None:
     async def run(request: Request, plan: native.NativePlan, stream: bool | None):
         job = server.submit(plan.planned.requests)
         if stream:
-            return _sse(job, native.native_events(job, plan, model, server.tokenizer))
+            return sse(job, native.native_events(job, plan, model, server.tokenizer))
         return await server.collect(job, request, native.native_answer(job, plan, model, server.tokenizer))
 
     async def infill(request: Request):
@@ -197,17 +99,18 @@ def add_native_routes(app: FastAPI, server: Server) -> None:
 
     async def tokenize(request: Request):
         body = await server.body(request, TokenizeRequest)
-        return await server.off_loop(native.tokenize, server.planner, server.texts, body)
+        return await server.off_loop(lambda: json_response(native.tokenize(server.planner, server.texts, body)))
 
     async def detokenize(request: Request):
-        return native.detokenize(server.planner, await server.body(request, DetokenizeRequest))
+        body = await server.body(request, DetokenizeRequest)
+        return await server.off_loop(lambda: json_response(native.detokenize(server.planner, body)))
 
     async def props():
         return server.props()
 
     app.add_api_route("/infill", infill, methods=["POST"])
     app.add_api_route("/completion", completion, methods=["POST"])
-    app.add_api_route("/props", props, methods=["GET"])
+    app.add_api_route("/props", props, methods=["GET", "HEAD"])
     for prefix in ("", "/v1"):
         app.add_api_route(f"{prefix}/tokenize", tokenize, methods=["POST"])
         app.add_api_route(f"{prefix}/detokenize", detokenize, methods=["POST"])
@@ -222,11 +125,17 @@ def create_app(bridge: EngineBridge, options: ServerOptions | None = None) -> Fa
     _add_error_handlers(app)
     add_openai_routes(app, server)
     add_native_routes(app, server)
+    # Added first = innermost. From the outside: Host check, CORS (preflights are answered before
+    # the key check), API key, JSON Content-Type, memory release after large bodies.
+    app.add_middleware(MemoryRelease, server=server)
+    app.add_middleware(JSONContentTypeGuard)
     if options.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=options.api_key)
-    if options.cors_origins:  # added last = outermost: preflights are answered before the key check
-        app.add_middleware(CORSMiddleware, allow_origins=list(options.cors_origins), allow_methods=["*"],
+    if options.cors_origins:
+        app.add_middleware(JSONCORSMiddleware, allow_origins=list(options.cors_origins), allow_methods=["*"],
                            allow_headers=["*"], max_age=600)
+    if options.check_host:
+        app.add_middleware(HostGuard, allowed=options.allowed_hosts)
     return app
 
 
@@ -248,6 +157,6 @@ def _add_error_handlers(app: FastAPI) -> None:
         return respond(APIError(message, status=exc.status_code))
 
     @app.exception_handler(Exception)
-    async def crashed(_: Request, exc: Exception):
-        log.exception("unhandled error")
-        return respond(APIError(f"internal error: {type(exc).__name__}: {exc}", status=500))
+    async def crashed(request: Request, exc: Exception):
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return respond(APIError("internal server error; see the server log", status=500))

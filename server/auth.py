@@ -7,9 +7,9 @@ responses and hide client disconnects from the routes).
 from __future__ import annotations
 
 import hmac
-import json
 
 from server.errors import APIError
+from server.http_guards import send_error
 
 PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
 
@@ -24,12 +24,8 @@ class APIKeyMiddleware:
             await self.app(scope, receive, send)
             return
         err = APIError("invalid or missing API key: send the header 'Authorization: Bearer <key>'", status=401,
-                       code="invalid_api_key")
-        body = json.dumps(err.body()).encode()
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"www-authenticate", b"Bearer")]})
-        await send({"type": "http.response.body", "body": body})
+                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        await send_error(send, err)
 
     def _authorized(self, scope) -> bool:
         token = None

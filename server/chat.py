@@ -2,7 +2,8 @@
 
 The template is untrusted checkpoint data, so it runs in jinja2's immutable sandbox with the
 same helpers HF transformers offers templates (tojson without HTML escaping, raise_exception,
-strftime_now, loop controls).
+strftime_now, loop controls). Client text goes in marked (server/chat_tokens.py), so that special
+tokens spelled out in it stay text when the prompt is tokenized.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from datetime import datetime
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from server.chat_tokens import ChatPrompt, SpecialTokenGuard
 
 # Roles the Qwen/ChatML templates know; OpenAI's newer "developer" role means "system".
 ROLE_ALIASES = {"developer": "system"}
@@ -32,30 +35,43 @@ class ChatRenderOptions:
 class ChatTemplate:
     """One compiled chat template; render() is thread-safe (the template is immutable)."""
 
-    def __init__(self, source: str | None, bos_token: str | None = None, eos_token: str | None = None) -> None:
+    def __init__(self, source: str | None, bos_token: str | None = None, eos_token: str | None = None,
+                 special_tokens: tuple[str, ...] = ()) -> None:
         self._special = {"bos_token": bos_token or "", "eos_token": eos_token or ""}
         self._template = _compile(source) if source else None
+        self.guard = SpecialTokenGuard(special_tokens)
+
+    @classmethod
+    def of(cls, tokenizer) -> ChatTemplate:
+        """The template of an engine.tokenizer.Tokenizer, guarding its special tokens."""
+        return cls(tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token, tokenizer.special_tokens)
 
     @property
     def available(self) -> bool:
         return self._template is not None
 
     def render(self, messages: list[dict], options: ChatRenderOptions = ChatRenderOptions()) -> str:
+        """The prompt text."""
+        return self.render_prompt(messages, options).text
+
+    def render_prompt(self, messages: list[dict], options: ChatRenderOptions = ChatRenderOptions()) -> ChatPrompt:
+        """The prompt with client text marked, for SpecialTokenGuard.encode."""
         if self._template is None:
             raise ChatTemplateError(
                 "this model has no chat template (no chat_template in tokenizer_config.json and no "
                 "chat_template.jinja); use /v1/completions with a raw prompt instead"
             )
-        variables = {**options.extra, **self._special}
+        mark = self.guard.mark_all
+        variables = {**{k: mark(v) for k, v in options.extra.items()}, **self._special}
         if options.enable_thinking is not None:
             variables["enable_thinking"] = options.enable_thinking
         try:
-            return self._template.render(
-                messages=[prepare_message(m) for m in messages],
-                tools=options.tools or None,
+            return ChatPrompt(self._template.render(
+                messages=[mark(prepare_message(m)) for m in messages],  # marked after JSON arguments are parsed
+                tools=mark(options.tools) if options.tools else None,
                 add_generation_prompt=True,
                 **variables,
-            )
+            ))
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template error: {e}") from e
         except (TypeError, ValueError, LookupError, AttributeError, RecursionError) as e:

@@ -1,5 +1,4 @@
-"""The `spruce` command: `spruce serve` (OpenAI-compatible HTTP server), `spruce run` (one prompt) and
-`spruce bench` (an HTTP client that benchmarks any OpenAI-compatible server: server/bench/).
+"""The `spruce` command: `spruce serve` (OpenAI-compatible HTTP server) and `spruce run` (one prompt).
 
 `spruce run` streams the answer to stdout and prints its statistics to stderr afterwards, so
 stdout holds only the answer and can be piped.
@@ -7,12 +6,17 @@ stdout holds only the answer and can be piped.
 On Linux the MLX CPU wheel ships a slow reference BLAS: when Debian/Ubuntu's OpenBLAS is
 installed the command re-execs itself once with it in LD_PRELOAD, before mlx is imported
 (engine/blas.py; SPRUCE_NO_BLAS_PRELOAD=1 turns this off).
+
+Exit codes: 0, 2 for a usage or load error (one line on stderr), 130 when `run` is interrupted.
+Before the process ends, the engine (its MLX arrays) is released and the engine thread joined:
+MLX state torn down during interpreter exit aborts the process ("terminate called without an
+active exception").
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
+import gc
 import os
 import resource
 import sys
@@ -21,10 +25,11 @@ import time
 from engine.config import DTYPE_NAMES, SPEC_METHODS
 from server.bench.options import add_bench_parser
 from server.cli_models import add_convert_parser, add_models_parser, cmd_convert, cmd_models
-from server.cli_settings import Settings, SettingsError, engine_settings
+from server.cli_settings import DEFAULT_MAX_CONTEXT, Settings, SettingsError, engine_settings
 
 EXIT_USAGE = 2
-M_ARENA_MAX = -8  # glibc mallopt parameter
+EXIT_INTERRUPTED = 130
+ENGINE_STOP_S = 30.0  # after the HTTP server is down: how long the engine thread may take to stop
 
 
 class CLIError(Exception):
@@ -33,12 +38,14 @@ class CLIError(Exception):
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine flags of serve and run; defaults are None so that a --config preset can fill them
-    (server/cli_settings.py holds the defaults and the merge)."""
+    (server/cli_settings.py holds the defaults, the checks and the merge)."""
     p.add_argument("--model", help="checkpoint directory or Hugging Face repo id (org/name[@revision]); "
                                    "default: the bundled model")
     p.add_argument("--config", metavar="NAME|FILE",
                    help="a preset from configs/ (see `spruce models`) or a TOML file; flags override it")
-    p.add_argument("--max-context", type=int, help="context length in tokens (default 8192)")
+    p.add_argument("--max-context", type=int,
+                   help=f"context length in tokens (default: the model's trained length, at most "
+                        f"{DEFAULT_MAX_CONTEXT})")
     p.add_argument("--dtype", choices=DTYPE_NAMES,
                    help="compute dtype of float weights (default auto: bfloat16 on a GPU, float32 on the CPU)")
     p.add_argument("--spec", choices=("auto", *SPEC_METHODS),
@@ -60,12 +67,32 @@ def engine_config(a: argparse.Namespace) -> Settings:
 
 
 def load_engine(config):
+    """The engine, with its draft model when one is configured (a broken one is found at start,
+    not by the first request that asks for it)."""
     from engine.generate import Engine
 
     try:
-        return Engine(config)
+        engine = Engine(config)
     except Exception as e:  # any load failure is the user's checkpoint: one clear line, no traceback
-        raise CLIError(f"cannot load model from {config.model_path}: {e}") from None
+        message = f"cannot load model from {config.model_path}: {e}"
+    else:
+        if not (config.spec.draft_model or config.spec.method in ("draft", "draft-tree")):
+            return engine
+        try:
+            engine.draft_model(None)
+            return engine
+        except Exception as e:
+            message = f"cannot load the draft model: {e}"
+        del engine
+    # Raised outside the except block: the failure's traceback holds the half-built model's MLX
+    # arrays, and they must be freed now (release_mlx), not during interpreter exit.
+    raise CLIError(message)
+
+
+def release_mlx() -> None:
+    """Free MLX objects that only the cycle collector would find (a failed load leaves such cycles)
+    while MLX is fully alive."""
+    gc.collect()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,6 +110,19 @@ def build_parser() -> argparse.ArgumentParser:
                        help="allow browser requests from ORIGIN (repeatable; '*' for any); CORS is off by default")
     serve.add_argument("--max-tokens", type=int, default=None,
                        help="most tokens one answer may generate, whatever the request asks (default: no cap)")
+    serve.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                       help="also answer requests whose Host header is NAME (repeatable); by default only "
+                            "localhost and IP addresses are accepted, against DNS rebinding")
+    serve.add_argument("--allow-any-host", action="store_true", help="turn the Host header check off")
+    serve.add_argument("--show-model-path", action="store_true",
+                       help="let /props show the model's directory path (default: only its name)")
+    serve.add_argument("--shutdown-timeout", type=float, default=5.0, metavar="S",
+                       help="on SIGTERM / Ctrl-C, let the running request finish for up to S seconds (default 5)")
+    serve.add_argument("--read-timeout", type=float, default=15.0, metavar="S",
+                       help="a client must send a request's headers, and then its body, within S seconds each "
+                            "(default 15)")
+    serve.add_argument("--max-connections", type=int, default=128,
+                       help="open connections at most; more get 503 (default 128)")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     run = sub.add_parser("run", help="answer one prompt and print speed statistics to stderr")
     add_engine_args(run)
@@ -101,61 +141,102 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
-    import uvicorn
-
     from server.app import create_app
     from server.bridge import EngineBridge
+    from server.memory import limit_malloc_arenas
+    from server.serve import AddressInUse, SpruceConfig, SpruceServer, bind_socket, url_host, warn_if_exposed
 
     options = server_options(a)
     settings = engine_config(a)
+    try:
+        sock = bind_socket(a.host, a.port)  # before the model loads: a port in use is found at once
+    except AddressInUse as e:
+        raise CLIError(e.strerror) from None
+    except OSError as e:
+        raise CLIError(f"cannot listen on {a.host}:{a.port}: {e.strerror or e}") from None
     limit_malloc_arenas()
     bridge = EngineBridge(lambda: load_engine(settings.config), max_queue=a.max_queue)
-    bridge.start()
-    for note in settings.notes:
-        print(f"spruce: {note}", file=sys.stderr)
-    print(f"spruce: serving {bridge.engine.model_id} on http://{a.host}:{a.port}/v1"
-          + (" (API key required)" if options.api_key else ""), file=sys.stderr)
-    uvicorn.run(create_app(bridge, options), host=a.host, port=a.port, log_level=a.log_level)
-    bridge.stop()
+    try:
+        bridge.start()
+    except KeyboardInterrupt:  # while the model loads: MLX is busy on the engine thread, nothing to save
+        print(file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(EXIT_INTERRUPTED)
+    except BaseException:
+        sock.close()
+        release_mlx()
+        raise
+    try:
+        for note in settings.notes:
+            print(f"spruce: {note}", file=sys.stderr)
+        warn_if_exposed(a.host, options.api_key)
+        print(f"spruce: serving {bridge.engine.model_id} on http://{url_host(a.host)}:{a.port}/v1"
+              + (" (API key required)" if options.api_key else ""), file=sys.stderr)
+        uv_config = SpruceConfig(create_app(bridge, options), log_level=a.log_level, lifespan="off",
+                                 head_timeout_s=a.read_timeout, max_connections=a.max_connections)
+        # What exists now lives as long as the server: kept out of the cycle collector's full
+        # passes, which otherwise scan it all (tens of ms with the GIL held) during big requests.
+        gc.collect()
+        gc.freeze()
+        SpruceServer(uv_config, bridge, a.shutdown_timeout).run(sockets=[sock])
+    finally:
+        sock.close()
+        stop_engine(bridge)
     return 0
 
 
-def limit_malloc_arenas(arenas: int = 2) -> None:
-    """glibc gives threads that allocate their own malloc arenas (up to 8 per core) and seldom hands
-    their memory back, so a long-running server's RSS creeps up with its threads (event loop,
-    planning, engine, BLAS). Two arenas keep it flat under load (scripts/load_test.py). Call before
-    threads start; a no-op off glibc."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(M_ARENA_MAX, arenas)
-    except (OSError, AttributeError):
-        pass  # not glibc (musl, ...)
+def stop_engine(bridge) -> None:
+    """Stop and join the engine thread, then free the engine while MLX is alive. If the thread will
+    not stop (a long prefill), leave at once rather than let interpreter exit tear MLX down under it."""
+    if not bridge.stop(ENGINE_STOP_S):
+        print(f"spruce: the engine did not stop within {ENGINE_STOP_S:g} s; exiting anyway", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(0)
+    bridge.engine = None
+    release_mlx()
 
 
 def server_options(a: argparse.Namespace):
+    from server.http_guards import is_ip_literal
     from server.planning import ServerOptions
 
     if a.max_queue < 1:
         raise CLIError(f"--max-queue must be >= 1, got {a.max_queue}")
     if a.max_tokens is not None and a.max_tokens < 0:
         raise CLIError(f"--max-tokens must be >= 0, got {a.max_tokens}")
+    for flag, value in (("--shutdown-timeout", a.shutdown_timeout), ("--read-timeout", a.read_timeout)):
+        if not value >= 0 or value == float("inf"):
+            raise CLIError(f"{flag} must be a number of seconds >= 0, got {value}")
+    if a.read_timeout == 0:
+        raise CLIError("--read-timeout must be more than 0 s")
+    if a.max_connections < 1:
+        raise CLIError(f"--max-connections must be >= 1, got {a.max_connections}")
     key = a.api_key if a.api_key is not None else os.environ.get("SPRUCE_API_KEY") or None
     if key is not None and not key.strip():
         raise CLIError("--api-key is empty")
-    return ServerOptions(max_tokens_cap=a.max_tokens, api_key=key, cors_origins=tuple(a.cors_origin))
+    hosts = tuple(a.allowed_host) + ((a.host,) if not is_ip_literal(a.host) else ())
+    return ServerOptions(max_tokens_cap=a.max_tokens, api_key=key, cors_origins=tuple(a.cors_origin),
+                         allowed_hosts=hosts, check_host=not a.allow_any_host, show_model_path=a.show_model_path,
+                         read_timeout_s=a.read_timeout)
 
 
 def cmd_run(a: argparse.Namespace) -> int:
     prompt = a.message if a.message is not None else _read_stdin()
     settings = engine_config(a)
-    engine = load_engine(settings.config)
+    try:
+        engine = load_engine(settings.config)
+    except CLIError:
+        release_mlx()
+        raise
     for note in settings.notes:
         print(f"spruce: {note}", file=sys.stderr)
-    ids = engine.tokenizer.encode(prompt if a.no_chat else _render_chat(engine.tokenizer, prompt, a.think))
-    request = _run_request(engine, ids, a)
-    _generate_and_print(engine, request)
+    try:
+        ids = engine.tokenizer.encode(prompt) if a.no_chat else _chat_ids(engine.tokenizer, prompt, a.think)
+        request = _run_request(engine, ids, a)
+        _generate_and_print(engine, request)
+    finally:
+        del engine
+        release_mlx()
     return 0
 
 
@@ -166,14 +247,17 @@ def _read_stdin() -> str:
     return text
 
 
-def _render_chat(tokenizer, prompt: str, think: bool) -> str:
+def _chat_ids(tokenizer, prompt: str, think: bool) -> list[int]:
+    """The prompt as a user message; special tokens spelled out in it stay text (--no-chat: raw)."""
     from server.chat import ChatRenderOptions, ChatTemplate, ChatTemplateError
 
-    template = ChatTemplate(tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token)
+    template = ChatTemplate.of(tokenizer)
     try:
-        return template.render([{"role": "user", "content": prompt}], ChatRenderOptions(enable_thinking=think))
+        rendered = template.render_prompt([{"role": "user", "content": prompt}],
+                                          ChatRenderOptions(enable_thinking=think))
     except ChatTemplateError as e:
         raise CLIError(f"{e} (or pass --no-chat)") from None
+    return template.guard.encode(tokenizer, rendered)
 
 
 def _run_request(engine, ids: list[int], a: argparse.Namespace):
@@ -201,14 +285,17 @@ def _generate_and_print(engine, request) -> None:
         steps = engine.generate(request)
     except ValueError as e:  # the engine refused the request (empty prompt, bad ids)
         raise CLIError(str(e)) from None
-    for step in steps:
-        if first is None and step.token_ids:
-            first = time.perf_counter() - t0
-        delta = assembler.feed(step)
-        sys.stdout.write(delta.text)
-        sys.stdout.flush()
-        if delta.finish_reason is not None:
-            stats = delta.stats
+    try:
+        for step in steps:
+            if first is None and step.token_ids:
+                first = time.perf_counter() - t0
+            delta = assembler.feed(step)
+            sys.stdout.write(delta.text)
+            sys.stdout.flush()
+            if delta.finish_reason is not None:
+                stats = delta.stats
+    finally:  # on Ctrl-C too: the engine's cleanup runs now, not whenever the generator is collected
+        steps.close()
     sys.stdout.write("\n")
     sys.stdout.flush()
     if stats is not None:
@@ -235,12 +322,6 @@ def print_stats(stats, ttft_s: float | None, duration_s: float, memory=None) -> 
     print("\n".join(lines), file=sys.stderr)
 
 
-def peak_rss_bytes() -> int:
-    """Peak resident set size of this process (MLX buffers live in it on CPU and Apple unified memory)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux KiB
-
-
 def cmd_bench(a: argparse.Namespace) -> int:
     from server.bench.command import BenchError, bench_command
 
@@ -253,9 +334,14 @@ def cmd_bench(a: argparse.Namespace) -> int:
 COMMANDS = {"serve": cmd_serve, "run": cmd_run, "bench": cmd_bench, "convert": cmd_convert, "models": cmd_models}
 
 
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process (MLX buffers live in it on CPU and Apple unified memory)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux KiB
+
+
 def main(argv: list[str] | None = None) -> int:
-    # A real command line: in-process callers (tests) are never re-exec'd; bench never loads MLX.
-    if argv is None and sys.argv[1:2] != ["bench"]:
+    if argv is None:  # a real command line: in-process callers (tests) are never re-exec'd
         from engine.blas import reexec_with_openblas
 
         hint = reexec_with_openblas(sys.orig_argv[1:])
@@ -267,9 +353,24 @@ def main(argv: list[str] | None = None) -> int:
     except (CLIError, SettingsError) as e:
         print(f"spruce: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        print(file=sys.stderr)
-        return 130
+    except BaseException as e:
+        if not interrupted(e):
+            raise
+    # Here the interruption and the frames its traceback held (with MLX arrays) are gone.
+    release_mlx()
+    print(file=sys.stderr)
+    return EXIT_INTERRUPTED
+
+
+def interrupted(e: BaseException | None) -> bool:
+    """Ctrl-C, or an error raised while the code that Ctrl-C interrupted was cleaning up."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, KeyboardInterrupt):
+            return True
+        seen.add(id(e))
+        e = e.__context__
+    return False
 
 
 if __name__ == "__main__":

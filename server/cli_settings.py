@@ -6,6 +6,7 @@ measured choice for this hardware, or plain decoding, with the reason)."""
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,9 +14,11 @@ from typing import Any
 from engine.config import EngineConfig, SpecConfig
 from engine.hub import ModelSource
 
-# Used when neither a flag nor the preset sets a value.
-DEFAULTS: dict[str, Any] = {"max_context": 8192, "dtype": "auto", "prefix_cache_bytes": 2 << 30,
-                            "spec_budget": 16, "spec_depth": 8}
+# Used when neither a flag nor the preset sets a value (the context: the model's trained length,
+# at most DEFAULT_MAX_CONTEXT).
+DEFAULTS: dict[str, Any] = {"dtype": "auto", "prefix_cache_bytes": 2 << 30, "spec_budget": 16, "spec_depth": 8}
+DEFAULT_MAX_CONTEXT = 8192
+MAX_SPEC_BUDGET, MAX_SPEC_DEPTH = 4096, 1024
 DRAFT_METHODS = ("draft", "draft-tree")
 
 
@@ -53,17 +56,53 @@ def engine_settings(a: argparse.Namespace) -> Settings:
     # a draft model is fetched only when it will be used (or was asked for by name)
     draft = resolve_model(draft_arg, "--draft-model") if draft_arg and (a.draft_model or method in DRAFT_METHODS) \
         else None
+    budget, depth = _pick(budget, None, "spec_budget"), _pick(depth, None, "spec_depth")
+    if not 1 <= budget <= MAX_SPEC_BUDGET:
+        raise SettingsError(f"--spec-budget must be in [1, {MAX_SPEC_BUDGET}], got {budget}")
+    if not 1 <= depth <= MAX_SPEC_DEPTH:
+        raise SettingsError(f"--spec-depth must be in [1, {MAX_SPEC_DEPTH}], got {depth}")
+    prefix_bytes = _pick(a.prefix_cache_bytes, preset and preset.prefix_cache_bytes, "prefix_cache_bytes")
+    if prefix_bytes < 0:
+        raise SettingsError(f"--prefix-cache-bytes must be >= 0, got {prefix_bytes}")
+    max_context = _context(a.max_context if a.max_context is not None else preset and preset.max_context,
+                           trained_context(model.path), notes)
     try:
-        spec = SpecConfig(method=method, budget=_pick(budget, None, "spec_budget"),
-                          max_depth=_pick(depth, None, "spec_depth"), draft_model=str(draft.path) if draft else None)
+        spec = SpecConfig(method=method, budget=budget, max_depth=depth, draft_model=str(draft.path) if draft else None)
         config = EngineConfig(
-            model_path=str(model.path), model_id=model.name,
-            max_context=_pick(a.max_context, preset and preset.max_context, "max_context"),
+            model_path=str(model.path), model_id=model.name, max_context=max_context,
             dtype=_pick(a.dtype, preset and preset.dtype, "dtype"), spec=spec, prefix_cache=not a.no_prefix_cache,
-            prefix_cache_bytes=_pick(a.prefix_cache_bytes, preset and preset.prefix_cache_bytes, "prefix_cache_bytes"))
+            prefix_cache_bytes=prefix_bytes)
     except ValueError as e:
         raise SettingsError(str(e)) from None
     return Settings(config, notes)
+
+
+def _context(asked: int | None, trained: int | None, notes: list[str]) -> int:
+    """The context length: as asked (warned past the trained length), else the trained length, at
+    most DEFAULT_MAX_CONTEXT."""
+    if asked is None:
+        return min(DEFAULT_MAX_CONTEXT, trained or DEFAULT_MAX_CONTEXT)
+    if asked < 2:
+        raise SettingsError(f"--max-context must be >= 2, got {asked}")
+    if trained is not None and asked > trained:
+        notes.append(f"warning: --max-context {asked} is longer than the {trained} tokens the model was trained "
+                     "on; answers past that length may degrade")
+    return asked
+
+
+def trained_context(model: Path) -> int | None:
+    """max_position_embeddings of the checkpoint (nested text_config first), if it says."""
+    try:
+        cfg = json.loads((model / "config.json").read_text())
+    except (OSError, ValueError):
+        return None  # the loader reports a broken config.json
+    if not isinstance(cfg, dict):
+        return None
+    for section in (cfg.get("text_config"), cfg):
+        value = section.get("max_position_embeddings") if isinstance(section, dict) else None
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
 
 
 def _pick(flag: Any, preset_value: Any, key: str) -> Any:

@@ -46,7 +46,8 @@ def parse_json(raw: bytes) -> Any:
         raise APIError("request body is nested too deeply") from None
     except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, or an integer with > 4300 digits
         raise APIError(f"request body is not valid JSON: {e}") from None
-    _check_encodable(data)
+    if b"\\ud" in raw or b"\\uD" in raw:  # only a \u escape can spell a surrogate (UTF-8 bytes cannot)
+        _check_encodable(data)
     return data
 
 

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from server.bridge import EngineFailure, Job
-from server.chat import ChatRenderOptions, ChatTemplateError
+from server.chat import ChatRenderOptions
 from server.errors import APIError
 from server.logprobs import TokenTexts
 from server.native_schemas import (
@@ -44,12 +44,19 @@ class NativePlan:
 
 
 def plan_infill(planner: Planner, body: InfillRequest) -> NativePlan:
+    """The editor's text is tokenized with special tokens read as text (as llama.cpp does): a file that
+    spells out "<|fim_middle|>" must not end the prefix. Text far beyond what the context can hold
+    is cut (by characters) before tokenizing; the token-level cut below decides what stays."""
     planner.require_fim("input_prefix")
     tok = planner.tokenizer
-    special = {t: tok.token_id(t) for t in (FIM_PREFIX, FIM_SUFFIX, FIM_MIDDLE, REPO_NAME, FILE_SEP)}
-    extra = _extra_context(planner, body, special)
-    prefix, suffix, prompt = tok.encode(body.input_prefix), tok.encode(body.input_suffix), tok.encode(body.prompt)
     context = planner.engine.config.max_context
+    # characters: at least `context` tokens of text, and some more so that the cut is never in the part kept
+    keep = tok.max_text_bytes(context) + 4096
+    special = {t: tok.token_id(t) for t in (FIM_PREFIX, FIM_SUFFIX, FIM_MIDDLE, REPO_NAME, FILE_SEP)}
+    extra = _extra_context(planner, body, special, keep)
+    planner.check_text_fits(body.prompt, "prompt")
+    prefix, suffix, prompt = tok.encode_many([body.input_prefix[-keep:], body.input_suffix[:keep], body.prompt],
+                                             special=False)
     wanted = body.requested_max_tokens
     reserve = min(wanted if wanted is not None else context // 4, context // 2)
     room = context - 1 - reserve - 3 - len(prompt)  # the engine needs the prompt shorter than the context
@@ -65,23 +72,33 @@ def plan_infill(planner: Planner, body: InfillRequest) -> NativePlan:
     return NativePlan(planner.plan([ids], body, wanted, "prompt"), body, truncated)
 
 
-def _extra_context(planner: Planner, body: InfillRequest, special: dict) -> list[int]:
+def _extra_context(planner: Planner, body: InfillRequest, special: dict, keep: int) -> list[int]:
+    """The project context; only its newest `keep` characters are tokenized (the oldest go first)."""
     tok = planner.tokenizer
+    chunks: list[tuple[str, str]] = []  # (filename, text), oldest first
+    room = keep
+    for chunk in reversed(body.input_extra):
+        if room <= 0:
+            break
+        text = chunk.text[-room:]
+        chunks.insert(0, (chunk.filename[:room], text))
+        room -= len(text) + len(chunk.filename)
     out: list[int] = []
     if special[FILE_SEP] is None:
-        for chunk in body.input_extra:
-            out += tok.encode(SNIPPET_SEPARATOR) + tok.encode(chunk.text)
+        for text in tok.encode_many([text for _, text in chunks], special=False):
+            out += tok.encode(SNIPPET_SEPARATOR) + text
         return out
     if special[REPO_NAME] is not None:
         out += [special[REPO_NAME]] + tok.encode("myproject\n")
-    for chunk in body.input_extra:
-        out += [special[FILE_SEP]] + tok.encode(f"{chunk.filename}\n") + tok.encode(chunk.text)
+    pieces = tok.encode_many([t for name, text in chunks for t in (f"{name}\n", text)], special=False)
+    for name, text in zip(pieces[::2], pieces[1::2]):
+        out += [special[FILE_SEP]] + name + text
     return out + [special[FILE_SEP]] + tok.encode("filename\n")
 
 
 def plan_native_completion(planner: Planner, body: NativeCompletionRequest) -> NativePlan:
     p = body.prompt
-    ids = planner.tokenizer.encode(p) if isinstance(p, str) else planner.checked_ids(p, "prompt")
+    ids = planner.text_ids(p, "prompt") if isinstance(p, str) else planner.checked_ids(p, "prompt")
     return NativePlan(planner.plan([ids], body, body.requested_max_tokens, "prompt"), body, False)
 
 
@@ -211,16 +228,16 @@ def _partial(index: int, text: str, job: Job) -> dict:
 
 
 def tokenize(planner: Planner, texts: TokenTexts, body: TokenizeRequest) -> dict:
+    """Text that cannot fit the context is refused, as it would be as a prompt (the count is the point
+    of /tokenize, and it would be more than the context either way)."""
     tok = planner.tokenizer
     if body.messages is not None:
-        try:
-            text = planner.template.render([m.template_dict() for m in body.messages],
-                                           ChatRenderOptions(extra=dict(body.chat_template_kwargs or {})))
-        except ChatTemplateError as e:
-            raise APIError(str(e), param="messages") from None
+        prompt = planner.render(body.messages, ChatRenderOptions(extra=dict(body.chat_template_kwargs or {})))
+        planner.check_text_fits(prompt.text, "messages")
+        ids = planner.encode_chat(prompt)
     else:
-        text = body.content if body.content is not None else body.prompt
-    ids = tok.encode(text)
+        param = "content" if body.content is not None else "prompt"
+        ids = planner.text_ids(getattr(body, param), param, special=body.parse_special is not False)
     if body.add_special and tok.bos_token and (bos := tok.token_id(tok.bos_token)) is not None:
         ids = [bos] + ids
     if body.content is None:  # vLLM's shape
@@ -240,6 +257,10 @@ def _piece(texts: TokenTexts, token_id: int):
 
 
 def detokenize(planner: Planner, body: DetokenizeRequest) -> dict:
+    context = planner.engine.config.max_context
+    if len(body.tokens) > context:
+        raise APIError(f"at most {context} token ids (the context length) can be detokenized at once, got "
+                       f"{len(body.tokens)}", param="tokens")
     ids = planner.checked_ids(body.tokens, "tokens")
     text = planner.tokenizer.decode(ids, skip_special=False)
     return {"content": text, "prompt": text}

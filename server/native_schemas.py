@@ -86,7 +86,8 @@ class NativeCompletionRequest(NativeFields):
 
 
 class TokenizeRequest(StrictModel):
-    """llama.cpp: {content, add_special, parse_special, with_pieces}; vLLM: {prompt} or {messages}."""
+    """llama.cpp: {content, add_special, parse_special, with_pieces}; vLLM: {prompt} or {messages}.
+    parse_special (default true) reads special tokens spelled out in content / prompt as tokens."""
 
     content: str | None = None
     prompt: str | None = None
@@ -102,9 +103,9 @@ class TokenizeRequest(StrictModel):
         given = [k for k in ("content", "prompt", "messages") if getattr(self, k) is not None]
         if len(given) != 1:
             raise APIError("send exactly one of content, prompt or messages", param="content")
-        if self.parse_special is False:
-            raise APIError("parse_special: false is not supported (special tokens in the text are always parsed)",
-                           param="parse_special")
+        if self.parse_special is not None and self.messages is not None:
+            raise APIError("parse_special applies to content or prompt; in messages, special tokens typed in the "
+                           "text always stay text", param="parse_special")
         return self
 
 

@@ -35,9 +35,8 @@ async def choice_deltas(job: Job, planned: Planned, tokenizer) -> AsyncIterator[
 
 
 def engine_error(e: EngineFailure) -> APIError:
-    if e.bad_request:
-        return APIError(str(e))
-    return APIError(str(e), status=500, type="server_error")
+    """400 (the engine refused the request), 500 (it failed on it) or 503 (the server stopped)."""
+    return APIError(str(e), status=e.status, code=e.code)
 
 
 @dataclass

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from engine.config import SamplingParams, SpecConfig
 from engine.types import GenerationRequest
 from server.chat import ChatRenderOptions, ChatTemplate, ChatTemplateError
+from server.chat_tokens import ChatPrompt
 from server.errors import APIError
 from server.json_format import check_schema
 from server.schemas import INT64_MAX, INT64_MIN, ChatCompletionRequest, CompletionRequest, ResponseFormat
@@ -20,6 +21,9 @@ from server.tools import ToolSet, tool_set
 
 FIM_PREFIX, FIM_SUFFIX, FIM_MIDDLE = "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"
 RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt"})
+# Per-request speculation limits unless the server was started with larger --spec-budget / --spec-depth:
+# verify memory grows with N^2 per GDN layer and the host copy of the logits with N x vocab.
+SPEC_BUDGET_LIMIT, SPEC_DEPTH_LIMIT = 32, 16
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,10 @@ class ServerOptions:
     api_key: str | None = None
     cors_origins: tuple[str, ...] = ()
     max_body_bytes: int = 16 << 20
+    allowed_hosts: tuple[str, ...] = ()  # Host names accepted besides localhost and IP addresses
+    check_host: bool = True  # False: any Host (--allow-any-host)
+    show_model_path: bool = False  # /props shows the model's directory path (else only its name)
+    read_timeout_s: float = 15.0  # a request body must arrive within this
 
 
 @dataclass
@@ -58,8 +66,7 @@ class Planner:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.options = options
-        tok = self.tokenizer
-        self.template = ChatTemplate(tok.chat_template, tok.bos_token, tok.eos_token)
+        self.template = ChatTemplate.of(self.tokenizer)
 
     # ---- chat ----
 
@@ -73,18 +80,27 @@ class Planner:
         if body.tool_choice == "none":
             tools = None  # the model is not told about tools it may not call
         options = ChatRenderOptions(tools=tools, enable_thinking=thinking, extra=kwargs)
-        try:
-            prompt = self.template.render([m.template_dict() for m in body.messages], options)
-        except ChatTemplateError as e:
-            raise APIError(str(e), param="messages") from None
-        in_think = prompt_in_think(prompt)
+        prompt = self.render(body.messages, options)
+        text = prompt.text
+        in_think = prompt_in_think(text)
         toolset = tool_set(body, in_think)
         if body.response_format is not None and body.response_format.output_schema is not None:
             check_schema(body.response_format.output_schema, "response_format.schema")
-        prompt += toolset.forced_prefix if toolset else ""
-        ids = self.tokenizer.encode(prompt)
+        forced = toolset.forced_prefix if toolset else ""
+        self.check_text_fits(text + forced, "messages")
+        ids = self.template.guard.encode(self.tokenizer, prompt, forced)
         planned = self.plan([ids], body, body.requested_max_tokens, "messages", body.engine_logprobs)
         return ChatPlan(planned, in_think, toolset, body.response_format)
+
+    def render(self, messages, options: ChatRenderOptions) -> ChatPrompt:
+        try:
+            return self.template.render_prompt([m.template_dict() for m in messages], options)
+        except ChatTemplateError as e:
+            raise APIError(str(e), param="messages") from None
+
+    def encode_chat(self, prompt: ChatPrompt) -> list[int]:
+        """Token ids of a rendered chat prompt; special tokens typed by the client stay text."""
+        return self.template.guard.encode(self.tokenizer, prompt)
 
     # ---- legacy completions ----
 
@@ -93,20 +109,44 @@ class Planner:
         if body.suffix is not None and body.echo:
             raise APIError("echo cannot be combined with suffix (fill-in-the-middle)", param="echo")
         if body.suffix is not None:
-            prompts = [self.fim_prompt(p, body.suffix) for p in prompts]
-        ids = [self.tokenizer.encode(p) if isinstance(p, str) else self.checked_ids(p, "prompt") for p in prompts]
+            ids = [self.fim_ids(p, body.suffix) for p in prompts]
+        else:
+            ids = [self.text_ids(p, "prompt") if isinstance(p, str) else self.checked_ids(p, "prompt") for p in prompts]
         planned = self.plan(ids, body, body.requested_max_tokens, "prompt", body.logprobs)
         if body.echo:
             texts = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in body.prompts()]
             planned.echo = [t for t in texts for _ in range(body.choices)]
         return planned
 
-    def fim_prompt(self, prompt: str | list[int], suffix: str) -> str:
-        """Fill in the middle: the model writes what goes between `prompt` and `suffix`."""
+    def fim_ids(self, prompt: str | list[int], suffix: str) -> list[int]:
+        """Fill in the middle: the model writes what goes between `prompt` and `suffix`. Both are code
+        the user is editing: FIM tokens spelled out in them stay text."""
         if not isinstance(prompt, str):
             raise APIError("suffix needs a text prompt, not token ids", param="prompt")
         self.require_fim("suffix")
-        return f"{FIM_PREFIX}{prompt}{FIM_SUFFIX}{suffix}{FIM_MIDDLE}"
+        self.check_text_fits(prompt + suffix, "prompt")
+        tok = self.tokenizer
+        before, after = tok.encode_many([prompt, suffix], special=False)
+        return [tok.token_id(FIM_PREFIX), *before, tok.token_id(FIM_SUFFIX), *after, tok.token_id(FIM_MIDDLE)]
+
+    def text_ids(self, text: str, param: str, special: bool = True) -> list[int]:
+        """Token ids of a text prompt, refused before tokenizing when it cannot fit the context."""
+        self.check_text_fits(text, param)
+        return self.tokenizer.encode(text, special)
+
+    def check_text_fits(self, text: str, param: str) -> None:
+        """400 for text too long to fit the context whatever its tokens: tokenizing megabytes costs
+        seconds and memory for an answer that is known already."""
+        context = self.engine.config.max_context
+        limit = self.tokenizer.max_text_bytes(context - 1)
+        if len(text) <= limit:  # every character is at least one byte
+            return
+        size = len(text.encode("utf-8"))
+        if size > limit:
+            raise APIError(
+                f"This model's maximum context length is {context} tokens. However, your prompt has {size} bytes "
+                f"of text, more than {context} tokens of this model can hold ({limit} bytes at most); shorten it "
+                "or start the server with a larger --max-context.", param=param, code="context_length_exceeded")
 
     def require_fim(self, param: str) -> None:
         missing = [t for t in (FIM_PREFIX, FIM_SUFFIX, FIM_MIDDLE) if self.tokenizer.token_id(t) is None]
@@ -173,8 +213,21 @@ class Planner:
         default = self.engine.config.spec
         if body.spec.method in ("draft", "draft-tree") and not self._draft_available():
             raise APIError("spec method 'draft' needs a server started with --draft-model", param="spec.method")
-        return SpecConfig(method=body.spec.method, budget=body.spec.budget or default.budget,
-                          max_depth=body.spec.max_depth or default.max_depth, draft_model=default.draft_model)
+        budget = self._spec_limit(body.spec.budget, default.budget, SPEC_BUDGET_LIMIT, "budget", "--spec-budget")
+        depth = self._spec_limit(body.spec.max_depth, default.max_depth, SPEC_DEPTH_LIMIT, "max_depth",
+                                 "--spec-depth")
+        return SpecConfig(method=body.spec.method, budget=budget, max_depth=depth, draft_model=default.draft_model)
+
+    @staticmethod
+    def _spec_limit(asked: int | None, default: int, floor: int, name: str, flag: str) -> int:
+        """A request may ask up to max(floor, the server's own setting)."""
+        if asked is None:
+            return default
+        limit = max(floor, default)
+        if asked > limit:
+            raise APIError(f"spec.{name} {asked} is more than this server allows ({limit}; the operator can raise "
+                           f"it with spruce serve {flag})", param=f"spec.{name}")
+        return asked
 
     def _draft_available(self) -> bool:
         """Checked here, not on the engine thread, so that a streamed request gets a plain 400."""

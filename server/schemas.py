@@ -32,9 +32,20 @@ class TextPart(StrictModel):
     text: str
 
 
+def _tool_name(v: str) -> str:
+    if not TOOL_NAME.match(v):
+        raise ValueError("must be 1-128 characters of a-z, A-Z, 0-9, '_', '.', ':' or '-'")
+    return v
+
+
 class FunctionCall(StrictModel):
+    """A call in an assistant message of the history; its name is printed into the prompt like a
+    tool definition's, so it is held to the same rule."""
+
     name: str
     arguments: str | dict[str, Any] = ""
+
+    _name = field_validator("name")(_tool_name)
 
 
 class ToolCall(StrictModel):
@@ -64,12 +75,7 @@ class FunctionDef(StrictModel):
     parameters: dict[str, Any] | None = None  # a JSON schema (type "object")
     strict: bool | None = None
 
-    @field_validator("name")
-    @classmethod
-    def _name(cls, v: str) -> str:
-        if not TOOL_NAME.match(v):
-            raise ValueError("must be 1-128 characters of a-z, A-Z, 0-9, '_', '.', ':' or '-'")
-        return v
+    _name = field_validator("name")(_tool_name)
 
 
 class ToolDef(StrictModel):
@@ -119,12 +125,13 @@ class StreamOptions(StrictModel):
 
 class SpecRequest(StrictModel):
     """Extra body field `spec`: per-request speculation (engine.config.SpecConfig), as an object
-    or as a bare method name (`"spec": "none"` turns speculation off for the request)."""
+    or as a bare method name (`"spec": "none"` turns speculation off for the request). The upper
+    limits depend on the server's settings (server.planning.Planner.spec)."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
     method: Literal["none", "ngram", "draft", "draft-tree"]
-    budget: Annotated[int, Field(ge=1, le=4096)] | None = None
-    max_depth: Annotated[int, Field(ge=1, le=1024)] | None = None
+    budget: Annotated[int, Field(ge=1)] | None = None
+    max_depth: Annotated[int, Field(ge=1)] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -165,9 +172,14 @@ class GenerationFields(StrictModel):
         # Raised as APIError (not ValueError) so that the error names its field, not the whole body.
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options is only allowed when stream is true", param="stream_options")
+        seen: dict[int, str] = {}
         for key in self.logit_bias or {}:
             if not key.isascii() or not key.isdigit() or len(key) > 9:
                 raise APIError(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+            if int(key) in seen:
+                raise APIError(f"logit_bias keys {seen[int(key)]!r} and {key!r} name the same token {int(key)}",
+                               param="logit_bias")
+            seen[int(key)] = key
         return self
 
     @property

@@ -33,6 +33,13 @@ def tiny_checkpoint(tiny_qwen35) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_draft(tmp_path_factory) -> Path:
+    """A smaller random model with the tiny checkpoint's tokenizer: a draft model that disagrees often."""
+    return _make(tmp_path_factory, "tiny_draft", "--kind", "qwen3_5", "--layers", "2", "--full-every", "2",
+                 "--seed", "11")
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen35_cg(tmp_path_factory) -> Path:
     """Qwen3_5ForConditionalGeneration layout (model.language_model.*, vision tensors), tied."""
     return _make(tmp_path_factory, "tiny_qwen35_cg", "--kind", "qwen3_5_cg", "--tied", "--seed", "3")

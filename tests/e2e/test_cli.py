@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -127,3 +128,57 @@ def test_no_bundled_model_message(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(presets, "bundled_path", lambda model: tmp_path / "bundled" / "target")
     assert cli.main(["run", "-m", "hi"]) == 2
     assert "no bundled model in this install; pass --model DIR" in capsys.readouterr().err
+
+
+def test_ctrl_c_in_run_exits_130_without_a_traceback():
+    """Interrupted mid-answer (the bundled model: a forward pass long enough that the interruption
+    lands inside the engine's loop; three times, as it can land anywhere)."""
+    import signal
+    import threading
+
+    for _ in range(3):
+        p = subprocess.Popen([sys.executable, "-m", "server.cli", "run", "-m", "Write a long story",
+                              "--max-tokens", "3000"], cwd=REPO, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+        started = threading.Event()
+        reader = threading.Thread(target=lambda: (p.stdout.read(20), started.set(), p.stdout.read()), daemon=True)
+        reader.start()
+        assert started.wait(60), "no answer text"
+        p.send_signal(signal.SIGINT)
+        stderr = p.stderr.read()
+        p.wait(60)
+        assert p.returncode == 130 and "Traceback" not in stderr and "terminate called" not in stderr, stderr
+
+
+def test_engine_flag_checks(tiny_checkpoint, tmp_path):
+    for args, message in ((["--draft-model", str(tmp_path / "nope")], "--draft-model"),
+                          (["--prefix-cache-bytes", "-1"], "--prefix-cache-bytes"),
+                          (["--spec-budget", "0"], "--spec-budget"), (["--max-context", "1"], "--max-context")):
+        p = spruce("run", "--model", str(tiny_checkpoint), "-m", "hi", *args)
+        assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr, (args, p.stderr)
+        assert "--model " not in p.stderr.replace(f"--model {tiny_checkpoint}", "")
+
+
+def test_temperature_nan_is_refused(tiny_checkpoint):
+    p = spruce("run", "--model", str(tiny_checkpoint), "-m", "hi", "--temperature", "nan")
+    assert p.returncode == 2 and "temperature" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_max_context_defaults_to_the_trained_length(tiny_checkpoint):
+    from server.cli import build_parser, engine_config
+
+    trained = json.loads((tiny_checkpoint / "config.json").read_text())["max_position_embeddings"]
+    assert trained < 8192
+    parse = build_parser().parse_args
+    assert engine_config(parse(["run", "--model", str(tiny_checkpoint)])).config.max_context == trained
+    asked = engine_config(parse(["run", "--model", str(tiny_checkpoint), "--max-context", "100"]))
+    assert asked.config.max_context == 100
+    longer = engine_config(parse(["run", "--model", str(tiny_checkpoint), "--max-context", str(2 * trained)]))
+    assert any(f"longer than the {trained} tokens the model was trained on" in n for n in longer.notes)
+
+
+def test_a_broken_draft_model_is_found_at_start(tiny_checkpoint, tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3_5_text"}')
+    (tmp_path / "tokenizer.json").write_text((tiny_checkpoint / "tokenizer.json").read_text())
+    p = spruce("serve", "--model", str(tiny_checkpoint), "--draft-model", str(tmp_path), "--port", "0")
+    assert p.returncode == 2 and "cannot load the draft model" in p.stderr and "serving" not in p.stderr

@@ -11,13 +11,14 @@ from dataclasses import dataclass
 import pytest
 import uvicorn
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, SpecConfig
 from engine.generate import Engine
 from server.app import create_app
 from server.bridge import EngineBridge
 
 MAX_CONTEXT = 2048
 MAX_QUEUE = 2  # small, so that the 429 test can fill it
+DRAFT_CONTEXT = 256  # room-of-one prompts stay short
 
 
 @dataclass
@@ -41,7 +42,7 @@ def live_server(tiny_checkpoint):
     config = EngineConfig(model_path=str(tiny_checkpoint), max_context=MAX_CONTEXT)
     bridge = EngineBridge(lambda: Engine(config), max_queue=MAX_QUEUE)
     bridge.start()
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # TCP_NODELAY on connections
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -58,3 +59,14 @@ def live_server(tiny_checkpoint):
     thread.join(10)
     bridge.stop()
     sock.close()
+
+
+@pytest.fixture(scope="session")
+def draft_bridge(tiny_checkpoint, tiny_draft):
+    """A second engine thread over the tiny checkpoint, with a draft model: every spec method works."""
+    config = EngineConfig(model_path=str(tiny_checkpoint), max_context=DRAFT_CONTEXT,
+                          spec=SpecConfig(draft_model=str(tiny_draft)))
+    bridge = EngineBridge(lambda: Engine(config), max_queue=MAX_QUEUE)
+    bridge.start()
+    yield bridge
+    bridge.stop()

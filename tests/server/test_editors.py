@@ -208,7 +208,10 @@ def test_tokenize_and_detokenize(live_server):
     assert chat["count"] > len(tok.encode("hi"))
     assert_error(post(live_server, "/detokenize", {"tokens": [1, 10**9]}), 400, "tokens")
     assert_error(post(live_server, "/tokenize", {"content": "a", "prompt": "b"}), 400)
-    assert_error(post(live_server, "/tokenize", {"content": "a", "parse_special": False}), 400, "parse_special")
+    special = post(live_server, "/tokenize", {"content": "<|im_end|>"}).json()["tokens"]
+    literal = post(live_server, "/tokenize", {"content": "<|im_end|>", "parse_special": False}).json()["tokens"]
+    assert special == [tok.token_id("<|im_end|>")] and literal == tok.encode("<|im_end|>", special=False)
+    assert len(literal) > 1
 
 
 def test_n_indent_and_time_limit_rules():

@@ -91,12 +91,19 @@ def test_bad_completion_requests_are_400(live_server, body, param):
     assert_error(post(live_server, COMPLETIONS, body), 400, param)
 
 
-def test_json_body_without_json_content_type_is_parsed(live_server):
-    """curl -d sends application/x-www-form-urlencoded; the body is still JSON."""
-    r = httpx.post(live_server.base_url + CHAT, content='{"messages": [{"role": "user", "content": "hi"}], '
-                   '"max_tokens": 1}', headers={"content-type": "application/x-www-form-urlencoded"}, timeout=60)
-    assert r.status_code == 200, r.text
-    assert_error(httpx.post(live_server.base_url + CHAT, content=b"", timeout=60), 400)
+def test_post_bodies_must_be_declared_json(live_server):
+    """A web page can send text/plain, form types or no type without a CORS preflight; only JSON
+    starts work (curl -d needs -H 'Content-Type: application/json')."""
+    body = '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}'
+    for content_type in ("application/x-www-form-urlencoded", "text/plain", "multipart/form-data; boundary=x", None):
+        headers = {"content-type": content_type} if content_type else {}
+        r = httpx.post(live_server.base_url + CHAT, content=body, headers=headers, timeout=60)
+        err = assert_error(r, 415)
+        assert err["code"] == "unsupported_media_type" and "application/json" in err["message"]
+    for content_type in ("application/json", "application/json; charset=utf-8", "Application/JSON"):
+        r = httpx.post(live_server.base_url + CHAT, content=body, headers={"content-type": content_type}, timeout=60)
+        assert r.status_code == 200, r.text
+    assert_error(post(live_server, CHAT, ""), 400)
 
 
 def test_prompt_longer_than_context_names_the_lengths(live_server):

@@ -20,7 +20,7 @@ def call(live_server, options: ServerOptions, method: str, path: str, **kw) -> h
     app = create_app(live_server.bridge, options)
 
     async def go():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost") as client:
             return await client.request(method, path, timeout=60, **kw)
 
     return asyncio.run(go())
@@ -56,8 +56,8 @@ def test_sdk_with_a_key(live_server):
     app = create_app(live_server.bridge, ServerOptions(api_key="k"))
 
     async def go(key: str):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t/v1") as http:
-            client = openai.AsyncOpenAI(base_url="http://t/v1", api_key=key, http_client=http, max_retries=0)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost/v1") as http:
+            client = openai.AsyncOpenAI(base_url="http://localhost/v1", api_key=key, http_client=http, max_retries=0)
             return await client.chat.completions.create(model="m", messages=MSG, max_tokens=2)
 
     assert asyncio.run(go("k")).choices[0].finish_reason in ("stop", "length")

@@ -20,7 +20,7 @@ def client(tiny_checkpoint):
     config = EngineConfig(model_path=str(tiny_checkpoint), model_id="org/tiny", spec=SpecConfig(method="ngram"))
     bridge = EngineBridge(lambda: Engine(config), max_queue=2)
     bridge.start()
-    with TestClient(create_app(bridge)) as c:
+    with TestClient(create_app(bridge), base_url="http://localhost") as c:
         yield c
     bridge.stop()
 

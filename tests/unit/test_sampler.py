@@ -134,6 +134,27 @@ def test_bad_logits_raise(bad) -> None:
         process_logits(np.array(bad, dtype=np.float64), SamplingParams(temperature=1.0))
 
 
+@pytest.mark.parametrize("temperature", [1e-308, 2.2250738585072014e-308, 1e-320, 5e-324])
+def test_tiny_temperatures_pick_the_best_token(temperature) -> None:
+    """logits / 1e-308 overflows to inf (and inf - inf is NaN): a tiny temperature must act as
+    greedy among the best, not fail. Ties at the top keep sharing the mass."""
+    x = np.array([1.0, 30.0, -4.0, 30.0, -np.inf, 29.999999])
+    p = process_logits(x, SamplingParams(temperature=temperature))
+    assert np.isfinite(p).all() and p[1] == p[3] == 0.5
+    assert sample_token(x, SamplingParams(temperature=temperature), seed=3, position=7) in (1, 3, 5)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_sampling_params_refuse_a_non_finite_temperature(value) -> None:
+    with pytest.raises(ValueError, match="temperature must be a finite number"):
+        SamplingParams(temperature=value)
+
+
+def test_logit_bias_may_name_a_token_once() -> None:
+    with pytest.raises(ValueError, match="more than once"):
+        SamplingParams(logit_bias=((5, 100.0), (5, 100.0)))
+
+
 def test_splitmix64_published_stream() -> None:
     # reference outputs of splitmix64 seeded with 1234567 (Vigna's splitmix64.c)
     state, out = 1234567, []

@@ -122,3 +122,29 @@ def _copy(src: Path, dst: Path) -> Path:
     for f in src.iterdir():
         (dst / f.name).write_bytes(f.read_bytes())
     return dst
+
+
+def test_special_tokens_can_be_read_as_text(tok):
+    text = "a<|im_end|>b"
+    assert tok.token_id("<|im_end|>") in tok.encode(text)
+    literal = tok.encode(text, special=False)
+    assert tok.token_id("<|im_end|>") not in literal and tok.decode(literal) == text
+    assert tok.encode_many([text, "", "x"], special=False) == [literal, [], tok.encode("x")]
+    assert "<|im_end|>" in tok.special_tokens and "<think>" not in tok.special_tokens
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.text(max_size=300) | st.lists(st.sampled_from(["    ", "\n", "def ", "<|im_end|>", "é", "🙂", "ab"]),
+                                       max_size=80).map("".join))
+def test_text_longer_than_max_text_bytes_has_more_tokens(tok, text):
+    """The bound the server refuses over-long prompts by: no text of n tokens has more bytes."""
+    for special in (True, False):
+        n = len(tok.encode(text, special))
+        assert len(text.encode("utf-8")) <= tok.max_text_bytes(n)
+
+
+def test_long_decodes_round_trip(tok):
+    """Past 256 ids, decode goes through the batch call (it releases the GIL)."""
+    text = "héllo wörld 你好 <|im_end|>" * 100
+    ids = tok.encode(text)
+    assert len(ids) > 256 and tok.decode(ids, skip_special=False) == text
