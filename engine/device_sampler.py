@@ -15,7 +15,7 @@ other. Logit bias, penalties and logprobs stay on the host (SamplingParams.adjus
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable
 
 import mlx.core as mx
 
@@ -23,7 +23,7 @@ from engine.config import SamplingParams
 from engine.sampler import position_uniform
 
 
-def node_uniforms(seed: int, positions: Sequence[int]) -> mx.array:
+def node_uniforms(seed: int, positions: Iterable[int]) -> mx.array:
     """float32 [N]: the uniform of each node's draw (position = the index its token will take)."""
     return mx.array([position_uniform(seed, int(p)) for p in positions], dtype=mx.float32)
 

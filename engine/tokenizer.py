@@ -114,7 +114,7 @@ class Tokenizer:
         return IncrementalDetokenizer(self, skip_special)
 
     def _collect_eos_ids(self, generation_config: dict) -> tuple[int, ...]:
-        ids: list[int] = []
+        ids: list[int | None] = []
         gen_eos = generation_config.get("eos_token_id")
         ids += gen_eos if isinstance(gen_eos, list) else [gen_eos]
         for token in (self.eos_token, *EXTRA_EOS_TOKENS):

@@ -23,8 +23,12 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.types import GenerationRequest, Stats, Step
+
+if TYPE_CHECKING:
+    from engine.generate import Engine
 
 log = logging.getLogger("spruce.bridge")
 DEFAULT_MAX_QUEUE = 32
@@ -58,7 +62,7 @@ class Finished:
     """A record of a completed job, kept for /health and tests."""
 
     request_id: str
-    finish_reason: str
+    finish_reason: str | None
     generated_tokens: int
     ran: bool  # False when it was cancelled while still queued
 
@@ -88,7 +92,7 @@ class Job:
 class EngineBridge:
     """Owns the engine thread. start() blocks until the engine is loaded (or raises its load error)."""
 
-    def __init__(self, engine_factory: Callable[[], object], max_queue: int = DEFAULT_MAX_QUEUE):
+    def __init__(self, engine_factory: Callable[[], Engine], max_queue: int = DEFAULT_MAX_QUEUE):
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         self._factory = engine_factory
@@ -102,7 +106,7 @@ class EngineBridge:
         self._load_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="spruce-engine", daemon=True)
         self._cut_timer: threading.Timer | None = None
-        self.engine = None
+        self.engine: Engine | None = None
         self.history: deque[Finished] = deque(maxlen=64)
 
     # ---- lifecycle (caller's thread) ----
@@ -275,6 +279,7 @@ class EngineBridge:
         try:
             # generate() checks the request eagerly: a ValueError there is the client's fault
             try:
+                assert self.engine is not None  # the thread serves jobs only once the engine is loaded
                 steps = self.engine.generate(req)
             except ValueError as e:
                 self._fail(job, req, EngineFailure(str(e), 400))

@@ -259,7 +259,7 @@ class ToolCallParser:
         return "closed"
 
     def _add_param(self, key: str, raw: str, deltas: list[ToolCallDelta]) -> None:
-        value = convert_value(strip_value(raw), self._tools.types_of(self._name, key))
+        value = convert_value(strip_value(raw), self._tools.types_of(self._name or "", key))
         sep = "{" if self._params == 0 else ", "
         self._params += 1
         pair = f"{json.dumps(key, ensure_ascii=False)}: {json.dumps(value, ensure_ascii=False)}"

@@ -92,5 +92,7 @@ class SpecialTokenGuard:
         for i, piece in enumerate(encoded):
             ids += piece
             if i < len(specials):
-                ids.append(tokenizer.token_id(specials[i]))
+                special = tokenizer.token_id(specials[i])
+                assert special is not None  # the pattern is built from the tokenizer's own tokens
+                ids.append(special)
         return ids

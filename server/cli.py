@@ -170,6 +170,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         for note in settings.notes:
             print(f"spruce: {note}", file=sys.stderr)
         warn_if_exposed(a.host, options.api_key)
+        assert bridge.engine is not None  # start() returned: the model is loaded
         print(f"spruce: serving {bridge.engine.model_id} on http://{url_host(a.host)}:{a.port}/v1"
               + (" (API key required)" if options.api_key else ""), file=sys.stderr)
         uv_config = SpruceConfig(create_app(bridge, options), log_level=a.log_level, lifespan="off",

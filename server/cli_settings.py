@@ -64,8 +64,8 @@ def engine_settings(a: argparse.Namespace) -> Settings:
     prefix_bytes = _pick(a.prefix_cache_bytes, preset and preset.prefix_cache_bytes, "prefix_cache_bytes")
     if prefix_bytes < 0:
         raise SettingsError(f"--prefix-cache-bytes must be >= 0, got {prefix_bytes}")
-    max_context = _context(a.max_context if a.max_context is not None else preset and preset.max_context,
-                           trained_context(model.path), notes)
+    asked = a.max_context if a.max_context is not None else (preset.max_context if preset else None)
+    max_context = _context(asked, trained_context(model.path), notes)
     try:
         spec = SpecConfig(method=method, budget=budget, max_depth=depth, draft_model=str(draft.path) if draft else None)
         config = EngineConfig(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+from collections.abc import Sequence
 
 from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, Response
@@ -25,7 +26,7 @@ HEALTH_PATHS = frozenset({"/health", "/v1/health"})
 LOOPBACK_NAMES = frozenset({"localhost"})
 
 
-async def send_error(send, err: APIError, extra_headers: list[tuple[bytes, bytes]] = ()) -> None:
+async def send_error(send, err: APIError, extra_headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
     """Answer an HTTP request with err as JSON from inside an ASGI middleware."""
     body = json.dumps(err.body()).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),

@@ -11,6 +11,7 @@ its `token` text is those bytes decoded with U+FFFD for the incomplete parts.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from functools import lru_cache
 
 from engine.tokenizer import Tokenizer
@@ -46,10 +47,13 @@ def _chat_token(token_id: int, logprob: float, texts: TokenTexts) -> dict:
     return {"token": texts.text_of(token_id), "logprob": clean(logprob), "bytes": list(texts.bytes_of(token_id))}
 
 
-def legacy_block(records, texts: TokenTexts, offset: int, prompt_ids: list[int] = ()) -> dict:
+def legacy_block(records, texts: TokenTexts, offset: int, prompt_ids: Sequence[int] = ()) -> dict:
     """Legacy completions logprobs. `prompt_ids` (echo) come first with null logprobs: the engine
     scores generated tokens only. `offset` is where the first token starts in the choice's text."""
-    tokens, token_lps, tops, offsets = [], [], [], []
+    tokens: list[str] = []
+    token_lps: list[float | None] = []
+    tops: list[dict | None] = []
+    offsets: list[int] = []
     for tid in prompt_ids:
         offsets.append(offset)
         tokens.append(texts.text_of(tid))

@@ -148,10 +148,10 @@ class EditorLimits:
 def native_result(plan: NativePlan, model: str, index: int, text: str, delta: TextDelta, limits: EditorLimits,
                   prompt_text: str) -> dict:
     """The final object of one llama.cpp completion (non-streamed answer or last streamed event)."""
-    stats = delta.stats
+    stats = delta.final_stats
     stop_type = "limit" if limits.hit else delta.stop_kind or "none"
     req = plan.planned.requests[index]
-    out = {
+    out: dict = {
         "index": index, "content": text, "tokens": [], "id_slot": 0, "stop": True, "model": model,
         "tokens_predicted": stats.generated_tokens, "tokens_evaluated": stats.prompt_tokens,
         "generation_settings": {"n_predict": req.sampling.max_tokens, "seed": req.sampling.seed,

@@ -125,7 +125,8 @@ class ChatChoice:
 
     def finish_reason(self, delta: TextDelta) -> str:
         """An EOS inside a call (no closing tags) still ends the answer with that call."""
-        return "tool_calls" if self.parser.made_calls and delta.finish_reason == "stop" else delta.finish_reason
+        reason = delta.finish_reason or "stop"
+        return "tool_calls" if self.parser.made_calls and reason == "stop" else reason
 
     @property
     def wants_no_more(self) -> bool:
@@ -165,7 +166,7 @@ async def _chat_chunks(job, plan: ChatPlan, ctx: ChunkContext, tokenizer, texts,
         if piece:
             yield sse_data(ctx.chunk([_chat_choice(index, delta_dict(piece), choice.take_logprobs())]))
         if delta.finish_reason is not None:
-            timings = totals.finish(delta.stats, index, len(job.requests))
+            timings = totals.finish(delta.final_stats, index, len(job.requests))
             yield sse_data(ctx.chunk([_chat_choice(index, {}, choice.take_logprobs(),
                                                    choice.finish_reason(delta))], timings))
 
@@ -181,7 +182,10 @@ def _chat_choice(index: int, delta: dict, logprobs: dict | None = None, finish: 
 async def chat_answer(job: Job, plan: ChatPlan, ctx: ChunkContext, tokenizer, texts: TokenTexts) -> dict:
     """The non-streamed chat.completion."""
     totals = Totals(plan.planned)
-    out, pieces, records, choice = [], [], [], None
+    out: list[dict] = []
+    pieces: list[ChatPiece] = []
+    records: list = []
+    choice = None
     async for index, delta in choice_deltas(job, plan.planned, tokenizer):
         if choice is None or choice.index != index:
             choice, pieces, records = ChatChoice(index, plan, texts), [], []
@@ -191,7 +195,7 @@ async def chat_answer(job: Job, plan: ChatPlan, ctx: ChunkContext, tokenizer, te
         if choice.wants_no_more:
             job.requests[index].cancel.set()
         if delta.finish_reason is not None:
-            totals.stats.append(delta.stats)
+            totals.stats.append(delta.final_stats)
             out.append(_chat_message(index, pieces, choice, delta, records))
             choice = None
     body = ctx.base()
@@ -274,7 +278,7 @@ async def _completion_chunks(job, planned: Planned, ctx: ChunkContext, tokenizer
             yield sse_data(ctx.chunk([_text_choice(index, delta.text, choice.logprobs(delta.logprobs,
                                                                                        delta.text))]))
         if delta.finish_reason is not None:
-            timings = totals.finish(delta.stats, index, len(job.requests))
+            timings = totals.finish(delta.final_stats, index, len(job.requests))
             yield sse_data(ctx.chunk([_text_choice(index, "", None, delta.finish_reason)], timings))
 
 
@@ -290,7 +294,7 @@ async def completion_answer(job: Job, planned: Planned, ctx: ChunkContext, token
         records += delta.logprobs
         if delta.finish_reason is None:
             continue
-        totals.stats.append(delta.stats)
+        totals.stats.append(delta.final_stats)
         choice = CompletionChoice(index, planned, texts)
         text = "".join(parts)
         lp = None

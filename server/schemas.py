@@ -8,7 +8,7 @@ means "absent".
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -115,7 +115,7 @@ class ResponseFormat(StrictModel):
     @property
     def output_schema(self) -> dict | None:
         if self.type == "json_schema":
-            return self.json_schema.schema_
+            return self.json_schema.schema_ if self.json_schema is not None else None
         return self.schema_ if self.type == "json_object" else None
 
 
@@ -262,7 +262,7 @@ class CompletionRequest(GenerationFields):
         if len(batch) * self.choices > MAX_CHOICES:
             raise APIError(f"{len(batch)} prompts x n={self.choices} choices is more than {MAX_CHOICES}",
                            param="prompt")
-        return batch
+        return cast(list[str | list[int]], batch)  # validated above: strings or token-id lists
 
 
 def usage_block(prompt_tokens: int, generated: int, cached: int) -> dict:

@@ -15,11 +15,14 @@ import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import Response
 from sse_starlette import EventSourceResponse, ServerSentEvent
+
+if TYPE_CHECKING:
+    from engine.generate import Engine
 
 from engine.types import GenerationRequest
 from server import openai_routes as oai
@@ -43,7 +46,9 @@ class Server:
 
     def __init__(self, bridge: EngineBridge, options: ServerOptions):
         self.bridge = bridge
-        self.engine = bridge.engine
+        if bridge.engine is None:
+            raise RuntimeError("the bridge's engine is not loaded: start the bridge first")
+        self.engine: Engine = bridge.engine
         self.tokenizer = self.engine.tokenizer
         self.options = options
         self.planner = Planner(self.engine, options)

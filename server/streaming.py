@@ -71,6 +71,13 @@ class TextDelta:
     stop_kind: str | None = None  # on the last delta: "eos" | "word" | "limit" (llama.cpp's stop_type)
     stop_word: str = ""
 
+    @property
+    def final_stats(self) -> Stats:
+        """The statistics of a last delta (a last delta always carries them)."""
+        if self.stats is None:
+            raise RuntimeError("statistics asked of a delta that is not the last")
+        return self.stats
+
 
 @dataclass
 class _Span:
