@@ -35,6 +35,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
 
 BUNDLED = REPO / "engine" / "bundled" / "target"
 SHAPES = {  # text configs of the random checkpoints (Qwen3.5 layouts)
@@ -99,17 +100,6 @@ def make_checkpoint(out: Path, shape: str, bits: int = 4, group_size: int = 64) 
             shutil.copy(BUNDLED / f, out / f)
     n = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     log(f"   wrote {out.name}: {n / 1e9:.2f} GB of parameters")
-    return out
-
-
-def mlx_lm_view(path: Path, tmp: Path) -> Path:
-    """A copy mlx-lm reads: it knows model_type qwen3_5, not HF's causal-LM qwen3_5_text."""
-    out = tmp / path.name
-    shutil.copytree(path, out)
-    cfg = json.loads((out / "config.json").read_text())
-    if cfg.get("model_type") == "qwen3_5_text":
-        cfg["model_type"] = "qwen3_5"
-    (out / "config.json").write_text(json.dumps(cfg))
     return out
 
 
@@ -411,7 +401,9 @@ def main() -> None:
         ckpt: dict[str, Path] = {}
         with section("checkpoints"):
             if "bundled" in targets:  # the shipped weights, or random ones of its shape when they are absent
-                ckpt["bundled"] = (mlx_lm_view(BUNDLED, Path(tmp)) if (BUNDLED / "model.safetensors").is_file()
+                from bench_decode import mlx_lm_copy  # mlx-lm reads model_type qwen3_5, not qwen3_5_text
+
+                ckpt["bundled"] = (mlx_lm_copy(BUNDLED, Path(tmp)) if (BUNDLED / "model.safetensors").is_file()
                                    else make_checkpoint(Path(tmp) / "bundled-shape", "bundled", bits=0))
             if "9b" in targets:
                 ckpt["9b"] = make_checkpoint(Path(tmp) / "qwen35-9b-shape-4bit", "9b")
