@@ -290,6 +290,8 @@ def timings_block(stats: Stats) -> dict:
         "predicted_per_second": round(stats.decode_tps, 3),
         "draft_n": stats.drafted,
         "draft_n_accepted": stats.accepted,
+        # rounds whose accepted path reached depth 1, 2, ... (vLLM's per-position acceptance counters)
+        "draft_n_accepted_per_pos": list(stats.accepted_per_pos),
         "forward_passes": stats.forward_passes,
         "tokens_per_forward": round(stats.tokens_per_forward, 4),
         "draft_ms": round(stats.draft_ms, 3),  # time per phase of the decode rounds

@@ -1,6 +1,6 @@
 """Tools: the request's tool list and tool_choice, and the Qwen3.5 XML tool-call format.
 
-A call looks like (reference/qwen35_chat_format.md):
+A call looks like (the format the Qwen3.5 chat template teaches the model):
 
     <tool_call>
     <function=NAME>

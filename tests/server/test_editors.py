@@ -1,5 +1,5 @@
-"""What each editor plugin sends (reference/openai_compat.md §4), replayed against the live server,
-with each plugin's own acceptance rules for the answer."""
+"""What each editor plugin sends (the request shapes of llama.vim, llama.vscode and Continue),
+replayed against the live server, with each plugin's own acceptance rules for the answer."""
 
 from __future__ import annotations
 

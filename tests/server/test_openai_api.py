@@ -198,4 +198,7 @@ def test_per_request_spec_is_lossless(client):
                 extra_body={"spec": {"method": "ngram", "budget": 4, "max_depth": 2}, **NO_EOS})
     assert spec.choices[0].message.content == plain.choices[0].message.content
     assert spec.usage.completion_tokens == 24
-    assert spec.model_extra["timings"]["draft_n"] >= spec.model_extra["timings"]["draft_n_accepted"] >= 0
+    timings = spec.model_extra["timings"]
+    assert timings["draft_n"] >= timings["draft_n_accepted"] >= 0
+    per_pos = timings["draft_n_accepted_per_pos"]
+    assert sum(per_pos) == timings["draft_n_accepted"] and per_pos == sorted(per_pos, reverse=True)
