@@ -1,0 +1,87 @@
+"""Decode speed against context length, plain and with speculation, side by side.
+
+    python scripts/bench_context.py [--model DIR] [--lengths 64,2048,4000,8000] [--tokens 96] [--runs 3]
+                                    [--methods none,ngram,ngram-fixed]
+
+The engine is called directly (no server), greedy, after a prompt of random token ids (guesses
+mostly miss there: the honest case for speculation). Runs interleave methods and lengths; medians.
+Without --model it uses the bundled target; lengths past a checkpoint's context need a checkpoint
+with a longer one (e.g. `scripts/make_tiny_checkpoint.py` with the bundled shape), since the
+bundled model was trained on 4096 tokens. Prints decode tok/s, its ratio to the shortest length,
+the ratio to plain decoding, tokens per forward, and p50 / p99 inter-token latency (the gap between
+the token batches the loop emits, spread over their tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.config import EngineConfig, SamplingParams, SpecConfig  # noqa: E402
+from engine.generate import BUNDLED, Engine  # noqa: E402
+from engine.types import GenerationRequest  # noqa: E402
+
+METHODS = {"none": SpecConfig(), "ngram": SpecConfig(method="ngram"),
+           "ngram-fixed": SpecConfig(method="ngram", adaptive=False),
+           "draft": SpecConfig(method="draft"), "draft-fixed": SpecConfig(method="draft", adaptive=False)}
+
+
+def run(engine: Engine, prompt: list[int], spec: SpecConfig, tokens: int) -> dict[str, float]:
+    req = GenerationRequest(prompt_ids=prompt, sampling=SamplingParams(max_tokens=tokens, ignore_eos=True), spec=spec)
+    gaps: list[float] = []
+    last = None
+    for step in engine.generate(req):
+        now = time.perf_counter()
+        if step.token_ids and last is not None:  # a batch of n tokens after a gap: n gaps of gap / n
+            gaps += [(now - last) / len(step.token_ids) * 1e3] * len(step.token_ids)
+        if step.token_ids:
+            last = now
+        if step.stats is not None:
+            stats = step.stats
+    gaps.sort()
+    return {"tps": stats.decode_tps, "tpf": stats.tokens_per_forward,
+            "p50": gaps[len(gaps) // 2] if gaps else 0.0, "p99": gaps[int(len(gaps) * 0.99)] if gaps else 0.0}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=BUNDLED / "target")
+    ap.add_argument("--lengths", default="64,2048,4000")
+    ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--methods", default="none,ngram,ngram-fixed")
+    a = ap.parse_args()
+    lengths = [int(n) for n in a.lengths.split(",")]
+    methods = a.methods.split(",")
+    engine = Engine(EngineConfig(model_path=str(a.model), prefix_cache=False, dtype="float32",
+                                 max_context=max(lengths) + a.tokens + 1))
+    vocab = engine.vocab_size
+    results: dict[tuple[str, int], list[dict[str, float]]] = {}
+    for r in range(a.runs + 1):  # the first round warms up (compiles) and is dropped
+        for n in lengths:
+            prompt = [int(t) for t in np.random.RandomState(r * 1000 + n).randint(0, vocab, size=n)]
+            for m in methods:
+                out = run(engine, prompt, METHODS[m], a.tokens)
+                if r:
+                    results.setdefault((m, n), []).append(out)
+    med = {k: {f: statistics.median(x[f] for x in v) for f in v[0]} for k, v in results.items()}
+    print(f"model {a.model.name}, {a.tokens} new tokens after random-id prompts, medians of {a.runs}")
+    print("| method | prompt tokens | decode tok/s | vs shortest | vs plain | tokens/forward | ITL p50 / p99 ms |")
+    print("|---|---|---|---|---|---|---|")
+    for m in methods:
+        for n in lengths:
+            x = med[(m, n)]
+            plain = med.get(("none", n), x)["tps"]
+            print(f"| {m} | {n} | {x['tps']:.1f} | {x['tps'] / med[(m, lengths[0])]['tps']:.2f} | "
+                  f"{x['tps'] / plain:.2f} | {x['tpf']:.2f} | {x['p50']:.1f} / {x['p99']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
