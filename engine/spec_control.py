@@ -18,6 +18,10 @@ from dataclasses import dataclass, field
 DECAY = 0.8  # weight of the history in each arm's estimates (a few rounds of memory)
 TRIES = 2  # rounds of each arm before choosing
 REVISIT = 16  # rounds between re-tries of the best other arm
+# a bigger tree must beat a smaller one by this share of tokens per ms to be kept: round times on a
+# busy machine jitter by about that much, and where every arm emits the same tokens (all guesses
+# miss) only the jitter would otherwise decide, keeping trees that draft for nothing
+MARGIN = 0.10
 
 
 @dataclass
@@ -59,10 +63,13 @@ class SpecController:
         untried = next((a for a in self.arms if a.rounds < TRIES), None)
         if untried is not None:
             return untried.budget
-        ranked = sorted(self.arms, key=lambda a: a.rate, reverse=True)
-        if self.rounds % REVISIT == REVISIT - 1:
-            return ranked[1].budget
-        return ranked[0].budget
+        top = max(a.rate for a in self.arms)
+        # the smallest arm within MARGIN of the fastest, then the rest from the fastest down
+        best = min((a for a in self.arms if a.rate >= top * (1 - MARGIN)), key=lambda a: a.budget)
+        others = sorted((a for a in self.arms if a is not best), key=lambda a: a.rate, reverse=True)
+        if others and self.rounds % REVISIT == REVISIT - 1:
+            return others[0].budget
+        return best.budget
 
     def record(self, budget: int, tokens: int, ms: float) -> None:
         """A round ran with `budget` (the arm it was given), emitted `tokens` in `ms`."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 from engine.spec_control import REVISIT, TRIES, SpecController
 
 
@@ -46,3 +48,16 @@ def test_a_budget_cut_by_the_room_left_credits_no_arm():
     c = SpecController(16)
     c.record(-1, 3, 5.0)
     assert all(a.rounds == 0 for a in c.arms)
+
+
+def test_jitter_alone_does_not_keep_a_tree():
+    # all guesses miss and a tree costs what a plain round costs, up to +-8% noise: plain wins
+    rng = random.Random(0)
+    chosen = drive(SpecController(16), lambda b: (1, 10.0 * rng.uniform(0.92, 1.08)), 200)
+    later = chosen[3 * TRIES :]
+    assert later.count(0) >= len(later) * (1 - 1.5 / REVISIT)
+
+
+def test_a_clearly_faster_tree_is_kept_over_plain():
+    chosen = drive(SpecController(4), lambda b: (2 if b else 1, 13.0 if b else 10.0), 100)
+    assert chosen[-40:].count(4) >= 35  # 0.154 tokens/ms against 0.1
