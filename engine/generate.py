@@ -17,11 +17,13 @@ from engine.cache import LayerCache
 from engine.config import EngineConfig, SamplingParams, SpecConfig
 from engine.drafters import make_drafter
 from engine.drafters.base import Drafter
+from engine.grammar import GrammarError, GrammarState, GrammarTokenizer
 from engine.loader import load_model
 from engine.memory import MemoryReport, cache_nbytes
 from engine.models.base import CausalLM
 from engine.prefix_cache import PrefixCache
 from engine.round import InFlight, Rounds, Sequence
+from engine.sampling_defaults import read_sampling_defaults
 from engine.tokenizer import Tokenizer
 from engine.types import GenerationRequest, Stats, Step, TokenLogprob
 
@@ -46,6 +48,8 @@ class Engine:
         attention_only = all(self.model.args.layer_is_attention)
         self.prefix = PrefixCache(config.prefix_cache_bytes, config.prefix_cache, trimmable=attention_only)
         self.boundary_id = self.tokenizer.token_id("<|im_start|>")
+        self.sampling_defaults = read_sampling_defaults(Path(config.model_path))
+        self._grammar_tokenizer: GrammarTokenizer | None = None
 
     def draft_model(self, path: str | None) -> CausalLM:
         """The draft model at `path` (or the configured / bundled default), loaded once."""
@@ -89,17 +93,28 @@ class Engine:
         params = dataclasses.replace(
             req.sampling, stop_token_ids=tuple(sorted(set(req.sampling.stop_token_ids) | set(eos))))
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-        return self._run(req, params, seed, spec, drafter or make_drafter(self, spec))
+        grammar = self.grammar_state(params.grammar) if params.grammar is not None else None
+        return self._run(req, params, seed, spec, drafter or make_drafter(self, spec), grammar)
+
+    def grammar_state(self, grammar: str) -> GrammarState:
+        """A fresh state of `grammar` over this model's tokenizer (built on first use)."""
+        if self._grammar_tokenizer is None:
+            self._grammar_tokenizer = GrammarTokenizer(Path(self.config.model_path) / "tokenizer.json",
+                                                       self.vocab_size, self.tokenizer.eos_token_ids)
+        try:
+            return self._grammar_tokenizer.state(grammar)
+        except GrammarError as e:
+            raise RequestError(str(e)) from None
 
     def _run(self, req: GenerationRequest, params: SamplingParams, seed: int, spec: SpecConfig,
-             drafter: Drafter) -> Iterator[Step]:
+             drafter: Drafter, grammar: GrammarState | None = None) -> Iterator[Step]:
         stats = Stats(prompt_tokens=len(req.prompt_ids))
         t_start = time.perf_counter()
         cache, stats.cached_tokens = self._prefill(req.prompt_ids[:-1])
         stats.prompt_ms = _ms_since(t_start)
         drafter.begin(req.prompt_ids)
         seq = Sequence(tokens=list(req.prompt_ids), covered=len(req.prompt_ids) - 1, prompt_len=len(req.prompt_ids))
-        rounds = Rounds(self.model, cache, seq, params, seed, spec, drafter, stats)
+        rounds = Rounds(self.model, cache, seq, params, seed, spec, drafter, stats, grammar)
         try:
             yield from self._decode(req, params, rounds, seq, stats, t_start)
         finally:
