@@ -17,6 +17,7 @@ from engine.cache import LayerCache
 from engine.config import EngineConfig, SamplingParams, SpecConfig
 from engine.drafters import make_drafter
 from engine.drafters.base import Drafter
+from engine.embedding import embed_step
 from engine.grammar import GrammarError, GrammarState, GrammarTokenizer
 from engine.loader import load_model
 from engine.memory import MemoryReport, cache_nbytes
@@ -88,6 +89,8 @@ class Engine:
         """Run one request; `drafter` overrides the one the spec settings pick (tests, benchmarks).
         Checks and drafter set-up happen here, eagerly; decoding when the iterator is consumed."""
         self.check_request(req)
+        if req.embed:
+            return iter([embed_step(self.model, req.prompt_ids, self.config.prefill_chunk)])
         spec = req.spec or self.config.spec
         eos = () if req.sampling.ignore_eos else self.tokenizer.eos_token_ids
         params = dataclasses.replace(

@@ -23,7 +23,7 @@ from server.streaming import SSE_DONE, ChunkContext, TextAssembler, TextDelta, s
 async def choice_deltas(job: Job, planned: Planned, tokenizer) -> AsyncIterator[tuple[int, TextDelta]]:
     """(choice index, TextDelta) for every choice in turn; a stop string cancels just its choice."""
     for index, req in enumerate(job.requests):
-        assembler = TextAssembler(tokenizer, planned.stops, req.sampling.stop_token_ids)
+        assembler = TextAssembler(tokenizer, planned.stops, req.sampling.stop_token_ids, planned.reasoning_first)
         while True:
             delta = assembler.feed(await job.next_step())
             if assembler.stop_hit:
@@ -44,9 +44,12 @@ class Totals:
 
     planned: Planned
     stats: list[Stats] = field(default_factory=list)  # one per finished choice, in order
+    # tokens generated after a stop string or a finished tool call, before the cancel landed: not
+    # part of any answer, so not in usage (timings still count what the engine did)
+    dropped: int = 0
 
     def usage(self) -> dict:
-        generated = sum(s.generated_tokens for s in self.stats)
+        generated = sum(s.generated_tokens for s in self.stats) - self.dropped
         # The first choice of each prompt shows what the cache held before this request.
         cached = sum(s.cached_tokens for s in self.stats[:: self.planned.choices_per_prompt])
         return usage_block(self.planned.prompt_tokens, generated, cached)
@@ -156,6 +159,7 @@ async def _chat_chunks(job, plan: ChatPlan, ctx: ChunkContext, tokenizer, texts,
             choice = ChatChoice(index, plan, texts)
             for chunk in choice.opening(ctx):
                 yield chunk
+        totals.dropped += delta.tokens if choice.wants_no_more else delta.dropped
         piece = choice.feed(delta)
         if choice.wants_no_more:
             job.requests[index].cancel.set()
@@ -186,6 +190,7 @@ async def chat_answer(job: Job, plan: ChatPlan, ctx: ChunkContext, tokenizer, te
     async for index, delta in choice_deltas(job, plan.planned, tokenizer):
         if choice is None or choice.index != index:
             choice, pieces, records = ChatChoice(index, plan, texts), [], []
+        totals.dropped += delta.tokens if choice.wants_no_more else delta.dropped
         pieces.append(choice.feed(delta))
         records += delta.logprobs
         if choice.wants_no_more:
@@ -255,6 +260,7 @@ async def _completion_chunks(job, planned: Planned, ctx: ChunkContext, tokenizer
             text, lp = choice.start()
             if text:
                 yield sse_data(ctx.chunk([_text_choice(index, text, lp)]))
+        totals.dropped += delta.dropped
         if delta.text or delta.logprobs:
             yield sse_data(ctx.chunk([_text_choice(index, delta.text, choice.logprobs(delta.logprobs,
                                                                                        delta.text))]))
@@ -271,6 +277,7 @@ async def completion_answer(job: Job, planned: Planned, ctx: ChunkContext, token
     totals = Totals(planned)
     out, parts, records = [], [], []
     async for index, delta in choice_deltas(job, planned, tokenizer):
+        totals.dropped += delta.dropped
         parts.append(delta.text)
         records += delta.logprobs
         if delta.finish_reason is None:

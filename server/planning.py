@@ -57,6 +57,7 @@ class Planned:
     logprobs: int | None = None  # top alternatives per token; None = no logprobs
     choices_per_prompt: int = 1  # n
     echo: list[str] = field(default_factory=list)  # per choice: prompt text to put before the answer
+    reasoning_first: bool = False  # the answer starts inside a think block (stop strings wait for its end)
 
 
 @dataclass
@@ -104,6 +105,7 @@ class Planner:
         ids = self.template.guard.encode(self.tokenizer, prompt)
         planned = self.plan([ids], body, body.requested_max_tokens, "messages", body.engine_logprobs,
                             grammar=grammar)
+        planned.reasoning_first = in_think
         return ChatPlan(planned, in_think, toolset, body.response_format, body.legacy_functions)
 
     def chat_grammar(self, body: ChatCompletionRequest, toolset: ToolSet | None, in_think: bool) -> str | None:

@@ -126,7 +126,8 @@ def _xml_function(rule: str, name: str, params: Any, param: str) -> list[str]:
     if not isinstance(props, dict):
         raise APIError(f"{param}.properties must be an object", param=f"{param}.properties")
     required = params.get("required") or []
-    rules, parts = [], []
+    rules: list[str] = []
+    parts: list[str] = []
     for j, (key, sub) in enumerate(props.items()):
         prule = f"{rule}_p{j}"
         value = _xml_value(f"{prule}_v", sub, f"{param}.properties.{key}", rules)
