@@ -65,16 +65,21 @@ class StopMatcher:
 class ReasoningGate:
     """Stop strings apply to the answer, not to the reasoning before it: while the text is inside a
     think block the prompt left open, it passes by the stop matcher, up to and including the
-    `</think>` that ends the block."""
+    `</think>` that ends the block and the newlines after it (the answer starts after them)."""
 
     MARKER = "</think>"
 
     def __init__(self, open_at_start: bool) -> None:
         self.open = open_at_start
+        self._layout = False  # the block has ended; the newlines that follow it are not the answer yet
         self._recent = ""  # the reasoning's last characters: the marker may span two pieces
 
     def split(self, piece: str) -> tuple[str, str]:
         """-> (reasoning text that bypasses the matcher, answer text for it)."""
+        if self._layout:
+            rest = piece.lstrip("\n")
+            self._layout = not rest
+            return piece[: len(piece) - len(rest)], rest
         if not self.open:
             return "", piece
         buf = self._recent + piece
@@ -82,9 +87,10 @@ class ReasoningGate:
         if at < 0:
             self._recent = buf[-(len(self.MARKER) - 1):]
             return piece, ""
-        self.open = False
+        self.open, self._layout = False, True
         cut = at + len(self.MARKER) - len(self._recent)  # in piece's own characters
-        return piece[:cut], piece[cut:]
+        head, tail = self.split(piece[cut:])
+        return piece[:cut] + head, tail
 
 
 @dataclass

@@ -75,6 +75,7 @@ def test_no_prompt_and_bad_values_are_clear_errors(tiny_checkpoint):
                         "2"], cwd=REPO, capture_output=True, text=True, input="hello from stdin", timeout=60,
                        check=False)
     assert p.returncode == 0 and "generation speed" in p.stderr
+    assert "finish reason: length" in p.stderr and "generated tokens: 2" in p.stderr
     p = spruce("run", "--model", str(tiny_checkpoint), "-m", "hi", "--temperature", "-1")
     assert p.returncode == 2 and "temperature" in p.stderr and "Traceback" not in p.stderr
 
