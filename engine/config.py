@@ -109,12 +109,15 @@ class EngineConfig:
     spec: SpecConfig = field(default_factory=SpecConfig)
     prefix_cache: bool = True
     prefix_cache_bytes: int = 2 << 30
+    snapshot_every: int = 1024  # prefill snapshots every this many prompt tokens (engine/prefill.py); 0 = off
 
     def __post_init__(self) -> None:
         if self.max_context < 1:
             raise ValueError(f"max_context must be >= 1, got {self.max_context}")
         if self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+        if self.snapshot_every < 0:
+            raise ValueError(f"snapshot_every must be >= 0, got {self.snapshot_every}")
         if self.prefix_cache_bytes < 0:
             raise ValueError(f"prefix_cache_bytes must be >= 0, got {self.prefix_cache_bytes}")
         if self.dtype not in DTYPE_NAMES:

@@ -12,7 +12,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from engine import forward
 from engine.cache import LayerCache
 from engine.config import EngineConfig, SamplingParams, SpecConfig
 from engine.drafters import make_drafter
@@ -22,6 +21,7 @@ from engine.grammar import GrammarError, GrammarState, GrammarTokenizer
 from engine.loader import load_model
 from engine.memory import MemoryReport, cache_nbytes
 from engine.models.base import CausalLM
+from engine.prefill import CheckpointRule, Prefiller
 from engine.prefix_cache import PrefixCache
 from engine.round import InFlight, Rounds, Sequence
 from engine.sampling_defaults import read_sampling_defaults
@@ -48,7 +48,9 @@ class Engine:
         self._draft_bytes = 0
         attention_only = all(self.model.args.layer_is_attention)
         self.prefix = PrefixCache(config.prefix_cache_bytes, config.prefix_cache, trimmable=attention_only)
-        self.boundary_id = self.tokenizer.token_id("<|im_start|>")
+        self.checkpoints = CheckpointRule.of(self.tokenizer, config.snapshot_every)
+        self.prefiller = Prefiller(self.prefix, self.checkpoints, config.prefill_chunk)
+        self._draft_prefillers: dict[int, Prefiller] = {}
         self.sampling_defaults = read_sampling_defaults(Path(config.model_path))
         self._grammar_tokenizer: GrammarTokenizer | None = None
 
@@ -70,7 +72,7 @@ class Engine:
 
     def memory(self) -> MemoryReport:
         return MemoryReport(self.dtype, self.weights_bytes, self._draft_bytes, self.last_cache_bytes,
-                            self.prefix.nbytes)
+                            self.prefix.nbytes + sum(p.prefix.nbytes for p in self._draft_prefillers.values()))
 
     def check_request(self, req: GenerationRequest) -> None:
         ids = req.prompt_ids
@@ -157,17 +159,21 @@ class Engine:
             flight = ahead
 
     def _prefill(self, ids: list[int]) -> tuple[list[LayerCache], int]:
-        """Fresh caches holding `ids` (the prompt but its last token): resume from the prefix
-        cache, prefill the rest in chunks, snapshot at chat-message boundaries and at the end."""
+        """Fresh caches holding `ids` (the prompt but its last token), through the prefix cache
+        (engine/prefill.py: snapshots at turns, FIM markers, every N tokens and the end)."""
         cache = self.model.make_cache()
-        cached = self.prefix.restore_longest(ids, cache)
-        cuts = [p for p in range(cached + 1, len(ids)) if ids[p] == self.boundary_id][-2:]
-        start = cached
-        for stop in [*cuts, len(ids)]:
-            forward.extend(self.model, cache, ids[start:stop], self.config.prefill_chunk)
-            self.prefix.store(cache, ids[:stop], "prompt" if stop == len(ids) else "boundary")
-            start = stop
-        return cache, cached
+        return cache, self.prefiller.fill(self.model, cache, ids)
+
+    def draft_prefiller(self, model: CausalLM) -> Prefiller:
+        """A draft model's own prefix cache (a quarter of the target's budget): its prefill of a
+        repeated prompt is skipped too."""
+        key = id(model)
+        if key not in self._draft_prefillers:
+            attention_only = all(model.args.layer_is_attention)
+            prefix = PrefixCache(self.config.prefix_cache_bytes // 4, self.config.prefix_cache,
+                                 trimmable=attention_only)
+            self._draft_prefillers[key] = Prefiller(prefix, self.checkpoints, self.config.prefill_chunk)
+        return self._draft_prefillers[key]
 
     def _final(self, tokens: list[int], reason: str, stats: Stats, t_start: float,
                logprobs: list[TokenLogprob] | None = None) -> Step:

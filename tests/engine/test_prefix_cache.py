@@ -89,3 +89,29 @@ def test_cancelled_request_leaves_no_corrupt_snapshot(engines):
 def test_disabled_stores_nothing():
     cache = PrefixCache(1 << 20, enabled=False)
     assert cache.lookup([1, 2, 3]) == (None, 0)
+
+
+def test_periodic_snapshots_let_an_edited_end_resume(tiny_qwen35):
+    """A long prompt whose end changes resumes from the last snapshot before the change
+    (engine/prefill.py: every `snapshot_every` tokens), with the same output as a cold run."""
+    engine = Engine(EngineConfig(model_path=str(tiny_qwen35), prefill_chunk=16, snapshot_every=32))
+    cold = engine_for(tiny_qwen35, False)
+    long = [int(t) for t in np.random.RandomState(9).randint(20, 500, size=150)]
+    run(engine, long, GREEDY)
+    edited = long[:-5] + [7, 8, 9]
+    tokens, stats = run(engine, edited, GREEDY)
+    assert stats.cached_tokens == 128  # the last multiple of 32 before the edit
+    assert tokens == run(cold, edited, GREEDY)[0]
+
+
+def test_the_draft_model_resumes_from_its_own_prefix_cache(tiny_qwen35, tiny_draft):
+    engine = Engine(EngineConfig(model_path=str(tiny_qwen35), prefill_chunk=16,
+                                 spec=SpecConfig(method="draft", draft_model=str(tiny_draft), adaptive=False)))
+    cold = engine_for(tiny_qwen35, False)
+    spec = SpecConfig(method="draft", draft_model=str(tiny_draft), budget=6, max_depth=4, adaptive=False)
+    first, _ = run(engine, PROMPT, GREEDY, spec)
+    draft_prefix = engine.draft_prefiller(engine.draft_model(str(tiny_draft))).prefix
+    snapshot, length = draft_prefix.lookup(PROMPT[:-1])
+    assert snapshot is not None and length == len(PROMPT) - 1  # stored by the first request's prefill
+    again, stats = run(engine, PROMPT, GREEDY, spec)
+    assert again == first == run(cold, PROMPT, GREEDY)[0] and stats.drafted > 0
