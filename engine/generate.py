@@ -116,8 +116,8 @@ class Engine:
         stats = Stats(prompt_tokens=len(req.prompt_ids))
         t_start = time.perf_counter()
         cache, stats.cached_tokens = self._prefill(req.prompt_ids[:-1])
+        drafter.begin(req.prompt_ids)  # a draft model's prefill is part of the prompt's time too
         stats.prompt_ms = _ms_since(t_start)
-        drafter.begin(req.prompt_ids)
         seq = Sequence(tokens=list(req.prompt_ids), covered=len(req.prompt_ids) - 1, prompt_len=len(req.prompt_ids))
         rounds = Rounds(self.model, cache, seq, params, seed, spec, drafter, stats, grammar)
         try:

@@ -26,7 +26,7 @@ class Stats:
 
     prompt_tokens: int = 0
     cached_tokens: int = 0
-    prompt_ms: float = 0.0  # prefill of the prompt (all but its last token)
+    prompt_ms: float = 0.0  # prefill of the prompt (all but its last token), the draft model's included
     ttft_ms: float = 0.0  # request start to the first emitted token
     generated_tokens: int = 0
     decode_ms: float = 0.0

@@ -340,6 +340,7 @@ def timings_block(stats: Stats) -> dict:
         "prompt_ms": round(stats.prompt_ms, 3),
         "prompt_per_token_ms": round(stats.prompt_ms / prompt_n, 3) if prompt_n else 0.0,
         "prompt_per_second": round(stats.prefill_tps, 3),
+        "ttft_ms": round(stats.ttft_ms, 3),  # the request's start on the engine thread to its first token
         "predicted_n": stats.generated_tokens,
         "predicted_ms": round(stats.decode_ms, 3),
         "predicted_per_token_ms": round(stats.decode_ms / stats.generated_tokens, 3) if stats.generated_tokens

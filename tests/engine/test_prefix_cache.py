@@ -60,10 +60,12 @@ def test_next_chat_turn_reuses_previous(tiny_qwen35):
     out, _ = run(engine, turn1, SamplingParams(max_tokens=12))
     msgs += [{"role": "assistant", "content": engine.tokenizer.decode(out)}, {"role": "user", "content": "again"}]
     turn2 = engine.tokenizer.encode(template.render(msgs, opts))
-    _, stats = run(engine, turn2, SamplingParams(max_tokens=4))
+    second, stats = run(engine, turn2, SamplingParams(max_tokens=16))
     # at least the system + first user message come from the cache
     head = template.render(msgs[:2], opts).split("<|im_start|>assistant")[0]
     assert stats.cached_tokens >= len(engine.tokenizer.encode(head))
+    # and the answer resumed from them is the answer of a cold prefill
+    assert second == run(engine_for(tiny_qwen35, False), turn2, SamplingParams(max_tokens=16))[0]
 
 
 def test_budget_is_respected(tiny_qwen35):
