@@ -97,14 +97,15 @@ def main() -> None:
         for _ in range(a.runs):
             for m, spec in specs.items():  # interleaved: noise hits all methods alike
                 results[m].append(one(engine, prompt, spec, a.tokens, base))
-        base = statistics.median(r[0] for r in results["none"])
+        plain_tps = statistics.median(r[0] for r in results["none"])
         ref_tokens = results["none"][0][2]
         for m, rs in results.items():
             tps = statistics.median(r[0] for r in rs)
             tpf = statistics.median(r[1] for r in rs)
             same = all(r[2] == ref_tokens for r in rs)
             share = distinct_ngram_share(rs[0][2])
-            print(f"{kind:10} {m:10} {tps:7.1f} {tpf:8.2f} {tps / base:7.2f}x {share:7.2f}  {'yes' if same else 'NO'}",
+            ratio = tps / plain_tps
+            print(f"{kind:10} {m:10} {tps:7.1f} {tpf:8.2f} {ratio:7.2f}x {share:7.2f}  {'yes' if same else 'NO'}",
                   flush=True)
 
 
