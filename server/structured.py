@@ -13,7 +13,8 @@ Grammars are Lark text (llguidance's dialect):
   the classic way a constrained model loops).
 - Tool calls, in the format of the model's chat template: Qwen3.5's XML
   (`<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n</function>\\n</tool_call>`,
-  string values as raw text, others as JSON) or the JSON body of Qwen3 / Hermes templates
+  string values as raw text (their enum, const, minLength and maxLength enforced; a pattern or
+  format is not), others as JSON) or the JSON body of Qwen3 / Hermes templates
   (`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`). Parameters come in the
   schema's order, required ones always, optional ones optionally.
 - tool_choice "auto": free text (any tokens but the `<tool_call>` token), then optionally calls;
@@ -145,10 +146,13 @@ def _xml_value(rule: str, schema: Any, param: str, rules: list[str]) -> str:
         choices = schema.get("enum", [schema["const"]] if "const" in schema else None)
         if isinstance(choices, list) and choices and all(isinstance(c, str) for c in choices):
             return "(" + " | ".join(_lit(c + closing) for c in choices) + ")"
-        if set(schema) <= {"type", "description", "title", "default", "examples"}:
-            # lazy: the value ends at the first closing tag
-            rules.append(f"{rule}[lazy]: /(.|\\n)*\\n<\\/parameter>\\n/")
-            return rule
+        json_rule(schema, param)  # still a schema llguidance can read
+        low, high = schema.get("minLength", 0), schema.get("maxLength")
+        count = f"{{{int(low)},{int(high)}}}" if isinstance(high, int) else f"{{{int(low)},}}" if low else "*"
+        # lazy: the value ends at the first closing tag. A pattern or format is not enforced on raw
+        # text (the module docstring says so).
+        rules.append(f"{rule}[lazy]: /(.|\\n){count}\\n<\\/parameter>\\n/")
+        return rule
     return f"{json_rule(schema, param)} {_lit(closing)}"
 
 

@@ -176,3 +176,30 @@ def test_bad_tool_and_format_requests_are_400(live_server, extra, param):
 def test_response_format_text_is_free(client):
     r = client.chat.completions.create(model="m", messages=MSG, max_tokens=2, response_format={"type": "text"})
     assert r.choices[0].finish_reason == "length"
+
+
+def test_required_tool_calls_follow_the_declared_schemas(client):
+    """tool_choice required on the tiny random model: every call names a declared tool and its
+    arguments match that tool's schema (raw-text strings bounded by maxLength, an enum, an integer
+    range, a boolean), which the model could not write by luck."""
+    book = {"type": "function", "function": {"name": "book_room", "parameters": {
+        "type": "object", "properties": {"code": {"type": "string", "maxLength": 3},
+                                         "floor": {"type": "integer", "minimum": 1, "maximum": 9},
+                                         "view": {"type": "string", "enum": ["sea", "city"]},
+                                         "late": {"type": "boolean"}},
+        "required": ["code", "floor", "view"]}}}
+    r = client.chat.completions.create(model="m", messages=MSG, tools=[book, TIME], tool_choice="required",
+                                       max_tokens=120, temperature=0.8, seed=3, parallel_tool_calls=False,
+                                       extra_body=OFF)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0]
+    args = json.loads(call.function.arguments)
+    if call.function.name == "get_time":
+        assert args == {}
+    else:
+        assert call.function.name == "book_room" and {"code", "floor", "view"} <= set(args) <= {
+            "code", "floor", "view", "late"}
+        assert isinstance(args["code"], str) and len(args["code"]) <= 3
+        assert isinstance(args["floor"], int) and 1 <= args["floor"] <= 9 and args["view"] in ("sea", "city")
+        assert isinstance(args.get("late", False), bool)
