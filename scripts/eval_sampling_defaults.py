@@ -1,6 +1,6 @@
 """Does a sampling setting keep the bundled model from looping? Distinct word 8-grams of answers.
 
-    python scripts/eval_sampling_defaults.py [--tokens 256] [--prompts 3] [--seeds 2]
+    LD_PRELOAD=<openblas libblas.so.3> python scripts/eval_sampling_defaults.py [--tokens 256] [--prompts 2] [--seeds 2]
 
 For each setting, every prompt of the bench's code / code-edit / chat classes (thinking off) is
 answered with each seed; reported: the median share of distinct word 8-grams (1.0 = no 8-gram
