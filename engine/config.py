@@ -30,9 +30,14 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence in the generated tokens
     logprobs: int | None = None  # None = off; k = chosen token's logprob + top-k alternatives
     logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI: (token id, bias in [-100, 100]) added to logits
+    # HF / vLLM: logits of tokens seen in the prompt or the output so far are divided by it (> 0) or
+    # multiplied by it (<= 0); 1 = off
+    repetition_penalty: float = 1.0
+    # an llguidance grammar (engine/grammar.py) the output must follow, decided per token on the host
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty"):
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.temperature < 0:
@@ -55,6 +60,8 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if self.max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
 
     @property
     def greedy(self) -> bool:
@@ -66,8 +73,9 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether logits change before sampling (bias, penalties): then tokens are chosen on the host."""
-        return self.penalized or bool(self.logit_bias)
+        """Whether logits change before sampling (bias, penalties, a grammar's mask): then tokens are
+        chosen on the host."""
+        return self.penalized or bool(self.logit_bias) or self.repetition_penalty != 1.0 or self.grammar is not None
 
 
 @dataclass(frozen=True)
@@ -101,12 +109,15 @@ class EngineConfig:
     spec: SpecConfig = field(default_factory=SpecConfig)
     prefix_cache: bool = True
     prefix_cache_bytes: int = 2 << 30
+    snapshot_every: int = 1024  # prefill snapshots every this many prompt tokens (engine/prefill.py); 0 = off
 
     def __post_init__(self) -> None:
         if self.max_context < 1:
             raise ValueError(f"max_context must be >= 1, got {self.max_context}")
         if self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+        if self.snapshot_every < 0:
+            raise ValueError(f"snapshot_every must be >= 0, got {self.snapshot_every}")
         if self.prefix_cache_bytes < 0:
             raise ValueError(f"prefix_cache_bytes must be >= 0, got {self.prefix_cache_bytes}")
         if self.dtype not in DTYPE_NAMES:

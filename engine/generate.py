@@ -12,16 +12,19 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from engine import forward
 from engine.cache import LayerCache
 from engine.config import EngineConfig, SamplingParams, SpecConfig
 from engine.drafters import make_drafter
 from engine.drafters.base import Drafter
+from engine.embedding import embed_step
+from engine.grammar import GrammarError, GrammarState, GrammarTokenizer
 from engine.loader import load_model
 from engine.memory import MemoryReport, cache_nbytes
 from engine.models.base import CausalLM
+from engine.prefill import CheckpointRule, Prefiller
 from engine.prefix_cache import PrefixCache
 from engine.round import InFlight, Rounds, Sequence
+from engine.sampling_defaults import read_sampling_defaults
 from engine.tokenizer import Tokenizer
 from engine.types import GenerationRequest, Stats, Step, TokenLogprob
 
@@ -45,7 +48,11 @@ class Engine:
         self._draft_bytes = 0
         attention_only = all(self.model.args.layer_is_attention)
         self.prefix = PrefixCache(config.prefix_cache_bytes, config.prefix_cache, trimmable=attention_only)
-        self.boundary_id = self.tokenizer.token_id("<|im_start|>")
+        self.checkpoints = CheckpointRule.of(self.tokenizer, config.snapshot_every)
+        self.prefiller = Prefiller(self.prefix, self.checkpoints, config.prefill_chunk)
+        self._draft_prefillers: dict[int, Prefiller] = {}
+        self.sampling_defaults = read_sampling_defaults(Path(config.model_path))
+        self._grammar_tokenizer: GrammarTokenizer | None = None
 
     def draft_model(self, path: str | None) -> CausalLM:
         """The draft model at `path` (or the configured / bundled default), loaded once."""
@@ -65,7 +72,7 @@ class Engine:
 
     def memory(self) -> MemoryReport:
         return MemoryReport(self.dtype, self.weights_bytes, self._draft_bytes, self.last_cache_bytes,
-                            self.prefix.nbytes)
+                            self.prefix.nbytes + sum(p.prefix.nbytes for p in self._draft_prefillers.values()))
 
     def check_request(self, req: GenerationRequest) -> None:
         ids = req.prompt_ids
@@ -84,22 +91,35 @@ class Engine:
         """Run one request; `drafter` overrides the one the spec settings pick (tests, benchmarks).
         Checks and drafter set-up happen here, eagerly; decoding when the iterator is consumed."""
         self.check_request(req)
+        if req.embed:
+            return iter([embed_step(self.model, req.prompt_ids, self.config.prefill_chunk)])
         spec = req.spec or self.config.spec
         eos = () if req.sampling.ignore_eos else self.tokenizer.eos_token_ids
         params = dataclasses.replace(
             req.sampling, stop_token_ids=tuple(sorted(set(req.sampling.stop_token_ids) | set(eos))))
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-        return self._run(req, params, seed, spec, drafter or make_drafter(self, spec))
+        grammar = self.grammar_state(params.grammar) if params.grammar is not None else None
+        return self._run(req, params, seed, spec, drafter or make_drafter(self, spec), grammar)
+
+    def grammar_state(self, grammar: str) -> GrammarState:
+        """A fresh state of `grammar` over this model's tokenizer (built on first use)."""
+        if self._grammar_tokenizer is None:
+            self._grammar_tokenizer = GrammarTokenizer(Path(self.config.model_path) / "tokenizer.json",
+                                                       self.vocab_size, self.tokenizer.eos_token_ids)
+        try:
+            return self._grammar_tokenizer.state(grammar)
+        except GrammarError as e:
+            raise RequestError(str(e)) from None
 
     def _run(self, req: GenerationRequest, params: SamplingParams, seed: int, spec: SpecConfig,
-             drafter: Drafter) -> Iterator[Step]:
+             drafter: Drafter, grammar: GrammarState | None = None) -> Iterator[Step]:
         stats = Stats(prompt_tokens=len(req.prompt_ids))
         t_start = time.perf_counter()
         cache, stats.cached_tokens = self._prefill(req.prompt_ids[:-1])
+        drafter.begin(req.prompt_ids)  # a draft model's prefill is part of the prompt's time too
         stats.prompt_ms = _ms_since(t_start)
-        drafter.begin(req.prompt_ids)
         seq = Sequence(tokens=list(req.prompt_ids), covered=len(req.prompt_ids) - 1, prompt_len=len(req.prompt_ids))
-        rounds = Rounds(self.model, cache, seq, params, seed, spec, drafter, stats)
+        rounds = Rounds(self.model, cache, seq, params, seed, spec, drafter, stats, grammar)
         try:
             yield from self._decode(req, params, rounds, seq, stats, t_start)
         finally:
@@ -139,17 +159,21 @@ class Engine:
             flight = ahead
 
     def _prefill(self, ids: list[int]) -> tuple[list[LayerCache], int]:
-        """Fresh caches holding `ids` (the prompt but its last token): resume from the prefix
-        cache, prefill the rest in chunks, snapshot at chat-message boundaries and at the end."""
+        """Fresh caches holding `ids` (the prompt but its last token), through the prefix cache
+        (engine/prefill.py: snapshots at turns, FIM markers, every N tokens and the end)."""
         cache = self.model.make_cache()
-        cached = self.prefix.restore_longest(ids, cache)
-        cuts = [p for p in range(cached + 1, len(ids)) if ids[p] == self.boundary_id][-2:]
-        start = cached
-        for stop in [*cuts, len(ids)]:
-            forward.extend(self.model, cache, ids[start:stop], self.config.prefill_chunk)
-            self.prefix.store(cache, ids[:stop], "prompt" if stop == len(ids) else "boundary")
-            start = stop
-        return cache, cached
+        return cache, self.prefiller.fill(self.model, cache, ids)
+
+    def draft_prefiller(self, model: CausalLM) -> Prefiller:
+        """A draft model's own prefix cache (a quarter of the target's budget): its prefill of a
+        repeated prompt is skipped too."""
+        key = id(model)
+        if key not in self._draft_prefillers:
+            attention_only = all(model.args.layer_is_attention)
+            prefix = PrefixCache(self.config.prefix_cache_bytes // 4, self.config.prefix_cache,
+                                 trimmable=attention_only)
+            self._draft_prefillers[key] = Prefiller(prefix, self.checkpoints, self.config.prefill_chunk)
+        return self._draft_prefillers[key]
 
     def _final(self, tokens: list[int], reason: str, stats: Stats, t_start: float,
                logprobs: list[TokenLogprob] | None = None) -> Step:

@@ -12,9 +12,12 @@ from engine.config import SamplingParams
 from engine.types import TokenLogprob
 
 
-def adjust_logits(logits: np.ndarray, generated: Iterable[int], params: SamplingParams) -> np.ndarray:
+def adjust_logits(logits: np.ndarray, generated: Iterable[int], params: SamplingParams,
+                  prompt_seen: frozenset[int] = frozenset()) -> np.ndarray:
     """logits + logit_bias - frequency_penalty * count(t) - presence_penalty * [count(t) > 0], the
-    counts over the tokens generated so far in this completion (float64 copy; input unchanged)."""
+    counts over the tokens generated so far in this completion; then the repetition penalty on the
+    tokens generated or in `prompt_seen` (the prompt's tokens), whose sign test sees the adjusted
+    logit. float64 copy; the input is unchanged."""
     out = np.array(logits, dtype=np.float64)
     for tok, bias in params.logit_bias:
         out[tok] += bias
@@ -23,6 +26,12 @@ def adjust_logits(logits: np.ndarray, generated: Iterable[int], params: Sampling
         ids = np.fromiter(counts.keys(), dtype=np.int64, count=len(counts))
         n = np.fromiter(counts.values(), dtype=np.float64, count=len(counts))
         out[ids] -= params.frequency_penalty * n + params.presence_penalty
+    if params.repetition_penalty != 1.0:
+        seen = prompt_seen.union(counts)
+        if seen:
+            ids = np.fromiter(seen, dtype=np.int64, count=len(seen))
+            x = out[ids]
+            out[ids] = np.where(x > 0, x / params.repetition_penalty, x * params.repetition_penalty)
     return out
 
 

@@ -28,6 +28,7 @@ from engine.config import SamplingParams, SpecConfig
 from engine.drafters.base import Drafter, NoDrafter, skip_round
 from engine.logits_extras import token_logprobs
 from engine.models.base import CausalLM
+from engine.sampler import TokenConstraint
 from engine.spec_control import SpecController
 from engine.tree import DraftTree
 from engine.types import Stats, TokenLogprob
@@ -73,9 +74,14 @@ class Rounds:
     """The rounds of one generation against the target's caches."""
 
     def __init__(self, model: CausalLM, cache: list[LayerCache], seq: Sequence, params: SamplingParams,
-                 seed: int, spec: SpecConfig, drafter: Drafter, stats: Stats) -> None:
+                 seed: int, spec: SpecConfig, drafter: Drafter, stats: Stats,
+                 constraint: TokenConstraint | None = None) -> None:
         self.model, self.cache, self.seq = model, cache, seq
         self.params, self.seed, self.spec, self.drafter, self.stats = params, seed, spec, drafter, stats
+        self.constraint = constraint  # a grammar (params.grammar), walked along the accepted path
+        # the repetition penalty also looks at the prompt's tokens
+        self.prompt_seen = frozenset(seq.tokens[: seq.prompt_len]) if params.repetition_penalty != 1.0 \
+            else frozenset()
         # without host-side logit work every node's choice is made on the device
         self.on_device = not params.adjusts_logits and params.logprobs is None
         self.pipelined = self.on_device and isinstance(drafter, NoDrafter)
@@ -125,7 +131,8 @@ class Rounds:
             acc = sampler.accept_walk(tree, lambda node: int(choices[node]), params.stop_token_ids)
         else:
             host_logits = np.array(flight.logits.astype(mx.float32))
-            acc = sampler.accept(tree, host_logits, params, self.seed, flight.committed_len, self.seq.generated)
+            acc = sampler.accept(tree, host_logits, params, self.seed, flight.committed_len, self.seq.generated,
+                                 self.constraint, self.prompt_seen)
         t2 = time.perf_counter()
         if not flight.committed:
             forward.commit(self.cache, acc.path)

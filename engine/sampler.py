@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -210,9 +211,20 @@ def accept_walk(tree: DraftTree, choose: Callable[[int], int], stop_token_ids: t
         node = child
 
 
+class TokenConstraint(Protocol):
+    """Which tokens may come next (a grammar, engine/grammar.py), advanced by each chosen token."""
+
+    def allowed(self) -> np.ndarray:
+        """bool [vocab] for the next position."""
+
+    def advance(self, token: int) -> None:
+        """The token chosen at that position."""
+
+
 def accept(
     tree: DraftTree, logits: np.ndarray, params: SamplingParams, seed: int | None, committed_len: int,
-    generated: Sequence[int] = (),
+    generated: Sequence[int] = (), constraint: TokenConstraint | None = None,
+    prompt_seen: frozenset[int] = frozenset(),
 ) -> Acceptance:
     """One accept round over verify logits [N, V] (row i = target logits after node i).
 
@@ -220,7 +232,11 @@ def accept(
     committed_len + depth_i + 1, which makes the emitted tokens identical to
     plain seeded sampling of the same target. Logit bias applies to every node;
     presence/frequency penalties count `generated` (this completion's tokens so
-    far) plus the tree tokens on the node's path, as plain decoding would.
+    far) plus the tree tokens on the node's path, as plain decoding would (the
+    repetition penalty also `prompt_seen`). A constraint masks every node the
+    walk visits, in walk order, and advances by every chosen token: the walk
+    visits exactly the nodes of the emitted path, so each node's mask is the
+    one plain decoding would use after the same tokens.
     """
     logits = np.asarray(logits)
     if logits.ndim != 2 or logits.shape[0] != tree.size:
@@ -235,7 +251,12 @@ def accept(
         row = logits[node]
         if params.adjusts_logits:
             path_tokens = [tree.tokens[j] for j in tree.path_to(node)[1:]]
-            row = adjust_logits(row, [*generated, *path_tokens], params)
-        return sample_token(row, params, seed, committed_len + int(depths[node]) + 1)
+            row = adjust_logits(row, [*generated, *path_tokens], params, prompt_seen)
+        if constraint is not None:
+            row = np.where(constraint.allowed()[: row.shape[0]], row, -np.inf)
+        y = sample_token(row, params, seed, committed_len + int(depths[node]) + 1)
+        if constraint is not None:
+            constraint.advance(y)
+        return y
 
     return accept_walk(tree, choose, params.stop_token_ids)

@@ -17,6 +17,7 @@ class GenerationRequest:
     spec: SpecConfig | None = None  # None = the engine's default
     request_id: str = ""
     cancel: threading.Event = field(default_factory=threading.Event)
+    embed: bool = False  # no generation: one Step with the prompt's embedding (engine/embedding.py)
 
 
 @dataclass
@@ -25,7 +26,7 @@ class Stats:
 
     prompt_tokens: int = 0
     cached_tokens: int = 0
-    prompt_ms: float = 0.0  # prefill of the prompt (all but its last token)
+    prompt_ms: float = 0.0  # prefill of the prompt (all but its last token), the draft model's included
     ttft_ms: float = 0.0  # request start to the first emitted token
     generated_tokens: int = 0
     decode_ms: float = 0.0
@@ -70,3 +71,4 @@ class Step:
     finish_reason: str | None = None  # "stop" | "length" | "cancelled" | None
     stats: Stats | None = None  # set on the final step
     logprobs: list[TokenLogprob] | None = None  # aligned with token_ids when requested
+    embedding: list[float] | None = None  # an embed request's answer

@@ -1,10 +1,14 @@
-"""Write a tiny random checkpoint with HF `transformers` (the real on-disk format).
+"""Write a tiny random checkpoint in HF's on-disk format (config.json + model.safetensors).
 
-Used by tests and benchmarks: no weights can be downloaded, so every checkpoint the
-loader is tested on is one that transformers itself saved.
+Used by tests and benchmarks: no weights can be downloaded. Two writers make the same files (names,
+shapes, config keys) from different random numbers:
+- `--backend numpy` (the default): NumPy and safetensors only, so the test suite needs no torch;
+  the parity tests (tests/engine/test_parity.py) load its output with transformers, which checks
+  that the format is the real one;
+- `--backend transformers`: the model built and saved by HF transformers itself (needs torch).
 
     python scripts/make_tiny_checkpoint.py OUT_DIR [--kind qwen3_5|qwen3_5_cg|qwen3]
-        [--hidden 64 --layers 4 --vocab 512 --seed 0 --dtype float32]
+        [--hidden 64 --layers 4 --vocab 512 --seed 0 --dtype float32] [--backend numpy|transformers]
 """
 
 from __future__ import annotations
@@ -71,6 +75,131 @@ def text_config_kwargs(a) -> dict:
     )
 
 
+def layer_is_attention(a, i: int) -> bool:
+    return a.kind == "qwen3" or (i + 1) % a.full_every == 0
+
+
+def text_config(a) -> dict:
+    """The text config as transformers writes it (Qwen3_5TextConfig / Qwen3Config)."""
+    kw = text_config_kwargs(a)
+    types = ["full_attention" if layer_is_attention(a, i) else "linear_attention" for i in range(a.layers)]
+    cfg = {**kw, "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": None, "eos_token_id": None,
+           "hidden_act": "silu", "initializer_range": 0.02, "layer_types": types, "pad_token_id": None,
+           "use_cache": True}
+    if a.kind == "qwen3":
+        return {**cfg, "model_type": "qwen3", "max_window_layers": 28, "sliding_window": None,
+                "use_sliding_window": False, "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}}
+    return {**cfg, "model_type": "qwen3_5_text", "linear_conv_kernel_dim": 4, "linear_key_head_dim": a.linear_dim,
+            "linear_num_key_heads": a.linear_k_heads, "linear_num_value_heads": a.linear_v_heads,
+            "linear_value_head_dim": a.linear_dim,
+            "rope_parameters": {"partial_rotary_factor": 0.25, "rope_theta": 1e7, "rope_type": "default"}}
+
+
+# A vision tower far smaller than Qwen3.5's (which the loader skips anyway), that transformers loads.
+VISION = {"depth": 1, "hidden_act": "gelu_pytorch_tanh", "hidden_size": 16, "in_channels": 3,
+          "initializer_range": 0.02, "intermediate_size": 32, "model_type": "qwen3_5_vision", "num_heads": 2,
+          "num_position_embeddings": 16, "patch_size": 4, "rope_parameters": {"rope_theta": 10000.0,
+                                                                              "rope_type": "axial"},
+          "spatial_merge_size": 2, "temporal_patch_size": 2}
+
+
+def numpy_shapes(a) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape, as transformers names them (model.* for CausalLM, model.language_model.*
+    and model.visual.* for ConditionalGeneration)."""
+    kw = text_config_kwargs(a)
+    H, I, V = kw["hidden_size"], kw["intermediate_size"], kw["vocab_size"]
+    nh, kv, hd = kw["num_attention_heads"], kw["num_key_value_heads"], kw["head_dim"]
+    hk, hv, d = a.linear_k_heads, a.linear_v_heads, a.linear_dim
+    base = "model.language_model" if a.kind == "qwen3_5_cg" else "model"
+    shapes: dict[str, tuple[int, ...]] = {f"{base}.embed_tokens.weight": (V, H), f"{base}.norm.weight": (H,)}
+    if not a.tied:
+        shapes["lm_head.weight"] = (V, H)
+    for i in range(a.layers):
+        L = f"{base}.layers.{i}"
+        shapes.update({f"{L}.input_layernorm.weight": (H,), f"{L}.post_attention_layernorm.weight": (H,),
+                       f"{L}.mlp.gate_proj.weight": (I, H), f"{L}.mlp.up_proj.weight": (I, H),
+                       f"{L}.mlp.down_proj.weight": (H, I)})
+        if layer_is_attention(a, i):
+            q = nh * hd * (1 if a.kind == "qwen3" else 2)  # Qwen3.5 interleaves an output gate per head
+            shapes.update({f"{L}.self_attn.q_proj.weight": (q, H), f"{L}.self_attn.k_proj.weight": (kv * hd, H),
+                           f"{L}.self_attn.v_proj.weight": (kv * hd, H), f"{L}.self_attn.o_proj.weight": (H, nh * hd),
+                           f"{L}.self_attn.q_norm.weight": (hd,), f"{L}.self_attn.k_norm.weight": (hd,)})
+        else:
+            conv = 2 * hk * d + hv * d
+            shapes.update({f"{L}.linear_attn.A_log": (hv,), f"{L}.linear_attn.dt_bias": (hv,),
+                           f"{L}.linear_attn.conv1d.weight": (conv, 1, 4),
+                           f"{L}.linear_attn.in_proj_qkv.weight": (conv, H),
+                           f"{L}.linear_attn.in_proj_z.weight": (hv * d, H),
+                           f"{L}.linear_attn.in_proj_a.weight": (hv, H), f"{L}.linear_attn.in_proj_b.weight": (hv, H),
+                           f"{L}.linear_attn.norm.weight": (d,), f"{L}.linear_attn.out_proj.weight": (H, hv * d)})
+    if a.kind == "qwen3_5_cg":
+        shapes.update(vision_shapes(H))
+    return shapes
+
+
+def vision_shapes(out_hidden: int) -> dict[str, tuple[int, ...]]:
+    h, i, m = VISION["hidden_size"], VISION["intermediate_size"], VISION["spatial_merge_size"]
+    merged = h * m * m
+    out: dict[str, tuple[int, ...]] = {
+        "model.visual.patch_embed.proj.weight": (h, VISION["in_channels"], VISION["temporal_patch_size"],
+                                                 VISION["patch_size"], VISION["patch_size"]),
+        "model.visual.patch_embed.proj.bias": (h,),
+        "model.visual.pos_embed.weight": (VISION["num_position_embeddings"], h),
+        "model.visual.merger.norm.weight": (h,), "model.visual.merger.norm.bias": (h,),
+        "model.visual.merger.linear_fc1.weight": (merged, merged), "model.visual.merger.linear_fc1.bias": (merged,),
+        "model.visual.merger.linear_fc2.weight": (out_hidden, merged),
+        "model.visual.merger.linear_fc2.bias": (out_hidden,),
+    }
+    for b in range(VISION["depth"]):
+        B = f"model.visual.blocks.{b}"
+        out.update({f"{B}.attn.qkv.weight": (3 * h, h), f"{B}.attn.qkv.bias": (3 * h,),
+                    f"{B}.attn.proj.weight": (h, h), f"{B}.attn.proj.bias": (h,),
+                    f"{B}.mlp.linear_fc1.weight": (i, h), f"{B}.mlp.linear_fc1.bias": (i,),
+                    f"{B}.mlp.linear_fc2.weight": (h, i), f"{B}.mlp.linear_fc2.bias": (h,),
+                    f"{B}.norm1.weight": (h,), f"{B}.norm1.bias": (h,), f"{B}.norm2.weight": (h,),
+                    f"{B}.norm2.bias": (h,)})
+    return out
+
+
+def random_tensor(name: str, shape: tuple[int, ...], rng):
+    """float64 values drawn as randomize() below draws them (zero-centred norms randomised, so the
+    +1 conversion is tested)."""
+    import numpy as np
+
+    if name.startswith("model.visual."):
+        return rng.standard_normal(shape) * 0.02
+    if name.endswith("norm.weight") and "linear_attn.norm" not in name:
+        return rng.standard_normal(shape) * 0.1
+    if "linear_attn.norm.weight" in name or name.endswith("dt_bias"):
+        return 1.0 + rng.standard_normal(shape) * 0.1
+    if name.endswith("A_log"):
+        return np.log(rng.uniform(0.5, 8.0, shape))
+    return rng.standard_normal(shape) * 0.05
+
+
+def write_numpy(a, out: Path) -> None:
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    if a.dtype not in ("float32", "float16"):
+        sys.exit(f"--backend numpy writes float32 or float16, not {a.dtype} (use --backend transformers)")
+    rng = np.random.default_rng(a.seed)
+    tensors = {name: random_tensor(name, shape, rng).astype(a.dtype) for name, shape in numpy_shapes(a).items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    text = text_config(a)
+    if a.kind == "qwen3_5_cg":
+        config = {"architectures": ["Qwen3_5ForConditionalGeneration"], "dtype": a.dtype, "image_token_id": 248056,
+                  "model_type": "qwen3_5", "text_config": {**text, "tie_word_embeddings": a.tied},
+                  "tie_word_embeddings": a.tied, "video_token_id": 248057,
+                  "vision_config": {**VISION, "out_hidden_size": text["hidden_size"]},
+                  "vision_end_token_id": 248054, "vision_start_token_id": 248053}
+    else:
+        arch = "Qwen3ForCausalLM" if a.kind == "qwen3" else "Qwen3_5ForCausalLM"
+        config = {"architectures": [arch], "dtype": a.dtype, **text}
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    (out / "generation_config.json").write_text(json.dumps({"_from_model_config": True, "use_cache": True}, indent=2))
+
+
 def build_model(a):
     import torch
     import transformers as tf
@@ -134,6 +263,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--linear-v-heads", type=int, default=4)
     ap.add_argument("--linear-dim", type=int, default=16)
     ap.add_argument("--preset", choices=["mid"], help="mid: the decode benchmark's 150M model")
+    ap.add_argument("--backend", choices=["numpy", "transformers"], default="numpy",
+                    help="numpy (default: no torch needed) or transformers (HF builds and saves the model)")
     a = ap.parse_args(argv)
     if a.preset == "mid":  # hidden 1024, 8 layers (6 GDN + 2 attention), vocab 8192: ~150M params
         a.hidden, a.layers, a.vocab, a.heads, a.kv_heads, a.head_dim = 1024, 8, 8192, 8, 2, 128
@@ -142,8 +273,10 @@ def main(argv: list[str] | None = None) -> None:
     tok = train_tokenizer(a.vocab, stdlib_files(a.tokenizer_files))
     if tok.get_vocab_size() > a.vocab:
         sys.exit(f"tokenizer has {tok.get_vocab_size()} tokens, more than --vocab {a.vocab}")
-    model = build_model(a)
-    model.save_pretrained(a.out)
+    if a.backend == "numpy":
+        write_numpy(a, a.out)
+    else:
+        build_model(a).save_pretrained(a.out)
     write_tokenizer(a.out, tok, (HERE / "qwen35_chat_template.jinja").read_text())
     print(f"wrote {a.kind} checkpoint to {a.out}")
 

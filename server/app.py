@@ -19,10 +19,13 @@ from server import native_routes as native
 from server import openai_routes as oai
 from server.auth import APIKeyMiddleware
 from server.bridge import EngineBridge
+from server.embeddings import EmbeddingsRequest, embeddings_answer, plan_embeddings
 from server.errors import APIError, validation_error
 from server.http_guards import HostGuard, JSONContentTypeGuard, JSONCORSMiddleware
 from server.native_schemas import DetokenizeRequest, InfillRequest, NativeCompletionRequest, TokenizeRequest
 from server.planning import ServerOptions
+from server.responses import ResponsesRequest, chat_request, new_response_id, now, response_base
+from server.responses_output import ResponseRun, response_answer, response_stream
 from server.schemas import ChatCompletionRequest, CompletionRequest
 from server.service import MemoryRelease, Server, json_response, sse
 from server.streaming import ChunkContext
@@ -30,8 +33,12 @@ from server.streaming import ChunkContext
 log = logging.getLogger("spruce.server")
 
 
+# /v1/models/{id} answers to the served name and to this alias (the README's examples use it)
+MODEL_ALIAS = "spruce"
+
+
 def add_openai_routes(app: FastAPI, server: Server) -> None:
-    model = server.engine.model_id
+    model = server.model_name
 
     async def chat_completions(request: Request):
         body = await server.body(request, ChatCompletionRequest)
@@ -53,11 +60,30 @@ def add_openai_routes(app: FastAPI, server: Server) -> None:
         return await server.collect(job, request,
                                     oai.completion_answer(job, planned, ctx, server.tokenizer, server.texts))
 
+    async def embeddings(request: Request):
+        body = await server.body(request, EmbeddingsRequest)
+        requests = await server.off_loop(plan_embeddings, server.planner, body)
+        job = server.submit(requests)
+        return await server.collect(job, request, embeddings_answer(job, model, body.encoding_format))
+
+    async def responses(request: Request):
+        body = await server.body(request, ResponsesRequest)
+        history = server.responses.get(body.previous_response_id) if body.previous_response_id else []
+        chat, messages = await server.off_loop(chat_request, body, history)
+        plan = await server.off_loop(server.planner.chat, chat)
+        job = server.submit(plan.planned.requests)
+        base = response_base(body, new_response_id(), model, now())
+        run = ResponseRun(job, plan, base, messages, server.responses if body.store is not False else None,
+                          server.texts, server.tokenizer, server.engine.prefix.enabled)
+        if body.stream:
+            return sse(job, response_stream(run))
+        return await server.collect(job, request, response_answer(run))
+
     async def models():
         return {"object": "list", "data": [server.model_card()]}
 
     async def one_model(model_id: str):
-        if model_id != model:
+        if model_id not in (model, MODEL_ALIAS):
             raise APIError(f"The model `{model_id}` does not exist.", status=404, param="model",
                            code="model_not_found")
         return server.model_card()
@@ -74,13 +100,15 @@ def add_openai_routes(app: FastAPI, server: Server) -> None:
     for prefix in ("/v1", ""):
         app.add_api_route(f"{prefix}/chat/completions", chat_completions, methods=["POST"])
         app.add_api_route(f"{prefix}/completions", completions, methods=["POST"])
+        app.add_api_route(f"{prefix}/embeddings", embeddings, methods=["POST"])
+        app.add_api_route(f"{prefix}/responses", responses, methods=["POST"])
         app.add_api_route(f"{prefix}/models", models, methods=["GET", "HEAD"])
         app.add_api_route(f"{prefix}/models/{{model_id:path}}", one_model, methods=["GET", "HEAD"])
         app.add_api_route(f"{prefix}/health", health, methods=["GET", "HEAD"])
 
 
 def add_native_routes(app: FastAPI, server: Server) -> None:
-    model = server.engine.model_id
+    model = server.model_name
 
     async def run(request: Request, plan: native.NativePlan, stream: bool | None):
         job = server.submit(plan.planned.requests)

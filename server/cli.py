@@ -109,7 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                        help="allow browser requests from ORIGIN (repeatable; '*' for any); CORS is off by default")
     serve.add_argument("--max-tokens", type=int, default=None,
-                       help="most tokens one answer may generate, whatever the request asks (default: no cap)")
+                       help="tokens an answer gets when the request sets no limit, and the most any request may "
+                            "ask for (default: 4096 for requests that set none, no cap for those that do)")
+    serve.add_argument("--served-model-name", default=None, metavar="NAME",
+                       help="the model id /v1/models shows (default: the checkpoint's name); requests may name "
+                            "any model")
     serve.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
                        help="also answer requests whose Host header is NAME (repeatable); by default only "
                             "localhost and IP addresses are accepted, against DNS rebinding")
@@ -128,9 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(run)
     run.add_argument("-m", "--message", help="the prompt (default: read stdin)")
     run.add_argument("--max-tokens", type=int, default=512)
-    run.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    run.add_argument("--top-p", type=float, default=1.0)
-    run.add_argument("--top-k", type=int, default=0)
+    run.add_argument("--temperature", type=float, default=None,
+                     help="0 = greedy (default: the checkpoint's generation_config.json, else 0)")
+    run.add_argument("--top-p", type=float, default=None, help="default: the checkpoint's, else 1")
+    run.add_argument("--top-k", type=int, default=None, help="default: the checkpoint's, else 0 (off)")
     run.add_argument("--seed", type=int, default=None)
     run.add_argument("--no-chat", action="store_true", help="send the prompt as raw text, without the chat template")
     run.add_argument("--think", action="store_true", help="let the model think first (off by default for run)")
@@ -171,7 +176,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
             print(f"spruce: {note}", file=sys.stderr)
         warn_if_exposed(a.host, options.api_key)
         assert bridge.engine is not None  # start() returned: the model is loaded
-        print(f"spruce: serving {bridge.engine.model_id} on http://{url_host(a.host)}:{a.port}/v1"
+        name = options.served_model_name or bridge.engine.model_id
+        print(f"spruce: serving {name} on http://{url_host(a.host)}:{a.port}/v1"
               + (" (API key required)" if options.api_key else ""), file=sys.stderr)
         uv_config = SpruceConfig(create_app(bridge, options), log_level=a.log_level, lifespan="off",
                                  head_timeout_s=a.read_timeout, max_connections=a.max_connections)
@@ -216,7 +222,10 @@ def server_options(a: argparse.Namespace):
     if key is not None and not key.strip():
         raise CLIError("--api-key is empty")
     hosts = tuple(a.allowed_host) + ((a.host,) if not is_ip_literal(a.host) else ())
-    return ServerOptions(max_tokens_cap=a.max_tokens, api_key=key, cors_origins=tuple(a.cors_origin),
+    if a.served_model_name is not None and not a.served_model_name.strip():
+        raise CLIError("--served-model-name is empty")
+    return ServerOptions(max_tokens_cap=a.max_tokens, served_model_name=a.served_model_name, api_key=key,
+                         cors_origins=tuple(a.cors_origin),
                          allowed_hosts=hosts, check_host=not a.allow_any_host, show_model_path=a.show_model_path,
                          read_timeout_s=a.read_timeout)
 
@@ -268,9 +277,17 @@ def _run_request(engine, ids: list[int], a: argparse.Namespace):
     if len(ids) >= engine.config.max_context:
         raise CLIError(f"the prompt has {len(ids)} tokens; the context holds {engine.config.max_context} "
                        "(raise --max-context)")
+    d = engine.sampling_defaults  # generation_config.json: what the checkpoint's authors sample with
+
+    def pick(flag, default, fallback):
+        return flag if flag is not None else default if default is not None else fallback
+
     try:
-        sampling = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed,
-                                  max_tokens=a.max_tokens, stop_token_ids=engine.tokenizer.eos_token_ids)
+        sampling = SamplingParams(
+            temperature=pick(a.temperature, d.temperature, 0.0), top_p=pick(a.top_p, d.top_p, 1.0),
+            top_k=pick(a.top_k, d.top_k, 0), min_p=pick(None, d.min_p, 0.0),
+            repetition_penalty=pick(None, d.repetition_penalty, 1.0), seed=a.seed, max_tokens=a.max_tokens,
+            stop_token_ids=engine.tokenizer.eos_token_ids)
     except ValueError as e:
         raise CLIError(str(e)) from None
     return GenerationRequest(prompt_ids=ids, sampling=sampling, request_id="cli")
@@ -281,7 +298,7 @@ def _generate_and_print(engine, request) -> None:
 
     assembler = TextAssembler(engine.tokenizer, [], request.sampling.stop_token_ids)
     t0 = time.perf_counter()
-    first = stats = None
+    first = stats = finish = None
     try:
         steps = engine.generate(request)
     except ValueError as e:  # the engine refused the request (empty prompt, bad ids)
@@ -294,17 +311,22 @@ def _generate_and_print(engine, request) -> None:
             sys.stdout.write(delta.text)
             sys.stdout.flush()
             if delta.finish_reason is not None:
-                stats = delta.stats
+                stats, finish = delta.stats, delta.finish_reason
     finally:  # on Ctrl-C too: the engine's cleanup runs now, not whenever the generator is collected
         steps.close()
     sys.stdout.write("\n")
     sys.stdout.flush()
     if stats is not None:
-        print_stats(stats, first, time.perf_counter() - t0, engine.memory())
+        print_stats(stats, first, time.perf_counter() - t0, engine.memory(), finish)
 
 
-def print_stats(stats, ttft_s: float | None, duration_s: float, memory=None) -> None:
+FINISH_WORDS = {"stop": "stop (end of text)", "length": "length (--max-tokens or the context)"}
+
+
+def print_stats(stats, ttft_s: float | None, duration_s: float, memory=None, finish: str | None = None) -> None:
     lines = [
+        *([f"finish reason: {FINISH_WORDS.get(finish, finish)}"] if finish else []),
+        f"generated tokens: {stats.generated_tokens}",
         f"time to first token: {ttft_s if ttft_s is not None else duration_s:.2f} s",
         f"prompt tokens: {stats.prompt_tokens} ({stats.cached_tokens} from the prefix cache)",
         f"prefill speed: {stats.prefill_tps:.2f} t/s",

@@ -12,7 +12,18 @@ from typing import Annotated, Any, ClassVar
 from pydantic import Field, field_validator, model_validator
 
 from server.errors import APIError
-from server.schemas import INT64_MAX, INT64_MIN, MAX_STOPS, ChatMessage, Penalty, SpecRequest, StopString, StrictModel
+from server.schemas import (
+    INT64_MAX,
+    INT64_MIN,
+    MAX_STOPS,
+    ChatMessage,
+    Penalty,
+    SpecRequest,
+    StopString,
+    StrictModel,
+    TokenLimit,
+    WholeNumber,
+)
 
 MAX_N_CMPL = 8
 RANDOM_SEEDS = (-1, 0xFFFFFFFF)  # llama.cpp's "pick a random seed"
@@ -23,20 +34,21 @@ class NativeFields(StrictModel):
 
     default_temperature: ClassVar[float] = 0.8  # llama.cpp's default
     include_usage: ClassVar[bool] = False  # no OpenAI usage chunk in llama.cpp's stream
-    n_predict: Annotated[int, Field(ge=-1)] | None = None  # -1 = until EOS / context end; 0 = prompt only
-    max_tokens: Annotated[int, Field(ge=-1)] | None = None  # alias; n_predict wins
+    n_predict: TokenLimit | None = None  # -1 = until EOS / context end; 0 = prompt only
+    max_tokens: TokenLimit | None = None  # alias; n_predict wins
     temperature: Annotated[float, Field(ge=0.0, le=100.0)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, WholeNumber, Field(ge=-1)] | None = None
+    top_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None  # 0 = greedy
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
-    seed: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] | None = None
+    seed: Annotated[int, WholeNumber, Field(ge=INT64_MIN, le=INT64_MAX)] | None = None
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOPS)] | None = None
     stream: bool | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     ignore_eos: bool | None = None
-    n_cmpl: Annotated[int, Field(ge=1, le=MAX_N_CMPL)] | None = None  # llama.vscode asks for several
-    n_indent: Annotated[int, Field(ge=0)] | None = None
+    repeat_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None  # llama.cpp's repetition penalty
+    n_cmpl: Annotated[int, WholeNumber, Field(ge=1, le=MAX_N_CMPL)] | None = None  # llama.vscode asks for several
+    n_indent: Annotated[int, WholeNumber, Field(ge=0)] | None = None
     t_max_predict_ms: Annotated[float, Field(ge=0)] | None = None
     response_fields: list[str] | None = None
     spec: SpecRequest | None = None
@@ -50,6 +62,10 @@ class NativeFields(StrictModel):
     def requested_max_tokens(self) -> int | None:
         n = self.n_predict if self.n_predict is not None else self.max_tokens
         return None if n is None or n < 0 else n
+
+    @property
+    def repetition_penalty(self) -> float | None:
+        return self.repeat_penalty
 
     @property
     def stop_strings(self) -> list[str]:

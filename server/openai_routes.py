@@ -14,7 +14,6 @@ from engine.types import Stats
 from server.bridge import EngineFailure, Job
 from server.chat_output import ChatOutputParser, ChatPiece, merge_tool_calls
 from server.errors import APIError, error_body
-from server.json_format import answer_problem, parse_answer
 from server.logprobs import TokenTexts, chat_entries, legacy_block
 from server.planning import ChatPlan, Planned
 from server.schemas import timings_block, usage_block
@@ -24,7 +23,7 @@ from server.streaming import SSE_DONE, ChunkContext, TextAssembler, TextDelta, s
 async def choice_deltas(job: Job, planned: Planned, tokenizer) -> AsyncIterator[tuple[int, TextDelta]]:
     """(choice index, TextDelta) for every choice in turn; a stop string cancels just its choice."""
     for index, req in enumerate(job.requests):
-        assembler = TextAssembler(tokenizer, planned.stops, req.sampling.stop_token_ids)
+        assembler = TextAssembler(tokenizer, planned.stops, req.sampling.stop_token_ids, planned.reasoning_first)
         while True:
             delta = assembler.feed(await job.next_step())
             if assembler.stop_hit:
@@ -45,9 +44,12 @@ class Totals:
 
     planned: Planned
     stats: list[Stats] = field(default_factory=list)  # one per finished choice, in order
+    # tokens generated after a stop string or a finished tool call, before the cancel landed: not
+    # part of any answer, so not in usage (timings still count what the engine did)
+    dropped: int = 0
 
     def usage(self) -> dict:
-        generated = sum(s.generated_tokens for s in self.stats)
+        generated = sum(s.generated_tokens for s in self.stats) - self.dropped
         # The first choice of each prompt shows what the cache held before this request.
         cached = sum(s.cached_tokens for s in self.stats[:: self.planned.choices_per_prompt])
         return usage_block(self.planned.prompt_tokens, generated, cached)
@@ -100,17 +102,9 @@ class ChatChoice:
         self.parser = ChatOutputParser(plan.starts_in_think, plan.tools)
         self.pending: list = []  # logprob records not sent yet
 
-    def start(self) -> ChatPiece:
-        """The forced start of the answer (tool_choice) goes through the parser like generated text."""
-        return self.parser.feed(self.plan.tools.forced_prefix) if self.plan.tools else ChatPiece()
-
     def opening(self, ctx: ChunkContext) -> list[str]:
-        """SSE payloads that open this choice: the role, and the forced start if any."""
-        out = [sse_data(ctx.chunk([_chat_choice(self.index, {"role": "assistant", "content": ""})]))]
-        piece = self.start()
-        if piece:
-            out.append(sse_data(ctx.chunk([_chat_choice(self.index, delta_dict(piece))])))
-        return out
+        """SSE payloads that open this choice: the role."""
+        return [sse_data(ctx.chunk([_chat_choice(self.index, {"role": "assistant", "content": ""})]))]
 
     def feed(self, delta: TextDelta) -> ChatPiece:
         self.pending += delta.logprobs
@@ -126,20 +120,25 @@ class ChatChoice:
     def finish_reason(self, delta: TextDelta) -> str:
         """An EOS inside a call (no closing tags) still ends the answer with that call."""
         reason = delta.finish_reason or "stop"
-        return "tool_calls" if self.parser.made_calls and reason == "stop" else reason
+        if self.parser.made_calls and reason == "stop":
+            return "function_call" if self.plan.legacy_functions else "tool_calls"
+        return reason
 
     @property
     def wants_no_more(self) -> bool:
         return self.parser.tool_calls_done
 
 
-def delta_dict(piece: ChatPiece) -> dict:
+def delta_dict(piece: ChatPiece, legacy_functions: bool = False) -> dict:
     out: dict = {}
     if piece.reasoning:
         out["reasoning_content"] = piece.reasoning
     if piece.content:
         out["content"] = piece.content
-    if piece.tool_calls:
+    if piece.tool_calls and legacy_functions:  # the legacy API's one call per answer
+        fn = piece.tool_calls[0].openai()["function"]
+        out["function_call"] = fn
+    elif piece.tool_calls:
         out["tool_calls"] = [d.openai() for d in piece.tool_calls]
     return out
 
@@ -160,11 +159,13 @@ async def _chat_chunks(job, plan: ChatPlan, ctx: ChunkContext, tokenizer, texts,
             choice = ChatChoice(index, plan, texts)
             for chunk in choice.opening(ctx):
                 yield chunk
+        totals.dropped += delta.tokens if choice.wants_no_more else delta.dropped
         piece = choice.feed(delta)
         if choice.wants_no_more:
             job.requests[index].cancel.set()
         if piece:
-            yield sse_data(ctx.chunk([_chat_choice(index, delta_dict(piece), choice.take_logprobs())]))
+            delta_body = delta_dict(piece, plan.legacy_functions)
+            yield sse_data(ctx.chunk([_chat_choice(index, delta_body, choice.take_logprobs())]))
         if delta.finish_reason is not None:
             timings = totals.finish(delta.final_stats, index, len(job.requests))
             yield sse_data(ctx.chunk([_chat_choice(index, {}, choice.take_logprobs(),
@@ -189,7 +190,7 @@ async def chat_answer(job: Job, plan: ChatPlan, ctx: ChunkContext, tokenizer, te
     async for index, delta in choice_deltas(job, plan.planned, tokenizer):
         if choice is None or choice.index != index:
             choice, pieces, records = ChatChoice(index, plan, texts), [], []
-            pieces.append(choice.start())
+        totals.dropped += delta.tokens if choice.wants_no_more else delta.dropped
         pieces.append(choice.feed(delta))
         records += delta.logprobs
         if choice.wants_no_more:
@@ -210,28 +211,13 @@ def _chat_message(index: int, pieces: list[ChatPiece], choice: ChatChoice, delta
     message: dict = {"role": "assistant", "content": content if content or not calls else None}
     if reasoning:
         message["reasoning_content"] = reasoning
-    if calls:
+    if calls and choice.plan.legacy_functions:
+        message["function_call"] = calls[0]["function"]
+    elif calls:
         message["tool_calls"] = calls
     finish = choice.finish_reason(delta)
     logprobs = None if choice.plan.planned.logprobs is None else {"content": chat_entries(records, choice.texts)}
-    result = {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
-    fmt = choice.plan.response_format
-    if fmt is not None and fmt.type != "text" and not calls:
-        _check_json_answer(result, message, fmt.output_schema, finish)
-    return result
-
-
-def _check_json_answer(result: dict, message: dict, schema, finish: str) -> None:
-    """response_format without constrained decoding: unwrap a fenced answer, report a bad one."""
-    try:
-        value, text = parse_answer(message["content"] or "")
-    except ValueError as e:
-        result["json_error"] = str(e) + (" (cut off by max_tokens)" if finish == "length" else "")
-        return
-    message["content"] = text
-    problem = answer_problem(value, schema)
-    if problem:
-        result["json_error"] = f"the answer does not match the schema: {problem}"
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
 
 
 # ---------------------------------------------------------------- legacy completions
@@ -274,6 +260,7 @@ async def _completion_chunks(job, planned: Planned, ctx: ChunkContext, tokenizer
             text, lp = choice.start()
             if text:
                 yield sse_data(ctx.chunk([_text_choice(index, text, lp)]))
+        totals.dropped += delta.dropped
         if delta.text or delta.logprobs:
             yield sse_data(ctx.chunk([_text_choice(index, delta.text, choice.logprobs(delta.logprobs,
                                                                                        delta.text))]))
@@ -290,6 +277,7 @@ async def completion_answer(job: Job, planned: Planned, ctx: ChunkContext, token
     totals = Totals(planned)
     out, parts, records = [], [], []
     async for index, delta in choice_deltas(job, planned, tokenizer):
+        totals.dropped += delta.dropped
         parts.append(delta.text)
         records += delta.logprobs
         if delta.finish_reason is None:

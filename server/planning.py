@@ -15,8 +15,8 @@ from engine.types import GenerationRequest
 from server.chat import ChatRenderOptions, ChatTemplate, ChatTemplateError
 from server.chat_tokens import ChatPrompt
 from server.errors import APIError
-from server.json_format import check_schema
 from server.schemas import INT64_MAX, INT64_MIN, ChatCompletionRequest, CompletionRequest, ResponseFormat
+from server.structured import GrammarVocab, json_rule, response_format_grammar, tool_grammar
 from server.tools import ToolSet, tool_set
 
 FIM_PREFIX, FIM_SUFFIX, FIM_MIDDLE = "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"
@@ -24,13 +24,19 @@ RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_pr
 # Per-request speculation limits unless the server was started with larger --spec-budget / --spec-depth:
 # verify memory grows with N^2 per GDN layer and the host copy of the logits with N x vocab.
 SPEC_BUDGET_LIMIT, SPEC_DEPTH_LIMIT = 32, 16
+# Tokens one choice may generate when the request sets no limit (Continue sends none) and the
+# operator gave no --max-tokens; a request may ask for more (up to the context).
+DEFAULT_MAX_TOKENS = 4096
 
 
 @dataclass(frozen=True)
 class ServerOptions:
     """Server-wide settings (spruce serve flags)."""
 
-    max_tokens_cap: int | None = None  # most tokens one choice may generate (None: the context decides)
+    # --max-tokens: the limit of a request that sets none, and the most any request may ask for
+    # (None: requests that set none get DEFAULT_MAX_TOKENS, others what they ask, up to the context)
+    max_tokens_cap: int | None = None
+    served_model_name: str | None = None  # the id /v1/models shows (None: the checkpoint's name)
     api_key: str | None = None
     cors_origins: tuple[str, ...] = ()
     max_body_bytes: int = 16 << 20
@@ -51,6 +57,7 @@ class Planned:
     logprobs: int | None = None  # top alternatives per token; None = no logprobs
     choices_per_prompt: int = 1  # n
     echo: list[str] = field(default_factory=list)  # per choice: prompt text to put before the answer
+    reasoning_first: bool = False  # the answer starts inside a think block (stop strings wait for its end)
 
 
 @dataclass
@@ -59,6 +66,7 @@ class ChatPlan:
     starts_in_think: bool  # the prompt ends inside an open <think> block
     tools: ToolSet | None
     response_format: ResponseFormat | None
+    legacy_functions: bool = False  # the request sent `functions`: answer with `function_call`
 
 
 class Planner:
@@ -67,6 +75,14 @@ class Planner:
         self.tokenizer = engine.tokenizer
         self.options = options
         self.template = ChatTemplate.of(self.tokenizer)
+        self.grammar_vocab = GrammarVocab.of(self.tokenizer, self.tokenizer.chat_template)
+        # generation_config.json's sampling defaults (engine/sampling_defaults.py)
+        self.defaults = getattr(engine, "sampling_defaults", None)
+
+    @property
+    def default_max_tokens(self) -> int:
+        """The limit of a request that sets none (/props reports it as n_predict)."""
+        return self.options.max_tokens_cap if self.options.max_tokens_cap is not None else DEFAULT_MAX_TOKENS
 
     # ---- chat ----
 
@@ -83,14 +99,27 @@ class Planner:
         prompt = self.render(body.messages, options)
         text = prompt.text
         in_think = prompt_in_think(text)
-        toolset = tool_set(body, in_think)
-        if body.response_format is not None and body.response_format.output_schema is not None:
-            check_schema(body.response_format.output_schema, "response_format.schema")
-        forced = toolset.forced_prefix if toolset else ""
-        self.check_text_fits(text + forced, "messages")
-        ids = self.template.guard.encode(self.tokenizer, prompt, forced)
-        planned = self.plan([ids], body, body.requested_max_tokens, "messages", body.engine_logprobs)
-        return ChatPlan(planned, in_think, toolset, body.response_format)
+        toolset = tool_set(body)
+        grammar = self.chat_grammar(body, toolset, in_think)
+        self.check_text_fits(text, "messages")
+        ids = self.template.guard.encode(self.tokenizer, prompt)
+        planned = self.plan([ids], body, body.requested_max_tokens, "messages", body.engine_logprobs,
+                            grammar=grammar)
+        planned.reasoning_first = in_think
+        return ChatPlan(planned, in_think, toolset, body.response_format, body.legacy_functions)
+
+    def chat_grammar(self, body: ChatCompletionRequest, toolset: ToolSet | None, in_think: bool) -> str | None:
+        """The grammar that enforces tool calls and response_format while decoding (None: free text)."""
+        fmt = body.response_format
+        if toolset is not None and body.tools:
+            answer = None
+            if fmt is not None and fmt.type != "text":
+                answer = json_rule(fmt.output_schema if fmt.output_schema is not None else {"type": "object"},
+                                   "response_format", lenient=not (fmt.json_schema and fmt.json_schema.strict))
+            return tool_grammar(body.tools, body.tool_choice, toolset.parallel, self.grammar_vocab, in_think, answer)
+        if fmt is not None:
+            return response_format_grammar(fmt, self.grammar_vocab, in_think)
+        return None
 
     def render(self, messages, options: ChatRenderOptions) -> ChatPrompt:
         try:
@@ -164,7 +193,7 @@ class Planner:
     # ---- shared ----
 
     def plan(self, prompts: list[list[int]], body, max_tokens: int | None, param: str,
-             logprobs: int | None = None, choices: int | None = None) -> Planned:
+             logprobs: int | None = None, choices: int | None = None, grammar: str | None = None) -> Planned:
         """One GenerationRequest per (prompt, choice); `body` has the sampling fields (duck-typed)."""
         n = choices or body.choices
         spec = self.spec(body)
@@ -172,7 +201,7 @@ class Planner:
         for ids in prompts:
             limit = self.token_limit(ids, max_tokens, param)
             for i in range(n):
-                sampling = self.sampling(body, limit, i, logprobs)
+                sampling = self.sampling(body, limit, i, logprobs, grammar)
                 requests.append(GenerationRequest(prompt_ids=ids, sampling=sampling, spec=spec,
                                                   request_id=uuid.uuid4().hex))
         return Planned(requests, body.stop_strings, sum(len(p) for p in prompts), body.include_usage, logprobs, n)
@@ -185,18 +214,32 @@ class Planner:
                 f"This model's maximum context length is {context} tokens. However, your prompt is {len(ids)} "
                 "tokens long; shorten it or start the server with a larger --max-context.",
                 param=param, code="context_length_exceeded")
-        limits = [room] + [x for x in (max_tokens, self.options.max_tokens_cap) if x is not None]
+        asked = max_tokens if max_tokens is not None else self.default_max_tokens
+        limits = [room, asked] + ([self.options.max_tokens_cap] if self.options.max_tokens_cap is not None else [])
         return min(limits)
 
-    def sampling(self, body, max_tokens: int, choice: int, logprobs: int | None) -> SamplingParams:
-        temperature = body.default_temperature if body.temperature is None else body.temperature
+    def sampling(self, body, max_tokens: int, choice: int, logprobs: int | None,
+                 grammar: str | None = None) -> SamplingParams:
+        """The request's sampling fields; those it leaves unset come from the checkpoint's
+        generation_config.json, then from the API's defaults (vLLM's order)."""
+        d = self.defaults
+
+        def pick(name: str, api_default):
+            value = getattr(body, name, None)
+            if value is None and d is not None:
+                value = getattr(d, name)
+            return api_default if value is None else value
+
+        temperature, top_p = pick("temperature", body.default_temperature), pick("top_p", 1.0)
+        if top_p == 0.0:  # vLLM: top_p 0 keeps only the best token
+            temperature, top_p = 0.0, 1.0
         return SamplingParams(
-            temperature=temperature, top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=max(0, body.top_k or 0), min_p=body.min_p or 0.0, seed=choice_seed(body.seed, choice),
+            temperature=temperature, top_p=top_p, top_k=max(0, pick("top_k", 0)), min_p=pick("min_p", 0.0),
+            seed=choice_seed(body.seed, choice),
             max_tokens=max_tokens, stop_token_ids=() if body.ignore_eos else self.tokenizer.eos_token_ids,
             ignore_eos=bool(body.ignore_eos), presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0, logprobs=logprobs,
-            logit_bias=self._logit_bias(body),
+            logit_bias=self._logit_bias(body), repetition_penalty=pick("repetition_penalty", 1.0), grammar=grammar,
         )
 
     def _logit_bias(self, body) -> tuple[tuple[int, float], ...]:

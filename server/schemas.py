@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, ClassVar, Literal, cast
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from engine.types import Stats
 from server.errors import APIError
@@ -21,6 +21,17 @@ MAX_CHOICES = 128  # n (times the number of prompts of a batched completion)
 MAX_STOPS, MAX_STOP_CHARS = 128, 512  # bounds the per-token cost of stop-string matching
 MAX_TOP_LOGPROBS, MAX_LEGACY_LOGPROBS = 20, 5
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")  # printed into <function=NAME>: no '>', '=', spaces
+
+
+def _whole_number(value: Any) -> Any:
+    """Clients written in JavaScript send 16.0 for 16 (JSON has one number type): a float with no
+    fractional part counts as an integer; 1.5 stays a float and fails the integer check."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**63:
+        return int(value)
+    return value
+
+
+WholeNumber = BeforeValidator(_whole_number)
 
 
 class StrictModel(BaseModel):
@@ -56,16 +67,23 @@ class ToolCall(StrictModel):
 
 
 class ChatMessage(StrictModel):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
+    function_call: FunctionCall | None = None  # legacy (before tools): the assistant's one call
     tool_call_id: str | None = None
     reasoning_content: str | None = None
 
     def template_dict(self) -> dict:
-        out = self.model_dump(exclude_none=True)
+        """The message as chat templates know it: the legacy `function` role (a function's result)
+        is a tool result, and a legacy `function_call` is a one-element tool_calls."""
+        out = self.model_dump(exclude_none=True, exclude={"function_call"})
         out.setdefault("content", None)
+        if self.role == "function":
+            out["role"] = "tool"
+        if self.function_call is not None and not self.tool_calls:
+            out["tool_calls"] = [{"type": "function", "function": self.function_call.model_dump()}]
         return out
 
 
@@ -90,6 +108,12 @@ class NamedFunction(StrictModel):
 class NamedToolChoice(StrictModel):
     type: Literal["function"]
     function: NamedFunction
+
+
+class LegacyFunctionChoice(StrictModel):
+    """The legacy `function_call: {"name": ...}` (before tool_choice)."""
+
+    name: str
 
 
 class JSONSchemaFormat(StrictModel):
@@ -139,8 +163,10 @@ class SpecRequest(StrictModel):
         return {"method": value} if isinstance(value, str) else value
 
 
-NonNegInt = Annotated[int, Field(ge=0)]
-Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+NonNegInt = Annotated[int, WholeNumber, Field(ge=0)]
+# -1 = no limit: generate until EOS or the context ends (llama.cpp's n_predict -1)
+TokenLimit = Annotated[int, WholeNumber, Field(ge=-1)]
+Seed = Annotated[int, WholeNumber, Field(ge=INT64_MIN, le=INT64_MAX)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 
@@ -149,22 +175,24 @@ class GenerationFields(StrictModel):
     """Fields shared by chat and legacy completions."""
 
     default_temperature: ClassVar[float] = 1.0  # OpenAI's default
-    model: str | None = None
-    max_tokens: NonNegInt | None = None
+    model: str | None = None  # any name is accepted: one model is served
+    max_tokens: TokenLimit | None = None
+    n_predict: TokenLimit | None = None  # llama.cpp's name; wins over max_tokens / max_completion_tokens
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None  # -1 and 0 both mean "off"
+    top_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None  # 0 = greedy (as vLLM)
+    top_k: Annotated[int, WholeNumber, Field(ge=-1)] | None = None  # -1 and 0 both mean "off"
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     seed: Seed | None = None
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOPS)] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = None
+    n: Annotated[int, WholeNumber, Field(ge=1, le=MAX_CHOICES)] | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None  # token id -> bias
     user: str | None = None  # accepted and ignored
     ignore_eos: bool | None = None  # llama.cpp/SGLang extension: run to max_tokens (benchmarks)
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None  # vLLM / HF extension
     spec: SpecRequest | None = None
 
     @model_validator(mode="after")
@@ -202,27 +230,52 @@ class GenerationFields(StrictModel):
 
 class ChatCompletionRequest(GenerationFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: NonNegInt | None = None
+    max_completion_tokens: TokenLimit | None = None
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    functions: list[FunctionDef] | None = None  # legacy (before tools): mapped to tools
+    function_call: Literal["none", "auto"] | LegacyFunctionChoice | None = None  # legacy tool_choice
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
     logprobs: bool | None = None
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    top_logprobs: Annotated[int, WholeNumber, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     enable_thinking: bool | None = None  # alias of chat_template_kwargs.enable_thinking
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    # Any value the SDKs send ("minimal" ... "xhigh", "max", and whatever comes next): only "none"
+    # changes anything here (thinking off); the others leave the template's default.
+    reasoning_effort: Annotated[str, Field(max_length=64)] | None = None
 
     @model_validator(mode="after")
     def _chat(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
+        if self.functions is not None and self.tools is not None:
+            raise APIError("send tools or the legacy functions, not both", param="functions")
+        if self.function_call is not None and self.tool_choice is not None:
+            raise APIError("send tool_choice or the legacy function_call, not both", param="function_call")
+        if self.functions:  # legacy functions are tools; one call per answer, as the legacy API returned
+            self.tools = [ToolDef(type="function", function=f) for f in self.functions]
+            if self.parallel_tool_calls is None:
+                self.parallel_tool_calls = False
+        if isinstance(self.function_call, LegacyFunctionChoice):
+            self.tool_choice = NamedToolChoice(type="function", function=NamedFunction(name=self.function_call.name))
+        elif self.function_call is not None:
+            self.tool_choice = self.function_call
         return self
 
     @property
+    def legacy_functions(self) -> bool:
+        """The request used `functions`: the answer says `function_call`, not `tool_calls`."""
+        return self.functions is not None
+
+    @property
     def requested_max_tokens(self) -> int | None:
-        """max_completion_tokens overrides max_tokens; None = until EOS or the context ends."""
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        """n_predict, else max_completion_tokens, else max_tokens; None (or -1) = until EOS or the
+        context ends (then the server's default limit applies)."""
+        for value in (self.n_predict, self.max_completion_tokens, self.max_tokens):
+            if value is not None:
+                return None if value < 0 else value
+        return None
 
     @property
     def engine_logprobs(self) -> int | None:
@@ -246,11 +299,15 @@ class CompletionRequest(GenerationFields):
     prompt: Prompt
     echo: bool | None = None
     suffix: str | None = None
-    logprobs: Annotated[int, Field(ge=0, le=MAX_LEGACY_LOGPROBS)] | None = None
+    logprobs: Annotated[int, WholeNumber, Field(ge=0, le=MAX_LEGACY_LOGPROBS)] | None = None
 
     @property
-    def requested_max_tokens(self) -> int:
-        return self.max_tokens if self.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
+    def requested_max_tokens(self) -> int | None:
+        """n_predict, else max_tokens (-1: until EOS or the context ends), else OpenAI's default of 16."""
+        value = self.n_predict if self.n_predict is not None else self.max_tokens
+        if value is None:
+            return COMPLETIONS_DEFAULT_MAX_TOKENS
+        return None if value < 0 else value
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of this request: one, or a batch (each gets n choices)."""
@@ -283,6 +340,7 @@ def timings_block(stats: Stats) -> dict:
         "prompt_ms": round(stats.prompt_ms, 3),
         "prompt_per_token_ms": round(stats.prompt_ms / prompt_n, 3) if prompt_n else 0.0,
         "prompt_per_second": round(stats.prefill_tps, 3),
+        "ttft_ms": round(stats.ttft_ms, 3),  # the request's start on the engine thread to its first token
         "predicted_n": stats.generated_tokens,
         "predicted_ms": round(stats.decode_ms, 3),
         "predicted_per_token_ms": round(stats.decode_ms / stats.generated_tokens, 3) if stats.generated_tokens

@@ -31,6 +31,7 @@ from server.errors import APIError, parse_request
 from server.logprobs import TokenTexts
 from server.memory import release_memory
 from server.planning import Planner, ServerOptions
+from server.responses import ResponseStore
 
 DISCONNECT_POLL_S = 0.25
 SSE_PING_S = 15
@@ -54,6 +55,9 @@ class Server:
         self.planner = Planner(self.engine, options)
         self.texts = TokenTexts(self.tokenizer)
         self.created = int(time.time())
+        self.responses = ResponseStore()  # /v1/responses kept for previous_response_id
+        # the id clients see; requests may name any model (one is served), as llama.cpp allows
+        self.model_name = options.served_model_name or self.engine.model_id
         self.max_json_items = JSON_ITEMS_BASE + 4 * self.engine.config.max_context
         # One planning thread: enough for one generation slot, and every extra thread that
         # allocates costs the process a malloc arena.
@@ -115,15 +119,16 @@ class Server:
 
     def model_card(self) -> dict:
         context = self.engine.config.max_context
-        return {"id": self.engine.model_id, "object": "model", "created": self.created, "owned_by": "spruce",
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "spruce",
                 "max_model_len": context, "context_length": context}
 
     def props(self) -> dict:
         """llama.cpp's /props, the part editors read (llama.vscode takes n_ctx from it). The model's
         directory path only when the operator asked for it (--show-model-path)."""
-        path = self.engine.config.model_path if self.options.show_model_path else self.engine.model_id
-        return {"default_generation_settings": {"n_ctx": self.engine.config.max_context,
-                                                "params": {"n_predict": self.options.max_tokens_cap or -1}},
+        path = self.engine.config.model_path if self.options.show_model_path else self.model_name
+        params = {"n_predict": self.planner.default_max_tokens,  # what a request that sets no limit gets
+                  **self.engine.sampling_defaults.as_dict()}  # generation_config.json's defaults
+        return {"default_generation_settings": {"n_ctx": self.engine.config.max_context, "params": params},
                 "total_slots": 1, "model_path": path,
                 "chat_template": self.tokenizer.chat_template or "", "modalities": {"vision": False},
                 "memory": self.engine.memory().as_dict()}  # Spruce: weights' and caches' bytes
@@ -160,7 +165,7 @@ async def _cancel_on_disconnect(request: Request, job: Job) -> None:
     job.cancel()
 
 
-def sse(job: Job, events: AsyncIterator[str]) -> EventSourceResponse:
+def sse(job: Job, events: AsyncIterator) -> EventSourceResponse:
     """SSE with LF line separators as OpenAI sends (not CRLF), and a neutral keep-alive comment
     (Continue treats ": ping" specially).
 

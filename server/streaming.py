@@ -62,6 +62,37 @@ class StopMatcher:
         return 0
 
 
+class ReasoningGate:
+    """Stop strings apply to the answer, not to the reasoning before it: while the text is inside a
+    think block the prompt left open, it passes by the stop matcher, up to and including the
+    `</think>` that ends the block and the newlines after it (the answer starts after them)."""
+
+    MARKER = "</think>"
+
+    def __init__(self, open_at_start: bool) -> None:
+        self.open = open_at_start
+        self._layout = False  # the block has ended; the newlines that follow it are not the answer yet
+        self._recent = ""  # the reasoning's last characters: the marker may span two pieces
+
+    def split(self, piece: str) -> tuple[str, str]:
+        """-> (reasoning text that bypasses the matcher, answer text for it)."""
+        if self._layout:
+            rest = piece.lstrip("\n")
+            self._layout = not rest
+            return piece[: len(piece) - len(rest)], rest
+        if not self.open:
+            return "", piece
+        buf = self._recent + piece
+        at = buf.find(self.MARKER)
+        if at < 0:
+            self._recent = buf[-(len(self.MARKER) - 1):]
+            return piece, ""
+        self.open, self._layout = False, True
+        cut = at + len(self.MARKER) - len(self._recent)  # in piece's own characters
+        head, tail = self.split(piece[cut:])
+        return piece[:cut] + head, tail
+
+
 @dataclass
 class TextDelta:
     text: str
@@ -70,6 +101,8 @@ class TextDelta:
     stats: Stats | None = None  # on the last delta
     stop_kind: str | None = None  # on the last delta: "eos" | "word" | "limit" (llama.cpp's stop_type)
     stop_word: str = ""
+    tokens: int = 0  # the tokens of this delta's step
+    dropped: int = 0  # of those, the ones after a stop string: generated, but not part of the answer
 
     @property
     def final_stats(self) -> Stats:
@@ -97,9 +130,11 @@ class TextAssembler:
     before a stop string's cut is kept, one that starts inside the stop string is not.
     """
 
-    def __init__(self, tokenizer: Tokenizer, stops: list[str], stop_token_ids: tuple[int, ...] = ()):
+    def __init__(self, tokenizer: Tokenizer, stops: list[str], stop_token_ids: tuple[int, ...] = (),
+                 reasoning_first: bool = False):
         self._detok = tokenizer.detokenizer()
         self._matcher = StopMatcher(stops)
+        self._gate = ReasoningGate(reasoning_first)
         self._stop_ids = frozenset(stop_token_ids)
         self._spans: list[_Span] = []
         self._decoded = 0  # characters the detokenizer has produced
@@ -107,18 +142,26 @@ class TextAssembler:
         self.stop_hit = False
 
     def feed(self, step: Step) -> TextDelta:
-        text = "" if self.stop_hit else self._text_of(step)
+        count = len(step.token_ids)
+        used = 0 if self.stop_hit else count
+        text = ""
+        if not self.stop_hit:
+            text, used = self._text_of(step)
+        dropped = count - used
         if step.finish_reason is None:
-            return TextDelta(text, self._release())
+            return TextDelta(text, self._release(), tokens=count, dropped=dropped)
         if not self.stop_hit:
             text += self._tail()
         records = self._release(final=True)
         if self.stop_hit:
-            return TextDelta(text, records, "stop", step.stats, "word", self._matcher.matched or "")
+            return TextDelta(text, records, "stop", step.stats, "word", self._matcher.matched or "", count, dropped)
         reason = "length" if step.finish_reason == "length" else "stop"
-        return TextDelta(text, records, reason, step.stats, "limit" if reason == "length" else "eos")
+        return TextDelta(text, records, reason, step.stats, "limit" if reason == "length" else "eos", "", count,
+                         dropped)
 
-    def _text_of(self, step: Step) -> str:
+    def _text_of(self, step: Step) -> tuple[str, int]:
+        """-> (the text to release, how many of the step's tokens it used: all, or up to the one
+        that completed a stop string)."""
         out = []
         records = step.logprobs
         for i, tid in enumerate(step.token_ids):
@@ -128,13 +171,17 @@ class TextAssembler:
             if records is not None:
                 self._spans.append(_Span(self._decoded, self._decoded + len(piece), records[i]))
             self._decoded += len(piece)
-            safe, stopped = self._matcher.feed(piece)
+            reasoning, answer = self._gate.split(piece)
+            if reasoning:  # nothing is held in the matcher while the reasoning runs
+                out.append(reasoning)
+                self._emitted += len(reasoning)
+            safe, stopped = self._matcher.feed(answer) if answer else ("", False)
             out.append(safe)
             self._emitted += len(safe)
             if stopped:
                 self.stop_hit = True
-                break
-        return "".join(out)
+                return "".join(out), i + 1
+        return "".join(out), len(step.token_ids)
 
     def _tail(self) -> str:
         safe, stopped = self._matcher.feed(self._detok.flush())

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from server.errors import APIError
-from server.json_format import check_schema
 from server.schemas import ChatCompletionRequest, NamedToolChoice
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -37,15 +36,15 @@ class ToolSet:
     """The tools a request enables: name -> {parameter -> allowed JSON types} (empty = unknown)."""
 
     param_types: dict[str, dict[str, tuple[str, ...]]]
-    forced_prefix: str = ""  # text that starts the answer, for tool_choice "required" or a named tool
     parallel: bool = True  # parallel_tool_calls: more than one call per answer
 
     def types_of(self, function: str, key: str) -> tuple[str, ...]:
         return self.param_types.get(function, {}).get(key, ())
 
 
-def tool_set(body: ChatCompletionRequest, prompt_in_think: bool) -> ToolSet | None:
-    """None when tool calls are off (no tools, or tool_choice "none"); 400 on inconsistent choices."""
+def tool_set(body: ChatCompletionRequest) -> ToolSet | None:
+    """None when tool calls are off (no tools, or tool_choice "none"); 400 on inconsistent choices.
+    Names and arguments are enforced while decoding (server/structured.py)."""
     choice = body.tool_choice
     if not body.tools:
         if choice not in (None, "none", "auto"):
@@ -53,28 +52,14 @@ def tool_set(body: ChatCompletionRequest, prompt_in_think: bool) -> ToolSet | No
         return None
     if choice == "none":
         return None
-    types = {}
-    for i, tool in enumerate(body.tools):
-        params = tool.function.parameters
-        if params is not None:
-            check_schema(params, f"tools[{i}].function.parameters")
-        types[tool.function.name] = _param_types(params or {})
-    return ToolSet(types, _forced_prefix(choice, types, prompt_in_think), body.parallel_tool_calls is not False)
-
-
-def _forced_prefix(choice, types: dict, prompt_in_think: bool) -> str:
-    """Without constrained decoding, "required" and a named tool are enforced by starting the answer
-    with the call's opening (which closes an open think block: no reasoning before a forced call)."""
-    if choice == "required":
-        opening = f"{CALL_OPEN}\n<function="
-    elif isinstance(choice, NamedToolChoice):
-        if choice.function.name not in types:
-            raise APIError(f"tool_choice names {choice.function.name!r}, which is not in tools",
-                           param="tool_choice.function.name")
-        opening = f"{CALL_OPEN}\n<function={choice.function.name}>\n"
-    else:
-        return ""
-    return ("\n</think>\n\n" if prompt_in_think else "") + opening
+    types = {tool.function.name: _param_types(tool.function.parameters or {}) for tool in body.tools}
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in types:
+        raise APIError(f"tool_choice names {choice.function.name!r}, which is not in tools",
+                       param="tool_choice.function.name")
+    names = [tool.function.name for tool in body.tools]
+    if len(set(names)) != len(names):
+        raise APIError("tools has two functions of one name", param="tools")
+    return ToolSet(types, body.parallel_tool_calls is not False)
 
 
 def _param_types(schema: dict) -> dict[str, tuple[str, ...]]:

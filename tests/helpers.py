@@ -51,6 +51,16 @@ def generate(engine: Engine, prompt: list[int], sampling: SamplingParams | None 
     return out
 
 
+PARITY_SKIP = "needs the numerical references (torch, transformers, mlx-lm): pip install '.[parity]' (CI does)"
+
+
+def parity_module(name: str) -> ModuleType:
+    """Import a reference library of the parity extra, or skip the test that needs it."""
+    import pytest
+
+    return pytest.importorskip(name, reason=PARITY_SKIP)
+
+
 @functools.cache
 def checkpoint_maker() -> ModuleType:
     """scripts/make_tiny_checkpoint.py as a module (scripts/ is not a package)."""

@@ -15,7 +15,9 @@ def make_drafter(engine, spec: SpecConfig) -> Drafter:
     if spec.method == "ngram":
         return NgramDrafter()
     if spec.method == "draft":
-        return DraftChainDrafter(engine.draft_model(spec.draft_model))
+        model = engine.draft_model(spec.draft_model)
+        return DraftChainDrafter(model, fill=engine.draft_prefiller(model).fill)
     if spec.method == "draft-tree":
-        return DraftTreeDrafter(engine.draft_model(spec.draft_model))
+        model = engine.draft_model(spec.draft_model)
+        return DraftTreeDrafter(model, fill=engine.draft_prefiller(model).fill)
     raise ValueError(f"unknown spec method {spec.method!r}")

@@ -5,9 +5,13 @@ only the root."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 from engine.tree import DraftTree
+
+# (model, fresh caches, prompt ids) -> tokens restored from a prefix cache: a draft model's prefill
+Fill = Callable[[Any, list[Any], Sequence[int]], int]
 
 
 class Drafter(Protocol):

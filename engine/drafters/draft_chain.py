@@ -21,6 +21,7 @@ import numpy as np
 
 from engine import forward
 from engine.cache import LayerCache
+from engine.drafters.base import Fill
 from engine.models.base import CausalLM
 from engine.tree import DraftTree
 
@@ -31,8 +32,9 @@ class ChainConfig:
 
 
 class DraftChainDrafter:
-    def __init__(self, model: CausalLM, config: ChainConfig = ChainConfig()) -> None:
+    def __init__(self, model: CausalLM, config: ChainConfig = ChainConfig(), fill: Fill | None = None) -> None:
         self.model, self.config = model, config
+        self.fill = fill  # prefill through the draft model's prefix cache (engine/prefill.py)
         self.cache: list[LayerCache] = []
         self.chain: list[int] = []  # this round's chain tokens (root excluded)
         self.root = 0
@@ -42,7 +44,10 @@ class DraftChainDrafter:
     def begin(self, prompt_ids: list[int]) -> None:
         self.cache = self.model.make_cache()
         self.behind = []
-        forward.extend(self.model, self.cache, prompt_ids[:-1])
+        if self.fill is not None:
+            self.fill(self.model, self.cache, prompt_ids[:-1])
+        else:
+            forward.extend(self.model, self.cache, prompt_ids[:-1])
 
     def skip(self, root: int, emitted: list[int]) -> None:
         self.behind += [root, *emitted[:-1]]  # consumed in one chain forward by the next propose

@@ -20,6 +20,7 @@ import numpy as np
 
 from engine import forward
 from engine.cache import LayerCache
+from engine.drafters.base import Fill
 from engine.models.base import CausalLM
 from engine.tree import DraftTree
 
@@ -35,8 +36,9 @@ class DraftTreeConfig:
 
 
 class DraftTreeDrafter:
-    def __init__(self, model: CausalLM, config: DraftTreeConfig = DraftTreeConfig()) -> None:
+    def __init__(self, model: CausalLM, config: DraftTreeConfig = DraftTreeConfig(), fill: Fill | None = None) -> None:
         self.model, self.config = model, config
+        self.fill = fill  # prefill through the draft model's prefix cache (engine/prefill.py)
         self.cache: list[LayerCache] = []
         self.committed = 0
         self.pending_root = 0
@@ -46,7 +48,11 @@ class DraftTreeDrafter:
         self.cache = self.model.make_cache()
         self.committed = 0
         self.behind = []
-        self._extend(prompt_ids[:-1])
+        if self.fill is not None:
+            self.fill(self.model, self.cache, prompt_ids[:-1])
+            self.committed = len(prompt_ids) - 1
+        else:
+            self._extend(prompt_ids[:-1])
 
     def _extend(self, ids: list[int]) -> None:
         forward.extend(self.model, self.cache, ids)

@@ -40,7 +40,9 @@ def test_bench_peers_runs_each_engine_in_turn(tiny_checkpoint, tmp_path):
     assert "no llama-server binary" in load(out / "engines" / "llama.cpp.json").skipped
     md = (out / "results.md").read_text()
     assert md.count("| code |") == 2 and "- llama.cpp: not run: no llama-server binary" in md
-    assert "## Goal check (code prompts)" in md and "Spruce's best configuration" in md
+    # (the verdict itself needs decode speeds, which this random model's byte soup may not give: the
+    # goal check's logic is tested on made-up results below)
+    assert "## Goal check (code prompts)" in md
     assert (out / "logs" / "spruce-none.log").is_file()
 
 

@@ -75,6 +75,7 @@ def test_no_prompt_and_bad_values_are_clear_errors(tiny_checkpoint):
                         "2"], cwd=REPO, capture_output=True, text=True, input="hello from stdin", timeout=60,
                        check=False)
     assert p.returncode == 0 and "generation speed" in p.stderr
+    assert "finish reason: length" in p.stderr and "generated tokens: 2" in p.stderr
     p = spruce("run", "--model", str(tiny_checkpoint), "-m", "hi", "--temperature", "-1")
     assert p.returncode == 2 and "temperature" in p.stderr and "Traceback" not in p.stderr
 
@@ -132,13 +133,14 @@ def test_no_bundled_model_message(monkeypatch, tmp_path, capsys):
 
 def test_ctrl_c_in_run_exits_130_without_a_traceback():
     """Interrupted mid-answer (the bundled model: a forward pass long enough that the interruption
-    lands inside the engine's loop; three times, as it can land anywhere)."""
+    lands inside the engine's loop; three times, as it can land anywhere). Greedy: its sampling
+    defaults may end the story before the interruption, greedy decoding does not end it."""
     import signal
     import threading
 
     for _ in range(3):
         p = subprocess.Popen([sys.executable, "-m", "server.cli", "run", "-m", "Write a long story",
-                              "--max-tokens", "3000"], cwd=REPO, stdout=subprocess.PIPE,
+                              "--max-tokens", "3000", "--temperature", "0"], cwd=REPO, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
         started = threading.Event()
         reader = threading.Thread(target=lambda: (p.stdout.read(20), started.set(), p.stdout.read()), daemon=True)

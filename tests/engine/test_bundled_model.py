@@ -9,10 +9,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-import torch
 
 from engine.loader import load_model
-from tests.helpers import hf_logits
+from tests.helpers import hf_logits, parity_module
 
 BUNDLED = Path(__file__).resolve().parents[2] / "engine" / "bundled"
 TARGET, DRAFT = BUNDLED / "target", BUNDLED / "draft"
@@ -26,7 +25,7 @@ CODE = 'def greet(name: str) -> str:\n    """Say hello — in Unicode: ünïcöd
 
 @pytest.fixture(scope="module")
 def hf_tokenizer():
-    from transformers import AutoTokenizer
+    AutoTokenizer = parity_module("transformers").AutoTokenizer
 
     return AutoTokenizer.from_pretrained(TARGET)
 
@@ -86,7 +85,8 @@ def test_spruce_loader_matches_transformers(path, hf_tokenizer):
 
 def test_target_answers_a_code_request_with_code(hf_tokenizer):
     """A check that the trained weights shipped, not random ones: the answer opens a code block."""
-    from transformers import AutoModelForCausalLM
+    torch = parity_module("torch")
+    AutoModelForCausalLM = parity_module("transformers").AutoModelForCausalLM
 
     prompt = hf_tokenizer.apply_chat_template(
         [{"role": "user", "content": "Write a python function to merge two sorted lists"}],

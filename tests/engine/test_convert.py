@@ -13,6 +13,7 @@ import pytest
 
 from engine.convert import ConvertError, ConvertOptions, convert
 from engine.loader import load_model
+from tests.helpers import parity_module
 
 PROMPT = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79]]
 
@@ -84,7 +85,7 @@ def test_layout_and_what_stays_unquantized(tiny_qwen35, tmp_path):
 
 @pytest.mark.parametrize("bits", [None, 8, 4])
 def test_mlx_lm_loads_the_output(tiny_qwen35, tmp_path, bits):
-    from mlx_lm.utils import load_model as mlx_lm_load
+    mlx_lm_load = parity_module("mlx_lm.utils").load_model
 
     out = tmp_path / "out"
     convert(tiny_qwen35, out, ConvertOptions(bits=bits, group_size=32), progress=False)
@@ -95,7 +96,7 @@ def test_mlx_lm_loads_the_output(tiny_qwen35, tmp_path, bits):
 
 
 def test_mlx_lm_refuses_run_time_rotations(tiny_qwen35, tmp_path):
-    from mlx_lm.utils import load_model as mlx_lm_load
+    mlx_lm_load = parity_module("mlx_lm.utils").load_model
 
     convert(tiny_qwen35, tmp_path / "out", ConvertOptions(bits=8, hadamard=True), progress=False)
     with pytest.raises(ValueError, match="input_signs"):

@@ -120,3 +120,19 @@ def test_adaptive_rounds_stop_drafting_when_guesses_miss(engine):
     assert fixed.forward_passes == 44 and fixed.drafted >= 4 * 44  # a tree every round
     assert adaptive.stats.forward_passes == 44
     assert adaptive.stats.drafted <= fixed.drafted // 3  # the tries and a few re-tries
+
+
+def test_prompt_time_and_ttft_include_the_drafters_prefill(tiny_qwen35):
+    """A draft model prefills the prompt too (drafter.begin): that time is the prompt's, and the time
+    to the first token counts it (it was left out of both)."""
+    import time
+
+    from engine.drafters.base import NoDrafter
+
+    class SlowBegin(NoDrafter):
+        def begin(self, prompt_ids):
+            time.sleep(0.2)
+
+    engine = Engine(EngineConfig(model_path=str(tiny_qwen35)))
+    out = generate(engine, PROMPT, SamplingParams(max_tokens=2, ignore_eos=True), drafter=SlowBegin())
+    assert out.stats.prompt_ms >= 200 and out.stats.ttft_ms >= out.stats.prompt_ms

@@ -6,6 +6,8 @@ fans; the target must not care. Seeded sampling must match token for token too.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -108,3 +110,37 @@ def test_right_drafter_needs_fewer_forwards(engine):
     assert out.tokens == plain
     assert stats.forward_passes <= len(plain) // 8 + 1
     assert stats.tokens_per_forward > 7
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "seeded"])
+def test_spec_stops_where_plain_stops(engine, sampling):
+    """Stop tokens on: a stop token the target chooses inside an accepted draft ends the answer at
+    the same place as plain decoding, though the drafter offers the text that follows it."""
+    prompt = PROMPTS[0]
+    free = generate(engine, prompt, sampling).tokens
+    stop = free[len(free) // 2]  # a token the answer reaches half-way (or earlier)
+    stopped = dataclasses.replace(sampling, ignore_eos=False, stop_token_ids=(stop,))
+    plain = generate(engine, prompt, stopped)
+    assert plain.finish_reason == "stop" and len(plain.tokens) < len(free)
+    spec = SpecConfig(method="none", budget=8, max_depth=8, adaptive=False)
+    for drafter in (OracleDrafter(free, len(prompt)), OracleDrafter(free, len(prompt), fan=3)):
+        out = generate(engine, prompt, stopped, spec, drafter)
+        assert (out.tokens, out.finish_reason) == (plain.tokens, "stop")
+        assert out.stats.accepted > 0 or len(plain.tokens) < 2
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "seeded"])
+def test_spec_grows_the_kv_cache_past_its_first_block(engine, sampling):
+    """The attention K/V grows in blocks of KV_STEP rows: trees verified across the boundary, and
+    commits after it, must not change the output."""
+    from engine.cache import KV_STEP
+
+    prompt = [int(t) for t in np.random.RandomState(8).randint(0, 500, size=KV_STEP - 20)]
+    long = dataclasses.replace(sampling, max_tokens=80)
+    plain = generate(engine, prompt, long).tokens
+    spec = SpecConfig(method="none", budget=12, max_depth=6, adaptive=False)
+    for drafter in (OracleDrafter(plain, len(prompt)), OracleDrafter(plain, len(prompt), fan=4),
+                    RandomTreeDrafter(5, 512, plain)):
+        out = generate(engine, prompt, long, spec, drafter)
+        assert out.tokens == plain and out.stats.accepted > 0
+    assert len(prompt) + len(plain) > KV_STEP + 32

@@ -5,10 +5,13 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-import torch
 
 from engine.loader import load_model
-from tests.helpers import generate, hf_logits
+from tests.helpers import generate, hf_logits, parity_module
+
+torch = parity_module("torch")
+parity_module("transformers")
+parity_module("mlx_lm")
 
 PROMPT = np.random.RandomState(0).randint(0, 500, size=(1, 80))  # longer than one prefill chunk below
 

@@ -9,7 +9,10 @@ import pytest
 
 from engine.config import EngineConfig, SamplingParams, SpecConfig
 from engine.generate import Engine
+from tests.engine.test_lossless import OracleDrafter
 from tests.helpers import generate
+
+FULL_TREES = SpecConfig(method="none", budget=8, max_depth=4, adaptive=False)
 
 
 @pytest.fixture(scope="module")
@@ -20,6 +23,19 @@ def engine(tiny_qwen35):
 def run(engine, prompt, sampling, spec=None):
     out = generate(engine, prompt, sampling, spec)
     return out.tokens, out.logprobs
+
+
+def run_drafted(engine, prompt, sampling, reference):
+    """With speculation that cannot miss: an oracle drafter proposes the plain output (a chain, and
+    a fan of wrong siblings around it), so every node's adjusted logits are used, and the drafts
+    must actually be taken."""
+    outs = []
+    for drafter in (OracleDrafter(reference, len(prompt)), OracleDrafter(reference, len(prompt), fan=3)):
+        out = generate(engine, prompt, sampling, FULL_TREES, drafter)
+        assert out.stats.accepted > 0
+        outs.append((out.tokens, out.logprobs))
+    assert outs[0][0] == outs[1][0]
+    return outs[0]
 
 
 PROMPT = [int(t) for t in np.random.RandomState(11).randint(0, 500, size=6)] * 4
@@ -33,6 +49,7 @@ def test_penalties_are_lossless_and_matter(engine, sampling):
     plain, _ = run(engine, PROMPT, sampling)
     spec, _ = run(engine, PROMPT, sampling, SpecConfig(method="ngram", budget=8, max_depth=4, adaptive=False))
     assert spec == plain
+    assert run_drafted(engine, PROMPT, sampling, plain)[0] == plain
     unpenalized, _ = run(engine, PROMPT, SamplingParams(max_tokens=40, ignore_eos=True,
                                                          temperature=sampling.temperature, seed=sampling.seed))
     assert unpenalized != plain
@@ -50,7 +67,7 @@ def test_logprobs_are_the_models_log_softmax(engine):
     for i, lp in enumerate(lps):
         assert abs(lp.logprob - ref[i, tokens[i]]) < 1e-4
         assert len(lp.top) == 3 and lp.top[0][0] == int(np.argmax(ref[i]))
-    spec_tokens, spec_lps = run(engine, PROMPT, sampling, SpecConfig(method="ngram", adaptive=False))
+    spec_tokens, spec_lps = run_drafted(engine, PROMPT, sampling, tokens)
     assert spec_tokens == tokens
     assert max(abs(a.logprob - b.logprob) for a, b in zip(lps, spec_lps)) < 1e-4
 
@@ -64,3 +81,4 @@ def test_logit_bias_forces_and_bans_losslessly(engine):
     out, _ = run(engine, PROMPT, banned)
     assert not set(out) & set(sorted(set(plain))[:3])
     assert run(engine, PROMPT, banned, SpecConfig(method="ngram", budget=8, max_depth=4, adaptive=False))[0] == out
+    assert run_drafted(engine, PROMPT, banned, out)[0] == out

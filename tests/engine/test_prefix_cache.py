@@ -60,10 +60,12 @@ def test_next_chat_turn_reuses_previous(tiny_qwen35):
     out, _ = run(engine, turn1, SamplingParams(max_tokens=12))
     msgs += [{"role": "assistant", "content": engine.tokenizer.decode(out)}, {"role": "user", "content": "again"}]
     turn2 = engine.tokenizer.encode(template.render(msgs, opts))
-    _, stats = run(engine, turn2, SamplingParams(max_tokens=4))
+    second, stats = run(engine, turn2, SamplingParams(max_tokens=16))
     # at least the system + first user message come from the cache
     head = template.render(msgs[:2], opts).split("<|im_start|>assistant")[0]
     assert stats.cached_tokens >= len(engine.tokenizer.encode(head))
+    # and the answer resumed from them is the answer of a cold prefill
+    assert second == run(engine_for(tiny_qwen35, False), turn2, SamplingParams(max_tokens=16))[0]
 
 
 def test_budget_is_respected(tiny_qwen35):
@@ -89,3 +91,29 @@ def test_cancelled_request_leaves_no_corrupt_snapshot(engines):
 def test_disabled_stores_nothing():
     cache = PrefixCache(1 << 20, enabled=False)
     assert cache.lookup([1, 2, 3]) == (None, 0)
+
+
+def test_periodic_snapshots_let_an_edited_end_resume(tiny_qwen35):
+    """A long prompt whose end changes resumes from the last snapshot before the change
+    (engine/prefill.py: every `snapshot_every` tokens), with the same output as a cold run."""
+    engine = Engine(EngineConfig(model_path=str(tiny_qwen35), prefill_chunk=16, snapshot_every=32))
+    cold = engine_for(tiny_qwen35, False)
+    long = [int(t) for t in np.random.RandomState(9).randint(20, 500, size=150)]
+    run(engine, long, GREEDY)
+    edited = long[:-5] + [7, 8, 9]
+    tokens, stats = run(engine, edited, GREEDY)
+    assert stats.cached_tokens == 128  # the last multiple of 32 before the edit
+    assert tokens == run(cold, edited, GREEDY)[0]
+
+
+def test_the_draft_model_resumes_from_its_own_prefix_cache(tiny_qwen35, tiny_draft):
+    engine = Engine(EngineConfig(model_path=str(tiny_qwen35), prefill_chunk=16,
+                                 spec=SpecConfig(method="draft", draft_model=str(tiny_draft), adaptive=False)))
+    cold = engine_for(tiny_qwen35, False)
+    spec = SpecConfig(method="draft", draft_model=str(tiny_draft), budget=6, max_depth=4, adaptive=False)
+    first, _ = run(engine, PROMPT, GREEDY, spec)
+    draft_prefix = engine.draft_prefiller(engine.draft_model(str(tiny_draft))).prefix
+    snapshot, length = draft_prefix.lookup(PROMPT[:-1])
+    assert snapshot is not None and length == len(PROMPT) - 1  # stored by the first request's prefill
+    again, stats = run(engine, PROMPT, GREEDY, spec)
+    assert again == first == run(cold, PROMPT, GREEDY)[0] and stats.drafted > 0

@@ -16,7 +16,6 @@ from hypothesis import strategies as st
 
 from server.chat import ChatTemplate
 from server.chat_output import ChatOutputParser, ChatPiece, ToolCallDelta, merge_tool_calls
-from server.json_format import answer_problem, parse_answer
 from server.tools import ToolSet, convert_value
 
 REPO = Path(__file__).resolve().parents[2]
@@ -167,17 +166,3 @@ def test_parameter_values_follow_the_schema(raw, types, want):
 
 def test_tool_call_delta_shape():
     assert ToolCallDelta(1, arguments="x").openai() == {"index": 1, "function": {"arguments": "x"}}
-
-
-def test_json_answers_are_unwrapped_and_checked():
-    assert parse_answer(' {"a": 1} ')[0] == {"a": 1}
-    assert parse_answer('```json\n{"a": [1]}\n```')[1] == '{"a": [1]}'
-    with pytest.raises(ValueError):
-        parse_answer("not json")
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x"]}}, "required": ["a"],
-              "additionalProperties": False}
-    assert answer_problem({"a": 1, "b": "x"}, schema) is None
-    assert "missing" in answer_problem({}, schema)
-    assert "expected" in answer_problem({"a": "1"}, schema)
-    assert "not one of" in answer_problem({"a": 1, "b": "y"}, schema)
-    assert "not allowed" in answer_problem({"a": 1, "c": 0}, schema)

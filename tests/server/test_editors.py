@@ -226,3 +226,30 @@ def test_n_indent_and_time_limit_rules():
     assert lim.feed("no newline yet") and not lim.hit
     lim.feed("\n")
     assert lim.hit
+
+
+def test_editor_sequence_reuses_the_prompt(live_server):
+    """llama.vim on the hybrid model: a warm-up (n_predict 0) with the project context, the request at
+    the cursor, then the next keystroke. Prefill snapshots after the FIM markers (engine/prefill.py)
+    let the real request resume after the warm-up's context and the keystroke after <|fim_middle|>."""
+    extra = [{"filename": f"mod{i}.py", "text": "".join(f"def helper_{i}_{j}(x):\n    return x * {j} + {i}\n"
+                                                        for j in range(8))} for i in range(3)]
+    prefix = "".join(f"value_{k} = compute({k}, scale={k % 7})\n" for k in range(16))
+    suffix = "".join(f"print(value_{k})\n" for k in range(4))
+    base = {"id_slot": 0, "input_extra": extra, "cache_prompt": True, "samplers": ["top_k", "top_p", "infill"],
+            "top_k": 40, "top_p": 0.9, "stream": False}
+
+    def cached_share(body: dict) -> tuple[int, float]:
+        r = post(live_server, "/infill", {**base, **body})
+        assert r.status_code == 200, r.text
+        assert not r.json()["truncated"]  # the whole prompt fits the test server's context
+        timings = r.json()["timings"]
+        return timings["cache_n"], timings["cache_n"] / (timings["cache_n"] + timings["prompt_n"])
+
+    cached, _ = cached_share({"input_prefix": "", "input_suffix": "", "prompt": "", "n_predict": 0})
+    assert cached == 0  # nothing of this project was seen before
+    cursor = {"input_prefix": prefix, "input_suffix": suffix, "n_predict": 4}
+    cached, share = cached_share({**cursor, "prompt": "total = "})
+    assert cached > 0 and share > 0.4  # the project context, from the warm-up
+    cached, share = cached_share({**cursor, "prompt": "total = v"})
+    assert share >= 0.9, share  # the keystroke: everything up to <|fim_middle|>

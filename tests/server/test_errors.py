@@ -41,14 +41,14 @@ BAD_CHAT = [
     ({"messages": [{"role": "user", "content": 123}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content[0].type"),
-    ({"messages": MSG, "max_tokens": -1}, "max_tokens"),
+    ({"messages": MSG, "max_tokens": -2}, "max_tokens"),
     ({"messages": MSG, "max_tokens": "10"}, "max_tokens"),
     ({"messages": MSG, "max_tokens": 1.5}, "max_tokens"),
     ({"messages": MSG, "max_completion_tokens": -5}, "max_completion_tokens"),
     ({"messages": MSG, "temperature": 2.5}, "temperature"),
     ({"messages": MSG, "temperature": -0.1}, "temperature"),
     ({"messages": MSG, "temperature": "hot"}, "temperature"),
-    ({"messages": MSG, "top_p": 0}, "top_p"),
+    ({"messages": MSG, "top_p": -0.1}, "top_p"),
     ({"messages": MSG, "top_p": 1.5}, "top_p"),
     ({"messages": MSG, "top_k": -2}, "top_k"),
     ({"messages": MSG, "min_p": 2}, "min_p"),
@@ -82,7 +82,7 @@ BAD_COMPLETIONS = [
     ({"prompt": [1, 10**6]}, "prompt"),
     ({"prompt": [1, 2], "suffix": "b"}, "prompt"),
     ({"prompt": "a", "logprobs": 6}, "logprobs"),
-    ({"prompt": "a", "max_tokens": -1}, "max_tokens"),
+    ({"prompt": "a", "max_tokens": -2}, "max_tokens"),
 ]
 
 

@@ -193,12 +193,14 @@ def test_thinking_toggle_changes_the_prompt(client):
 
 
 def test_per_request_spec_is_lossless(client):
-    plain = chat(client, max_tokens=24, temperature=0, extra_body=NO_EOS)
-    spec = chat(client, max_tokens=24, temperature=0,
+    plain = chat(client, max_tokens=64, temperature=0, extra_body=NO_EOS)
+    spec = chat(client, max_tokens=64, temperature=0,
                 extra_body={"spec": {"method": "ngram", "budget": 4, "max_depth": 2}, **NO_EOS})
     assert spec.choices[0].message.content == plain.choices[0].message.content
-    assert spec.usage.completion_tokens == 24
+    assert spec.usage.completion_tokens == 64
     timings = spec.model_extra["timings"]
+    assert timings["draft_n"] > 0  # prompt lookup drafted (the random model's text does not
+    # repeat, so little of it is accepted: tests/server/test_spec_edges.py has a drafter that is)
     assert timings["draft_n"] >= timings["draft_n_accepted"] >= 0
     per_pos = timings["draft_n_accepted_per_pos"]
     assert sum(per_pos) == timings["draft_n_accepted"] and per_pos == sorted(per_pos, reverse=True)

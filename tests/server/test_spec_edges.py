@@ -117,3 +117,37 @@ def test_the_operator_raises_the_cap():
     assert Planner._spec_limit(None, 48, 32, "budget", "--spec-budget") == 48
     with pytest.raises(Exception, match="allows \\(48"):
         Planner._spec_limit(49, 48, 32, "budget", "--spec-budget")
+
+
+def test_speculation_through_the_server_takes_drafts_and_changes_nothing(tiny_checkpoint):
+    """A draft model that is the target itself agrees with every greedy token: the answer is the
+    plain one, and the timings show the drafts were taken (a speculation test that can fail)."""
+    from engine.config import EngineConfig, SpecConfig
+    from engine.generate import Engine
+    from server.bridge import EngineBridge
+
+    config = EngineConfig(model_path=str(tiny_checkpoint), max_context=512,
+                          spec=SpecConfig(draft_model=str(tiny_checkpoint)))
+    bridge = EngineBridge(lambda: Engine(config), max_queue=2)
+    bridge.start()
+    loop = asyncio.new_event_loop()
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(bridge)), base_url="http://localhost",
+                               timeout=120)
+    try:
+        def chat(extra: dict) -> dict:
+            body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 40, "temperature": 0,
+                    "chat_template_kwargs": {"enable_thinking": False}, **extra}
+            r = loop.run_until_complete(client.post("/v1/chat/completions", json=body))
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        plain = chat({"spec": "none"})
+        for method in ("draft", "draft-tree"):
+            spec = chat({"spec": {"method": method, "budget": 6, "max_depth": 4}})
+            assert spec["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"], method
+            t = spec["timings"]
+            assert t["draft_n"] >= t["draft_n_accepted"] > 0 and t["tokens_per_forward"] > 1.5, (method, t)
+    finally:
+        loop.run_until_complete(client.aclose())
+        loop.close()
+        bridge.stop()
