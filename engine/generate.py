@@ -16,8 +16,10 @@ from engine import forward
 from engine.cache import LayerCache
 from engine.config import EngineConfig, SamplingParams, SpecConfig
 from engine.drafters import make_drafter
-from engine.drafters.base import Drafter
-from engine.loader import load_model
+from engine.drafters.base import Drafter, ReadsTarget
+from engine.feature_cache import FeatureCache, FeatureTaps
+from engine.loader import CheckpointError, load_dflash, load_model, load_mtp, mtp_files
+from engine.models import dflash
 from engine.models.base import CausalLM
 from engine.prefix_cache import PrefixCache
 from engine.round import InFlight, Rounds, Sequence
@@ -39,6 +41,11 @@ class Engine:
         self.model_id = Path(config.model_path).resolve().name
         self.vocab_size = self.model.args.vocab_size
         self._draft_models: dict[str, CausalLM] = {}
+        self._dflash_models: dict[str, dflash.DFlashModel] = {}
+        self._mtp_head = None
+        # Hidden states every pass records for the drafters that read them (DFlash, MTP): decided
+        # once, so that every cache and prefix snapshot of this engine has the same layout.
+        self.feature_taps = self._feature_taps()
         attention_only = all(self.model.args.layer_is_attention)
         self.prefix = PrefixCache(config.prefix_cache_bytes, config.prefix_cache, trimmable=attention_only)
         self.boundary_id = self.tokenizer.token_id("<|im_start|>")
@@ -56,6 +63,44 @@ class Engine:
                                    f"the target {self.vocab_size}: they must share the tokenizer")
             self._draft_models[key] = model
         return self._draft_models[key]
+
+    def _feature_taps(self) -> FeatureTaps:
+        taps = FeatureTaps(final=bool(mtp_files(self.config.model_path)))
+        path = self.config.spec.dflash_model or default_dflash_for(self.config.model_path)
+        if path is not None:
+            try:
+                taps = taps.union(FeatureTaps(tuple(set(dflash.read_config(path).target_layer_ids))))
+            except dflash.DFlashConfigError as e:
+                raise CheckpointError(str(e)) from None
+        return taps
+
+    def make_cache(self) -> list[LayerCache]:
+        """The target's layer caches, and a FeatureCache when drafters read hidden states."""
+        features: list[LayerCache] = [FeatureCache(self.feature_taps)] if self.feature_taps.count else []
+        return self.model.make_cache() + features
+
+    def dflash_model(self, path: str | None) -> dflash.DFlashModel:
+        """The DFlash drafter at `path` (or the configured / bundled one), loaded once."""
+        path = path or self.config.spec.dflash_model or default_dflash_for(self.config.model_path)
+        if path is None:
+            raise RequestError("spec method 'dflash' needs a DFlash checkpoint (--dflash-model DIR)")
+        key = str(Path(path).resolve())
+        if key not in self._dflash_models:
+            model = load_dflash(path, self.config.dtype)
+            if not self.feature_taps.covers(FeatureTaps(tuple(set(model.config.target_layer_ids)))):
+                raise RequestError(f"DFlash model {path} reads target layers {model.config.target_layer_ids}, "
+                                   f"but this engine records {self.feature_taps.layers} (start it with that "
+                                   "--dflash-model)")
+            self._dflash_models[key] = model
+        return self._dflash_models[key]
+
+    def mtp_head(self):
+        """The target checkpoint's MTP head, loaded once."""
+        if not self.feature_taps.final:
+            raise RequestError(f"spec method 'mtp' needs MTP tensors (mtp.*) in {self.config.model_path}")
+        if self._mtp_head is None:
+            self._mtp_head = load_mtp(self.config.model_path, self.model.args, self.config.dtype)
+        return self._mtp_head
 
     def check_request(self, req: GenerationRequest) -> None:
         ids = req.prompt_ids
@@ -79,7 +124,11 @@ class Engine:
         params = dataclasses.replace(
             req.sampling, stop_token_ids=tuple(sorted(set(req.sampling.stop_token_ids) | set(eos))))
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-        return self._run(req, params, seed, spec, drafter or make_drafter(self, spec))
+        drafter = drafter or make_drafter(self, spec)
+        if isinstance(drafter, ReadsTarget) and not self.feature_taps.covers(drafter.taps):
+            raise RequestError(f"the drafter reads target hidden states {drafter.taps}; this engine records "
+                               f"{self.feature_taps}")
+        return self._run(req, params, seed, spec, drafter)
 
     def _run(self, req: GenerationRequest, params: SamplingParams, seed: int, spec: SpecConfig,
              drafter: Drafter) -> Iterator[Step]:
@@ -87,6 +136,10 @@ class Engine:
         t_start = time.perf_counter()
         cache, stats.cached_tokens = self._prefill(req.prompt_ids[:-1])
         stats.prompt_ms = _ms_since(t_start)
+        if isinstance(drafter, ReadsTarget):
+            features = cache[-1]
+            assert isinstance(features, FeatureCache) and features.taps.covers(drafter.taps)
+            drafter.attach(features)
         drafter.begin(req.prompt_ids)
         seq = Sequence(tokens=list(req.prompt_ids), covered=len(req.prompt_ids) - 1, prompt_len=len(req.prompt_ids))
         rounds = Rounds(self.model, cache, seq, params, seed, spec, drafter, stats)
@@ -130,7 +183,7 @@ class Engine:
     def _prefill(self, ids: list[int]) -> tuple[list[LayerCache], int]:
         """Fresh caches holding `ids` (the prompt but its last token): resume from the prefix
         cache, prefill the rest in chunks, snapshot at chat-message boundaries and at the end."""
-        cache = self.model.make_cache()
+        cache = self.make_cache()
         cached = self.prefix.restore_longest(ids, cache)
         cuts = [p for p in range(cached + 1, len(ids)) if ids[p] == self.boundary_id][-2:]
         start = cached
@@ -154,6 +207,14 @@ def default_draft_for(model_path: str) -> str | None:
     target, draft = BUNDLED / "target", BUNDLED / "draft"
     if Path(model_path).resolve() == target.resolve() and (draft / "config.json").is_file():
         return str(draft)
+    return None
+
+
+def default_dflash_for(model_path: str) -> str | None:
+    """The bundled target comes with a bundled DFlash drafter."""
+    target, drafter = BUNDLED / "target", BUNDLED / "dflash"
+    if Path(model_path).resolve() == target.resolve() and (drafter / "config.json").is_file():
+        return str(drafter)
     return None
 
 

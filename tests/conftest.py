@@ -43,6 +43,28 @@ def tiny_qwen3(tmp_path_factory) -> Path:
     return _make(tmp_path_factory, "tiny_qwen3", "--kind", "qwen3", "--seed", "5")
 
 
+def _copy(tmp_path_factory, src: Path, name: str) -> Path:
+    out = tmp_path_factory.mktemp(name)
+    shutil.copytree(src, out, dirs_exist_ok=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen35_mtp(tiny_qwen35, tmp_path_factory) -> Path:
+    """The tiny target (same weights) with an MTP head in a separate mtp.safetensors."""
+    out = _copy(tmp_path_factory, tiny_qwen35, "tiny_qwen35_mtp")
+    checkpoint_maker().add_mtp_to(out, 21, "file")
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_dflash(tiny_qwen35, tmp_path_factory) -> Path:
+    """A random DFlash drafter for the tiny target, in z-lab's layout (2 layers, reads target layers 1, 2)."""
+    out = tmp_path_factory.mktemp("tiny_dflash")
+    checkpoint_maker().make_dflash(out, tiny_qwen35, layers=2, seed=17)
+    return out
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen35_mlx(tiny_qwen35, tmp_path_factory) -> Path:
     """The same weights for mlx-lm, which reads model_type qwen3_5 (not HF's qwen3_5_text)."""

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 from engine.config import SpecConfig
+from engine.drafters import marginals
 from engine.drafters.base import Drafter, NoDrafter
+from engine.drafters.dflash import DFlashDrafter, TreeBuilder
 from engine.drafters.draft_chain import DraftChainDrafter
 from engine.drafters.draft_tree import DraftTreeDrafter
+from engine.drafters.mtp import MTPDrafter
 from engine.drafters.ngram import NgramDrafter
+
+BUILDERS: dict[str, TreeBuilder] = {"chain": marginals.chain, "ddtree": marginals.ddtree}
 
 
 def make_drafter(engine, spec: SpecConfig) -> Drafter:
@@ -18,4 +23,8 @@ def make_drafter(engine, spec: SpecConfig) -> Drafter:
         return DraftChainDrafter(engine.draft_model(spec.draft_model))
     if spec.method == "draft-tree":
         return DraftTreeDrafter(engine.draft_model(spec.draft_model))
+    if spec.method == "dflash":
+        return DFlashDrafter(engine.model, engine.dflash_model(spec.dflash_model), BUILDERS[spec.tree])
+    if spec.method == "mtp":
+        return MTPDrafter(engine.model, engine.mtp_head(), BUILDERS[spec.tree])
     raise ValueError(f"unknown spec method {spec.method!r}")

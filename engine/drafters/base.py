@@ -3,8 +3,9 @@ what the target accepted. Plain decoding is the drafter that proposes only the r
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
+from engine.feature_cache import FeatureCache, FeatureTaps
 from engine.tree import DraftTree
 
 
@@ -17,6 +18,16 @@ class Drafter(Protocol):
 
     def observe(self, emitted: list[int]) -> None:
         """The tokens the round emitted (accepted drafts + bonus), in order."""
+
+
+@runtime_checkable
+class ReadsTarget(Protocol):
+    """A drafter fed by the target's hidden states (DFlash, MTP). Before `begin`, the engine hands
+    it the target's FeatureCache of the generation, whose taps cover `taps`."""
+
+    taps: FeatureTaps
+
+    def attach(self, features: FeatureCache) -> None: ...
 
 
 class NoDrafter:
