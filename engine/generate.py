@@ -18,9 +18,10 @@ from engine.config import EngineConfig, SamplingParams, SpecConfig
 from engine.drafters import make_drafter
 from engine.drafters.base import Drafter, ReadsTarget
 from engine.feature_cache import FeatureCache, FeatureTaps
-from engine.loader import CheckpointError, load_dflash, load_model, load_mtp, mtp_files
+from engine.loader import CheckpointError, load_dflash, load_model, load_mtp, load_weaver, mtp_files
 from engine.models import dflash
 from engine.models.base import CausalLM
+from engine.models.weaver import Weaver
 from engine.prefix_cache import PrefixCache
 from engine.round import InFlight, Rounds, Sequence
 from engine.tokenizer import Tokenizer
@@ -43,6 +44,7 @@ class Engine:
         self._draft_models: dict[str, CausalLM] = {}
         self._dflash_models: dict[str, dflash.DFlashModel] = {}
         self._mtp_head = None
+        self._weavers: dict[str, Weaver] = {}
         # Hidden states every pass records for the drafters that read them (DFlash, MTP): decided
         # once, so that every cache and prefix snapshot of this engine has the same layout.
         self.feature_taps = self._feature_taps()
@@ -65,8 +67,10 @@ class Engine:
         return self._draft_models[key]
 
     def _feature_taps(self) -> FeatureTaps:
-        taps = FeatureTaps(final=bool(mtp_files(self.config.model_path)))
-        path = self.config.spec.dflash_model or default_dflash_for(self.config.model_path)
+        # the final-normed state feeds the MTP head and Weaver's prompt
+        final = bool(mtp_files(self.config.model_path)) or self._weaver_path(None) is not None
+        taps = FeatureTaps(final=final)
+        path = self._dflash_path(None)
         if path is not None:
             try:
                 taps = taps.union(FeatureTaps(tuple(set(dflash.read_config(path).target_layer_ids))))
@@ -81,7 +85,7 @@ class Engine:
 
     def dflash_model(self, path: str | None) -> dflash.DFlashModel:
         """The DFlash drafter at `path` (or the configured / bundled one), loaded once."""
-        path = path or self.config.spec.dflash_model or default_dflash_for(self.config.model_path)
+        path = self._dflash_path(path)
         if path is None:
             raise RequestError("spec method 'dflash' needs a DFlash checkpoint (--dflash-model DIR)")
         key = str(Path(path).resolve())
@@ -96,11 +100,49 @@ class Engine:
 
     def mtp_head(self):
         """The target checkpoint's MTP head, loaded once."""
-        if not self.feature_taps.final:
+        if not mtp_files(self.config.model_path):
             raise RequestError(f"spec method 'mtp' needs MTP tensors (mtp.*) in {self.config.model_path}")
         if self._mtp_head is None:
             self._mtp_head = load_mtp(self.config.model_path, self.model.args, self.config.dtype)
         return self._mtp_head
+
+    def missing_drafter(self, method: str, tree: str) -> str | None:
+        """Why a spec method / tree cannot run on this engine, or None. Reads no weights (the
+        server calls it off the engine thread)."""
+        if method == "mtp" and not mtp_files(self.config.model_path):
+            return f"spec method 'mtp' needs a model with an MTP head (mtp.* tensors); {self.model_id} has none"
+        if method == "mtp" and tree == "weaver":
+            return "the weaver tree builder re-scores DFlash blocks: use it with spec method 'dflash'"
+        if method == "dflash" and self._dflash_path(None) is None:
+            return "spec method 'dflash' needs a server started with --dflash-model"
+        if method == "dflash" and tree == "weaver" and self._weaver_path(None) is None:
+            return "spec tree 'weaver' needs a Weaver adapter (--weaver-model, or DFLASH_DIR/weaver)"
+        return None
+
+    def _dflash_path(self, path: str | None) -> str | None:
+        return path or self.config.spec.dflash_model or default_dflash_for(self.config.model_path)
+
+    def _weaver_path(self, path: str | None) -> str | None:
+        """The Weaver adapter: given, configured, or the `weaver` directory beside the DFlash drafter."""
+        if path or self.config.spec.weaver_model:
+            return path or self.config.spec.weaver_model
+        dflash_dir = self._dflash_path(None)
+        if dflash_dir is not None and (Path(dflash_dir) / "weaver" / "config.json").is_file():
+            return str(Path(dflash_dir) / "weaver")
+        return None
+
+    def weaver(self, spec: SpecConfig) -> Weaver:
+        """The Weaver adapter for spec tree 'weaver', loaded once."""
+        path = self._weaver_path(spec.weaver_model)
+        if path is None:
+            raise RequestError("spec tree 'weaver' needs a Weaver adapter (--weaver-model DIR)")
+        if not self.feature_taps.final:
+            raise RequestError("spec tree 'weaver' needs the target's final hidden states: start the engine "
+                               "with --weaver-model")
+        key = str(Path(path).resolve())
+        if key not in self._weavers:
+            self._weavers[key] = load_weaver(path, self.config.dtype)
+        return self._weavers[key]
 
     def check_request(self, req: GenerationRequest) -> None:
         ids = req.prompt_ids

@@ -237,3 +237,20 @@ def load_dflash(path: str | Path, dtype: str = "float32"):
     model.load_weights(_check_and_cast(model, tensors, origin, path, DTYPES[dtype]), strict=True)
     mx.eval(model.parameters())
     return model
+
+
+def load_weaver(path: str | Path, dtype: str = "float32"):
+    """A Weaver adapter converted by scripts/convert_weaver.py (engine/models/weaver.py)."""
+    from engine.models.weaver import Weaver, WeaverConfigError
+    from engine.models.weaver import read_config as read_weaver_config
+
+    path = Path(path)
+    try:
+        config = read_weaver_config(path)
+    except WeaverConfigError as e:
+        raise CheckpointError(str(e)) from None
+    model = Weaver(config)
+    tensors, origin = _read_tensors(path)
+    model.load_weights(_check_and_cast(model, tensors, origin, path, DTYPES[dtype]), strict=True)
+    mx.eval(model.parameters())
+    return model

@@ -188,3 +188,106 @@ def init_like_hf(module: nn.Module, std: float = 0.02, seed: int = 0) -> None:
             if p.dim() >= 2:
                 p.copy_(torch.randn(p.shape, generator=g) * std / (math.sqrt(2) if "o_proj" in name or "down" in name
                                                                    else 1.0))
+
+
+class BiasRMSNorm(nn.Module):
+    """Weaver's affine RMSNorm: weight * x / rms(x) + bias, in float32."""
+
+    def __init__(self, dims: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dims))
+        self.bias = nn.Parameter(torch.zeros(dims))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return (self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)) + self.bias).to(x.dtype)
+
+
+@dataclass(frozen=True)
+class WeaverShape:
+    """The published Weaver config keys (trymirai/weaver)."""
+
+    d_model: int  # the target's hidden size
+    d_embed: int  # the target's embedding size
+    d_rank: int  # Weaver's width
+    num_layers: int
+    num_heads: int
+    mlp_dim: int
+    K: int  # deepest depth it scores
+    candidate_pool_size: int
+    rope_base: float = 10000.0
+
+    def config(self) -> dict:
+        return {"d_model": self.d_model, "d_embed": self.d_embed, "d_rank": self.d_rank,
+                "num_layers": self.num_layers, "num_heads": self.num_heads, "mlp_dim": self.mlp_dim, "K": self.K,
+                "candidate_pool_size": self.candidate_pool_size, "rope_base": self.rope_base,
+                "encoder_mode": "global_prompt", "score_head": "simple_score", "mlp": "swiglu"}
+
+
+class WeaverBlock(nn.Module):
+    def __init__(self, s: WeaverShape) -> None:
+        super().__init__()
+        self.s = s
+        self.norm_attn = BiasRMSNorm(s.d_rank)
+        self.qkv_proj = nn.Linear(s.d_rank, 3 * s.d_rank, bias=False)
+        self.o_proj = nn.Linear(s.d_rank, s.d_rank, bias=False)
+        self.norm_mlp = BiasRMSNorm(s.d_rank)
+        self.gate_up_proj = nn.Linear(s.d_rank, 2 * s.mlp_dim)
+        self.down_proj = nn.Linear(s.mlp_dim, s.d_rank)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """x [B, T, d_rank], positions [B, T], mask [B, 1, T, T] bool."""
+        s = self.s
+        B, T, _ = x.shape
+        q, k, v = self.qkv_proj(self.norm_attn(x)).view(B, T, 3, s.num_heads, -1).permute(2, 0, 3, 1, 4)
+        q, k = rope(q, positions[:, None], s.rope_base), rope(k, positions[:, None], s.rope_base)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        x = x + self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        gate, up = self.gate_up_proj(self.norm_mlp(x)).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
+
+
+class Weaver(nn.Module):
+    """Weaver ("Trees from Marginals"): re-scores DFlash's candidates along tree paths.
+
+    The prompt is [proposal_in(output_norm(h_target)), proposal_in(output_norm(dflash_hidden[d]))
+    for d = 1..D] (causal among itself, positions 0..D); a tree node at depth d (the root at 0) is
+    token_in(embed_norm(E[token])) at position d + 1 and sees the whole prompt, its ancestors and
+    itself. Its query out_norm(x) scores the candidates c of depth d + 1 as
+    dflash_logit[c] + (W_lm[c] @ lm_head_query_in.weight) . query."""
+
+    def __init__(self, s: WeaverShape) -> None:
+        super().__init__()
+        self.s = s
+        self.output_norm = BiasRMSNorm(s.d_model)
+        self.embed_norm = BiasRMSNorm(s.d_embed)
+        self.token_in = nn.Linear(s.d_embed, s.d_rank)
+        self.proposal_in = nn.Linear(s.d_model, s.d_rank)
+        self.blocks = nn.ModuleList(WeaverBlock(s) for _ in range(s.num_layers))
+        self.out_norm = BiasRMSNorm(s.d_rank)
+        self.lm_head_query_in = nn.Linear(s.d_rank, s.d_model, bias=False)
+
+    def path_queries(self, h_target: torch.Tensor, dflash_hidden: torch.Tensor,
+                     path_embeds: torch.Tensor) -> torch.Tensor:
+        """Teacher forcing along one path per row: h_target [B, d_model], dflash_hidden [B, D, d_model],
+        path_embeds [B, N, d_embed] (the root's and the path's target embeddings, depths 0..N-1)
+        -> queries [B, N, d_rank]."""
+        B, D = dflash_hidden.shape[:2]
+        N = path_embeds.shape[1]
+        prompt = self.proposal_in(self.output_norm(torch.cat([h_target[:, None], dflash_hidden], 1)))
+        nodes = self.token_in(self.embed_norm(path_embeds))
+        x = torch.cat([prompt, nodes], 1)
+        P = D + 1
+        positions = torch.cat([torch.arange(P), torch.arange(1, N + 1)])[None].expand(B, -1)
+        see = torch.zeros(P + N, P + N, dtype=torch.bool)
+        see[:P, :P] = torch.ones(P, P, dtype=torch.bool).tril()
+        see[P:, :P] = True
+        see[P:, P:] = torch.ones(N, N, dtype=torch.bool).tril()
+        for block in self.blocks:
+            x = block(x, positions, see[None, None])
+        return self.out_norm(x[:, P:])
+
+    def scores(self, queries: torch.Tensor, cand_logits: torch.Tensor, cand_rows: torch.Tensor) -> torch.Tensor:
+        """queries [..., d_rank], cand_logits [..., P] (DFlash's), cand_rows [..., P, d_model] (W_lm rows)."""
+        return cand_logits + torch.einsum("...pm,...m->...p", cand_rows, self.lm_head_query_in(queries))

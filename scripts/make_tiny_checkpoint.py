@@ -186,6 +186,29 @@ def make_dflash(out: Path, target: Path, layers: int, seed: int, block_size: int
               metadata={"format": "pt"})
 
 
+def make_weaver(out: Path, target: Path, seed: int, pool: int = 16) -> None:
+    """A random Weaver adapter for the checkpoint at `target`: written as the published .pth, then
+    converted by scripts/convert_weaver.py into OUT (config.json, model.safetensors)."""
+    import torch
+
+    heads = draft_heads()
+    cfg = json.loads((target / "config.json").read_text())
+    cfg = {**cfg, **cfg.get("text_config", {})}
+    H = cfg["hidden_size"]
+    shape = heads.WeaverShape(d_model=H, d_embed=H, d_rank=32, num_layers=2, num_heads=2, mlp_dim=64, K=15,
+                              candidate_pool_size=pool)
+    torch.manual_seed(seed)
+    weaver = heads.Weaver(shape)
+    randomize_head(weaver, seed, zero_centred=False)
+    out.mkdir(parents=True, exist_ok=True)
+    pth = out / "weaver.pth"
+    torch.save({"config": shape.config(), "state_dict": weaver.state_dict()}, pth)
+    sys.path.insert(0, str(HERE))
+    import convert_weaver
+
+    convert_weaver.main([str(pth), str(out), "--dtype", "float32"])
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)

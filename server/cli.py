@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from engine.config import SPEC_METHODS
+from engine.config import SPEC_METHODS, SPEC_TREES
 
 EXIT_USAGE = 2
 M_ARENA_MAX = -8  # glibc mallopt parameter
@@ -51,15 +51,33 @@ def resolve_model(arg: str | None) -> Path:
     return path
 
 
+def resolve_dir(arg: str, flag: str) -> Path:
+    """A drafter directory (DFlash, Weaver): it must hold a config.json."""
+    path = Path(arg).expanduser()
+    if not path.is_dir():
+        raise CLIError(f"{flag} {arg}: no such directory")
+    if not (path / "config.json").is_file():
+        raise CLIError(f"{flag} {arg}: not a checkpoint directory (missing config.json)")
+    return path
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="checkpoint directory (default: the bundled model)")
     p.add_argument("--max-context", type=int, default=8192, help="context length in tokens (default 8192)")
     p.add_argument("--spec", choices=SPEC_METHODS, default="none",
                    help="speculative decoding: none, ngram (prompt lookup), draft (draft-model chain with "
-                        "siblings), draft-tree (draft-model best-first tree)")
+                        "siblings), draft-tree (draft-model best-first tree), mtp (the checkpoint's "
+                        "multi-token-prediction head), dflash (DFlash block drafter)")
     p.add_argument("--spec-budget", type=int, default=16, help="draft-tree nodes per round (default 16)")
     p.add_argument("--spec-depth", type=int, default=8, help="draft-tree depth (default 8)")
+    p.add_argument("--spec-tree", choices=SPEC_TREES, default="ddtree",
+                   help="how mtp / dflash marginals become a tree: chain (top-1), ddtree (best-first product of "
+                        "marginals, default), weaver (the Weaver adapter; needs one)")
     p.add_argument("--draft-model", help="draft checkpoint directory for --spec draft")
+    p.add_argument("--dflash-model", help="DFlash checkpoint directory for --spec dflash "
+                                          "(default: the bundled one with the bundled model)")
+    p.add_argument("--weaver-model", help="Weaver adapter directory for --spec-tree weaver "
+                                          "(default: DFLASH_DIR/weaver)")
     p.add_argument("--no-prefix-cache", action="store_true", help="turn off the prompt prefix cache")
     p.add_argument("--prefix-cache-bytes", type=int, default=2 << 30, help="prefix cache budget in bytes")
 
@@ -69,8 +87,11 @@ def engine_config(a: argparse.Namespace):
 
     model = resolve_model(a.model)
     draft = str(resolve_model(a.draft_model)) if a.draft_model else None
+    dflash = str(resolve_dir(a.dflash_model, "--dflash-model")) if a.dflash_model else None
+    weaver = str(resolve_dir(a.weaver_model, "--weaver-model")) if a.weaver_model else None
     try:
-        spec = SpecConfig(method=a.spec, budget=a.spec_budget, max_depth=a.spec_depth, draft_model=draft)
+        spec = SpecConfig(method=a.spec, budget=a.spec_budget, max_depth=a.spec_depth, draft_model=draft,
+                          tree=a.spec_tree, dflash_model=dflash, weaver_model=weaver)
         return EngineConfig(model_path=str(model), max_context=a.max_context, spec=spec,
                             prefix_cache=not a.no_prefix_cache, prefix_cache_bytes=a.prefix_cache_bytes)
     except ValueError as e:

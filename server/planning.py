@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from engine.config import SamplingParams, SpecConfig
 from engine.types import GenerationRequest
@@ -173,8 +173,11 @@ class Planner:
         default = self.engine.config.spec
         if body.spec.method in ("draft", "draft-tree") and not self._draft_available():
             raise APIError("spec method 'draft' needs a server started with --draft-model", param="spec.method")
-        return SpecConfig(method=body.spec.method, budget=body.spec.budget or default.budget,
-                          max_depth=body.spec.max_depth or default.max_depth, draft_model=default.draft_model)
+        missing = self.engine.missing_drafter(body.spec.method, body.spec.tree or default.tree)
+        if missing:
+            raise APIError(missing, param="spec")
+        return replace(default, method=body.spec.method, budget=body.spec.budget or default.budget,
+                       max_depth=body.spec.max_depth or default.max_depth, tree=body.spec.tree or default.tree)
 
     def _draft_available(self) -> bool:
         """Checked here, not on the engine thread, so that a streamed request gets a plain 400."""

@@ -121,7 +121,8 @@ class SpecRequest(StrictModel):
     """Extra body field `spec`: per-request speculation (engine.config.SpecConfig)."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
-    method: Literal["none", "ngram", "draft", "draft-tree"]
+    method: Literal["none", "ngram", "draft", "draft-tree", "mtp", "dflash"]
+    tree: Literal["chain", "ddtree", "weaver"] | None = None
     budget: Annotated[int, Field(ge=1, le=4096)] | None = None
     max_depth: Annotated[int, Field(ge=1, le=1024)] | None = None
 

@@ -59,9 +59,11 @@ def tiny_qwen35_mtp(tiny_qwen35, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_dflash(tiny_qwen35, tmp_path_factory) -> Path:
-    """A random DFlash drafter for the tiny target, in z-lab's layout (2 layers, reads target layers 1, 2)."""
+    """A random DFlash drafter for the tiny target, in z-lab's layout (2 layers, reads target layers 1,
+    2), with a random Weaver adapter in weaver/ (converted from the published .pth format)."""
     out = tmp_path_factory.mktemp("tiny_dflash")
     checkpoint_maker().make_dflash(out, tiny_qwen35, layers=2, seed=17)
+    checkpoint_maker().make_weaver(out / "weaver", tiny_qwen35, seed=19)  # found there by default
     return out
 
 

@@ -10,6 +10,7 @@ from engine.drafters.draft_chain import DraftChainDrafter
 from engine.drafters.draft_tree import DraftTreeDrafter
 from engine.drafters.mtp import MTPDrafter
 from engine.drafters.ngram import NgramDrafter
+from engine.drafters.weaver import WeaverTrees
 
 BUILDERS: dict[str, TreeBuilder] = {"chain": marginals.chain, "ddtree": marginals.ddtree}
 
@@ -24,7 +25,13 @@ def make_drafter(engine, spec: SpecConfig) -> Drafter:
     if spec.method == "draft-tree":
         return DraftTreeDrafter(engine.draft_model(spec.draft_model))
     if spec.method == "dflash":
-        return DFlashDrafter(engine.model, engine.dflash_model(spec.dflash_model), BUILDERS[spec.tree])
+        model = engine.dflash_model(spec.dflash_model)
+        if spec.tree == "weaver":
+            weaver = WeaverTrees(engine.weaver(spec), engine.model)
+            return DFlashDrafter(engine.model, model, marginals.ddtree, weaver=weaver)
+        return DFlashDrafter(engine.model, model, BUILDERS[spec.tree])
     if spec.method == "mtp":
+        if spec.tree == "weaver":
+            raise ValueError("the weaver tree builder re-scores DFlash blocks: use it with spec method 'dflash'")
         return MTPDrafter(engine.model, engine.mtp_head(), BUILDERS[spec.tree])
     raise ValueError(f"unknown spec method {spec.method!r}")

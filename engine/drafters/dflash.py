@@ -15,6 +15,7 @@ from collections.abc import Callable
 import mlx.core as mx
 
 from engine.drafters.marginals import Marginals
+from engine.drafters.weaver import WeaverTrees
 from engine.feature_cache import FeatureCache, FeatureTaps
 from engine.models.base import CausalLM
 from engine.models.dflash import DFlashModel
@@ -24,15 +25,17 @@ TreeBuilder = Callable[[int, Marginals, int, int], DraftTree]
 
 
 class DFlashDrafter:
-    def __init__(self, target: CausalLM, model: DFlashModel, build: TreeBuilder, top_k: int = 32) -> None:
+    def __init__(self, target: CausalLM, model: DFlashModel, build: TreeBuilder, top_k: int = 32,
+                 weaver: WeaverTrees | None = None) -> None:
         if model.config.hidden_size != target.args.hidden_size:
             raise ValueError(f"DFlash hidden size {model.config.hidden_size} differs from the target's "
                              f"{target.args.hidden_size}")
         if max(model.config.target_layer_ids) >= target.args.num_hidden_layers:
             raise ValueError(f"DFlash reads target layers {model.config.target_layer_ids}; the target has "
                              f"{target.args.num_hidden_layers}")
-        self.target, self.model, self.build, self.top_k = target, model, build, top_k
-        self.taps = FeatureTaps(tuple(set(model.config.target_layer_ids)))
+        self.target, self.model, self.build, self.top_k, self.weaver = target, model, build, top_k, weaver
+        # Weaver's prompt starts with the target's final-normed hidden state of the last committed position
+        self.taps = FeatureTaps(tuple(set(model.config.target_layer_ids)), final=weaver is not None)
         self.features: FeatureCache | None = None
         self.slots: mx.array | None = None
         self.cache = model.make_cache()
@@ -56,23 +59,33 @@ class DFlashDrafter:
             self.model.append_context(rows.reshape(rows.shape[0], -1), self.cache)
         return committed
 
-    def marginals(self, root: int, depth: int) -> Marginals:
-        """Top-k marginals of the next `depth` positions after `root`."""
+    def draft(self, root: int, depth: int) -> tuple[mx.array, mx.array]:
+        """The block after `root`: final hidden states [depth, H] and logits [depth, V] (lazy)."""
         c = self.model.config
         block = mx.array([[root] + [c.mask_token_id] * (c.block_size - 1)])
         embedded = self.embed(block)
         if c.input_embedding_scale != 1.0:
             embedded = embedded * c.input_embedding_scale
         h = self.model.block(embedded, self.cache)[0, 1 : 1 + depth]
-        logits = self.model.scale_logits(self.target.logits(h))
-        return Marginals.from_logits(logits, self.top_k)
+        return h, self.model.scale_logits(self.target.logits(h))
+
+    def marginals(self, root: int, depth: int) -> Marginals:
+        """Top-k marginals of the next `depth` positions after `root`."""
+        return Marginals.from_logits(self.draft(root, depth)[1], self.top_k)
 
     def propose(self, root: int, budget: int, max_depth: int) -> DraftTree:
-        self._catch_up()  # even for a root-only tree: the context stays in step
+        committed = self._catch_up()  # even for a root-only tree: the context stays in step
         depth = min(max_depth, budget, self.model.config.block_size - 1)
         if depth < 1:
             mx.eval([a for c in self.cache for a in c.arrays()])
             return DraftTree.single(root)
+        if self.weaver is not None and committed > 0:
+            assert self.features is not None
+            H = self.target.args.hidden_size
+            final = self.features.taps.slots((), final=True)[0]
+            h_target = self.features.read(committed - 1, committed)[0, final * H : (final + 1) * H]
+            hidden, logits = self.draft(root, depth)
+            return self.weaver.build(root, h_target, hidden, logits, budget, max_depth)
         return self.build(root, self.marginals(root, depth), budget, max_depth)
 
     def observe(self, emitted: list[int]) -> None:

@@ -24,7 +24,7 @@ from engine.drafters.dflash import DFlashDrafter
 from engine.drafters.mtp import MTPDrafter
 from engine.feature_cache import FeatureCache, FeatureTaps
 from engine.generate import Engine, RequestError
-from engine.loader import CheckpointError, load_dflash, load_model, load_mtp
+from engine.loader import CheckpointError, load_dflash, load_model, load_mtp, load_weaver
 from engine.tree import DraftTree
 from tests.helpers import checkpoint_maker, generate
 
@@ -104,9 +104,11 @@ def test_mtp_head_matches_pytorch(tiny_qwen35, tmp_path, where):
     np.testing.assert_allclose(np.concatenate(got, axis=1), want, atol=2e-5)
 
 
+PAIRS = [("mtp", "chain"), ("mtp", "ddtree"), ("dflash", "chain"), ("dflash", "ddtree"), ("dflash", "weaver")]
+
+
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "seeded"])
-@pytest.mark.parametrize("tree", ["chain", "ddtree"])
-@pytest.mark.parametrize("method", ["mtp", "dflash"])
+@pytest.mark.parametrize("method,tree", PAIRS)
 def test_lossless(engine, method, tree, sampling):
     for prompt in PROMPTS:
         plain = generate(engine, prompt, sampling).tokens
@@ -198,12 +200,41 @@ def test_feature_cache_commit_equals_replay(engine):
                                atol=1e-4)
 
 
+def test_weaver_matches_pytorch(tiny_dflash):
+    import torch
+
+    dh = heads()
+    payload = torch.load(tiny_dflash / "weaver" / "weaver.pth", weights_only=True)
+    ref = dh.Weaver(dh.WeaverShape(**{k: v for k, v in payload["config"].items()
+                                      if k in dh.WeaverShape.__dataclass_fields__}))
+    ref.load_state_dict(payload["state_dict"])
+    weaver = load_weaver(tiny_dflash / "weaver")
+    rng = np.random.default_rng(4)
+    D, N, H = 5, 4, 64
+    h_target, hidden = rng.standard_normal(H).astype(np.float32), rng.standard_normal((D, H)).astype(np.float32)
+    path = rng.standard_normal((N, H)).astype(np.float32)  # the path's token embeddings, root first
+    with torch.no_grad():
+        want = ref.path_queries(torch.tensor(h_target[None]), torch.tensor(hidden[None]),
+                                torch.tensor(path[None]))[0].numpy()
+    prompt = weaver.prompt_kv(mx.array(h_target), mx.array(hidden))
+    nodes, got = None, []
+    for d in range(N):  # one node per call, each seeing all earlier ones (its ancestors)
+        x = weaver.token_in(weaver.embed_norm(mx.array(path[d : d + 1])))
+        q, new = weaver.step(x, mx.array([d]), prompt, nodes, mx.ones((1, d), dtype=mx.bool_))
+        nodes = new if nodes is None else [(mx.concatenate([a, c], 1), mx.concatenate([b, e], 1))
+                                           for (a, b), (c, e) in zip(nodes, new)]
+        got.append(np.array(q)[0])
+    np.testing.assert_allclose(np.stack(got), want, atol=2e-5)
+
+
 def test_clear_errors(engine, tiny_qwen35, tiny_dflash, tmp_path):
     plain_engine = Engine(EngineConfig(model_path=str(tiny_qwen35)))
     with pytest.raises(RequestError, match="MTP tensors"):
         generate(plain_engine, [1, 2, 3], GREEDY, SpecConfig(method="mtp"))
     with pytest.raises(RequestError, match="DFlash checkpoint"):
         generate(plain_engine, [1, 2, 3], GREEDY, SpecConfig(method="dflash"))
+    assert "use it with spec method 'dflash'" in engine.missing_drafter("mtp", "weaver")
+    assert engine.missing_drafter("dflash", "weaver") is None
     broken = tmp_path / "broken"
     shutil.copytree(tiny_dflash, broken)
     cfg = json.loads((broken / "config.json").read_text())
