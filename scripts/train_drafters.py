@@ -2,6 +2,7 @@
 
     python scripts/train_drafters.py dflash --data build/drafter_data --out OUT/dflash [--steps 3000]
     python scripts/train_drafters.py mtp --data build/drafter_data --out OUT/mtp [--steps 3000]
+    python scripts/train_drafters.py weaver --data build/drafter_data --dflash OUT/dflash --out OUT/weaver
 
 PyTorch, on a CUDA GPU if there is one, else the CPU (fp32). The target is frozen and never run:
 its hidden states were recorded with the data, and only its embedding (= its tied lm_head) is
@@ -18,6 +19,12 @@ run then stops early and says so in the summary).
   the head its own outputs (row i: (embed(x_{i+2}), y_i) at position i + 1, seeing the first pass's
   rows up to i) and predicts x_{i+3}, as recursive drafting does. Saved as `mtp.*` tensors (HF
   layout, zero-centred norms) in mtp.safetensors, bf16.
+- weaver: the Weaver adapter over a trained DFlash drafter (frozen, run on the fly). Teacher forcing
+  along the target's own continuation: for an anchor a, the prompt is the target's final-normed
+  hidden state at a - 1 and DFlash's hidden states of the block; the node at depth d is x_{a+d}
+  and is scored over DFlash's top --pool candidates of depth d + 1, with x_{a+d+1} as the label
+  (skipped when outside the pool), weighted like DFlash. Saved as the published .pth ({config,
+  state_dict}) and converted by scripts/convert_weaver.py.
 
 Loss only on the target's own continuation tokens (not the prompt), up to and including its
 first stop token. The last --heldout share of sequences is kept for evaluation: per block (or
@@ -240,6 +247,79 @@ def mtp_eval(model, embed, data: Data, final_slot: int, seqs: list[Sequence]) ->
     return {"depth1_acc": round(hit1 / n1, 4), "depth2_both_acc": round(hit2 / max(n2, 1), 4)}
 
 
+# ---------------------------------------------------------------- Weaver
+
+def load_dflash_torch(path: Path) -> tuple[draft_heads.DFlash, dict]:
+    from safetensors.torch import load_file
+
+    cfg = json.loads((path / "config.json").read_text())
+    shape = draft_heads.DFlashShape(hidden=cfg["hidden_size"], layers=cfg["num_hidden_layers"],
+                                    heads=cfg["num_attention_heads"], kv_heads=cfg["num_key_value_heads"],
+                                    head_dim=cfg["head_dim"], intermediate=cfg["intermediate_size"],
+                                    target_layer_ids=tuple(cfg["dflash_config"]["target_layer_ids"]),
+                                    rope_theta=cfg["rope_theta"], eps=cfg["rms_norm_eps"])
+    model = draft_heads.DFlash(shape)
+    model.load_state_dict({k: v.float() for k, v in load_file(path / "model.safetensors").items()})
+    model.requires_grad_(False).eval()
+    return model, cfg
+
+
+def weaver_inputs(dflash, embed, mask_id, block, pool, batch):
+    """DFlash's view of each anchor's block: (hidden [B*A, D, H], pool ids and logits [B*A, D, P],
+    the pool index of each depth's true token or -1 [B*A, D], valid [B*A, D])."""
+    toks, feats, anc, labels, valid = batch
+    with torch.no_grad():
+        h = dflash_forward(dflash, embed, mask_id, block, toks, feats[..., :-embed.shape[1]], anc)
+        logits = h @ embed.T
+        pool_logits, pool_ids = logits.topk(pool, dim=-1)
+    where = pool_ids == labels[..., None]
+    target = torch.where(where.any(-1), where.int().argmax(-1), torch.full_like(labels, -1))
+    return (h.flatten(0, 1), pool_ids.flatten(0, 1), pool_logits.flatten(0, 1), target.flatten(0, 1),
+            valid.flatten(0, 1))
+
+
+def weaver_scores(weaver, embed, toks, feats, anc, h, pool_ids, pool_logits):
+    """Weaver's logits over the pool along each anchor's true path, [B*A, D, P]."""
+    B, A = anc.shape
+    D = h.shape[1]
+    final = feats[..., -embed.shape[1]:]  # the final-normed hidden state is the last tap
+    h_target = torch.gather(final, 1, (anc - 1)[..., None].expand(B, A, final.shape[-1])).flatten(0, 1)
+    path = torch.gather(toks, 1, (anc[:, :, None] + torch.arange(D)).clamp(max=toks.shape[1] - 1).flatten(1))
+    queries = weaver.path_queries(h_target, h, F.embedding(path.view(B * A, D), embed))
+    return weaver.scores(queries, pool_logits, embed[pool_ids])
+
+
+def weaver_loss(weaver, dflash, embed, mask_id, block, pool, gamma, batch):
+    toks, feats, anc = batch[0], batch[1], batch[2]
+    h, pool_ids, pool_logits, target, valid = weaver_inputs(dflash, embed, mask_id, block, pool, batch)
+    s = weaver_scores(weaver, embed, toks, feats, anc, h, pool_ids, pool_logits)
+    keep = valid & (target >= 0)
+    w = torch.exp(-(torch.arange(block - 1, dtype=torch.float32)) / gamma).expand_as(keep)[keep]
+    ce = F.cross_entropy(s[keep], target[keep], reduction="none")
+    return (ce * w).sum() / w.sum()
+
+
+@torch.no_grad()
+def weaver_eval(weaver, dflash, embed, mask_id, block, pool, data: Data, slots, seqs) -> dict[str, float]:
+    """Greedy prefix accepted per block: Weaver's top choice along the true path vs DFlash's."""
+    weaver.eval()
+    w_len, d_len = [], []
+    rng = np.random.default_rng(0)
+    for s in seqs:
+        n_anc = s.length - s.prompt_len
+        toks, feats, anc, labels, valid = dflash_batch(data, [s], slots, n_anc, block, rng, all_anchors=True)
+        for a0 in range(0, n_anc, 64):
+            b = (toks, feats, anc[:, a0 : a0 + 64], labels[:, a0 : a0 + 64], valid[:, a0 : a0 + 64])
+            h, pool_ids, pool_logits, target, ok = weaver_inputs(dflash, embed, mask_id, block, pool, b)
+            sc = weaver_scores(weaver, embed, toks, feats, b[2], h, pool_ids, pool_logits)
+            w_hit = (sc.argmax(-1) == target) & (target >= 0) & ok
+            d_hit = (target == 0) & ok  # DFlash's own top-1 is pool index 0
+            w_len += w_hit.int().cumprod(-1).sum(-1).tolist()
+            d_len += d_hit.int().cumprod(-1).sum(-1).tolist()
+    weaver.train()
+    return {"weaver_accepted_per_block": float(np.mean(w_len)), "dflash_accepted_per_block": float(np.mean(d_len))}
+
+
 # ---------------------------------------------------------------- the loop
 
 def lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
@@ -290,7 +370,7 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("head", choices=["dflash", "mtp"])
+    ap.add_argument("head", choices=["dflash", "mtp", "weaver"])
     ap.add_argument("--data", type=Path, required=True)
     ap.add_argument("--target", type=Path, default=ROOT / "engine" / "bundled" / "target")
     ap.add_argument("--out", type=Path, required=True)
@@ -312,6 +392,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--target-layers", default="1,3,5")
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--gamma", type=float, default=7.0)
+    # Weaver shape
+    ap.add_argument("--dflash", type=Path, help="weaver: the trained DFlash drafter it re-scores")
+    ap.add_argument("--pool", type=int, default=64, help="weaver: DFlash candidates scored per depth")
+    ap.add_argument("--rank", type=int, default=128, help="weaver: width (d_rank)")
+    ap.add_argument("--weaver-layers", type=int, default=2)
+    ap.add_argument("--weaver-heads", type=int, default=4)
+    ap.add_argument("--mlp", type=int, default=256)
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -349,6 +436,24 @@ def main(argv: list[str] | None = None) -> None:
 
         def evaluate(seqs):
             return dflash_eval(model, embed, mask_id, a.block, data, slots, seqs)
+    elif a.head == "weaver":
+        if a.dflash is None:
+            raise SystemExit("weaver needs --dflash DIR (a trained DFlash drafter)")
+        dflash, dcfg = load_dflash_torch(a.dflash)
+        mask_id, block = dcfg["dflash_config"]["mask_token_id"], dcfg["block_size"]
+        shape_w = draft_heads.WeaverShape(d_model=tcfg.hidden_size, d_embed=tcfg.hidden_size, d_rank=a.rank,
+                                          num_layers=a.weaver_layers, num_heads=a.weaver_heads, mlp_dim=a.mlp,
+                                          K=block - 1, candidate_pool_size=a.pool)
+        model = draft_heads.Weaver(shape_w)
+        draft_heads.init_like_hf(model, seed=a.seed)
+        slots = [*dcfg["dflash_config"]["target_layer_ids"], final_slot]
+
+        def loss_fn(seqs, rng):
+            batch = dflash_batch(data, seqs, slots, a.anchors, block, rng)
+            return weaver_loss(model, dflash, embed, mask_id, block, a.pool, a.gamma, batch)
+
+        def evaluate(seqs):
+            return weaver_eval(model, dflash, embed, mask_id, block, a.pool, data, slots, seqs)
     else:
         add_second_pass(draft_heads.MTP)
         model = draft_heads.MTP(tcfg)
@@ -369,6 +474,11 @@ def main(argv: list[str] | None = None) -> None:
         (a.out / "config.json").write_text(json.dumps(
             model.hf_config(tcfg.vocab_size, mask_id, a.block, tcfg.num_hidden_layers), indent=1))
         save_safetensors(model.state_dict(), a.out / "model.safetensors")
+    elif a.head == "weaver":
+        import convert_weaver
+
+        torch.save({"config": shape_w.config(), "state_dict": model.state_dict()}, a.out / "weaver.pth")
+        convert_weaver.main([str(a.out / "weaver.pth"), str(a.out)])
     else:
         tensors = {f"mtp.{k}": v for k, v in model.state_dict().items() if "rotary" not in k}
         save_safetensors(tensors, a.out / "mtp.safetensors")

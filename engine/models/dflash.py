@@ -19,12 +19,14 @@ self_attn.{q,k}_norm, mlp.{gate,up,down}_proj}`; no embedding, no lm_head). Norm
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from engine.cache import KVCache
 from engine.models.layers import MLP, RMSNorm
@@ -126,13 +128,15 @@ def read_config(path: str | Path) -> DFlashConfig:
         raise DFlashConfigError(f"{cfg_file} is not valid JSON: {e}") from None
 
 
-def block_mask(ctx_len: int, block: int, causal: bool, window: int | None) -> mx.array | None:
-    """bool [block, ctx_len + block]: which keys each block row sees; None = all of them."""
-    if not causal and window is None:
-        return None
-    q = ctx_len + mx.arange(block)[:, None]
-    k = mx.arange(ctx_len + block)[None, :]
-    visible = (k <= q) if causal else mx.ones((block, ctx_len + block), dtype=mx.bool_)
+def block_mask(ctx_len: int, capacity: int, block: int, causal: bool, window: int | None) -> np.ndarray:
+    """bool [block, capacity + block]: which keys each block row sees. Keys are the context buffer
+    (rows past ctx_len are unused capacity) followed by the block's own rows."""
+    q = ctx_len + np.arange(block)[:, None]
+    k = np.concatenate([np.arange(capacity), ctx_len + np.arange(block)])[None, :]
+    visible = np.concatenate([np.arange(capacity) < ctx_len, np.ones(block, dtype=bool)])[None, :]
+    visible = np.broadcast_to(visible, (block, capacity + block))
+    if causal:
+        visible = visible & (k <= q)
     if window is not None:
         visible = visible & (q - k < window)
         if not causal:
@@ -154,10 +158,10 @@ class DFlashAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
 
-    def _rope(self, x: mx.array, offset: int) -> mx.array:
+    def _rope(self, x: mx.array, offset: int | mx.array) -> mx.array:
         return mx.fast.rope(x, self.head_dim, traditional=False, base=self.theta, scale=1.0, offset=offset)
 
-    def _kv(self, x: mx.array, offset: int) -> tuple[mx.array, mx.array]:
+    def _kv(self, x: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array]:
         """x [1, T, H] -> keys (normed, rotated from `offset`) and values, [1, kv_heads, T, D]."""
         T = x.shape[1]
         k = self.k_norm(self.k_proj(x).reshape(1, T, self.kv_heads, -1)).transpose(0, 2, 1, 3)
@@ -170,14 +174,14 @@ class DFlashAttention(nn.Module):
         cache.write(k, v)
         cache.advance(ctx.shape[1])
 
-    def __call__(self, x: mx.array, cache: KVCache) -> mx.array:
-        """Block rows x [1, B, H] at positions cache.offset + i, against the whole context."""
-        B, ctx_len = x.shape[1], cache.offset
+    def __call__(self, x: mx.array, offset: mx.array, k_ctx: mx.array, v_ctx: mx.array, mask: mx.array) -> mx.array:
+        """Block rows x [1, B, H] at positions offset + i (offset: int32 [1]) against the context
+        buffers [1, kv_heads, capacity, D] and themselves; mask [B, capacity + B] (block_mask)."""
+        B = x.shape[1]
         q = self.q_norm(self.q_proj(x).reshape(1, B, self.heads, -1)).transpose(0, 2, 1, 3)
-        q = self._rope(q, ctx_len)
-        k, v = self._kv(x, ctx_len)
-        keys, values = cache.write(k, v)  # block rows in the scratch slots; the cache does not advance
-        mask = block_mask(ctx_len, B, self.causal, self.window)
+        q = self._rope(q, offset)
+        k, v = self._kv(x, offset)
+        keys, values = mx.concatenate([k_ctx, k], axis=2), mx.concatenate([v_ctx, v], axis=2)
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(1, B, -1))
 
@@ -190,8 +194,8 @@ class DFlashLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def __call__(self, x: mx.array, cache: KVCache) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), cache)
+    def __call__(self, x: mx.array, offset: mx.array, k_ctx: mx.array, v_ctx: mx.array, mask: mx.array) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), offset, k_ctx, v_ctx, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -206,6 +210,7 @@ class DFlashModel(nn.Module):
         self.hidden_norm = RMSNorm(H, config.rms_norm_eps)
         self.layers = [DFlashLayer(config, i) for i in range(config.num_hidden_layers)]
         self.norm = RMSNorm(H, config.rms_norm_eps)
+        self._block_fn: Callable[..., mx.array] | None = None
 
     def make_cache(self) -> list[KVCache]:
         return [KVCache() for _ in self.layers]
@@ -218,11 +223,34 @@ class DFlashModel(nn.Module):
             layer.self_attn.append_context(ctx, c)
 
     def block(self, embedded: mx.array, cache: list[KVCache]) -> mx.array:
-        """embedded [1, B, H] (the block's embeddings, already scaled) -> final hidden [1, B, H]."""
-        h = embedded
-        for layer, c in zip(self.layers, cache, strict=True):
-            h = layer(h, c)
-        return self.norm(h)
+        """embedded [1, B, H] (the block's embeddings, already scaled) -> final hidden [1, B, H].
+        The block sits at positions ctx_len + i and sees the whole context; its K/V are not kept."""
+        c, ctx_len, B = self.config, cache[0].offset, embedded.shape[1]
+        empty = mx.zeros((1, c.num_key_value_heads, 0, c.head_dim), embedded.dtype)
+        kv: list[mx.array] = []
+        for layer_cache in cache:  # whole buffers: their shapes change rarely, so do the traces
+            keys, values = layer_cache.keys, layer_cache.values
+            kv += [empty, empty] if ctx_len == 0 or keys is None or values is None else [keys, values]
+        capacity = kv[0].shape[2]
+        kinds = [(layer.self_attn.causal, layer.self_attn.window) for layer in self.layers]
+        masks = {kind: mx.array(block_mask(ctx_len, capacity, B, *kind)) for kind in set(kinds)}
+        layer_masks = [masks[kind] for kind in kinds]
+        return self._compiled_block(embedded, mx.array([ctx_len], dtype=mx.int32), *kv, *layer_masks)
+
+    def _block(self, x: mx.array, offset: mx.array, *arrays: mx.array) -> mx.array:
+        n = len(self.layers)
+        kv, masks = arrays[: 2 * n], arrays[2 * n :]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, offset, kv[2 * i], kv[2 * i + 1], masks[i])
+        return self.norm(x)
+
+    @property
+    def _compiled_block(self) -> Callable[..., mx.array]:
+        # compiled on first use (after the weights are loaded); traced again only when the context
+        # buffers grow (every KV_STEP rows)
+        if self._block_fn is None:
+            self._block_fn = mx.compile(self._block)
+        return self._block_fn  # type: ignore[return-value]
 
     def scale_logits(self, logits: mx.array) -> mx.array:
         c = self.config
