@@ -17,11 +17,11 @@ from engine.cache import LayerCache
 from engine.config import EngineConfig, SamplingParams, SpecConfig
 from engine.drafters import make_drafter
 from engine.drafters.base import Drafter, ReadsTarget
+from engine.drafters.weaver import WeaverTrees
 from engine.feature_cache import FeatureCache, FeatureTaps
 from engine.loader import CheckpointError, load_dflash, load_model, load_mtp, load_weaver, mtp_files
 from engine.models import dflash
 from engine.models.base import CausalLM
-from engine.models.weaver import Weaver
 from engine.prefix_cache import PrefixCache
 from engine.round import InFlight, Rounds, Sequence
 from engine.tokenizer import Tokenizer
@@ -44,7 +44,7 @@ class Engine:
         self._draft_models: dict[str, CausalLM] = {}
         self._dflash_models: dict[str, dflash.DFlashModel] = {}
         self._mtp_head = None
-        self._weavers: dict[str, Weaver] = {}
+        self._weavers: dict[str, WeaverTrees] = {}
         # Hidden states every pass records for the drafters that read them (DFlash, MTP): decided
         # once, so that every cache and prefix snapshot of this engine has the same layout.
         self.feature_taps = self._feature_taps()
@@ -131,8 +131,9 @@ class Engine:
             return str(Path(dflash_dir) / "weaver")
         return None
 
-    def weaver(self, spec: SpecConfig) -> Weaver:
-        """The Weaver adapter for spec tree 'weaver', loaded once."""
+    def weaver_trees(self, spec: SpecConfig) -> WeaverTrees:
+        """The Weaver tree builder for spec tree 'weaver' (adapter and its vocabulary tables
+        built once; the builder keeps no per-request state)."""
         path = self._weaver_path(spec.weaver_model)
         if path is None:
             raise RequestError("spec tree 'weaver' needs a Weaver adapter (--weaver-model DIR)")
@@ -141,7 +142,7 @@ class Engine:
                                "with --weaver-model")
         key = str(Path(path).resolve())
         if key not in self._weavers:
-            self._weavers[key] = load_weaver(path, self.config.dtype)
+            self._weavers[key] = WeaverTrees(load_weaver(path, self.config.dtype), self.model)
         return self._weavers[key]
 
     def check_request(self, req: GenerationRequest) -> None:

@@ -361,6 +361,19 @@ def train_loop(model, loss_fn, evaluate, data: Data, a, log) -> dict:
             "final_train_loss": float(np.mean(recent[-50:])), "heldout": final}
 
 
+def load_init(model: torch.nn.Module, head: str, path: Path) -> None:
+    """Weights saved by an earlier run of this script (bf16 on disk; training goes on in fp32)."""
+    from safetensors.torch import load_file
+
+    if head == "mtp":
+        state = {k.removeprefix("mtp."): v for k, v in load_file(path / "mtp.safetensors").items()}
+    else:
+        state = load_file(path / "model.safetensors")
+    missing, unexpected = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+    if unexpected or [k for k in missing if "rotary" not in k]:
+        raise SystemExit(f"--init {path}: missing {missing}, unexpected {unexpected}")
+
+
 def save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
     from safetensors.torch import save_file
 
@@ -386,6 +399,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--log-every", type=int, default=25)
     ap.add_argument("--max-seconds", type=float, default=3300)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--init", type=Path, help="continue from a saved head (its OUT dir of an earlier run)")
     # DFlash shape
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--intermediate", type=int, default=768)
@@ -465,6 +479,8 @@ def main(argv: list[str] | None = None) -> None:
         def evaluate(seqs):
             return mtp_eval(model, embed, data, final_slot, seqs)
 
+    if a.init is not None:
+        load_init(model, a.head, a.init)
     params = sum(p.numel() for p in model.parameters())
     log({"params": params, "train_sequences": len(data.train), "heldout_sequences": len(data.heldout),
          "args": {k: str(v) for k, v in vars(a).items()}})

@@ -10,7 +10,6 @@ from engine.drafters.draft_chain import DraftChainDrafter
 from engine.drafters.draft_tree import DraftTreeDrafter
 from engine.drafters.mtp import MTPDrafter
 from engine.drafters.ngram import NgramDrafter
-from engine.drafters.weaver import WeaverTrees
 
 BUILDERS: dict[str, TreeBuilder] = {"chain": marginals.chain, "ddtree": marginals.ddtree}
 
@@ -27,8 +26,7 @@ def make_drafter(engine, spec: SpecConfig) -> Drafter:
     if spec.method == "dflash":
         model = engine.dflash_model(spec.dflash_model)
         if spec.tree == "weaver":
-            weaver = WeaverTrees(engine.weaver(spec), engine.model)
-            return DFlashDrafter(engine.model, model, marginals.ddtree, weaver=weaver)
+            return DFlashDrafter(engine.model, model, marginals.ddtree, weaver=engine.weaver_trees(spec))
         return DFlashDrafter(engine.model, model, BUILDERS[spec.tree])
     if spec.method == "mtp":
         if spec.tree == "weaver":
