@@ -83,7 +83,16 @@ class GDNSnapshot:
         return self.conv_state.nbytes + self.state.nbytes
 
 
-LayerSnapshot = KVSnapshot | GDNSnapshot
+class LayerSnapshot(Protocol):
+    """An immutable copy of one cache's state after `length` tokens (KV, GDN, a FeatureCache's rows)."""
+
+    @property
+    def length(self) -> int: ...
+
+    def arrays(self) -> tuple[mx.array, ...]: ...
+
+    @property
+    def nbytes(self) -> int: ...
 
 
 class LayerCache(Protocol):

@@ -9,7 +9,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-SPEC_METHODS = ("none", "ngram", "draft", "draft-tree")
+SPEC_METHODS = ("none", "ngram", "draft", "draft-tree", "mtp", "dflash")
+# How the marginals of the one-pass drafters (mtp, dflash) become a tree: the top-1 chain, DDTree's
+# best-first product of marginals, or the Weaver adapter's re-scored best-first search.
+SPEC_TREES = ("chain", "ddtree", "weaver")
 # "auto" = bfloat16 on a GPU, float32 on the CPU (engine/dtypes.py resolves it when the model loads)
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 
@@ -85,7 +88,10 @@ class SpecConfig:
     method: str = "none"
     budget: int = 16  # max draft-tree nodes besides the root
     max_depth: int = 8
-    draft_model: str | None = None  # checkpoint dir for method 'draft'
+    draft_model: str | None = None  # checkpoint dir for methods 'draft' and 'draft-tree'
+    tree: str = "ddtree"  # tree builder of methods 'mtp' and 'dflash' (SPEC_TREES)
+    dflash_model: str | None = None  # DFlash checkpoint dir (default: the bundled one for the bundled target)
+    weaver_model: str | None = None  # Weaver adapter dir (default: DFLASH_DIR/weaver)
     # size each round's tree by measured tokens per second, the root alone included
     # (engine/spec_control.py); False: every round gets the full budget
     adaptive: bool = True
@@ -93,6 +99,8 @@ class SpecConfig:
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
             raise ValueError(f"spec method must be one of {SPEC_METHODS}, got {self.method!r}")
+        if self.tree not in SPEC_TREES:
+            raise ValueError(f"spec tree must be one of {SPEC_TREES}, got {self.tree!r}")
         if self.budget < 1:
             raise ValueError(f"spec budget must be >= 1, got {self.budget}")
         if self.max_depth < 1:

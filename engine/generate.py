@@ -15,11 +15,14 @@ from pathlib import Path
 from engine.cache import LayerCache
 from engine.config import EngineConfig, SamplingParams, SpecConfig
 from engine.drafters import make_drafter
-from engine.drafters.base import Drafter
+from engine.drafters.base import Drafter, ReadsTarget
+from engine.drafters.weaver import WeaverTrees
 from engine.embedding import embed_step
+from engine.feature_cache import FeatureCache, FeatureTaps
 from engine.grammar import GrammarError, GrammarState, GrammarTokenizer
-from engine.loader import load_model
+from engine.loader import CheckpointError, load_dflash, load_model, load_mtp, load_weaver, mtp_files
 from engine.memory import MemoryReport, cache_nbytes
+from engine.models import dflash
 from engine.models.base import CausalLM
 from engine.prefill import CheckpointRule, Prefiller
 from engine.prefix_cache import PrefixCache
@@ -46,6 +49,12 @@ class Engine:
         self.vocab_size = self.model.args.vocab_size
         self._draft_models: dict[str, CausalLM] = {}
         self._draft_bytes = 0
+        self._dflash_models: dict[str, dflash.DFlashModel] = {}
+        self._mtp_head = None
+        self._weavers: dict[str, WeaverTrees] = {}
+        # Hidden states every pass records for the drafters that read them (DFlash, MTP): decided
+        # once, so that every cache and prefix snapshot of this engine has the same layout.
+        self.feature_taps = self._feature_taps()
         attention_only = all(self.model.args.layer_is_attention)
         self.prefix = PrefixCache(config.prefix_cache_bytes, config.prefix_cache, trimmable=attention_only)
         self.checkpoints = CheckpointRule.of(self.tokenizer, config.snapshot_every)
@@ -74,6 +83,85 @@ class Engine:
         return MemoryReport(self.dtype, self.weights_bytes, self._draft_bytes, self.last_cache_bytes,
                             self.prefix.nbytes + sum(p.prefix.nbytes for p in self._draft_prefillers.values()))
 
+    def _feature_taps(self) -> FeatureTaps:
+        # the final-normed state feeds the MTP head and Weaver's prompt
+        final = bool(mtp_files(self.config.model_path)) or self._weaver_path(None) is not None
+        taps = FeatureTaps(final=final)
+        path = self._dflash_path(None)
+        if path is not None:
+            try:
+                taps = taps.union(FeatureTaps(tuple(set(dflash.read_config(path).target_layer_ids))))
+            except dflash.DFlashConfigError as e:
+                raise CheckpointError(str(e)) from None
+        return taps
+
+    def make_cache(self) -> list[LayerCache]:
+        """The target's layer caches, and a FeatureCache when drafters read hidden states."""
+        features: list[LayerCache] = [FeatureCache(self.feature_taps)] if self.feature_taps.count else []
+        return self.model.make_cache() + features
+
+    def dflash_model(self, path: str | None) -> dflash.DFlashModel:
+        """The DFlash drafter at `path` (or the configured / bundled one), loaded once."""
+        path = self._dflash_path(path)
+        if path is None:
+            raise RequestError("spec method 'dflash' needs a DFlash checkpoint (--dflash-model DIR)")
+        key = str(Path(path).resolve())
+        if key not in self._dflash_models:
+            model = load_dflash(path, self.dtype)
+            if not self.feature_taps.covers(FeatureTaps(tuple(set(model.config.target_layer_ids)))):
+                raise RequestError(f"DFlash model {path} reads target layers {model.config.target_layer_ids}, "
+                                   f"but this engine records {self.feature_taps.layers} (start it with that "
+                                   "--dflash-model)")
+            self._dflash_models[key] = model
+        return self._dflash_models[key]
+
+    def mtp_head(self):
+        """The target checkpoint's MTP head, loaded once."""
+        if not mtp_files(self.config.model_path):
+            raise RequestError(f"spec method 'mtp' needs MTP tensors (mtp.*) in {self.config.model_path}")
+        if self._mtp_head is None:
+            self._mtp_head = load_mtp(self.config.model_path, self.model.args, self.dtype)
+        return self._mtp_head
+
+    def missing_drafter(self, method: str, tree: str) -> str | None:
+        """Why a spec method / tree cannot run on this engine, or None. Reads no weights (the
+        server calls it off the engine thread)."""
+        if method == "mtp" and not mtp_files(self.config.model_path):
+            return f"spec method 'mtp' needs a model with an MTP head (mtp.* tensors); {self.model_id} has none"
+        if method == "mtp" and tree == "weaver":
+            return "the weaver tree builder re-scores DFlash blocks: use it with spec method 'dflash'"
+        if method == "dflash" and self._dflash_path(None) is None:
+            return "spec method 'dflash' needs a server started with --dflash-model"
+        if method == "dflash" and tree == "weaver" and self._weaver_path(None) is None:
+            return "spec tree 'weaver' needs a Weaver adapter (--weaver-model, or DFLASH_DIR/weaver)"
+        return None
+
+    def _dflash_path(self, path: str | None) -> str | None:
+        return path or self.config.spec.dflash_model or default_dflash_for(self.config.model_path)
+
+    def _weaver_path(self, path: str | None) -> str | None:
+        """The Weaver adapter: given, configured, or the `weaver` directory beside the DFlash drafter."""
+        if path or self.config.spec.weaver_model:
+            return path or self.config.spec.weaver_model
+        dflash_dir = self._dflash_path(None)
+        if dflash_dir is not None and (Path(dflash_dir) / "weaver" / "config.json").is_file():
+            return str(Path(dflash_dir) / "weaver")
+        return None
+
+    def weaver_trees(self, spec: SpecConfig) -> WeaverTrees:
+        """The Weaver tree builder for spec tree 'weaver' (adapter and its vocabulary tables
+        built once; the builder keeps no per-request state)."""
+        path = self._weaver_path(spec.weaver_model)
+        if path is None:
+            raise RequestError("spec tree 'weaver' needs a Weaver adapter (--weaver-model DIR)")
+        if not self.feature_taps.final:
+            raise RequestError("spec tree 'weaver' needs the target's final hidden states: start the engine "
+                               "with --weaver-model")
+        key = str(Path(path).resolve())
+        if key not in self._weavers:
+            self._weavers[key] = WeaverTrees(load_weaver(path, self.dtype), self.model)
+        return self._weavers[key]
+
     def check_request(self, req: GenerationRequest) -> None:
         ids = req.prompt_ids
         if not ids:
@@ -99,7 +187,11 @@ class Engine:
             req.sampling, stop_token_ids=tuple(sorted(set(req.sampling.stop_token_ids) | set(eos))))
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         grammar = self.grammar_state(params.grammar) if params.grammar is not None else None
-        return self._run(req, params, seed, spec, drafter or make_drafter(self, spec), grammar)
+        drafter = drafter or make_drafter(self, spec)
+        if isinstance(drafter, ReadsTarget) and not self.feature_taps.covers(drafter.taps):
+            raise RequestError(f"the drafter reads target hidden states {drafter.taps}; this engine records "
+                               f"{self.feature_taps}")
+        return self._run(req, params, seed, spec, drafter, grammar)
 
     def grammar_state(self, grammar: str) -> GrammarState:
         """A fresh state of `grammar` over this model's tokenizer (built on first use)."""
@@ -116,6 +208,10 @@ class Engine:
         stats = Stats(prompt_tokens=len(req.prompt_ids))
         t_start = time.perf_counter()
         cache, stats.cached_tokens = self._prefill(req.prompt_ids[:-1])
+        if isinstance(drafter, ReadsTarget):
+            features = cache[-1]
+            assert isinstance(features, FeatureCache) and features.taps.covers(drafter.taps)
+            drafter.attach(features)
         drafter.begin(req.prompt_ids)  # a draft model's prefill is part of the prompt's time too
         stats.prompt_ms = _ms_since(t_start)
         seq = Sequence(tokens=list(req.prompt_ids), covered=len(req.prompt_ids) - 1, prompt_len=len(req.prompt_ids))
@@ -161,7 +257,7 @@ class Engine:
     def _prefill(self, ids: list[int]) -> tuple[list[LayerCache], int]:
         """Fresh caches holding `ids` (the prompt but its last token), through the prefix cache
         (engine/prefill.py: snapshots at turns, FIM markers, every N tokens and the end)."""
-        cache = self.model.make_cache()
+        cache = self.make_cache()
         return cache, self.prefiller.fill(self.model, cache, ids)
 
     def draft_prefiller(self, model: CausalLM) -> Prefiller:
@@ -189,6 +285,14 @@ def default_draft_for(model_path: str) -> str | None:
     target, draft = BUNDLED / "target", BUNDLED / "draft"
     if Path(model_path).resolve() == target.resolve() and (draft / "config.json").is_file():
         return str(draft)
+    return None
+
+
+def default_dflash_for(model_path: str) -> str | None:
+    """The bundled target comes with a bundled DFlash drafter."""
+    target, drafter = BUNDLED / "target", BUNDLED / "dflash"
+    if Path(model_path).resolve() == target.resolve() and (drafter / "config.json").is_file():
+        return str(drafter)
     return None
 
 

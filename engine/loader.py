@@ -28,6 +28,7 @@ from mlx.utils import tree_flatten
 
 from engine.dtypes import DTYPES, resolve_dtype
 from engine.models import FAMILIES
+from engine.models.base import ModelArgs
 from engine.rotation import rotate_inputs_of
 
 SKIPPED_PREFIXES = ("model.visual.", "visual.", "vision_tower.", "mtp.", "model.mtp.")
@@ -219,3 +220,93 @@ def _evaluate_by_file(final: list[tuple[str, mx.array]], where: dict[str, str]) 
         by_file.setdefault(where.get(name, ""), []).append(w)
     for arrays in by_file.values():
         mx.eval(arrays)
+
+
+# ---- drafters that live beside a target: the MTP head inside its checkpoint, DFlash checkpoints
+
+MTP_PREFIXES = ("model.language_model.mtp.", "language_model.mtp.", "model.mtp.", "mtp.")
+
+
+def safetensors_keys(file: Path) -> list[str]:
+    """Tensor names of a safetensors file, from its JSON header only (no tensor is read)."""
+    try:
+        with file.open("rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read the header of {file.name}: {e}") from None
+    return [k for k in header if k != "__metadata__"]
+
+
+def _mtp_name(key: str) -> str | None:
+    return next((key[len(p):] for p in MTP_PREFIXES if key.startswith(p)), None)
+
+
+def mtp_files(path: str | Path) -> list[Path]:
+    """The checkpoint's safetensors files that hold MTP tensors (HF shards, or a separate
+    mtp.safetensors as some quantized repos ship)."""
+    return [f for f in sorted(Path(path).glob("*.safetensors")) if any(_mtp_name(k) for k in safetensors_keys(f))]
+
+
+def load_mtp(path: str | Path, args: ModelArgs, dtype: str = "float32"):
+    """The MTP head of the checkpoint at `path`, for the target of `args`."""
+    from engine.models.mtp import MTPHead
+
+    path = Path(path)
+    files = mtp_files(path)
+    if not files:
+        raise CheckpointError(f"{path} has no MTP tensors (mtp.*)")
+    tensors, origin = {}, {}
+    for f in files:
+        loaded = mx.load(str(f))
+        assert isinstance(loaded, dict)
+        for key, value in loaded.items():
+            name = _mtp_name(key)
+            if name is not None:
+                tensors[name], origin[name] = value, f.name
+    layers = 1 + max(int(k.split(".")[1]) for k in tensors if k.startswith("layers."))
+    head = MTPHead(args, layers)
+    tensors = head.sanitize(tensors)
+    _, cfg = read_config(path)
+    _quantize(head, cfg, tensors)
+    head.load_weights(_check_and_cast(head, tensors, origin, path, DTYPES[resolve_dtype(dtype)]), strict=True)
+    mx.eval(head.parameters())
+    return head
+
+
+def load_dflash(path: str | Path, dtype: str = "float32"):
+    """A DFlash draft checkpoint as z-lab publishes it (engine/models/dflash.py)."""
+    from engine.models.dflash import DFlashConfigError, DFlashModel
+    from engine.models.dflash import read_config as read_dflash_config
+
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"DFlash directory {str(path)!r} does not exist")
+    try:
+        config = read_dflash_config(path)
+    except DFlashConfigError as e:
+        raise CheckpointError(str(e)) from None
+    model = DFlashModel(config)
+    tensors, origin = _read_tensors(path)
+    cfg = json.loads((path / "config.json").read_text())
+    _quantize(model, cfg, tensors)
+    model.load_weights(_check_and_cast(model, tensors, origin, path, DTYPES[resolve_dtype(dtype)]), strict=True)
+    mx.eval(model.parameters())
+    return model
+
+
+def load_weaver(path: str | Path, dtype: str = "float32"):
+    """A Weaver adapter converted by scripts/convert_weaver.py (engine/models/weaver.py)."""
+    from engine.models.weaver import Weaver, WeaverConfigError
+    from engine.models.weaver import read_config as read_weaver_config
+
+    path = Path(path)
+    try:
+        config = read_weaver_config(path)
+    except WeaverConfigError as e:
+        raise CheckpointError(str(e)) from None
+    model = Weaver(config)
+    tensors, origin = _read_tensors(path)
+    model.load_weights(_check_and_cast(model, tensors, origin, path, DTYPES[resolve_dtype(dtype)]), strict=True)
+    mx.eval(model.parameters())
+    return model

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import cast
 
 import mlx.core as mx
 import numpy as np
@@ -25,7 +26,7 @@ import numpy as np
 from engine import device_sampler, forward, sampler
 from engine.cache import LayerCache
 from engine.config import SamplingParams, SpecConfig
-from engine.drafters.base import Drafter, NoDrafter, skip_round
+from engine.drafters.base import Drafter, NoDrafter, Skips, skips
 from engine.logits_extras import token_logprobs
 from engine.models.base import CausalLM
 from engine.sampler import TokenConstraint
@@ -59,7 +60,8 @@ class InFlight:
     committed: bool  # the commit was queued at launch (a one-node tree's root is always accepted)
     t_start: float
     draft_ms: float
-    drafted: bool = True  # False: the drafter had no tree in this round (it is told with skip)
+    drafted: bool = True  # False: the drafter had no tree in this round
+    proposed: bool = True  # the drafter's propose ran for this round (False: it is told with skip)
     arm: int = -1  # the budget the controller chose for this round (-1: none to credit)
 
 
@@ -96,10 +98,15 @@ class Rounds:
         budget = max(0, min(arm, room - 1))
         root = self.seq.tokens[-1]
         drafted = budget > 0 and not isinstance(self.drafter, NoDrafter)
-        tree = self.drafter.propose(root, budget, self.spec.max_depth) if drafted else DraftTree.single(root)
+        proposed = drafted or not skips(self.drafter)
+        tree = DraftTree.single(root)
+        if drafted:
+            tree = self.drafter.propose(root, budget, self.spec.max_depth)
+        elif proposed:  # no budget, and no skip: a root-only proposal keeps the drafter's pairing
+            self.drafter.propose(root, 0, self.spec.max_depth)
         t1 = time.perf_counter()
         flight = self._queue(tree, None, t0, (t1 - t0) * 1e3)
-        flight.drafted, flight.arm = drafted, arm if budget == arm else -1
+        flight.drafted, flight.proposed, flight.arm = drafted, proposed, arm if budget == arm else -1
         return flight
 
     def launch_after(self, flight: InFlight) -> InFlight:
@@ -140,10 +147,10 @@ class Rounds:
         t3 = time.perf_counter()
         self.seq.tokens += acc.tokens
         # counted as drafting: the drafter syncs its own state
-        if flight.drafted:
+        if flight.proposed:
             self.drafter.observe(list(acc.tokens))
         else:
-            skip_round(self.drafter, tree.tokens[0], list(acc.tokens))
+            cast(Skips, self.drafter).skip(tree.tokens[0], list(acc.tokens))
         logprobs = None
         if params.logprobs is not None and host_logits is not None:
             logprobs = token_logprobs(host_logits[list(acc.path)], list(acc.tokens), params.logprobs)

@@ -1,37 +1,78 @@
-"""Speculation benchmark: none / ngram / draft / draft-tree side by side in one run, per prompt kind.
+"""Speculation benchmark: every drafter and tree builder against plain decoding, side by side in one
+run, per prompt kind.
 
     LD_PRELOAD=<openblas libblas.so.3> python scripts/bench_spec.py [--model DIR] [--draft-model DIR]
-        [--tokens 128] [--runs 3] [--budget 16] [--depth 8] [--methods none,ngram,draft,draft-tree]
-        [--temperature 0 --seed 0] [--defaults]
+        [--dflash-model DIR] [--tokens 128] [--runs 3] [--budgets 16,32] [--depth 8]
+        [--methods none,ngram,draft,draft-tree,mtp:chain,mtp:ddtree,dflash:chain,dflash:ddtree,dflash:weaver]
+        [--temperature 0 --seed 0] [--defaults] [--adaptive] [--json OUT.json] [--png OUT.png]
 
-Defaults to the bundled target and draft. Greedy decoding (or sampling with --temperature and a
+Defaults to the bundled target and its drafters. Greedy decoding (or sampling with --temperature and a
 fixed seed: position-keyed noise makes every method emit the same tokens; --defaults samples with
 the checkpoint's generation_config.json, as a request that sets nothing does), chat template with
-thinking off. Reports medians of decode tok/s (first token excluded) and tokens per forward pass,
-the ratio to plain decoding measured in the same run, and the share of distinct 8-grams of the
-output: prompt lookup thrives on output that repeats itself, so a speed-up measured on looping
-output (share well below 1) says little about real use. Outputs are checked identical across methods.
+thinking off, stopping at the end of the answer. Methods run interleaved (run 1 of every method, then run 2, ...)
+so that the noise of a shared machine hits them alike. Reported per prompt kind and method:
+- tok/s: decode tokens per second (the first token excluded), median over runs, and the ratio to
+  plain decoding (`none`) measured in the same run;
+- tok/fwd: tokens emitted per target forward pass (accepted drafts + the bonus token);
+- draft%: drafting's share of the decode time (incl. the drafter's own catch-up);
+- ITL p50 / p99 (ms): gaps between consecutive tokens as a streaming client sees them (a round's
+  tokens arrive together, so speculation moves latency into the tail);
+- 8-gram: the share of distinct 8-grams in the output (speculation figures are honest only on
+  output that does not loop);
+- same: the output is identical to plain decoding's.
+The PNG shows, per method, the histogram of tokens emitted per round over all prompts.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
+import json
 import statistics
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.config import EngineConfig, SamplingParams, SpecConfig
 from engine.generate import BUNDLED, Engine
 from engine.types import GenerationRequest
 
+
+def long_context_prompt() -> str:
+    import textwrap as source_module
+
+    source = inspect.getsource(source_module)[:6000]
+    return (f"Here is a module:\n```python\n{source}\n```\n"
+            "Write a python function to wrap a paragraph of text to a given width.")
+
+
 PROMPTS = {
-    "code": "Write a python function to merge two sorted lists",
-    "code-edit": "Rename the variable `total` to `acc` in this function:\n```python\ndef add_all(xs):\n"
-                 "    total = 0\n    for x in xs:\n        total = total + x\n    return total\n```",
-    "math": "Compute 12 * 13 step by step, then 14 * 15, then 16 * 17.",
-    "chat": "Tell me about your favourite season and why you like it.",
+    "code": ["Write a python function to merge two sorted lists",
+             "Write a python function to return the number of lines in a text file",
+             "Write a Python function that parses a query string into a dictionary."],
+    "code-edit": ["Rename the variable `total` to `acc` in this function:\n```python\ndef add_all(xs):\n"
+                  "    total = 0\n    for x in xs:\n        total = total + x\n    return total\n```"],
+    "math": ["Compute 12 * 13 step by step, then 14 * 15, then 16 * 17."],
+    "chat": ["Tell me about your favourite season and why you like it."],
+    "long": [long_context_prompt()],
 }
+DEFAULT_METHODS = "none,ngram,draft,draft-tree,mtp:chain,mtp:ddtree,dflash:chain,dflash:ddtree,dflash:weaver"
+
+
+@dataclass
+class Run:
+    tokens: list[int]
+    tps: float
+    tpf: float
+    draft_share: float
+    gaps_ms: list[float]  # per emitted token after the first: time since the previous token
+    per_round: list[int]  # tokens emitted by each round
+
+
+@dataclass
+class Result:
+    runs: list[Run] = field(default_factory=list)
 
 
 def render(engine: Engine, text: str) -> list[int]:
@@ -42,42 +83,103 @@ def render(engine: Engine, text: str) -> list[int]:
     return engine.tokenizer.encode(text)
 
 
-def distinct_ngram_share(tokens: list[int], n: int = 8) -> float:
-    """Distinct n-grams / all n-grams of the output: 1.0 = never repeats an n-gram, low = loops."""
-    grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
+def one(engine: Engine, prompt: list[int], spec: SpecConfig, n: int, base: SamplingParams) -> Run:
+    req = GenerationRequest(prompt_ids=prompt, sampling=dataclasses.replace(base, max_tokens=n), spec=spec)
+    tokens, gaps, per_round = [], [], []
+    t_first = t_last = None
+    for step in engine.generate(req):
+        now = time.perf_counter()
+        if step.token_ids:
+            if t_first is None:
+                t_first, first_n = now, len(step.token_ids)
+            else:
+                gaps += [(now - t_last) * 1e3] + [0.0] * (len(step.token_ids) - 1)
+                per_round.append(len(step.token_ids))
+            t_last = now
+        tokens += step.token_ids
+    stats = step.stats
+    dt = (t_last or 0) - (t_first or 0)
+    tps = (len(tokens) - first_n) / dt if dt > 0 else 0.0
+    share = stats.draft_ms / stats.decode_ms if stats.decode_ms > 0 else 0.0
+    return Run(tokens, tps, stats.tokens_per_forward, share, gaps, per_round)
+
+
+def distinct_8grams(tokens: list[int]) -> float:
+    grams = [tuple(tokens[i : i + 8]) for i in range(len(tokens) - 7)]
     return len(set(grams)) / len(grams) if grams else 1.0
 
 
-def one(engine: Engine, prompt: list[int], spec: SpecConfig, n: int, base: SamplingParams):
-    sampling = dataclasses.replace(base, max_tokens=n)
-    req = GenerationRequest(prompt_ids=prompt, sampling=sampling, spec=spec)
-    tokens, t_first = [], None
-    for step in engine.generate(req):
-        if t_first is None and step.token_ids:
-            t_first, first_n = time.perf_counter(), len(step.token_ids)
-        tokens += step.token_ids
-    dt = time.perf_counter() - t_first
-    return (len(tokens) - first_n) / dt if dt > 0 else 0.0, step.stats.tokens_per_forward, tokens
+def percentile(xs: list[float], q: float) -> float:
+    if not xs:
+        return 0.0
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def parse_methods(text: str, budgets: list[int], depth: int, a) -> dict[str, SpecConfig]:
+    specs = {}
+    for item in text.split(","):
+        method, _, tree = item.partition(":")
+        for budget in ([16] if method == "none" else budgets):
+            name = method if method == "none" else f"{item}@{budget}"
+            specs[name] = SpecConfig(method=method, tree=tree or "ddtree", budget=budget, max_depth=depth,
+                                     draft_model=a.draft_model, dflash_model=a.dflash_model,
+                                     adaptive=a.adaptive)
+    return specs
+
+
+def plot(histograms: dict[str, list[int]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n in histograms if n != "none"]
+    cols = 4
+    rows = (len(names) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.4 * rows), dpi=100, squeeze=False)
+    top = max((max(h) for h in histograms.values() if h), default=1)
+    for ax, name in zip(axes.flat, names):
+        h = histograms[name]
+        ax.hist(h, bins=range(1, top + 2), align="left", color="tab:blue", rwidth=0.85)
+        mean = statistics.mean(h) if h else 0
+        ax.set_title(f"{name}  (mean {mean:.2f})", fontsize=8)
+        ax.tick_params(labelsize=7)
+    for ax in list(axes.flat)[len(names):]:
+        ax.axis("off")
+    fig.supxlabel("tokens emitted per target forward pass (accepted drafts + bonus)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=str(BUNDLED / "target"))
     ap.add_argument("--draft-model", default=None)
+    ap.add_argument("--dflash-model", default=None)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--budget", type=int, default=16)
+    ap.add_argument("--budgets", default="16,32")
     ap.add_argument("--depth", type=int, default=8)
-    ap.add_argument("--methods", default="none,ngram,draft,draft-tree", help="comma-separated; none is always run")
+    ap.add_argument("--methods", default=DEFAULT_METHODS)
+    ap.add_argument("--kinds", default=",".join(PROMPTS))
+    ap.add_argument("--adaptive", action="store_true",
+                    help="let the controller size each round's tree (engine/spec_control.py); default: every "
+                         "round gets the full budget, which is what tok/fwd of a method means")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--defaults", action="store_true",
                     help="sample with the checkpoint's generation_config.json (temperature, top_p, top_k, "
                          "repetition_penalty) and --seed")
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--png", type=Path)
     a = ap.parse_args()
-    engine = Engine(EngineConfig(model_path=a.model, dtype="float32"))
-    methods = ["none", *[m for m in a.methods.split(",") if m and m != "none"]]
-    specs = {m: SpecConfig(method=m, budget=a.budget, max_depth=a.depth, draft_model=a.draft_model) for m in methods}
+    engine = Engine(EngineConfig(model_path=a.model, dtype="float32", spec=SpecConfig(dflash_model=a.dflash_model)))
+    specs = parse_methods(a.methods, [int(b) for b in a.budgets.split(",")], a.depth, a)
+    for name, spec in specs.items():
+        if (why := engine.missing_drafter(spec.method, spec.tree)) is not None:
+            print(f"skipping {name}: {why}")
+    specs = {n: s for n, s in specs.items() if not engine.missing_drafter(s.method, s.tree)}
     base = SamplingParams(temperature=a.temperature, seed=a.seed)
     if a.defaults:
         d = engine.sampling_defaults
@@ -86,27 +188,45 @@ def main() -> None:
     decoding = "greedy" if base.temperature == 0 else \
         f"temperature {base.temperature}, top_p {base.top_p}, top_k {base.top_k}, repetition penalty " \
         f"{base.repetition_penalty}, seed {a.seed}"
-    print(f"model {Path(a.model).name}, {a.tokens} tokens ({decoding}), budget {a.budget}, depth {a.depth}, "
-          f"median of {a.runs} runs")
-    print(f"{'prompt':10} {'method':10} {'tok/s':>7} {'tok/fwd':>8} {'vs none':>8} {'8-gram':>7}  same")
-    for kind, text in PROMPTS.items():
-        prompt = render(engine, text)
-        for spec in specs.values():
-            one(engine, prompt, spec, 8, base)  # warm-up (compiles, loads the draft model)
-        results: dict[str, list] = {m: [] for m in specs}
-        for _ in range(a.runs):
-            for m, spec in specs.items():  # interleaved: noise hits all methods alike
-                results[m].append(one(engine, prompt, spec, a.tokens, base))
-        plain_tps = statistics.median(r[0] for r in results["none"])
-        ref_tokens = results["none"][0][2]
-        for m, rs in results.items():
-            tps = statistics.median(r[0] for r in rs)
-            tpf = statistics.median(r[1] for r in rs)
-            same = all(r[2] == ref_tokens for r in rs)
-            share = distinct_ngram_share(rs[0][2])
-            ratio = tps / plain_tps
-            print(f"{kind:10} {m:10} {tps:7.1f} {tpf:8.2f} {ratio:7.2f}x {share:7.2f}  {'yes' if same else 'NO'}",
-                  flush=True)
+    print(f"model {Path(a.model).name}, up to {a.tokens} tokens ({decoding}), depth {a.depth}, "
+          f"{'adaptive' if a.adaptive else 'fixed'} budgets, median of {a.runs} runs")
+    print(f"{'prompt':10} {'method':18} {'tok/s':>7} {'vs none':>8} {'tok/fwd':>8} {'draft%':>7} "
+          f"{'ITL p50':>8} {'ITL p99':>8} {'8-gram':>7}  same")
+    report: dict = {"args": vars(a) | {"json": str(a.json), "png": str(a.png)}, "rows": []}
+    histograms: dict[str, list[int]] = {n: [] for n in specs}
+    for kind in a.kinds.split(","):
+        for p, text in enumerate(PROMPTS[kind]):
+            prompt = render(engine, text)
+            for spec in specs.values():
+                one(engine, prompt, spec, 8, base)  # warm-up: compiles, loads the drafters
+            results = {n: Result() for n in specs}
+            for _ in range(a.runs):
+                for name, spec in specs.items():
+                    results[name].runs.append(one(engine, prompt, spec, a.tokens, base))
+            plain_tps = statistics.median(r.tps for r in results["none"].runs)
+            ref = results["none"].runs[0].tokens
+            label = kind if len(PROMPTS[kind]) == 1 else f"{kind}{p + 1}"
+            for name, res in results.items():
+                runs = res.runs
+                tps = statistics.median(r.tps for r in runs)
+                row = {"prompt": label, "method": name, "tok_s": round(tps, 1), "vs_none": round(tps / plain_tps, 3),
+                       "tok_fwd": round(statistics.median(r.tpf for r in runs), 3),
+                       "draft_share": round(statistics.median(r.draft_share for r in runs), 3),
+                       "itl_p50_ms": round(percentile([g for r in runs for g in r.gaps_ms], 0.5), 2),
+                       "itl_p99_ms": round(percentile([g for r in runs for g in r.gaps_ms], 0.99), 2),
+                       "distinct_8grams": round(distinct_8grams(runs[0].tokens), 3),
+                       "tokens": len(runs[0].tokens), "same": all(r.tokens == ref for r in runs)}
+                report["rows"].append(row)
+                histograms[name] += runs[0].per_round
+                print(f"{label:10} {name:18} {row['tok_s']:7.1f} {row['vs_none']:7.2f}x {row['tok_fwd']:8.2f} "
+                      f"{100 * row['draft_share']:6.1f}% {row['itl_p50_ms']:8.1f} {row['itl_p99_ms']:8.1f} "
+                      f"{row['distinct_8grams']:7.2f}  {'yes' if row['same'] else 'NO'}", flush=True)
+    report["per_round_histograms"] = histograms
+    if a.json:
+        a.json.write_text(json.dumps(report, indent=1))
+    if a.png:
+        plot(histograms, a.png)
+        print(f"wrote {a.png}")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,14 @@ shapes, config keys) from different random numbers:
 
     python scripts/make_tiny_checkpoint.py OUT_DIR [--kind qwen3_5|qwen3_5_cg|qwen3]
         [--hidden 64 --layers 4 --vocab 512 --seed 0 --dtype float32] [--backend numpy|transformers]
+        [--mtp inline|file]
+    python scripts/make_tiny_checkpoint.py OUT_DIR --kind dflash --target TARGET_DIR [--layers 2]
+
+--mtp adds an MTP head in the real Qwen3.5 layout (`mtp.*` tensors, HF zero-centred norms)
+inside model.safetensors (inline) or in a separate mtp.safetensors (file), as transformers
+itself does not model it (needs torch and transformers, either backend). --kind dflash writes a
+DFlash drafter for TARGET_DIR in z-lab's layout (config.json with dflash_config, tensors without
+embedding or lm_head; needs torch).
 """
 
 from __future__ import annotations
@@ -243,10 +251,101 @@ def randomize(model, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.05)
 
 
+def draft_heads():
+    if str(HERE) not in sys.path:
+        sys.path.insert(0, str(HERE))
+    import draft_heads
+
+    return draft_heads
+
+
+def randomize_head(module, seed: int, zero_centred: bool) -> None:
+    """Random matrices and norms (around 0 when stored zero-centred, around 1 otherwise)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_((0.0 if zero_centred else 1.0) + torch.randn(p.shape, generator=g) * 0.1)
+            elif p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+
+
+def add_mtp(out: Path, text_config, seed: int, where: str) -> None:
+    """Write an MTP head for the model as `mtp.*` tensors, in model.safetensors or mtp.safetensors."""
+    from safetensors.torch import load_file, save_file
+
+    head = draft_heads().MTP(text_config)
+    randomize_head(head, seed + 11, zero_centred=True)
+    tensors = {f"mtp.{k}": v.detach().contiguous() for k, v in head.state_dict().items() if "rotary" not in k}
+    if where == "file":
+        save_file(tensors, out / "mtp.safetensors", metadata={"format": "pt"})
+    else:
+        main_file = out / "model.safetensors"
+        save_file({**load_file(main_file), **tensors}, main_file, metadata={"format": "pt"})
+
+
+def add_mtp_to(checkpoint: Path, seed: int, where: str) -> None:
+    """add_mtp for a checkpoint already on disk."""
+    import transformers as tf
+
+    cfg = tf.AutoConfig.from_pretrained(checkpoint)
+    add_mtp(checkpoint, getattr(cfg, "text_config", cfg), seed, where)
+
+
+def make_dflash(out: Path, target: Path, layers: int, seed: int, block_size: int = 16) -> None:
+    """A random DFlash drafter for the checkpoint at `target`, as z-lab publishes them."""
+    import torch
+    from safetensors.torch import save_file
+
+    heads = draft_heads()
+    cfg = json.loads((target / "config.json").read_text())
+    cfg = {**cfg, **cfg.get("text_config", {})}
+    tok = json.loads((target / "tokenizer.json").read_text())
+    mask = next(t["id"] for t in tok["added_tokens"] if t["content"] == "<|MASK|>")
+    n = cfg["num_hidden_layers"]
+    shape = heads.DFlashShape(hidden=cfg["hidden_size"], layers=layers, heads=4, kv_heads=2, head_dim=16,
+                              intermediate=2 * cfg["hidden_size"],
+                              target_layer_ids=(1, n - 2) if n >= 4 else (0,))
+    torch.manual_seed(seed)
+    model = heads.DFlash(shape)
+    randomize_head(model, seed, zero_centred=False)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(model.hf_config(cfg["vocab_size"], mask, block_size, n), indent=1))
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, out / "model.safetensors",
+              metadata={"format": "pt"})
+
+
+def make_weaver(out: Path, target: Path, seed: int, pool: int = 16) -> None:
+    """A random Weaver adapter for the checkpoint at `target`: written as the published .pth, then
+    converted by scripts/convert_weaver.py into OUT (config.json, model.safetensors)."""
+    import torch
+
+    heads = draft_heads()
+    cfg = json.loads((target / "config.json").read_text())
+    cfg = {**cfg, **cfg.get("text_config", {})}
+    H = cfg["hidden_size"]
+    shape = heads.WeaverShape(d_model=H, d_embed=H, d_rank=32, num_layers=2, num_heads=2, mlp_dim=64, K=15,
+                              candidate_pool_size=pool)
+    torch.manual_seed(seed)
+    weaver = heads.Weaver(shape)
+    randomize_head(weaver, seed, zero_centred=False)
+    out.mkdir(parents=True, exist_ok=True)
+    pth = out / "weaver.pth"
+    torch.save({"config": shape.config(), "state_dict": weaver.state_dict()}, pth)
+    sys.path.insert(0, str(HERE))
+    import convert_weaver
+
+    convert_weaver.main([str(pth), str(out), "--dtype", "float32"])
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
-    ap.add_argument("--kind", choices=["qwen3_5", "qwen3_5_cg", "qwen3"], default="qwen3_5")
+    ap.add_argument("--kind", choices=["qwen3_5", "qwen3_5_cg", "qwen3", "dflash"], default="qwen3_5")
+    ap.add_argument("--mtp", choices=["none", "inline", "file"], default="none")
+    ap.add_argument("--target", type=Path, help="--kind dflash: the target checkpoint it drafts for")
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--full-every", type=int, default=4)
@@ -269,6 +368,12 @@ def main(argv: list[str] | None = None) -> None:
     if a.preset == "mid":  # hidden 1024, 8 layers (6 GDN + 2 attention), vocab 8192: ~150M params
         a.hidden, a.layers, a.vocab, a.heads, a.kv_heads, a.head_dim = 1024, 8, 8192, 8, 2, 128
         a.intermediate, a.linear_k_heads, a.linear_v_heads, a.linear_dim = 3072, 8, 16, 128
+    if a.kind == "dflash":
+        if a.target is None:
+            sys.exit("--kind dflash needs --target DIR")
+        make_dflash(a.out, a.target, a.layers, a.seed)
+        print(f"wrote dflash checkpoint to {a.out}")
+        return
     a.out.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer(a.vocab, stdlib_files(a.tokenizer_files))
     if tok.get_vocab_size() > a.vocab:
@@ -277,6 +382,8 @@ def main(argv: list[str] | None = None) -> None:
         write_numpy(a, a.out)
     else:
         build_model(a).save_pretrained(a.out)
+    if a.mtp != "none":
+        add_mtp_to(a.out, a.seed, a.mtp)
     write_tokenizer(a.out, tok, (HERE / "qwen35_chat_template.jinja").read_text())
     print(f"wrote {a.kind} checkpoint to {a.out}")
 

@@ -22,7 +22,7 @@ import resource
 import sys
 import time
 
-from engine.config import DTYPE_NAMES, SPEC_METHODS
+from engine.config import DTYPE_NAMES, SPEC_METHODS, SPEC_TREES
 from server.bench.options import add_bench_parser
 from server.cli_models import add_convert_parser, add_models_parser, cmd_convert, cmd_models
 from server.cli_settings import DEFAULT_MAX_CONTEXT, Settings, SettingsError, engine_settings
@@ -51,10 +51,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec", choices=("auto", *SPEC_METHODS),
                    help="speculative decoding: auto (default: what the model's preset measured to pay on this "
                         "hardware, else none), none, ngram (prompt lookup), draft (draft-model chain with "
-                        "siblings), draft-tree (draft-model best-first tree)")
+                        "siblings), draft-tree (draft-model best-first tree), mtp (the checkpoint's "
+                        "multi-token-prediction head), dflash (DFlash block drafter)")
     p.add_argument("--spec-budget", type=int, help="draft-tree nodes per round (default 16)")
     p.add_argument("--spec-depth", type=int, help="draft-tree depth (default 8)")
     p.add_argument("--draft-model", help="draft checkpoint directory or repo id for --spec draft / draft-tree")
+    p.add_argument("--spec-tree", choices=SPEC_TREES,
+                   help="how mtp / dflash marginals become a tree: chain (top-1), ddtree (best-first product of "
+                        "marginals, default), weaver (the Weaver adapter; needs one)")
+    p.add_argument("--dflash-model", help="DFlash checkpoint directory for --spec dflash "
+                                          "(default: the bundled one with the bundled model)")
+    p.add_argument("--weaver-model", help="Weaver adapter directory for --spec-tree weaver "
+                                          "(default: DFLASH_DIR/weaver)")
     p.add_argument("--no-prefix-cache", action="store_true", help="turn off the prompt prefix cache")
     p.add_argument("--prefix-cache-bytes", type=int, help="prefix cache budget in bytes (default 2 GiB)")
 

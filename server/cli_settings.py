@@ -16,7 +16,8 @@ from engine.hub import ModelSource
 
 # Used when neither a flag nor the preset sets a value (the context: the model's trained length,
 # at most DEFAULT_MAX_CONTEXT).
-DEFAULTS: dict[str, Any] = {"dtype": "auto", "prefix_cache_bytes": 2 << 30, "spec_budget": 16, "spec_depth": 8}
+DEFAULTS: dict[str, Any] = {"dtype": "auto", "prefix_cache_bytes": 2 << 30, "spec_budget": 16, "spec_depth": 8,
+                            "spec_tree": "ddtree"}
 DEFAULT_MAX_CONTEXT = 8192
 MAX_SPEC_BUDGET, MAX_SPEC_DEPTH = 4096, 1024
 DRAFT_METHODS = ("draft", "draft-tree")
@@ -67,7 +68,10 @@ def engine_settings(a: argparse.Namespace) -> Settings:
     asked = a.max_context if a.max_context is not None else (preset.max_context if preset else None)
     max_context = _context(asked, trained_context(model.path), notes)
     try:
-        spec = SpecConfig(method=method, budget=budget, max_depth=depth, draft_model=str(draft.path) if draft else None)
+        spec = SpecConfig(method=method, budget=budget, max_depth=depth, draft_model=str(draft.path) if draft else None,
+                          tree=_pick(getattr(a, "spec_tree", None), None, "spec_tree"),
+                          dflash_model=_drafter_dir(getattr(a, "dflash_model", None), "--dflash-model"),
+                          weaver_model=_drafter_dir(getattr(a, "weaver_model", None), "--weaver-model"))
         config = EngineConfig(
             model_path=str(model.path), model_id=model.name, max_context=max_context,
             dtype=_pick(a.dtype, preset and preset.dtype, "dtype"), spec=spec, prefix_cache=not a.no_prefix_cache,
@@ -103,6 +107,18 @@ def trained_context(model: Path) -> int | None:
         if isinstance(value, int) and value > 0:
             return value
     return None
+
+
+def _drafter_dir(arg: str | None, flag: str) -> str | None:
+    """A drafter directory (DFlash, Weaver): it must hold a config.json."""
+    if arg is None:
+        return None
+    path = Path(arg).expanduser()
+    if not path.is_dir():
+        raise SettingsError(f"{flag} {arg}: no such directory")
+    if not (path / "config.json").is_file():
+        raise SettingsError(f"{flag} {arg}: not a checkpoint directory (missing config.json)")
+    return str(path)
 
 
 def _pick(flag: Any, preset_value: Any, key: str) -> Any:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from engine.config import SamplingParams, SpecConfig
 from engine.types import GenerationRequest
@@ -256,10 +256,14 @@ class Planner:
         default = self.engine.config.spec
         if body.spec.method in ("draft", "draft-tree") and not self._draft_available():
             raise APIError("spec method 'draft' needs a server started with --draft-model", param="spec.method")
+        missing = self.engine.missing_drafter(body.spec.method, body.spec.tree or default.tree)
+        if missing:
+            raise APIError(missing, param="spec")
         budget = self._spec_limit(body.spec.budget, default.budget, SPEC_BUDGET_LIMIT, "budget", "--spec-budget")
         depth = self._spec_limit(body.spec.max_depth, default.max_depth, SPEC_DEPTH_LIMIT, "max_depth",
                                  "--spec-depth")
-        return SpecConfig(method=body.spec.method, budget=budget, max_depth=depth, draft_model=default.draft_model)
+        return replace(default, method=body.spec.method, budget=budget, max_depth=depth,
+                       tree=body.spec.tree or default.tree)
 
     @staticmethod
     def _spec_limit(asked: int | None, default: int, floor: int, name: str, flag: str) -> int:

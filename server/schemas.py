@@ -153,7 +153,8 @@ class SpecRequest(StrictModel):
     limits depend on the server's settings (server.planning.Planner.spec)."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
-    method: Literal["none", "ngram", "draft", "draft-tree"]
+    method: Literal["none", "ngram", "draft", "draft-tree", "mtp", "dflash"]
+    tree: Literal["chain", "ddtree", "weaver"] | None = None
     budget: Annotated[int, Field(ge=1)] | None = None
     max_depth: Annotated[int, Field(ge=1)] | None = None
 

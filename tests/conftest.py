@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import checkpoint_maker
+from tests.helpers import checkpoint_maker, parity_module
 
 
 def _make(tmp_path_factory, name: str, *args: str) -> Path:
@@ -48,6 +48,33 @@ def tiny_qwen35_cg(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen3(tmp_path_factory) -> Path:
     return _make(tmp_path_factory, "tiny_qwen3", "--kind", "qwen3", "--seed", "5")
+
+
+def _copy(tmp_path_factory, src: Path, name: str) -> Path:
+    out = tmp_path_factory.mktemp(name)
+    shutil.copytree(src, out, dirs_exist_ok=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen35_mtp(tiny_qwen35, tmp_path_factory) -> Path:
+    """The tiny target (same weights) with an MTP head in a separate mtp.safetensors."""
+    parity_module("torch")  # the head is written by its PyTorch twin, for a config read by transformers
+    parity_module("transformers")
+    out = _copy(tmp_path_factory, tiny_qwen35, "tiny_qwen35_mtp")
+    checkpoint_maker().add_mtp_to(out, 21, "file")
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_dflash(tiny_qwen35, tmp_path_factory) -> Path:
+    """A random DFlash drafter for the tiny target, in z-lab's layout (2 layers, reads target layers 1,
+    2), with a random Weaver adapter in weaver/ (converted from the published .pth format)."""
+    parity_module("torch")  # the drafters are written by their PyTorch twins
+    out = tmp_path_factory.mktemp("tiny_dflash")
+    checkpoint_maker().make_dflash(out, tiny_qwen35, layers=2, seed=17)
+    checkpoint_maker().make_weaver(out / "weaver", tiny_qwen35, seed=19)  # found there by default
+    return out
 
 
 @pytest.fixture(scope="session")

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 from engine.config import SpecConfig
+from engine.drafters import marginals
 from engine.drafters.base import Drafter, NoDrafter
+from engine.drafters.dflash import DFlashDrafter, TreeBuilder
 from engine.drafters.draft_chain import DraftChainDrafter
 from engine.drafters.draft_tree import DraftTreeDrafter
+from engine.drafters.mtp import MTPDrafter
 from engine.drafters.ngram import NgramDrafter
+
+BUILDERS: dict[str, TreeBuilder] = {"chain": marginals.chain, "ddtree": marginals.ddtree}
 
 
 def make_drafter(engine, spec: SpecConfig) -> Drafter:
@@ -20,4 +25,13 @@ def make_drafter(engine, spec: SpecConfig) -> Drafter:
     if spec.method == "draft-tree":
         model = engine.draft_model(spec.draft_model)
         return DraftTreeDrafter(model, fill=engine.draft_prefiller(model).fill)
+    if spec.method == "dflash":
+        model = engine.dflash_model(spec.dflash_model)
+        if spec.tree == "weaver":
+            return DFlashDrafter(engine.model, model, marginals.ddtree, weaver=engine.weaver_trees(spec))
+        return DFlashDrafter(engine.model, model, BUILDERS[spec.tree])
+    if spec.method == "mtp":
+        if spec.tree == "weaver":
+            raise ValueError("the weaver tree builder re-scores DFlash blocks: use it with spec method 'dflash'")
+        return MTPDrafter(engine.model, engine.mtp_head(), BUILDERS[spec.tree])
     raise ValueError(f"unknown spec method {spec.method!r}")

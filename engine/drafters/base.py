@@ -6,8 +6,9 @@ only the root."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
+from engine.feature_cache import FeatureCache, FeatureTaps
 from engine.tree import DraftTree
 
 # (model, fresh caches, prompt ids) -> tokens restored from a prefix cache: a draft model's prefill
@@ -32,15 +33,21 @@ class Skips(Protocol):
         next propose, instead of once a round)."""
 
 
-def skip_round(drafter: Drafter, root: int, emitted: list[int]) -> None:
-    """Tell a drafter about a round it had no tree in; one without `skip` gets the same as a
-    root-only proposal and its observation."""
-    skip = getattr(drafter, "skip", None)
-    if skip is not None:
-        skip(root, emitted)
-    else:
-        drafter.propose(root, 0, 1)
-        drafter.observe(emitted)
+def skips(drafter: Drafter) -> bool:
+    """Whether the drafter keeps in step through `skip` in rounds without its tree. One without it
+    gets the protocol's usual pair instead: a root-only propose before the round, observe after
+    (a drafter may read state the round's commit changes, so the propose cannot wait for it)."""
+    return callable(getattr(drafter, "skip", None))
+
+
+@runtime_checkable
+class ReadsTarget(Protocol):
+    """A drafter fed by the target's hidden states (DFlash, MTP). Before `begin`, the engine hands
+    it the target's FeatureCache of the generation, whose taps cover `taps`."""
+
+    taps: FeatureTaps
+
+    def attach(self, features: FeatureCache) -> None: ...
 
 
 class NoDrafter:

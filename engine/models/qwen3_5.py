@@ -14,6 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.cache import GDNCache, KVCache, LayerCache
+from engine.feature_cache import FeatureCache
 from engine.gdn.core import GDNCore, GDNShape, GDNWeights, TreeInputs, TreeRows
 from engine.kernels import select_gdn_core
 from engine.models.base import ModelArgs, decoder_fields
@@ -212,10 +213,21 @@ class TextModel(nn.Module):
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
     def __call__(self, tokens: mx.array, cache: list[LayerCache], batch: Batch) -> mx.array:
-        h = self.embed_tokens(tokens)
-        for layer, c in zip(self.layers, cache, strict=True):
+        """A FeatureCache after the layer caches records the hidden states it taps (DFlash, MTP), in
+        layer order, then the final-normed state."""
+        features = cache[-1] if len(cache) == len(self.layers) + 1 else None
+        assert features is None or isinstance(features, FeatureCache)
+        taps = features.taps.layers if features is not None else ()
+        h, tapped = self.embed_tokens(tokens), []
+        for i, (layer, c) in enumerate(zip(self.layers, cache[: len(self.layers)], strict=True)):
             h = layer(h, c, batch)
-        return self.norm(h)
+            if i in taps:
+                tapped.append(h)
+        h = self.norm(h)
+        if features is not None:
+            rows = mx.concatenate([*tapped, h] if features.taps.final else tapped, axis=-1)[0]
+            features.record(rows, batch.deferred)
+        return h
 
 
 # Norms stored zero-centred in HF checkpoints (applied as 1 + w): sanitize adds 1.

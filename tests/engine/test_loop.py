@@ -11,17 +11,21 @@ from engine.generate import Engine
 from engine.round import Rounds
 from tests.helpers import generate
 
-METHODS = ["none", "ngram", "draft", "draft-tree"]
+METHODS = ["none", "ngram", "draft", "draft-tree", "mtp", "dflash", "dflash:weaver"]
 PROMPT = [int(t) for t in np.random.RandomState(4).randint(0, 500, size=9)] * 2
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_qwen35):
-    return Engine(EngineConfig(model_path=str(tiny_qwen35), prefill_chunk=16, max_context=64))
+def engine(tiny_qwen35_mtp, tiny_dflash):
+    """The tiny target with an MTP head and a DFlash drafter: every method runs."""
+    return Engine(EngineConfig(model_path=str(tiny_qwen35_mtp), prefill_chunk=16, max_context=64,
+                               spec=SpecConfig(dflash_model=str(tiny_dflash))))
 
 
 def spec(method: str, path, adaptive: bool = False) -> SpecConfig:
-    return SpecConfig(method=method, budget=6, max_depth=4, draft_model=str(path), adaptive=adaptive)
+    method, _, tree = method.partition(":")
+    return SpecConfig(method=method, budget=6, max_depth=4, draft_model=str(path), tree=tree or "ddtree",
+                      adaptive=adaptive)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -46,11 +50,13 @@ def test_every_drafter_with_one_token_of_room_in_the_context(engine, tiny_qwen35
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_a_stopped_or_cancelled_request_leaves_a_consistent_cache(tiny_qwen35, method):
+def test_a_stopped_or_cancelled_request_leaves_a_consistent_cache(tiny_qwen35, tiny_qwen35_mtp, tiny_dflash, method):
     """Whatever ends a request (a stop token, a cancel, the length), the prefix cache stores the
     state of exactly the tokens it holds: the next request resumes from it with the same output."""
-    on = Engine(EngineConfig(model_path=str(tiny_qwen35), prefill_chunk=16))
-    off = Engine(EngineConfig(model_path=str(tiny_qwen35), prefill_chunk=16, prefix_cache=False))
+    with_drafters = SpecConfig(dflash_model=str(tiny_dflash))
+    on = Engine(EngineConfig(model_path=str(tiny_qwen35_mtp), prefill_chunk=16, spec=with_drafters))
+    off = Engine(EngineConfig(model_path=str(tiny_qwen35_mtp), prefill_chunk=16, prefix_cache=False,
+                              spec=with_drafters))
     reference = generate(off, PROMPT, SamplingParams(max_tokens=12, ignore_eos=True)).tokens
     stop_at = SamplingParams(max_tokens=12, stop_token_ids=(reference[5],), ignore_eos=True)
     stopped = generate(on, PROMPT, stop_at, spec(method, tiny_qwen35))
@@ -94,7 +100,7 @@ def test_an_interrupt_inside_a_pipelined_round_is_not_masked(engine, monkeypatch
     assert generate(engine, PROMPT + [1], SamplingParams(max_tokens=4, ignore_eos=True)).tokens
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft", "draft-tree"])
+@pytest.mark.parametrize("method", ["ngram", "draft", "draft-tree", "mtp", "dflash"])
 @pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "seeded"])
 def test_adaptive_rounds_are_lossless(engine, tiny_qwen35, method, temperature):
     """The controller sizes trees (the root alone included, skipping the drafter, which catches

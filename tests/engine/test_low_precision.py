@@ -17,8 +17,9 @@ NEAR_TIE = 0.125
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_qwen35):
-    return Engine(EngineConfig(model_path=str(tiny_qwen35), dtype="bfloat16"))
+def engine(tiny_qwen35_mtp, tiny_dflash):
+    return Engine(EngineConfig(model_path=str(tiny_qwen35_mtp), dtype="bfloat16",
+                               spec=SpecConfig(dflash_model=str(tiny_dflash))))
 
 
 def run(engine, prompt, spec=None):
@@ -27,9 +28,12 @@ def run(engine, prompt, spec=None):
     return out.tokens, out.logprobs
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft"])
-def test_flips_only_at_near_ties(engine, tiny_qwen35, method):
-    spec = SpecConfig(method=method, budget=8, max_depth=4, draft_model=str(tiny_qwen35), adaptive=False)
+@pytest.mark.parametrize("method,tree", [("ngram", "ddtree"), ("draft", "ddtree"), ("mtp", "ddtree"),
+                                         ("dflash", "chain"), ("dflash", "ddtree"),
+                                         ("dflash", "weaver")])
+def test_flips_only_at_near_ties(engine, tiny_qwen35, method, tree):
+    spec = SpecConfig(method=method, budget=8, max_depth=4, draft_model=str(tiny_qwen35), tree=tree,
+                      adaptive=False)
     for seed in range(5):
         rng = np.random.RandomState(seed)
         motif = list(rng.randint(0, 500, size=5))

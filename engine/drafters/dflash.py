@@ -1,0 +1,96 @@
+"""DFlash drafter ("dflash"): one draft pass proposes marginals for the whole next block, a tree
+builder (engine/drafters/marginals.py) turns them into the draft tree.
+
+The drafter reads the target's hidden states of committed positions from the target's
+FeatureCache (engine/feature_cache.py): before each proposal, the rows committed since the last
+one are projected into the context K/V of every draft layer, so the context grows with the
+accepted rows only and nothing is rolled back. The block `[root, MASK x (block_size - 1)]` sits
+at positions committed_len ..; its K/V are scratch rows of the same caches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import mlx.core as mx
+
+from engine.drafters.marginals import Marginals
+from engine.drafters.weaver import WeaverTrees
+from engine.feature_cache import FeatureCache, FeatureTaps
+from engine.models.base import CausalLM
+from engine.models.dflash import DFlashModel
+from engine.tree import DraftTree
+
+TreeBuilder = Callable[[int, Marginals, int, int], DraftTree]
+
+
+class DFlashDrafter:
+    def __init__(self, target: CausalLM, model: DFlashModel, build: TreeBuilder, top_k: int = 32,
+                 weaver: WeaverTrees | None = None) -> None:
+        if model.config.hidden_size != target.args.hidden_size:
+            raise ValueError(f"DFlash hidden size {model.config.hidden_size} differs from the target's "
+                             f"{target.args.hidden_size}")
+        if max(model.config.target_layer_ids) >= target.args.num_hidden_layers:
+            raise ValueError(f"DFlash reads target layers {model.config.target_layer_ids}; the target has "
+                             f"{target.args.num_hidden_layers}")
+        self.target, self.model, self.build, self.top_k, self.weaver = target, model, build, top_k, weaver
+        # Weaver's prompt starts with the target's final-normed hidden state of the last committed position
+        self.taps = FeatureTaps(tuple(set(model.config.target_layer_ids)), final=weaver is not None)
+        self.features: FeatureCache | None = None
+        self.slots: mx.array | None = None
+        self.cache = model.make_cache()
+        self.embed: Callable[[mx.array], mx.array] = target.model.embed_tokens  # type: ignore[attr-defined]
+
+    def attach(self, features: FeatureCache) -> None:
+        """The target's feature cache of this generation (its taps include this drafter's)."""
+        self.features = features
+        self.slots = mx.array(features.taps.slots(self.model.config.target_layer_ids, final=False))
+
+    def begin(self, prompt_ids: list[int]) -> None:
+        self.cache = self.model.make_cache()
+
+    def _catch_up(self) -> int:
+        """Project the committed feature rows not yet in the context -> the committed length."""
+        assert self.features is not None and self.slots is not None, "attach() the target's features first"
+        seen, committed = self.cache[0].offset, self.features.length
+        if committed > seen:
+            rows = self.features.read(seen, committed)
+            rows = rows.reshape(rows.shape[0], -1, self.target.args.hidden_size)[:, self.slots]
+            self.model.append_context(rows.reshape(rows.shape[0], -1), self.cache)
+        return committed
+
+    def draft(self, root: int, depth: int) -> tuple[mx.array, mx.array]:
+        """The block after `root`: final hidden states [depth, H] and logits [depth, V] (lazy)."""
+        c = self.model.config
+        block = mx.array([[root] + [c.mask_token_id] * (c.block_size - 1)])
+        embedded = self.embed(block)
+        if c.input_embedding_scale != 1.0:
+            embedded = embedded * c.input_embedding_scale
+        h = self.model.block(embedded, self.cache)[0, 1 : 1 + depth]
+        return h, self.model.scale_logits(self.target.logits(h))
+
+    def marginals(self, root: int, depth: int) -> Marginals:
+        """Top-k marginals of the next `depth` positions after `root`."""
+        return Marginals.from_logits(self.draft(root, depth)[1], self.top_k)
+
+    def propose(self, root: int, budget: int, max_depth: int) -> DraftTree:
+        committed = self._catch_up()  # even for a root-only tree: the context stays in step
+        depth = min(max_depth, budget, self.model.config.block_size - 1)
+        if depth < 1:
+            mx.eval([a for c in self.cache for a in c.arrays()])
+            return DraftTree.single(root)
+        if self.weaver is not None and committed > 0:
+            assert self.features is not None
+            H = self.target.args.hidden_size
+            final = self.features.taps.slots((), final=True)[0]
+            h_target = self.features.read(committed - 1, committed)[0, final * H : (final + 1) * H]
+            hidden, logits = self.draft(root, depth)
+            return self.weaver.build(root, h_target, hidden, logits, budget, max_depth)
+        return self.build(root, self.marginals(root, depth), budget, max_depth)
+
+    def observe(self, emitted: list[int]) -> None:
+        """Nothing to do: the accepted rows reach the context through the feature cache."""
+
+    def skip(self, root: int, emitted: list[int]) -> None:
+        """A round without a tree: nothing either; the next propose projects every row committed
+        since, in one pass."""

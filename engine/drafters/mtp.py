@@ -1,0 +1,94 @@
+"""MTP drafter ("mtp"): the target's own multi-token-prediction head drafts a chain recursively,
+and a tree builder (engine/drafters/marginals.py) adds siblings from each step's top-k.
+
+The head's KV cache holds one row per committed position i, made from (x_{i+1}, h_i), where h_i
+is the target's final-normed hidden state (read from the target's FeatureCache). Before each
+proposal the rows of the positions committed since the last one are appended in one chain pass,
+whose last row (the root's token with the last committed hidden state) already gives the
+marginal of depth 1; deeper steps feed the head its own output and the top-1 token, writing
+scratch rows past the committed ones that a rewind drops again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from engine.drafters.marginals import Marginals
+from engine.feature_cache import FeatureCache, FeatureTaps
+from engine.models.base import CausalLM
+from engine.models.mtp import MTPHead
+from engine.tree import DraftTree
+
+TreeBuilder = Callable[[int, Marginals, int, int], DraftTree]
+
+
+@dataclass(frozen=True)
+class MTPConfig:
+    # Each step beyond the first costs one head pass and conditions on drafted, not target, states.
+    max_steps: int = 6
+    top_k: int = 32
+
+
+class MTPDrafter:
+    def __init__(self, target: CausalLM, head: MTPHead, build: TreeBuilder, config: MTPConfig = MTPConfig()) -> None:
+        self.target, self.head, self.build, self.config = target, head, build, config
+        self.taps = FeatureTaps(final=True)
+        self.features: FeatureCache | None = None
+        self.slot = 0
+        self.tokens: list[int] = []  # prompt + emitted; tokens[committed] is the root
+        self.cache = head.make_cache()
+        self.embed: Callable[[mx.array], mx.array] = target.model.embed_tokens  # type: ignore[attr-defined]
+
+    def attach(self, features: FeatureCache) -> None:
+        self.features = features
+        self.slot = features.taps.slots((), final=True)[0]
+
+    def begin(self, prompt_ids: list[int]) -> None:
+        self.tokens = list(prompt_ids)
+        self.cache = self.head.make_cache()
+
+    def _hidden(self, start: int, stop: int) -> mx.array:
+        """The target's final-normed hidden states of positions [start, stop), [1, T, H]."""
+        assert self.features is not None, "attach() the target's features first"
+        rows = self.features.read(start, stop)
+        H = self.target.args.hidden_size
+        return rows[:, self.slot * H : (self.slot + 1) * H][None]
+
+    def _catch_up(self) -> mx.array | None:
+        """Append the head's rows of newly committed positions -> the last row's output [1, 1, H]
+        (None when nothing was committed since)."""
+        assert self.features is not None
+        done, committed = self.cache[0].offset, self.features.length
+        if committed == done:
+            return None
+        ids = mx.array([self.tokens[done + 1 : committed + 1]])
+        out = self.head(self.embed(ids), self._hidden(done, committed), self.cache)
+        return out[:, -1:]
+
+    def propose(self, root: int, budget: int, max_depth: int) -> DraftTree:
+        last = self._catch_up()
+        depth = min(max_depth, budget, self.config.max_steps)
+        if last is None or depth < 1:
+            mx.eval([a for c in self.cache for a in c.arrays()])
+            return DraftTree.single(root)
+        marks = [c.mark() for c in self.cache]
+        logits = [self.target.logits(last)[0, 0]]
+        for _ in range(depth - 1):
+            token = mx.argmax(logits[-1]).reshape(1, 1)  # stays on the device: no sync per step
+            last = self.head(self.embed(token), last, self.cache)
+            logits.append(self.target.logits(last)[0, 0])
+        marginals = Marginals.from_logits(mx.stack(logits), max(1, min(budget, self.config.top_k)))
+        for c, m in zip(self.cache, marks, strict=True):
+            c.rewind(m)
+        return self.build(root, marginals, budget, max_depth)
+
+    def observe(self, emitted: list[int]) -> None:
+        self.tokens += emitted
+
+    def skip(self, root: int, emitted: list[int]) -> None:
+        """A round without a tree: the head's rows of its positions are appended, with the others
+        committed since, in one chain pass at the next propose."""
+        self.tokens += emitted

@@ -1,0 +1,507 @@
+"""Train the bundled target's drafters on its own continuations (scripts/drafter_data.py).
+
+    python scripts/train_drafters.py dflash --data build/drafter_data --out OUT/dflash [--steps 3000]
+    python scripts/train_drafters.py mtp --data build/drafter_data --out OUT/mtp [--steps 3000]
+    python scripts/train_drafters.py weaver --data build/drafter_data --dflash OUT/dflash --out OUT/weaver
+
+PyTorch, on a CUDA GPU if there is one, else the CPU (fp32). The target is frozen and never run:
+its hidden states were recorded with the data, and only its embedding (= its tied lm_head) is
+read from the checkpoint. Reproducible from --seed; --max-seconds bounds the wall clock (the
+run then stops early and says so in the summary).
+
+- dflash: z-lab's DFlash recipe at small scale. For random anchors a of a continuation, the block
+  [x_a, MASK x 15] at positions a .. a+15 sees the target's hidden states (after
+  --target-layers) of positions < a and its own block; position k predicts x_{a+k}, with loss
+  weight exp(-(k - 1) / 7). Saved in z-lab's layout (config.json with dflash_config,
+  model.safetensors in bf16).
+- mtp: the Qwen3.5 MTP head. Row i of a sequence is (embed(x_{i+1}), h_i) at position i and
+  predicts x_{i+2} (h = the target's final-normed hidden state); a second, unrolled pass feeds
+  the head its own outputs (row i: (embed(x_{i+2}), y_i) at position i + 1, seeing the first pass's
+  rows up to i) and predicts x_{i+3}, as recursive drafting does. Saved as `mtp.*` tensors (HF
+  layout, zero-centred norms) in mtp.safetensors, bf16.
+- weaver: the Weaver adapter over a trained DFlash drafter (frozen, run on the fly). Teacher forcing
+  along the target's own continuation: for an anchor a, the prompt is the target's final-normed
+  hidden state at a - 1 and DFlash's hidden states of the block; the node at depth d is x_{a+d}
+  and is scored over DFlash's top --pool candidates of depth d + 1, with x_{a+d+1} as the label
+  (skipped when outside the pool), weighted like DFlash. Saved as the published .pth ({config,
+  state_dict}) and converted by scripts/convert_weaver.py.
+
+Loss only on the target's own continuation tokens (not the prompt), up to and including its
+first stop token. The last --heldout share of sequences is kept for evaluation: per block (or
+per row) the length of the greedy prefix the drafter gets right, which is what a chain accepts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import draft_heads  # noqa: E402
+
+ROOT = HERE.parent
+STOP_IDS = (0, 2)  # <|endoftext|>, <|im_end|>
+
+
+@dataclass(frozen=True)
+class Sequence:
+    start: int
+    prompt_len: int
+    length: int  # tokens of the sequence used for training (through the first stop token)
+
+
+class Data:
+    """tokens and recorded hidden states of every sequence, split into train and held-out."""
+
+    def __init__(self, root: Path, heldout: float) -> None:
+        self.tokens = np.load(root / "tokens.npy", mmap_mode="r")
+        self.features = np.load(root / "features.npy", mmap_mode="r")  # [N, layers + 1, H] fp16
+        seqs = []
+        for s in json.loads((root / "sequences.json").read_text()):
+            toks = self.tokens[s["start"] : s["start"] + s["length"]]
+            gen = np.flatnonzero(np.isin(toks[s["prompt_len"] :], STOP_IDS))
+            length = s["prompt_len"] + int(gen[0]) + 1 if len(gen) else s["length"]
+            if length - s["prompt_len"] >= 2:
+                seqs.append(Sequence(s["start"], s["prompt_len"], length))
+        rng = np.random.default_rng(1234)  # the split does not depend on the training seed
+        order = rng.permutation(len(seqs))
+        n_held = max(1, int(len(seqs) * heldout))
+        self.heldout = [seqs[i] for i in order[:n_held]]
+        self.train = [seqs[i] for i in order[n_held:]]
+
+    def window(self, s: Sequence, slots: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        toks = np.asarray(self.tokens[s.start : s.start + s.length], dtype=np.int64)
+        feats = np.asarray(self.features[s.start : s.start + s.length][:, slots], dtype=np.float32)
+        return toks, feats.reshape(s.length, -1)
+
+
+def target_embedding(target: Path) -> torch.Tensor:
+    from safetensors import safe_open
+
+    with safe_open(str(target / "model.safetensors"), "pt") as f:
+        key = next(k for k in f.keys() if k.endswith("embed_tokens.weight"))
+        return f.get_tensor(key).float()
+
+
+def pad_batch(items: list[tuple[np.ndarray, np.ndarray]]) -> tuple[torch.Tensor, torch.Tensor]:
+    T = max(len(t) for t, _ in items)
+    toks = torch.zeros(len(items), T, dtype=torch.long)
+    feats = torch.zeros(len(items), T, items[0][1].shape[1])
+    for i, (t, f) in enumerate(items):
+        toks[i, : len(t)] = torch.from_numpy(t)
+        feats[i, : len(t)] = torch.from_numpy(f)
+    return toks, feats
+
+
+# ---------------------------------------------------------------- DFlash
+
+def dflash_batch(data: Data, seqs: list[Sequence], slots: list[int], anchors: int, block: int,
+                 rng: np.random.Generator, all_anchors: bool = False):
+    """-> tokens [B, T], features [B, T, F], anchors [B, A], labels [B, A, block-1], valid [B, A, block-1]."""
+    items = [data.window(s, slots) for s in seqs]
+    toks, feats = pad_batch(items)
+    A = anchors
+    anc = torch.zeros(len(seqs), A, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        lo, hi = s.prompt_len - 1, s.length - 2  # the anchor's next token must exist
+        choices = np.arange(lo, hi + 1)
+        pick = choices[:A] if all_anchors else rng.choice(choices, size=A, replace=len(choices) < A)
+        anc[i, : len(pick)] = torch.from_numpy(pick)
+    k = torch.arange(1, block)
+    pos = anc[:, :, None] + k  # [B, A, block-1]
+    lengths = torch.tensor([s.length for s in seqs])
+    valid = pos < lengths[:, None, None]
+    labels = torch.gather(toks, 1, pos.clamp(max=toks.shape[1] - 1).flatten(1)).view_as(pos)
+    return toks, feats, anc, labels, valid
+
+
+def dflash_forward(model: draft_heads.DFlash, embed: torch.Tensor, mask_id: int, block: int, toks, feats, anc):
+    """-> final hidden of block positions 1.. [B, A, block-1, H]."""
+    B, A = anc.shape
+    T = toks.shape[1]
+    block_ids = torch.full((B, A, block), mask_id, dtype=torch.long)
+    block_ids[:, :, 0] = torch.gather(toks, 1, anc)
+    x = F.embedding(block_ids.view(B, A * block), embed)
+    q_pos = (anc[:, :, None] + torch.arange(block)).view(B, A * block)
+    mask = draft_heads.dflash_training_mask(anc, T, block)
+    h = model(x, feats, q_pos, torch.arange(T)[None].expand(B, T), mask)
+    return h.view(B, A, block, -1)[:, :, 1:]
+
+
+def dflash_loss(model, embed, mask_id, block, gamma, batch):
+    toks, feats, anc, labels, valid = batch
+    h = dflash_forward(model, embed, mask_id, block, toks, feats, anc)
+    w = (torch.exp(-(torch.arange(block - 1, dtype=torch.float32)) / gamma) * valid).flatten()
+    keep = w > 0  # the lm_head over the vocabulary dominates the cost: only rows with a label
+    ce = F.cross_entropy(h.flatten(0, 2)[keep] @ embed.T, labels.flatten()[keep], reduction="none")
+    return (ce * w[keep]).sum() / w.sum()
+
+
+@torch.no_grad()
+def dflash_eval(model, embed, mask_id, block, data: Data, slots, seqs: list[Sequence]) -> dict[str, float]:
+    """Mean greedy prefix accepted per block (acceptance length minus the bonus) over every anchor."""
+    model.eval()
+    lengths, per_pos = [], np.zeros(block - 1)
+    rng = np.random.default_rng(0)
+    for s in seqs:
+        n_anc = s.length - s.prompt_len
+        batch = dflash_batch(data, [s], slots, n_anc, block, rng, all_anchors=True)
+        toks, feats, anc, labels, valid = batch
+        for a0 in range(0, n_anc, 64):  # bounded memory on long sequences
+            sl = slice(a0, a0 + 64)
+            h = dflash_forward(model, embed, mask_id, block, toks, feats, anc[:, sl])
+            hit = ((h @ embed.T).argmax(-1) == labels[:, sl]) & valid[:, sl]
+            run = hit.int().cumprod(-1)
+            lengths += run.sum(-1).flatten().tolist()
+            per_pos += run.sum((0, 1)).numpy()
+    model.train()
+    return {"accepted_per_block": float(np.mean(lengths)),
+            "hit_rate_pos1_4_8_15": [round(float(per_pos[i] / len(lengths)), 3) for i in (0, 3, 7, block - 2)]}
+
+
+# ---------------------------------------------------------------- MTP
+
+def mtp_batch(data: Data, seqs: list[Sequence], final_slot: int):
+    items = [data.window(s, [final_slot]) for s in seqs]
+    toks, hidden = pad_batch(items)
+    B, T = toks.shape
+    lengths = torch.tensor([s.length for s in seqs])
+    prompt = torch.tensor([s.prompt_len for s in seqs])
+    idx = torch.arange(T)[None]
+    # row i predicts x_{i+2} (first pass) and x_{i+3} (second pass): trained where those are continuation tokens
+    valid1 = (idx + 2 < lengths[:, None]) & (idx + 2 >= prompt[:, None])
+    valid2 = (idx + 3 < lengths[:, None]) & (idx + 3 >= prompt[:, None])
+    return toks, hidden, valid1, valid2
+
+
+def mtp_two_pass(model: draft_heads.MTP, embed, toks, hidden):
+    """-> (first-pass outputs [B, T-2, H] for x_{i+2}, second-pass outputs [B, T-3, H] for x_{i+3})."""
+    B, T = toks.shape
+    n1 = T - 2
+    e1 = F.embedding(toks[:, 1 : 1 + n1], embed)
+    pos1 = torch.arange(n1)[None].expand(B, n1)
+    y1 = model(e1, hidden[:, :n1], pos1)
+    n2 = T - 3
+    e2 = F.embedding(toks[:, 2 : 2 + n2], embed)
+    y2 = model.second_pass(e1, hidden[:, :n1], pos1, e2, y1[:, :n2])
+    return y1, y2
+
+
+def add_second_pass(mtp_cls) -> None:
+    """MTP.second_pass: rows of the unrolled step attend to the first pass's rows up to their own
+    source row and to themselves (recursive drafting's view of the head's cache)."""
+
+    def second_pass(self, e1, h1, pos1, e2, y1):
+        x1 = self.fc(torch.cat([self.pre_fc_norm_embedding(e1), self.pre_fc_norm_hidden(h1)], -1))
+        x2 = self.fc(torch.cat([self.pre_fc_norm_embedding(e2), self.pre_fc_norm_hidden(y1)], -1))
+        n1, n2 = x1.shape[1], x2.shape[1]
+        x = torch.cat([x1, x2], 1)
+        pos = torch.cat([pos1, pos1[:, :n2] + 1], 1)
+        pe = self.rotary(x, pos)
+        i1, i2 = torch.arange(n1), torch.arange(n2)
+        see = torch.zeros(n1 + n2, n1 + n2, dtype=torch.bool)
+        see[:n1, :n1] = i1[None, :] <= i1[:, None]
+        see[n1:, :n1] = i1[None, :] <= i2[:, None]  # row i of pass 2 sees pass-1 rows 0..i
+        see[n1 + i2, n1 + i2] = True
+        mask = torch.zeros(see.shape).masked_fill(~see, float("-inf"))[None, None]
+        for layer in self.layers:
+            x = layer(x, position_embeddings=pe, attention_mask=mask)
+        return self.norm(x)[:, n1:]
+
+    mtp_cls.second_pass = second_pass
+
+
+def mtp_loss(model, embed, batch):
+    toks, hidden, valid1, valid2 = batch
+    y1, y2 = mtp_two_pass(model, embed, toks, hidden)
+    T = toks.shape[1]
+    v1, v2 = valid1[:, : T - 2], valid2[:, : T - 3]
+    ce1 = F.cross_entropy(y1[v1] @ embed.T, toks[:, 2:][v1])
+    ce2 = F.cross_entropy(y2[v2] @ embed.T, toks[:, 3:][v2]) if v2.any() else torch.zeros(())
+    return ce1 + 0.5 * ce2
+
+
+@torch.no_grad()
+def mtp_eval(model, embed, data: Data, final_slot: int, seqs: list[Sequence]) -> dict[str, float]:
+    model.eval()
+    hit1 = hit2 = n1 = n2 = 0
+    for i in range(0, len(seqs), 16):
+        toks, hidden, valid1, valid2 = mtp_batch(data, seqs[i : i + 16], final_slot)
+        y1, y2 = mtp_two_pass(model, embed, toks, hidden)
+        T = toks.shape[1]
+        ok1 = ((y1 @ embed.T).argmax(-1) == toks[:, 2:]) & valid1[:, : T - 2]
+        ok2 = ((y2 @ embed.T).argmax(-1) == toks[:, 3:]) & valid2[:, : T - 3] & ok1[:, : T - 3]
+        hit1, n1 = hit1 + int(ok1.sum()), n1 + int(valid1[:, : T - 2].sum())
+        hit2, n2 = hit2 + int(ok2.sum()), n2 + int(valid2[:, : T - 3].sum())
+    model.train()
+    return {"depth1_acc": round(hit1 / n1, 4), "depth2_both_acc": round(hit2 / max(n2, 1), 4)}
+
+
+# ---------------------------------------------------------------- Weaver
+
+def load_dflash_torch(path: Path) -> tuple[draft_heads.DFlash, dict]:
+    from safetensors.torch import load_file
+
+    cfg = json.loads((path / "config.json").read_text())
+    shape = draft_heads.DFlashShape(hidden=cfg["hidden_size"], layers=cfg["num_hidden_layers"],
+                                    heads=cfg["num_attention_heads"], kv_heads=cfg["num_key_value_heads"],
+                                    head_dim=cfg["head_dim"], intermediate=cfg["intermediate_size"],
+                                    target_layer_ids=tuple(cfg["dflash_config"]["target_layer_ids"]),
+                                    rope_theta=cfg["rope_theta"], eps=cfg["rms_norm_eps"])
+    model = draft_heads.DFlash(shape)
+    model.load_state_dict({k: v.float() for k, v in load_file(path / "model.safetensors").items()})
+    model.requires_grad_(False).eval()
+    return model, cfg
+
+
+def weaver_inputs(dflash, embed, mask_id, block, pool, batch):
+    """DFlash's view of each anchor's block: (hidden [B*A, D, H], pool ids and logits [B*A, D, P],
+    the pool index of each depth's true token or -1 [B*A, D], valid [B*A, D])."""
+    toks, feats, anc, labels, valid = batch
+    with torch.no_grad():
+        h = dflash_forward(dflash, embed, mask_id, block, toks, feats[..., :-embed.shape[1]], anc)
+        logits = h @ embed.T
+        pool_logits, pool_ids = logits.topk(pool, dim=-1)
+    where = pool_ids == labels[..., None]
+    target = torch.where(where.any(-1), where.int().argmax(-1), torch.full_like(labels, -1))
+    return (h.flatten(0, 1), pool_ids.flatten(0, 1), pool_logits.flatten(0, 1), target.flatten(0, 1),
+            valid.flatten(0, 1))
+
+
+def weaver_scores(weaver, embed, toks, feats, anc, h, pool_ids, pool_logits):
+    """Weaver's logits over the pool along each anchor's true path, [B*A, D, P]."""
+    B, A = anc.shape
+    D = h.shape[1]
+    final = feats[..., -embed.shape[1]:]  # the final-normed hidden state is the last tap
+    h_target = torch.gather(final, 1, (anc - 1)[..., None].expand(B, A, final.shape[-1])).flatten(0, 1)
+    path = torch.gather(toks, 1, (anc[:, :, None] + torch.arange(D)).clamp(max=toks.shape[1] - 1).flatten(1))
+    queries = weaver.path_queries(h_target, h, F.embedding(path.view(B * A, D), embed))
+    return weaver.scores(queries, pool_logits, embed[pool_ids])
+
+
+def weaver_loss(weaver, dflash, embed, mask_id, block, pool, gamma, batch):
+    toks, feats, anc = batch[0], batch[1], batch[2]
+    h, pool_ids, pool_logits, target, valid = weaver_inputs(dflash, embed, mask_id, block, pool, batch)
+    s = weaver_scores(weaver, embed, toks, feats, anc, h, pool_ids, pool_logits)
+    keep = valid & (target >= 0)
+    w = torch.exp(-(torch.arange(block - 1, dtype=torch.float32)) / gamma).expand_as(keep)[keep]
+    ce = F.cross_entropy(s[keep], target[keep], reduction="none")
+    return (ce * w).sum() / w.sum()
+
+
+@torch.no_grad()
+def weaver_eval(weaver, dflash, embed, mask_id, block, pool, data: Data, slots, seqs) -> dict[str, float]:
+    """Greedy prefix accepted per block: Weaver's top choice along the true path vs DFlash's."""
+    weaver.eval()
+    w_len, d_len = [], []
+    rng = np.random.default_rng(0)
+    for s in seqs:
+        n_anc = s.length - s.prompt_len
+        toks, feats, anc, labels, valid = dflash_batch(data, [s], slots, n_anc, block, rng, all_anchors=True)
+        for a0 in range(0, n_anc, 64):
+            b = (toks, feats, anc[:, a0 : a0 + 64], labels[:, a0 : a0 + 64], valid[:, a0 : a0 + 64])
+            h, pool_ids, pool_logits, target, ok = weaver_inputs(dflash, embed, mask_id, block, pool, b)
+            sc = weaver_scores(weaver, embed, toks, feats, b[2], h, pool_ids, pool_logits)
+            w_hit = (sc.argmax(-1) == target) & (target >= 0) & ok
+            d_hit = (target == 0) & ok  # DFlash's own top-1 is pool index 0
+            w_len += w_hit.int().cumprod(-1).sum(-1).tolist()
+            d_len += d_hit.int().cumprod(-1).sum(-1).tolist()
+    weaver.train()
+    return {"weaver_accepted_per_block": float(np.mean(w_len)), "dflash_accepted_per_block": float(np.mean(d_len))}
+
+
+# ---------------------------------------------------------------- the loop
+
+def lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    t = (step - warmup) / max(1, steps - warmup)
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def train_loop(model, loss_fn, evaluate, data: Data, a, log) -> dict:
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=a.lr, betas=(0.9, 0.95),
+                            weight_decay=0.01)
+    rng = np.random.default_rng(a.seed)
+    start, recent, step = time.perf_counter(), [], 0
+    stopped = None
+    for step in range(a.steps):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, a.steps, a.lr, a.warmup)
+        seqs = [data.train[i] for i in rng.choice(len(data.train), size=a.batch, replace=False)]
+        loss = loss_fn(seqs, rng)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        recent.append(loss.item())
+        elapsed = time.perf_counter() - start
+        if step % a.log_every == 0 or step == a.steps - 1:
+            log({"step": step, "loss": round(float(np.mean(recent[-a.log_every:])), 4),
+                 "lr": lr_at(step, a.steps, a.lr, a.warmup), "elapsed": round(elapsed, 1)})
+        if a.eval_every and (step + 1) % a.eval_every == 0:
+            log({"step": step, "eval": evaluate(data.heldout[: a.eval_seqs])})
+        if elapsed > a.max_seconds:
+            stopped = "max_seconds"
+            log({"step": step, "stopped": stopped})
+            break
+    final = evaluate(data.heldout)
+    log({"step": step, "eval": final, "heldout_sequences": len(data.heldout)})
+    return {"steps": step + 1, "seconds": round(time.perf_counter() - start, 1), "stopped": stopped,
+            "final_train_loss": float(np.mean(recent[-50:])), "heldout": final}
+
+
+def load_init(model: torch.nn.Module, head: str, path: Path) -> None:
+    """Weights saved by an earlier run of this script (bf16 on disk; training goes on in fp32)."""
+    from safetensors.torch import load_file
+
+    if head == "mtp":
+        state = {k.removeprefix("mtp."): v for k, v in load_file(path / "mtp.safetensors").items()}
+    else:
+        state = load_file(path / "model.safetensors")
+    missing, unexpected = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+    if unexpected or [k for k in missing if "rotary" not in k]:
+        raise SystemExit(f"--init {path}: missing {missing}, unexpected {unexpected}")
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file({k: v.detach().to(torch.bfloat16).contiguous() for k, v in tensors.items()}, path,
+              metadata={"format": "pt"})
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("head", choices=["dflash", "mtp", "weaver"])
+    ap.add_argument("--data", type=Path, required=True)
+    ap.add_argument("--target", type=Path, default=ROOT / "engine" / "bundled" / "target")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--steps", type=int, default=3000)
+    ap.add_argument("--batch", type=int, default=8, help="sequences per step")
+    ap.add_argument("--anchors", type=int, default=16, help="dflash: blocks per sequence per step")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--heldout", type=float, default=0.04)
+    ap.add_argument("--eval-every", type=int, default=500)
+    ap.add_argument("--eval-seqs", type=int, default=24)
+    ap.add_argument("--log-every", type=int, default=25)
+    ap.add_argument("--max-seconds", type=float, default=3300)
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--init", type=Path, help="continue from a saved head (its OUT dir of an earlier run)")
+    # DFlash shape
+    ap.add_argument("--layers", type=int, default=3)
+    ap.add_argument("--intermediate", type=int, default=768)
+    ap.add_argument("--target-layers", default="1,3,5")
+    ap.add_argument("--block", type=int, default=16)
+    ap.add_argument("--gamma", type=float, default=7.0)
+    # Weaver shape
+    ap.add_argument("--dflash", type=Path, help="weaver: the trained DFlash drafter it re-scores")
+    ap.add_argument("--pool", type=int, default=64, help="weaver: DFlash candidates scored per depth")
+    ap.add_argument("--rank", type=int, default=128, help="weaver: width (d_rank)")
+    ap.add_argument("--weaver-layers", type=int, default=2)
+    ap.add_argument("--weaver-heads", type=int, default=4)
+    ap.add_argument("--mlp", type=int, default=256)
+    a = ap.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    torch.manual_seed(a.seed)
+    import transformers as tf
+
+    tcfg = tf.AutoConfig.from_pretrained(a.target)
+    embed = target_embedding(a.target)
+    data = Data(a.data, a.heldout)
+    a.out.mkdir(parents=True, exist_ok=True)
+    log_file = (a.out / "train_log.jsonl").open("w")
+
+    def log(record: dict) -> None:
+        line = json.dumps({"head": a.head, **record})
+        print(line, flush=True)
+        log_file.write(line + "\n")
+        log_file.flush()
+
+    final_slot = tcfg.num_hidden_layers  # features.npy: after layer 0..L-1, then the final norm
+    if a.head == "dflash":
+        ids = tuple(int(i) for i in a.target_layers.split(","))
+        tok = json.loads((a.target / "tokenizer.json").read_text())
+        mask_id = next(t["id"] for t in tok["added_tokens"] if t["content"] == "<|MASK|>")
+        shape = draft_heads.DFlashShape(hidden=tcfg.hidden_size, layers=a.layers, heads=tcfg.num_attention_heads,
+                                        kv_heads=tcfg.num_key_value_heads, head_dim=tcfg.head_dim,
+                                        intermediate=a.intermediate, target_layer_ids=ids,
+                                        rope_theta=tcfg.rope_parameters["rope_theta"], eps=tcfg.rms_norm_eps)
+        model = draft_heads.DFlash(shape)
+        draft_heads.init_like_hf(model, seed=a.seed)
+        slots = list(ids)
+
+        def loss_fn(seqs, rng):
+            return dflash_loss(model, embed, mask_id, a.block, a.gamma,
+                               dflash_batch(data, seqs, slots, a.anchors, a.block, rng))
+
+        def evaluate(seqs):
+            return dflash_eval(model, embed, mask_id, a.block, data, slots, seqs)
+    elif a.head == "weaver":
+        if a.dflash is None:
+            raise SystemExit("weaver needs --dflash DIR (a trained DFlash drafter)")
+        dflash, dcfg = load_dflash_torch(a.dflash)
+        mask_id, block = dcfg["dflash_config"]["mask_token_id"], dcfg["block_size"]
+        shape_w = draft_heads.WeaverShape(d_model=tcfg.hidden_size, d_embed=tcfg.hidden_size, d_rank=a.rank,
+                                          num_layers=a.weaver_layers, num_heads=a.weaver_heads, mlp_dim=a.mlp,
+                                          K=block - 1, candidate_pool_size=a.pool)
+        model = draft_heads.Weaver(shape_w)
+        draft_heads.init_like_hf(model, seed=a.seed)
+        slots = [*dcfg["dflash_config"]["target_layer_ids"], final_slot]
+
+        def loss_fn(seqs, rng):
+            batch = dflash_batch(data, seqs, slots, a.anchors, block, rng)
+            return weaver_loss(model, dflash, embed, mask_id, block, a.pool, a.gamma, batch)
+
+        def evaluate(seqs):
+            return weaver_eval(model, dflash, embed, mask_id, block, a.pool, data, slots, seqs)
+    else:
+        add_second_pass(draft_heads.MTP)
+        model = draft_heads.MTP(tcfg)
+        draft_heads.init_like_hf(model, seed=a.seed)
+
+        def loss_fn(seqs, rng):
+            return mtp_loss(model, embed, mtp_batch(data, seqs, final_slot))
+
+        def evaluate(seqs):
+            return mtp_eval(model, embed, data, final_slot, seqs)
+
+    if a.init is not None:
+        load_init(model, a.head, a.init)
+    params = sum(p.numel() for p in model.parameters())
+    log({"params": params, "train_sequences": len(data.train), "heldout_sequences": len(data.heldout),
+         "args": {k: str(v) for k, v in vars(a).items()}})
+    log({"step": -1, "eval": evaluate(data.heldout[: a.eval_seqs])})
+    summary = {"head": a.head, "params": params, **train_loop(model, loss_fn, evaluate, data, a, log)}
+    if a.head == "dflash":
+        (a.out / "config.json").write_text(json.dumps(
+            model.hf_config(tcfg.vocab_size, mask_id, a.block, tcfg.num_hidden_layers), indent=1))
+        save_safetensors(model.state_dict(), a.out / "model.safetensors")
+    elif a.head == "weaver":
+        import convert_weaver
+
+        torch.save({"config": shape_w.config(), "state_dict": model.state_dict()}, a.out / "weaver.pth")
+        convert_weaver.main([str(a.out / "weaver.pth"), str(a.out)])
+    else:
+        tensors = {f"mtp.{k}": v for k, v in model.state_dict().items() if "rotary" not in k}
+        save_safetensors(tensors, a.out / "mtp.safetensors")
+    (a.out / "summary.json").write_text(json.dumps(summary, indent=1))
+    log_file.close()
+    print(json.dumps(summary), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,248 @@
+"""The one-pass drafters (MTP head, DFlash) with the chain and DDTree builders.
+
+- Their networks match the PyTorch versions in scripts/draft_heads.py (the MTP layer there is
+  transformers' own Qwen3.5 decoder layer), loaded from checkpoints in the published layouts.
+- Generation with them is lossless (greedy and seeded sampling). With random weights they rarely
+  get a draft accepted, so one test adds the true continuation as one more branch of their trees:
+  rounds then accept several tokens, and the drafters' state (DFlash context K/V, MTP cache)
+  must equal what a replay of the committed tokens gives.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine import forward
+from engine.config import EngineConfig, SamplingParams, SpecConfig
+from engine.drafters import BUILDERS
+from engine.drafters.dflash import DFlashDrafter
+from engine.drafters.mtp import MTPDrafter
+from engine.feature_cache import FeatureCache, FeatureTaps
+from engine.generate import Engine, RequestError
+from engine.loader import CheckpointError, load_dflash, load_model, load_mtp, load_weaver
+from engine.tree import DraftTree
+from tests.helpers import checkpoint_maker, generate
+
+GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
+SAMPLED = SamplingParams(max_tokens=40, temperature=0.9, top_p=0.95, seed=77, ignore_eos=True)
+PROMPTS = [[int(t) for t in np.random.RandomState(s).randint(0, 500, size=n)] for s, n in ((11, 25), (12, 3))]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_qwen35_mtp, tiny_dflash):
+    return Engine(EngineConfig(model_path=str(tiny_qwen35_mtp), prefill_chunk=16,
+                               spec=SpecConfig(dflash_model=str(tiny_dflash))))
+
+
+def heads():
+    import sys
+
+    sys.path.insert(0, str(checkpoint_maker().HERE))
+    import draft_heads
+
+    return draft_heads
+
+
+def test_dflash_matches_pytorch(tiny_dflash, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    dh = heads()
+    cfg = json.loads((tiny_dflash / "config.json").read_text())
+    shape = dh.DFlashShape(hidden=cfg["hidden_size"], layers=cfg["num_hidden_layers"], heads=4, kv_heads=2,
+                           head_dim=16, intermediate=cfg["intermediate_size"],
+                           target_layer_ids=tuple(cfg["dflash_config"]["target_layer_ids"]))
+    ref = dh.DFlash(shape)
+    ref.load_state_dict(load_file(tiny_dflash / "model.safetensors"))
+    # the same checkpoint with the DFlash keys at the top level (as some third-party ones are)
+    flat = tmp_path / "flat"
+    shutil.copytree(tiny_dflash, flat)
+    top = {k: v for k, v in cfg.items() if k != "dflash_config"} | cfg["dflash_config"]
+    (flat / "config.json").write_text(json.dumps(top))
+    rng = np.random.default_rng(0)
+    T, L, H = 19, 16, cfg["hidden_size"]
+    feats = rng.standard_normal((T, 2 * H)).astype(np.float32)
+    block = rng.standard_normal((1, L, H)).astype(np.float32)
+    with torch.no_grad():
+        want = ref(torch.tensor(block), torch.tensor(feats[None]), torch.arange(T, T + L)[None],
+                   torch.arange(T)[None], torch.ones(1, 1, L, T + L, dtype=torch.bool)).numpy()
+    for path in (tiny_dflash, flat):
+        model = load_dflash(path)
+        assert model.config.target_layer_ids == (1, 2) and model.config.mask_token_id == 13
+        cache = model.make_cache()
+        model.append_context(mx.array(feats[:7]), cache)  # the context grows in pieces, as rounds commit
+        model.append_context(mx.array(feats[7:]), cache)
+        np.testing.assert_allclose(np.array(model.block(mx.array(block), cache)), want, atol=2e-5)
+
+
+@pytest.mark.parametrize("where", ["file", "inline"])
+def test_mtp_head_matches_pytorch(tiny_qwen35, tmp_path, where):
+    import torch
+    import transformers as tf
+    from safetensors.torch import load_file
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_qwen35, ckpt)
+    checkpoint_maker().add_mtp_to(ckpt, 21, where)
+    target = load_model(ckpt).model
+    head = load_mtp(ckpt, target.args)
+    file = ckpt / ("mtp.safetensors" if where == "file" else "model.safetensors")
+    ref = heads().MTP(tf.AutoConfig.from_pretrained(ckpt))
+    ref.load_state_dict({k[4:]: v for k, v in load_file(file).items() if k.startswith("mtp.")}, strict=False)
+    rng = np.random.default_rng(1)
+    e, h = (rng.standard_normal((1, 9, 64)).astype(np.float32) for _ in range(2))
+    with torch.no_grad():
+        want = ref.eval()(torch.tensor(e), torch.tensor(h), torch.arange(9)[None]).numpy()
+    cache = head.make_cache()
+    got = [np.array(head(mx.array(e[:, :5]), mx.array(h[:, :5]), cache))]  # a chain, then single steps
+    got += [np.array(head(mx.array(e[:, i : i + 1]), mx.array(h[:, i : i + 1]), cache)) for i in range(5, 9)]
+    np.testing.assert_allclose(np.concatenate(got, axis=1), want, atol=2e-5)
+
+
+PAIRS = [("mtp", "chain"), ("mtp", "ddtree"), ("dflash", "chain"), ("dflash", "ddtree"), ("dflash", "weaver")]
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("method,tree", PAIRS)
+def test_lossless(engine, method, tree, sampling):
+    for prompt in PROMPTS:
+        plain = generate(engine, prompt, sampling).tokens
+        out = generate(engine, prompt, sampling, SpecConfig(method=method, tree=tree, budget=10, max_depth=6))
+        assert out.tokens == plain
+        assert out.stats.drafted > 0
+
+
+class Assisted:
+    """Wraps a drafter: its tree plus the true continuation (of random length) as one more branch."""
+
+    def __init__(self, inner, reference: list[int], seed: int) -> None:
+        self.inner, self.ref, self.rng = inner, reference, np.random.default_rng(seed)
+        self.taps = inner.taps
+        self.pos = 0
+
+    def attach(self, features: FeatureCache) -> None:
+        self.inner.attach(features)
+
+    def begin(self, prompt_ids: list[int]) -> None:
+        self.inner.begin(prompt_ids)
+        self.pos = 0
+
+    def propose(self, root: int, budget: int, max_depth: int) -> DraftTree:
+        tree = self.inner.propose(root, budget, max_depth)
+        tokens, parents, node = list(tree.tokens), list(tree.parents), 0
+        for t in self.ref[self.pos : self.pos + int(self.rng.integers(0, max_depth + 1))]:
+            child = next((i for i in range(len(tokens)) if parents[i] == node and tokens[i] == t), None)
+            if child is None:
+                tokens.append(t)
+                parents.append(node)
+                child = len(tokens) - 1
+            node = child
+        return DraftTree(tuple(tokens), tuple(parents))
+
+    def observe(self, emitted: list[int]) -> None:
+        self.inner.observe(emitted)
+        self.pos += len(emitted)
+
+
+def replay_features(engine: Engine, tokens: list[int]) -> mx.array:
+    """The target's feature rows of `tokens`, from one chain pass."""
+    cache = engine.model.make_cache() + [FeatureCache(engine.feature_taps)]
+    forward.extend(engine.model, cache, tokens)
+    return cache[-1].read(0)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "seeded"])
+def test_accepted_rounds_keep_the_drafters_in_step(engine, sampling):
+    prompt = PROMPTS[0]
+    plain = generate(engine, prompt, sampling).tokens
+    spec = SpecConfig(method="none", budget=10, max_depth=6)
+    for make in (lambda: DFlashDrafter(engine.model, engine.dflash_model(None), BUILDERS["ddtree"]),
+                 lambda: MTPDrafter(engine.model, engine.mtp_head(), BUILDERS["ddtree"])):
+        drafter = make()
+        out = generate(engine, prompt, sampling, spec, Assisted(drafter, plain, 5))
+        assert out.tokens == plain
+        assert out.stats.accepted >= 10 and out.stats.tokens_per_forward > 1.5
+        seq = prompt + out.tokens
+        n = drafter.cache[0].offset  # positions the drafter has taken in so far (all but the last round's)
+        assert n >= len(seq) - 8
+        features = replay_features(engine, seq[:n])
+        if isinstance(drafter, DFlashDrafter):
+            fresh = drafter.model.make_cache()
+            slots = engine.feature_taps.slots(drafter.model.config.target_layer_ids, final=False)
+            H = engine.model.args.hidden_size
+            drafter.model.append_context(features.reshape(n, -1, H)[:, mx.array(slots)].reshape(n, -1), fresh)
+        else:
+            fresh = drafter.head.make_cache()
+            slot = engine.feature_taps.slots((), final=True)[0]
+            H = engine.model.args.hidden_size
+            drafter.head(drafter.embed(mx.array([seq[1 : n + 1]])), features[None, :, slot * H : (slot + 1) * H], fresh)
+        for live, want in zip(drafter.cache, fresh, strict=True):
+            for a, b in zip(live.snapshot(n).arrays(), want.snapshot(n).arrays(), strict=True):
+                np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-4)
+
+
+def test_feature_cache_commit_equals_replay(engine):
+    """The target's feature rows after speculative rounds equal those of a chain replay."""
+    prompt = PROMPTS[0]
+    plain = generate(engine, prompt, GREEDY).tokens
+    inner = DFlashDrafter(engine.model, engine.dflash_model(None), BUILDERS["chain"])
+    drafter = Assisted(inner, plain, 9)
+    generate(engine, prompt, GREEDY, SpecConfig(method="none", budget=8, max_depth=5), drafter)
+    live = inner.features
+    assert live is not None and live.taps == FeatureTaps((1, 2), final=True)
+    n = live.length
+    np.testing.assert_allclose(np.array(live.read(0)), np.array(replay_features(engine, (prompt + plain)[:n])),
+                               atol=1e-4)
+
+
+def test_weaver_matches_pytorch(tiny_dflash):
+    import torch
+
+    dh = heads()
+    payload = torch.load(tiny_dflash / "weaver" / "weaver.pth", weights_only=True)
+    ref = dh.Weaver(dh.WeaverShape(**{k: v for k, v in payload["config"].items()
+                                      if k in dh.WeaverShape.__dataclass_fields__}))
+    ref.load_state_dict(payload["state_dict"])
+    weaver = load_weaver(tiny_dflash / "weaver")
+    rng = np.random.default_rng(4)
+    D, N, H = 5, 4, 64
+    h_target, hidden = rng.standard_normal(H).astype(np.float32), rng.standard_normal((D, H)).astype(np.float32)
+    path = rng.standard_normal((N, H)).astype(np.float32)  # the path's token embeddings, root first
+    with torch.no_grad():
+        want = ref.path_queries(torch.tensor(h_target[None]), torch.tensor(hidden[None]),
+                                torch.tensor(path[None]))[0].numpy()
+    prompt = weaver.prompt_kv(mx.array(h_target), mx.array(hidden))
+    nodes, got = None, []
+    for d in range(N):  # one node per call, each seeing all earlier ones (its ancestors)
+        x = weaver.token_in(weaver.embed_norm(mx.array(path[d : d + 1])))
+        q, new = weaver.step(x, mx.array([d]), prompt, nodes, mx.ones((1, d), dtype=mx.bool_))
+        nodes = new if nodes is None else [(mx.concatenate([a, c], 1), mx.concatenate([b, e], 1))
+                                           for (a, b), (c, e) in zip(nodes, new)]
+        got.append(np.array(q)[0])
+    np.testing.assert_allclose(np.stack(got), want, atol=2e-5)
+
+
+def test_clear_errors(engine, tiny_qwen35, tiny_dflash, tmp_path):
+    plain_engine = Engine(EngineConfig(model_path=str(tiny_qwen35)))
+    with pytest.raises(RequestError, match="MTP tensors"):
+        generate(plain_engine, [1, 2, 3], GREEDY, SpecConfig(method="mtp"))
+    with pytest.raises(RequestError, match="DFlash checkpoint"):
+        generate(plain_engine, [1, 2, 3], GREEDY, SpecConfig(method="dflash"))
+    assert "use it with spec method 'dflash'" in engine.missing_drafter("mtp", "weaver")
+    assert engine.missing_drafter("dflash", "weaver") is None
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_dflash, broken)
+    cfg = json.loads((broken / "config.json").read_text())
+    del cfg["dflash_config"]["target_layer_ids"]
+    (broken / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="target_layer_ids"):
+        load_dflash(broken)
+    cfg["architectures"] = ["DFlash2DraftModel"]
+    (broken / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="DFlash2DraftModel"):
+        load_dflash(broken)
