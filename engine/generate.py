@@ -84,16 +84,33 @@ class Engine:
                             self.prefix.nbytes + sum(p.prefix.nbytes for p in self._draft_prefillers.values()))
 
     def _feature_taps(self) -> FeatureTaps:
-        # the final-normed state feeds the MTP head and Weaver's prompt
-        final = bool(mtp_files(self.config.model_path)) or self._weaver_path(None) is not None
-        taps = FeatureTaps(final=final)
-        path = self._dflash_path(None)
-        if path is not None:
-            try:
-                taps = taps.union(FeatureTaps(tuple(set(dflash.read_config(path).target_layer_ids))))
-            except dflash.DFlashConfigError as e:
-                raise CheckpointError(str(e)) from None
+        """The hidden states the configured drafters read: the default spec method's, and those of a
+        DFlash drafter named explicitly. Recording costs every pass (12 % of plain decoding on the
+        bundled model on the CPU), so nothing else is recorded until a request needs it (widen_taps)."""
+        spec, taps = self.config.spec, FeatureTaps()
+        if spec.method == "mtp" and mtp_files(self.config.model_path):
+            taps = FeatureTaps(final=True)  # the final-normed state feeds the MTP head
+        if spec.method == "dflash" or spec.dflash_model is not None:
+            taps = taps.union(self._dflash_taps(self._dflash_path(None)))
+            if spec.tree == "weaver" or spec.weaver_model is not None:
+                taps = taps.union(FeatureTaps(final=True))  # Weaver's prompt starts with it
         return taps
+
+    @staticmethod
+    def _dflash_taps(path: str | None) -> FeatureTaps:
+        if path is None:
+            return FeatureTaps()
+        try:
+            return FeatureTaps(tuple(set(dflash.read_config(path).target_layer_ids)))
+        except dflash.DFlashConfigError as e:
+            raise CheckpointError(str(e)) from None
+
+    def widen_taps(self, taps: FeatureTaps) -> None:
+        """Record `taps` too from now on. The prefix cache's snapshots lack the new rows, so they
+        are dropped: the first request of a drafter that reads new taps prefills its prompt anew."""
+        if not self.feature_taps.covers(taps):
+            self.feature_taps = self.feature_taps.union(taps)
+            self.prefix.clear()
 
     def make_cache(self) -> list[LayerCache]:
         """The target's layer caches, and a FeatureCache when drafters read hidden states."""
@@ -107,12 +124,7 @@ class Engine:
             raise RequestError("spec method 'dflash' needs a DFlash checkpoint (--dflash-model DIR)")
         key = str(Path(path).resolve())
         if key not in self._dflash_models:
-            model = load_dflash(path, self.dtype)
-            if not self.feature_taps.covers(FeatureTaps(tuple(set(model.config.target_layer_ids)))):
-                raise RequestError(f"DFlash model {path} reads target layers {model.config.target_layer_ids}, "
-                                   f"but this engine records {self.feature_taps.layers} (start it with that "
-                                   "--dflash-model)")
-            self._dflash_models[key] = model
+            self._dflash_models[key] = load_dflash(path, self.dtype)
         return self._dflash_models[key]
 
     def mtp_head(self):
@@ -154,9 +166,6 @@ class Engine:
         path = self._weaver_path(spec.weaver_model)
         if path is None:
             raise RequestError("spec tree 'weaver' needs a Weaver adapter (--weaver-model DIR)")
-        if not self.feature_taps.final:
-            raise RequestError("spec tree 'weaver' needs the target's final hidden states: start the engine "
-                               "with --weaver-model")
         key = str(Path(path).resolve())
         if key not in self._weavers:
             self._weavers[key] = WeaverTrees(load_weaver(path, self.dtype), self.model)
@@ -188,9 +197,8 @@ class Engine:
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         grammar = self.grammar_state(params.grammar) if params.grammar is not None else None
         drafter = drafter or make_drafter(self, spec)
-        if isinstance(drafter, ReadsTarget) and not self.feature_taps.covers(drafter.taps):
-            raise RequestError(f"the drafter reads target hidden states {drafter.taps}; this engine records "
-                               f"{self.feature_taps}")
+        if isinstance(drafter, ReadsTarget):
+            self.widen_taps(drafter.taps)
         return self._run(req, params, seed, spec, drafter, grammar)
 
     def grammar_state(self, grammar: str) -> GrammarState:

@@ -48,6 +48,10 @@ class PrefixCache:
         self.entries: OrderedDict[tuple[int, ...], Snapshot] = OrderedDict()  # least recently used first
         self.nbytes = 0
 
+    def clear(self) -> None:
+        """Drop every snapshot (the engine's cache layout changed)."""
+        self.root, self.entries, self.nbytes = _Node(), OrderedDict(), 0
+
     def lookup(self, prompt: Sequence[int]) -> tuple[Snapshot | None, int]:
         """The best snapshot for a prompt whose tokens [0, len(prompt)) go into the cache
         -> (snapshot, tokens of it to use). Hybrid: the longest stored key that is a prefix of the

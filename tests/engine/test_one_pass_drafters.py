@@ -246,3 +246,23 @@ def test_clear_errors(engine, tiny_qwen35, tiny_dflash, tmp_path):
     (broken / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="DFlash2DraftModel"):
         load_dflash(broken)
+
+
+def test_hidden_states_are_recorded_only_once_a_drafter_reads_them(tiny_qwen35_mtp, tiny_dflash):
+    """Recording costs every pass, so an engine whose default is plain decoding records nothing; the
+    first request of a drafter that reads the target widens what is recorded, dropping the prefix
+    snapshots that lack it, and the output stays plain decoding's."""
+    e = Engine(EngineConfig(model_path=str(tiny_qwen35_mtp), prefill_chunk=16))
+    assert e.feature_taps.count == 0 and len(e.make_cache()) == len(e.model.make_cache())
+    plain = generate(e, PROMPTS[0], GREEDY).tokens
+    assert generate(e, PROMPTS[0], GREEDY).stats.cached_tokens > 0  # a snapshot of the plain layout
+    first = generate(e, PROMPTS[0], GREEDY, SpecConfig(method="mtp", adaptive=False))
+    assert e.feature_taps == FeatureTaps(final=True)
+    assert first.tokens == plain and first.stats.cached_tokens == 0  # prefilled anew, with the rows
+    again = generate(e, PROMPTS[0], GREEDY, SpecConfig(method="mtp", adaptive=False))
+    assert again.tokens == plain and again.stats.cached_tokens > 0 and again.stats.drafted > 0
+    dflash = generate(e, PROMPTS[0], GREEDY, SpecConfig(method="dflash", dflash_model=str(tiny_dflash),
+                                                        tree="chain", adaptive=False))
+    assert dflash.tokens == plain and e.feature_taps.final and e.feature_taps.layers
+    started_for_it = Engine(EngineConfig(model_path=str(tiny_qwen35_mtp), spec=SpecConfig(method="mtp")))
+    assert started_for_it.feature_taps == FeatureTaps(final=True)
