@@ -1,7 +1,8 @@
 """Decode speed against context length, plain and with speculation, side by side.
 
     python scripts/bench_context.py [--model DIR] [--lengths 64,2048,4000,8000] [--tokens 96] [--runs 3]
-                                    [--methods none,ngram,ngram-fixed]
+                                    [--temperature 1.0 --seed 0]
+                                    [--methods none,ngram,ngram-fixed]   (also: draft, draft-fixed, mtp, mtp-fixed)
 
 The engine is called directly (no server), greedy, after a prompt of random token ids (guesses
 mostly miss there: the honest case for speculation). Runs interleave methods and lengths; medians.
@@ -30,14 +31,25 @@ from engine.types import GenerationRequest  # noqa: E402
 
 METHODS = {"none": SpecConfig(), "ngram": SpecConfig(method="ngram"),
            "ngram-fixed": SpecConfig(method="ngram", adaptive=False),
-           "draft": SpecConfig(method="draft"), "draft-fixed": SpecConfig(method="draft", adaptive=False)}
+           "draft": SpecConfig(method="draft"), "draft-fixed": SpecConfig(method="draft", adaptive=False),
+           "mtp": SpecConfig(method="mtp", tree="ddtree"),
+           "mtp-fixed": SpecConfig(method="mtp", tree="ddtree", adaptive=False)}
 
 
-def run(engine: Engine, prompt: list[int], spec: SpecConfig, tokens: int) -> dict[str, float]:
-    req = GenerationRequest(prompt_ids=prompt, sampling=SamplingParams(max_tokens=tokens, ignore_eos=True), spec=spec)
+def distinct_8grams(tokens: list[int]) -> float:
+    """Distinct 8-grams / all 8-grams of the output: speculation figures are honest only near 1."""
+    grams = [tuple(tokens[i : i + 8]) for i in range(len(tokens) - 7)]
+    return len(set(grams)) / len(grams) if grams else 1.0
+
+
+def run(engine: Engine, prompt: list[int], spec: SpecConfig, tokens: int, base: SamplingParams) -> dict[str, float]:
+    sampling = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=base.temperature, seed=base.seed)
+    req = GenerationRequest(prompt_ids=prompt, sampling=sampling, spec=spec)
     gaps: list[float] = []
+    out: list[int] = []
     last = None
     for step in engine.generate(req):
+        out += step.token_ids
         now = time.perf_counter()
         if step.token_ids and last is not None:  # a batch of n tokens after a gap: n gaps of gap / n
             gaps += [(now - last) / len(step.token_ids) * 1e3] * len(step.token_ids)
@@ -46,7 +58,7 @@ def run(engine: Engine, prompt: list[int], spec: SpecConfig, tokens: int) -> dic
         if step.stats is not None:
             stats = step.stats
     gaps.sort()
-    return {"tps": stats.decode_tps, "tpf": stats.tokens_per_forward,
+    return {"tps": stats.decode_tps, "tpf": stats.tokens_per_forward, "grams": distinct_8grams(out),
             "p50": gaps[len(gaps) // 2] if gaps else 0.0, "p99": gaps[int(len(gaps) * 0.99)] if gaps else 0.0}
 
 
@@ -57,30 +69,36 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--methods", default="none,ngram,ngram-fixed")
+    ap.add_argument("--temperature", type=float, default=0.0, help="sampled with --seed: every method emits "
+                    "the same tokens (greedy output after random ids tends to loop)")
+    ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
     lengths = [int(n) for n in a.lengths.split(",")]
     methods = a.methods.split(",")
     engine = Engine(EngineConfig(model_path=str(a.model), prefix_cache=False, dtype="float32",
                                  max_context=max(lengths) + a.tokens + 1))
     vocab = engine.vocab_size
+    base = SamplingParams(temperature=a.temperature, seed=a.seed)
     results: dict[tuple[str, int], list[dict[str, float]]] = {}
     for r in range(a.runs + 1):  # the first round warms up (compiles) and is dropped
         for n in lengths:
             prompt = [int(t) for t in np.random.RandomState(r * 1000 + n).randint(0, vocab, size=n)]
             for m in methods:
-                out = run(engine, prompt, METHODS[m], a.tokens)
+                out = run(engine, prompt, METHODS[m], a.tokens, base)
                 if r:
                     results.setdefault((m, n), []).append(out)
     med = {k: {f: statistics.median(x[f] for x in v) for f in v[0]} for k, v in results.items()}
-    print(f"model {a.model.name}, {a.tokens} new tokens after random-id prompts, medians of {a.runs}")
-    print("| method | prompt tokens | decode tok/s | vs shortest | vs plain | tokens/forward | ITL p50 / p99 ms |")
-    print("|---|---|---|---|---|---|---|")
+    decoding = "greedy" if a.temperature == 0 else f"temperature {a.temperature}, seed {a.seed}"
+    print(f"model {a.model.name}, {a.tokens} new tokens ({decoding}) after random-id prompts, medians of {a.runs}")
+    print("| method | prompt tokens | decode tok/s | vs shortest | vs plain | tokens/forward | ITL p50 / p99 ms "
+          "| distinct 8-grams |")
+    print("|---|---|---|---|---|---|---|---|")
     for m in methods:
         for n in lengths:
             x = med[(m, n)]
             plain = med.get(("none", n), x)["tps"]
             print(f"| {m} | {n} | {x['tps']:.1f} | {x['tps'] / med[(m, lengths[0])]['tps']:.2f} | "
-                  f"{x['tps'] / plain:.2f} | {x['tpf']:.2f} | {x['p50']:.1f} / {x['p99']:.1f} |")
+                  f"{x['tps'] / plain:.2f} | {x['tpf']:.2f} | {x['p50']:.1f} / {x['p99']:.1f} | {x['grams']:.2f} |")
 
 
 if __name__ == "__main__":

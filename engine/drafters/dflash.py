@@ -48,6 +48,9 @@ class DFlashDrafter:
 
     def begin(self, prompt_ids: list[int]) -> None:
         self.cache = self.model.make_cache()
+        if self.features is not None and self.features.length:
+            self._catch_up()  # the prompt's context rows: part of the prompt's time
+            mx.eval([a for c in self.cache for a in c.arrays()])
 
     def _catch_up(self) -> int:
         """Project the committed feature rows not yet in the context -> the committed length."""

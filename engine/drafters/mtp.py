@@ -49,6 +49,11 @@ class MTPDrafter:
     def begin(self, prompt_ids: list[int]) -> None:
         self.tokens = list(prompt_ids)
         self.cache = self.head.make_cache()
+        if self.features is not None and self.features.length:
+            # the head's rows of the prompt: its prefill, part of the prompt's time like a draft
+            # model's (left to the first propose, it was a stall in the first decode round)
+            self._catch_up()
+            mx.eval([a for c in self.cache for a in c.arrays()])
 
     def _hidden(self, start: int, stop: int) -> mx.array:
         """The target's final-normed hidden states of positions [start, stop), [1, T, H]."""
