@@ -269,9 +269,14 @@ def load_mtp(path: str | Path, args: ModelArgs, dtype: str = "float32"):
     tensors = head.sanitize(tensors)
     _, cfg = read_config(path)
     _quantize(head, cfg, tensors)
-    head.load_weights(_check_and_cast(head, tensors, origin, path, DTYPES[resolve_dtype(dtype)]), strict=True)
-    mx.eval(head.parameters())
+    _fill(head, tensors, origin, path, dtype)
     return head
+
+
+def _fill(module: nn.Module, tensors: dict[str, mx.array], origin: dict[str, str], path: Path, dtype: str) -> None:
+    """Load a drafter's checked weights in the compute dtype and evaluate them."""
+    module.load_weights(_check_and_cast(module, tensors, origin, path, DTYPES[resolve_dtype(dtype)]), strict=True)
+    mx.eval(module.parameters())
 
 
 def load_dflash(path: str | Path, dtype: str = "float32"):
@@ -290,8 +295,7 @@ def load_dflash(path: str | Path, dtype: str = "float32"):
     tensors, origin = _read_tensors(path)
     cfg = json.loads((path / "config.json").read_text())
     _quantize(model, cfg, tensors)
-    model.load_weights(_check_and_cast(model, tensors, origin, path, DTYPES[resolve_dtype(dtype)]), strict=True)
-    mx.eval(model.parameters())
+    _fill(model, tensors, origin, path, dtype)
     return model
 
 
@@ -307,6 +311,5 @@ def load_weaver(path: str | Path, dtype: str = "float32"):
         raise CheckpointError(str(e)) from None
     model = Weaver(config)
     tensors, origin = _read_tensors(path)
-    model.load_weights(_check_and_cast(model, tensors, origin, path, DTYPES[resolve_dtype(dtype)]), strict=True)
-    mx.eval(model.parameters())
+    _fill(model, tensors, origin, path, dtype)
     return model

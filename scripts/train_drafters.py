@@ -35,10 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -48,61 +45,17 @@ import torch.nn.functional as F
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import draft_heads  # noqa: E402
+from drafter_training import (  # noqa: E402
+    Data,
+    Sequence,
+    load_init,
+    pad_batch,
+    save_safetensors,
+    target_embedding,
+    train_loop,
+)
 
 ROOT = HERE.parent
-STOP_IDS = (0, 2)  # <|endoftext|>, <|im_end|>
-
-
-@dataclass(frozen=True)
-class Sequence:
-    start: int
-    prompt_len: int
-    length: int  # tokens of the sequence used for training (through the first stop token)
-
-
-class Data:
-    """tokens and recorded hidden states of every sequence, split into train and held-out."""
-
-    def __init__(self, root: Path, heldout: float) -> None:
-        self.tokens = np.load(root / "tokens.npy", mmap_mode="r")
-        self.features = np.load(root / "features.npy", mmap_mode="r")  # [N, layers + 1, H] fp16
-        seqs = []
-        for s in json.loads((root / "sequences.json").read_text()):
-            toks = self.tokens[s["start"] : s["start"] + s["length"]]
-            gen = np.flatnonzero(np.isin(toks[s["prompt_len"] :], STOP_IDS))
-            length = s["prompt_len"] + int(gen[0]) + 1 if len(gen) else s["length"]
-            if length - s["prompt_len"] >= 2:
-                seqs.append(Sequence(s["start"], s["prompt_len"], length))
-        rng = np.random.default_rng(1234)  # the split does not depend on the training seed
-        order = rng.permutation(len(seqs))
-        n_held = max(1, int(len(seqs) * heldout))
-        self.heldout = [seqs[i] for i in order[:n_held]]
-        self.train = [seqs[i] for i in order[n_held:]]
-
-    def window(self, s: Sequence, slots: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        toks = np.asarray(self.tokens[s.start : s.start + s.length], dtype=np.int64)
-        feats = np.asarray(self.features[s.start : s.start + s.length][:, slots], dtype=np.float32)
-        return toks, feats.reshape(s.length, -1)
-
-
-def target_embedding(target: Path) -> torch.Tensor:
-    from safetensors import safe_open
-
-    with safe_open(str(target / "model.safetensors"), "pt") as f:
-        key = next(k for k in f.keys() if k.endswith("embed_tokens.weight"))
-        return f.get_tensor(key).float()
-
-
-def pad_batch(items: list[tuple[np.ndarray, np.ndarray]]) -> tuple[torch.Tensor, torch.Tensor]:
-    T = max(len(t) for t, _ in items)
-    toks = torch.zeros(len(items), T, dtype=torch.long)
-    feats = torch.zeros(len(items), T, items[0][1].shape[1])
-    for i, (t, f) in enumerate(items):
-        toks[i, : len(t)] = torch.from_numpy(t)
-        feats[i, : len(t)] = torch.from_numpy(f)
-    return toks, feats
-
-
 # ---------------------------------------------------------------- DFlash
 
 def dflash_batch(data: Data, seqs: list[Sequence], slots: list[int], anchors: int, block: int,
@@ -318,67 +271,6 @@ def weaver_eval(weaver, dflash, embed, mask_id, block, pool, data: Data, slots, 
             d_len += d_hit.int().cumprod(-1).sum(-1).tolist()
     weaver.train()
     return {"weaver_accepted_per_block": float(np.mean(w_len)), "dflash_accepted_per_block": float(np.mean(d_len))}
-
-
-# ---------------------------------------------------------------- the loop
-
-def lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
-    if step < warmup:
-        return lr * (step + 1) / warmup
-    t = (step - warmup) / max(1, steps - warmup)
-    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
-
-
-def train_loop(model, loss_fn, evaluate, data: Data, a, log) -> dict:
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=a.lr, betas=(0.9, 0.95),
-                            weight_decay=0.01)
-    rng = np.random.default_rng(a.seed)
-    start, recent, step = time.perf_counter(), [], 0
-    stopped = None
-    for step in range(a.steps):
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, a.steps, a.lr, a.warmup)
-        seqs = [data.train[i] for i in rng.choice(len(data.train), size=a.batch, replace=False)]
-        loss = loss_fn(seqs, rng)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        recent.append(loss.item())
-        elapsed = time.perf_counter() - start
-        if step % a.log_every == 0 or step == a.steps - 1:
-            log({"step": step, "loss": round(float(np.mean(recent[-a.log_every:])), 4),
-                 "lr": lr_at(step, a.steps, a.lr, a.warmup), "elapsed": round(elapsed, 1)})
-        if a.eval_every and (step + 1) % a.eval_every == 0:
-            log({"step": step, "eval": evaluate(data.heldout[: a.eval_seqs])})
-        if elapsed > a.max_seconds:
-            stopped = "max_seconds"
-            log({"step": step, "stopped": stopped})
-            break
-    final = evaluate(data.heldout)
-    log({"step": step, "eval": final, "heldout_sequences": len(data.heldout)})
-    return {"steps": step + 1, "seconds": round(time.perf_counter() - start, 1), "stopped": stopped,
-            "final_train_loss": float(np.mean(recent[-50:])), "heldout": final}
-
-
-def load_init(model: torch.nn.Module, head: str, path: Path) -> None:
-    """Weights saved by an earlier run of this script (bf16 on disk; training goes on in fp32)."""
-    from safetensors.torch import load_file
-
-    if head == "mtp":
-        state = {k.removeprefix("mtp."): v for k, v in load_file(path / "mtp.safetensors").items()}
-    else:
-        state = load_file(path / "model.safetensors")
-    missing, unexpected = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
-    if unexpected or [k for k in missing if "rotary" not in k]:
-        raise SystemExit(f"--init {path}: missing {missing}, unexpected {unexpected}")
-
-
-def save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    from safetensors.torch import save_file
-
-    save_file({k: v.detach().to(torch.bfloat16).contiguous() for k, v in tensors.items()}, path,
-              metadata={"format": "pt"})
 
 
 def main(argv: list[str] | None = None) -> None:
