@@ -247,7 +247,7 @@ class Engine:
                 return
             flight = flight or rounds.launch(room)
             # pipelined: queue the next round before this one's token reaches the host
-            ahead = rounds.launch_after(flight) if rounds.pipelined and room > 1 else None
+            ahead = rounds.launch_after(flight) if room > 1 and rounds.can_pipeline(flight) else None
             result = rounds.land(flight)
             if stats.forward_passes == 1:
                 stats.ttft_ms = _ms_since(t_start)

@@ -7,11 +7,12 @@ one-node tree.
 
 Every node's token is chosen on the device (engine/device_sampler.py: the argmax, or the seeded
 draw), so only N ids reach the host, unless a request needs the logits there (logit bias,
-penalties, logprobs: engine/sampler.py). Where the next round needs nothing from the host (no
-drafter, no logits on the host), the
-loop launches round r+1 from round r's token while it is still on the device, before landing
-round r: building the next graph overlaps the compute, as mlx-lm's generate_step does. That is a
-property of the round (`pipelined`), not a second loop.
+penalties, logprobs: engine/sampler.py). Where round r and the next are both one-node trees and
+the next needs nothing from the host (no logits there; no drafter, or one the controller gives no
+budget and that catches up by itself), the loop launches round r+1 from round r's token while it
+is still on the device, before landing round r: building the next graph overlaps the compute, as
+mlx-lm's generate_step does. That is a property of the round (`can_pipeline`), not a second loop,
+and it is what lets a controller that settles on plain rounds run as fast as plain decoding.
 """
 
 from __future__ import annotations
@@ -86,7 +87,6 @@ class Rounds:
             else frozenset()
         # without host-side logit work every node's choice is made on the device
         self.on_device = not params.adjusts_logits and params.logprobs is None
-        self.pipelined = self.on_device and isinstance(drafter, NoDrafter)
         drafts = not isinstance(drafter, NoDrafter)
         self.controller = SpecController(spec.budget) if spec.adaptive and drafts else None
         self._last_landed = 0.0
@@ -109,10 +109,22 @@ class Rounds:
         flight.drafted, flight.proposed, flight.arm = drafted, proposed, arm if budget == arm else -1
         return flight
 
+    def can_pipeline(self, flight: InFlight) -> bool:
+        """Whether the round after `flight` can be queued before `flight` lands: both are one-node
+        rounds whose tokens are chosen on the device, and the drafter, if any, is given no budget
+        by the controller and catches up by itself (skip)."""
+        if not (self.on_device and flight.choices is not None and flight.tree.size == 1):
+            return False
+        if isinstance(self.drafter, NoDrafter):
+            return True
+        return self.controller is not None and skips(self.drafter) and self.controller.budget() == 0
+
     def launch_after(self, flight: InFlight) -> InFlight:
         """Pipelined: the next one-node round, rooted at `flight`'s token while still on the device."""
-        assert self.pipelined and flight.choices is not None
-        return self._queue(DraftTree.single(0), flight.choices[:1].reshape(1, 1), time.perf_counter(), 0.0)
+        assert self.can_pipeline(flight) and flight.choices is not None
+        ahead = self._queue(DraftTree.single(0), flight.choices[:1].reshape(1, 1), time.perf_counter(), 0.0)
+        ahead.drafted, ahead.proposed, ahead.arm = False, False, 0 if self.controller else -1
+        return ahead
 
     def _queue(self, tree: DraftTree, root: mx.array | None, t0: float, draft_ms: float) -> InFlight:
         committed_len = self.seq.covered
@@ -145,12 +157,13 @@ class Rounds:
             forward.commit(self.cache, acc.path)
             self.seq.covered += len(acc.path)
         t3 = time.perf_counter()
+        root = self.seq.tokens[-1]  # a pipelined tree's root was only on the device
         self.seq.tokens += acc.tokens
         # counted as drafting: the drafter syncs its own state
         if flight.proposed:
             self.drafter.observe(list(acc.tokens))
         else:
-            cast(Skips, self.drafter).skip(tree.tokens[0], list(acc.tokens))
+            cast(Skips, self.drafter).skip(root, list(acc.tokens))
         logprobs = None
         if params.logprobs is not None and host_logits is not None:
             logprobs = token_logprobs(host_logits[list(acc.path)], list(acc.tokens), params.logprobs)
@@ -173,6 +186,9 @@ class Rounds:
         # wait starts no earlier than the previous landing: the phases add up to the wall time
         s.verify_ms += (t2 - max(flight.t_start + flight.draft_ms / 1e3, self._last_landed)) * 1e3
         s.commit_ms += (t3 - t2) * 1e3
+        # a round's time, for the controller: from its launch, or from the previous landing where
+        # it was queued before that (pipelined rounds overlap)
+        round_ms = (end - max(flight.t_start, self._last_landed)) * 1e3
         self._last_landed = end
         if self.controller is not None:
-            self.controller.record(flight.arm, emitted, (end - flight.t_start) * 1e3)
+            self.controller.record(flight.arm, emitted, round_ms)

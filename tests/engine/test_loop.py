@@ -142,3 +142,37 @@ def test_prompt_time_and_ttft_include_the_drafters_prefill(tiny_qwen35):
     engine = Engine(EngineConfig(model_path=str(tiny_qwen35)))
     out = generate(engine, PROMPT, SamplingParams(max_tokens=2, ignore_eos=True), drafter=SlowBegin())
     assert out.stats.prompt_ms >= 200 and out.stats.ttft_ms >= out.stats.prompt_ms
+
+
+def test_plain_rounds_chosen_by_the_controller_are_pipelined(engine, monkeypatch):
+    """Once the controller settles on the root alone, rounds are queued before the previous one
+    lands, as plain decoding's are (else a drafter that never pays still costs the overlap);
+    the drafter catches up through skip with the right roots, and the output is plain decoding's."""
+    from tests.engine.test_lossless import OracleDrafter
+
+    class WrongButSkips(OracleDrafter):
+        """Checks that every skipped round is told its real root (the last token before it)."""
+
+        def begin(self, prompt_ids):
+            super().begin(prompt_ids)
+            self.last, self.bad_roots, self.skips = prompt_ids[-1], 0, 0
+
+        def observe(self, emitted):
+            super().observe(emitted)
+            self.last = emitted[-1]
+
+        def skip(self, root, emitted):
+            self.skips += 1
+            self.bad_roots += root != self.last
+            self.observe(emitted)
+
+    sampling = SamplingParams(max_tokens=44, ignore_eos=True)
+    plain = generate(engine, PROMPT, sampling).tokens
+    ahead = []
+    real = Rounds.launch_after
+    monkeypatch.setattr(Rounds, "launch_after", lambda self, f: ahead.append(1) or real(self, f))
+    wrong = WrongButSkips(plain, len(PROMPT), wrong=True)
+    out = generate(engine, PROMPT, sampling, SpecConfig(budget=6, max_depth=6), wrong)
+    assert out.tokens == plain
+    assert len(ahead) >= 20, len(ahead)  # most of the 44 rounds, after the tries
+    assert wrong.skips >= len(ahead) and wrong.bad_roots == 0
