@@ -145,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--top-p", type=float, default=None, help="default: the checkpoint's, else 1")
     run.add_argument("--top-k", type=int, default=None, help="default: the checkpoint's, else 0 (off)")
     run.add_argument("--seed", type=int, default=None)
+    run.add_argument("--ignore-eos", action="store_true",
+                     help="generate --max-tokens tokens, past the end-of-text token (for timing)")
     run.add_argument("--no-chat", action="store_true", help="send the prompt as raw text, without the chat template")
     run.add_argument("--think", action="store_true", help="let the model think first (off by default for run)")
     add_bench_parser(sub)
@@ -295,7 +297,7 @@ def _run_request(engine, ids: list[int], a: argparse.Namespace):
             temperature=pick(a.temperature, d.temperature, 0.0), top_p=pick(a.top_p, d.top_p, 1.0),
             top_k=pick(a.top_k, d.top_k, 0), min_p=pick(None, d.min_p, 0.0),
             repetition_penalty=pick(None, d.repetition_penalty, 1.0), seed=a.seed, max_tokens=a.max_tokens,
-            stop_token_ids=engine.tokenizer.eos_token_ids)
+            stop_token_ids=() if a.ignore_eos else engine.tokenizer.eos_token_ids, ignore_eos=a.ignore_eos)
     except ValueError as e:
         raise CLIError(str(e)) from None
     return GenerationRequest(prompt_ids=ids, sampling=sampling, request_id="cli")

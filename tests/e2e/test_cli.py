@@ -133,15 +133,15 @@ def test_no_bundled_model_message(monkeypatch, tmp_path, capsys):
 
 def test_ctrl_c_in_run_exits_130_without_a_traceback():
     """Interrupted mid-answer (the bundled model: a forward pass long enough that the interruption
-    lands inside the engine's loop; three times, as it can land anywhere). Greedy: its sampling
-    defaults may end the story before the interruption, greedy decoding does not end it."""
+    lands inside the engine's loop; three times, as it can land anywhere). --ignore-eos: a story
+    that ends before the interruption lands (46 tokens in 0.65 s on a CI run) would exit 0."""
     import signal
     import threading
 
     for _ in range(3):
         p = subprocess.Popen([sys.executable, "-m", "server.cli", "run", "-m", "Write a long story",
-                              "--max-tokens", "3000", "--temperature", "0"], cwd=REPO, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+                              "--max-tokens", "3000", "--temperature", "0", "--ignore-eos"], cwd=REPO,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         started = threading.Event()
         reader = threading.Thread(target=lambda: (p.stdout.read(20), started.set(), p.stdout.read()), daemon=True)
         reader.start()
@@ -184,3 +184,10 @@ def test_a_broken_draft_model_is_found_at_start(tiny_checkpoint, tmp_path):
     (tmp_path / "tokenizer.json").write_text((tiny_checkpoint / "tokenizer.json").read_text())
     p = spruce("serve", "--model", str(tiny_checkpoint), "--draft-model", str(tmp_path), "--port", "0")
     assert p.returncode == 2 and "cannot load the draft model" in p.stderr and "serving" not in p.stderr
+
+
+def test_ignore_eos_generates_max_tokens():
+    """The bundled model's greedy answer to a greeting ends early; --ignore-eos goes on to
+    --max-tokens, past the end-of-text token."""
+    p = spruce("run", "-m", "hi", "--temperature", "0", "--max-tokens", "300", "--ignore-eos")
+    assert p.returncode == 0 and "finish reason: length" in p.stderr and "generated tokens: 300" in p.stderr, p.stderr
