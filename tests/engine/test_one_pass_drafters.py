@@ -26,7 +26,7 @@ from engine.feature_cache import FeatureCache, FeatureTaps
 from engine.generate import Engine, RequestError
 from engine.loader import CheckpointError, load_dflash, load_model, load_mtp, load_weaver
 from engine.tree import DraftTree
-from tests.helpers import checkpoint_maker, generate
+from tests.helpers import checkpoint_maker, generate, parity_module
 
 GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
 SAMPLED = SamplingParams(max_tokens=40, temperature=0.9, top_p=0.95, seed=77, ignore_eos=True)
@@ -82,8 +82,8 @@ def test_dflash_matches_pytorch(tiny_dflash, tmp_path):
 
 @pytest.mark.parametrize("where", ["file", "inline"])
 def test_mtp_head_matches_pytorch(tiny_qwen35, tmp_path, where):
-    import torch
-    import transformers as tf
+    torch = parity_module("torch")
+    tf = parity_module("transformers")
     from safetensors.torch import load_file
 
     ckpt = tmp_path / "ckpt"
