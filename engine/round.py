@@ -61,7 +61,6 @@ class InFlight:
     committed: bool  # the commit was queued at launch (a one-node tree's root is always accepted)
     t_start: float
     draft_ms: float
-    drafted: bool = True  # False: the drafter had no tree in this round
     proposed: bool = True  # the drafter's propose ran for this round (False: it is told with skip)
     arm: int = -1  # the budget the controller chose for this round (-1: none to credit)
 
@@ -106,7 +105,7 @@ class Rounds:
             self.drafter.propose(root, 0, self.spec.max_depth)
         t1 = time.perf_counter()
         flight = self._queue(tree, None, t0, (t1 - t0) * 1e3)
-        flight.drafted, flight.proposed, flight.arm = drafted, proposed, arm if budget == arm else -1
+        flight.proposed, flight.arm = proposed, arm if budget == arm else -1
         return flight
 
     def can_pipeline(self, flight: InFlight) -> bool:
@@ -123,7 +122,7 @@ class Rounds:
         """Pipelined: the next one-node round, rooted at `flight`'s token while still on the device."""
         assert self.can_pipeline(flight) and flight.choices is not None
         ahead = self._queue(DraftTree.single(0), flight.choices[:1].reshape(1, 1), time.perf_counter(), 0.0)
-        ahead.drafted, ahead.proposed, ahead.arm = False, False, 0 if self.controller else -1
+        ahead.proposed, ahead.arm = False, 0 if self.controller else -1
         return ahead
 
     def _queue(self, tree: DraftTree, root: mx.array | None, t0: float, draft_ms: float) -> InFlight:
