@@ -17,9 +17,12 @@ accepted. The state is never rolled back: every token chosen in the walk is emit
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import llguidance
 import numpy as np
+
+if TYPE_CHECKING:
+    import llguidance
 
 
 class GrammarError(ValueError):
@@ -30,13 +33,20 @@ class GrammarTokenizer:
     """llguidance's view of the model's tokenizer, built once per engine (it indexes the vocabulary)."""
 
     def __init__(self, tokenizer_json: Path, vocab_size: int, eos_ids: tuple[int, ...]) -> None:
+        # imported here: the engine runs without it (a GPU image may lack it) until a request
+        # asks for structured output
+        try:
+            import llguidance
+        except ImportError as e:
+            raise GrammarError(f"structured output needs the llguidance package ({e})") from None
+        self._lib = llguidance
         self.vocab_size = vocab_size
         self.eos_ids = eos_ids
         self._tok = llguidance.LLTokenizer(tokenizer_json.read_text(encoding="utf-8"), n_vocab=vocab_size,
                                            eos_token=list(eos_ids) or None)
 
     def state(self, grammar: str) -> GrammarState:
-        matcher = llguidance.LLMatcher(self._tok, grammar, log_level=0)
+        matcher = self._lib.LLMatcher(self._tok, grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(f"the grammar does not compile: {matcher.get_error()}")
         return GrammarState(matcher, self.vocab_size, self.eos_ids)
