@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from engine.gdn.core import GDNShape, GDNWeights, OpsCore, TreeInputs, split_heads
-from engine.gdn.ops import gates, tree_conv
-from engine.gdn.reference import tree_sequential
+from engine.gdn.ops import causal_conv, gates, tree_conv
+from engine.gdn.reference import sequential, tree_sequential
 from engine.kernels import KernelCore, gpu_backend
 from engine.tree import DraftTree
 
@@ -88,6 +88,27 @@ def test_step_equals_twin(shape, dtype, rng):
     assert fast[1].dtype == conv.dtype and mx.array_equal(fast[1], slow[1])
     close(fast[2], slow[2], 1e-4)
     assert np.array_equal(np.array(S), np.array(S))  # the committed state is an input only
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("n", [2, 17, 512])
+def test_chain_equals_twins(shape, dtype, n, rng):
+    s = SHAPES[shape]
+    qkv, a, b, conv, w, S = inputs(rng, s, n, DTYPES[dtype])
+    S_before = np.array(S)
+    o, conv_k, S_k = kernels().chain(s, w, qkv, a, b, conv, S)
+    with mx.stream(mx.cpu):  # the twins in exact fp32 (GPU matmuls may round through TF32)
+        o_ref, conv_ref, S_ref = OpsCore().chain(s, w, qkv, a, b, conv, S)
+        g, beta = gates(a, b, w.A_log, w.dt_bias)
+        q, k, v = split_heads(s, causal_conv(qkv, conv, w.conv)[0])
+        o_seq, S_seq = sequential(q, k, v, g, beta, S)
+    assert conv_k.dtype == conv.dtype and mx.array_equal(conv_k, conv_ref)
+    close(o, o_seq, 2e-4)
+    close(S_k, S_seq, 2e-4)
+    close(o, o_ref, 1e-3)  # the chunked form rounds differently over long chains
+    close(S_k, S_ref, 1e-3)
+    assert np.array_equal(S_before, np.array(S))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

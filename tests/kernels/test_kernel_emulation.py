@@ -13,7 +13,8 @@ import pytest
 from engine.forward import tree_batch
 from engine.gdn import ops
 from engine.gdn.core import GDNShape, GDNWeights, OpsCore, TreeInputs, split_heads
-from engine.kernels import GDN_COMMIT, GDN_STEP, GDN_TREE
+from engine.gdn.reference import sequential
+from engine.kernels import GDN_CHAIN, GDN_COMMIT, GDN_STEP, GDN_TREE
 from engine.tree import DraftTree
 from tests.kernels.emulate import emulate
 
@@ -76,6 +77,25 @@ def test_step_body_equals_twin(shape, rng, tmp_path):
     assert maxdiff(out["o"], o[0]) <= 1e-5
     assert maxdiff(out["conv_out"], conv) == 0.0
     assert maxdiff(out["state_out"], S) <= 1e-5
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("n", [2, 5, 40])
+def test_chain_body_equals_twins(shape, n, rng, tmp_path):
+    s = SHAPES[shape]
+    x = random_layer(rng, s, n)
+    w, qkv, a, b, conv, S = twin_args(x)
+    g, beta = ops.gates(a, b, w.A_log, w.dt_bias)
+    y, _ = ops.causal_conv(qkv, conv, w.conv)
+    q, k, v = split_heads(s, y)
+    inputs = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "state": S}
+    out = emulate(GDN_CHAIN, {name: np.array(a) for name, a in inputs.items()},
+                  {"o": ((n, s.Hv, s.Dv), F32), "state_out": ((s.Hv, s.Dv, s.Dk), F32)}, template(s), **launch(s),
+                  tmp=tmp_path)
+    o, _, S_T = OpsCore().chain(s, *twin_args(x))  # the chunked dense form
+    o_seq, S_seq = sequential(q, k, v, g, beta, S)  # token by token, the definition
+    for theirs, ours in ((o, out["o"]), (o_seq, out["o"]), (S_T, out["state_out"]), (S_seq, out["state_out"])):
+        assert maxdiff(ours, theirs) <= 1e-4
 
 
 @pytest.mark.parametrize("shape", SHAPES)
