@@ -48,6 +48,7 @@ class LoadedModel:
     quantization: dict | None = None
     dtype: str = "float32"  # the compute dtype the float weights were loaded in
     rotated_inputs: int = 0  # projections whose inputs are Hadamard-rotated at run time
+    fused_projections: int = 0  # groups of same-input projections run as one matmul
 
     @property
     def nbytes(self) -> int:
@@ -181,8 +182,9 @@ def _check_and_cast(model: nn.Module, weights: dict[str, mx.array], where: dict[
     return out
 
 
-def load_model(path: str | Path, dtype: str = "auto") -> LoadedModel:
-    """dtype: a name of engine.config.DTYPE_NAMES ('auto' = bfloat16 on a GPU, float32 on the CPU)."""
+def load_model(path: str | Path, dtype: str = "auto", fuse: bool = True) -> LoadedModel:
+    """dtype: a name of engine.config.DTYPE_NAMES ('auto' = bfloat16 on a GPU, float32 on the CPU).
+    fuse: run each layer's same-input projections as one matmul (engine/models/fused.py)."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"model directory {str(path)!r} does not exist")
@@ -209,6 +211,8 @@ def load_model(path: str | Path, dtype: str = "auto") -> LoadedModel:
     _evaluate_by_file(final, where)
     model.load_weights(final, strict=True)
     mx.eval(model.parameters())  # nothing left to compute; a guard against a lazy parameter
+    if fuse and hasattr(model, "fuse_projections"):
+        loaded.fused_projections = model.fuse_projections()
     return loaded
 
 

@@ -11,6 +11,7 @@ import mlx.nn as nn
 
 from engine.cache import KVCache
 from engine.gdn.core import TreeInputs
+from engine.models.fused import fuse_into
 
 Mode = Literal["chain", "token", "tree"]
 
@@ -63,7 +64,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(hidden, dims, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.fused(x) if "fused" in self else (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(nn.silu(gate) * up)
+
+    def fuse_projections(self) -> bool:
+        return fuse_into(self, ("gate_proj", "up_proj"))
 
 
 @dataclass(frozen=True)
@@ -125,13 +130,17 @@ class Attention(nn.Module):
     def project(self, x: mx.array) -> list[mx.array]:
         """x [1, T, H] -> [q, k, v] as [1, heads, T, D] before RoPE (+ gate [1, T, H*D])."""
         B, T, _ = x.shape
-        q = self.q_proj(x).reshape(B, T, self.heads, -1)
+        q, k, v = self.fused(x) if "fused" in self else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        q = q.reshape(B, T, self.heads, -1)
         if self.output_gate:
             q, gate = mx.split(q, 2, axis=-1)
         q = self.q_norm(q).transpose(0, 2, 1, 3)
-        k = self.k_norm(self.k_proj(x).reshape(B, T, self.kv_heads, -1)).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(B, T, self.kv_heads, -1).transpose(0, 2, 1, 3)
+        k = self.k_norm(k.reshape(B, T, self.kv_heads, -1)).transpose(0, 2, 1, 3)
+        v = v.reshape(B, T, self.kv_heads, -1).transpose(0, 2, 1, 3)
         return [q, k, v, gate.reshape(B, T, -1)] if self.output_gate else [q, k, v]
+
+    def fuse_projections(self) -> bool:
+        return fuse_into(self, ("q_proj", "k_proj", "v_proj"))
 
     def attend(self, q: mx.array, k: mx.array, v: mx.array, cache: KVCache, batch: Batch) -> mx.array:
         """RoPE, write the rows to the cache, attend. A chain sees the prefix causally and the cache

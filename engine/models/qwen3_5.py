@@ -18,6 +18,7 @@ from engine.feature_cache import FeatureCache
 from engine.gdn.core import GDNCore, GDNShape, GDNWeights, TreeInputs, TreeRows
 from engine.kernels import select_gdn_core
 from engine.models.base import ModelArgs, decoder_fields
+from engine.models.fused import fuse_into
 from engine.models.layers import CHAIN, MLP, Attention, Batch, Mode, RMSNorm, RopeSpec
 
 
@@ -90,7 +91,10 @@ class GatedDeltaNet(nn.Module):
         """Pure (compilable): x [1, T, H] -> (out [1, T, H], what the cache keeps: the new
         (conv state, state) for a token or a chain, the TreeRows fields for a tree)."""
         s, T = self.shape, x.shape[1]
-        qkv, a, b = self.in_proj_qkv(x)[0], self.in_proj_a(x)[0], self.in_proj_b(x)[0]
+        if "fused" in self:
+            qkv, z, b, a = (y[0] for y in self.fused(x))
+        else:
+            qkv, z, b, a = (p(x)[0] for p in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a))
         w = GDNWeights(self.conv1d.weight, self.A_log, self.dt_bias)
         result: tuple[mx.array, ...]
         if mode == "tree":
@@ -100,9 +104,11 @@ class GatedDeltaNet(nn.Module):
             run = self.core.step if mode == "token" else self.core.chain
             o, conv_state, S = run(s, w, qkv, a, b, conv_state, S)
             result = (conv_state, S)
-        z = self.in_proj_z(x)[0].reshape(T, s.Hv, s.Dv)
-        out = self.norm(o, z).astype(x.dtype).reshape(1, T, -1)
+        out = self.norm(o, z.reshape(T, s.Hv, s.Dv)).astype(x.dtype).reshape(1, T, -1)
         return self.out_proj(out), result
+
+    def fuse_projections(self) -> bool:
+        return fuse_into(self, ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"))
 
     @staticmethod
     def store(cache: GDNCache, batch: Batch, mode: Mode, result: tuple[mx.array, ...], rows: int) -> None:
@@ -247,6 +253,14 @@ class Model(nn.Module):
         self.model = TextModel(args, self.layer_class, self.core)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def fuse_projections(self) -> int:
+        """Fuse each layer's same-input projections (engine/models/fused.py) -> how many fused."""
+        count = 0
+        for layer in self.model.layers:
+            mixer = layer.self_attn if layer.is_attention else layer.linear_attn
+            count += int(mixer.fuse_projections()) + int(layer.mlp.fuse_projections())
+        return count
 
     def make_cache(self) -> list[LayerCache]:
         shape = gdn_shape(self.args)
