@@ -203,10 +203,10 @@ class Engine:
 
     def grammar_state(self, grammar: str) -> GrammarState:
         """A fresh state of `grammar` over this model's tokenizer (built on first use)."""
-        if self._grammar_tokenizer is None:
-            self._grammar_tokenizer = GrammarTokenizer(Path(self.config.model_path) / "tokenizer.json",
-                                                       self.vocab_size, self.tokenizer.eos_token_ids)
         try:
+            if self._grammar_tokenizer is None:
+                self._grammar_tokenizer = GrammarTokenizer(Path(self.config.model_path) / "tokenizer.json",
+                                                           self.vocab_size, self.tokenizer.eos_token_ids)
             return self._grammar_tokenizer.state(grammar)
         except GrammarError as e:
             raise RequestError(str(e)) from None

@@ -210,6 +210,7 @@ def load_model(path: str | Path, dtype: str = "auto", fuse: bool = True) -> Load
     del weights
     _evaluate_by_file(final, where)
     model.load_weights(final, strict=True)
+    del final  # the model holds the weights now; fusing below frees each original it replaces
     mx.eval(model.parameters())  # nothing left to compute; a guard against a lazy parameter
     if fuse and hasattr(model, "fuse_projections"):
         loaded.fused_projections = model.fuse_projections()

@@ -77,3 +77,13 @@ def test_a_bad_grammar_is_a_request_error(engine):
     bad = llguidance.LLMatcher.grammar_from_lark("start: x\n")  # x is not defined
     with pytest.raises(RequestError):
         generate(engine, PROMPT, SamplingParams(max_tokens=4, grammar=bad))
+
+
+def test_without_llguidance_a_grammar_is_a_request_error_and_plain_requests_run(tiny_qwen35, monkeypatch):
+    from engine.generate import RequestError
+
+    monkeypatch.setitem(__import__("sys").modules, "llguidance", None)  # as if it were not installed
+    fresh = Engine(EngineConfig(model_path=str(tiny_qwen35), prefill_chunk=16))
+    with pytest.raises(RequestError, match="llguidance"):
+        generate(fresh, PROMPT, SamplingParams(max_tokens=4, grammar=GRAMMAR))
+    assert len(generate(fresh, PROMPT, SamplingParams(max_tokens=4)).tokens) == 4
