@@ -182,9 +182,13 @@ def _check_and_cast(model: nn.Module, weights: dict[str, mx.array], where: dict[
     return out
 
 
-def load_model(path: str | Path, dtype: str = "auto", fuse: bool = True) -> LoadedModel:
+def load_model(path: str | Path, dtype: str = "auto", fuse: bool | None = None) -> LoadedModel:
     """dtype: a name of engine.config.DTYPE_NAMES ('auto' = bfloat16 on a GPU, float32 on the CPU).
-    fuse: run each layer's same-input projections as one matmul (engine/models/fused.py)."""
+    fuse: run each layer's same-input projections as one matmul (engine/models/fused.py); None =
+    on a GPU only: on the CPU, OpenBLAS ran the stacked one-row products slower than the separate
+    ones (bundled model, gate|up: 454 us against 206 for the two)."""
+    if fuse is None:
+        fuse = mx.default_device() != mx.cpu
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"model directory {str(path)!r} does not exist")

@@ -49,13 +49,18 @@ def test_fused_model_computes_what_the_separate_one_does(checkpoint):
 
 
 def test_every_layer_fuses_its_mixer_and_mlp(tiny_qwen35):
-    loaded = load_model(tiny_qwen35, "float32")
+    loaded = load_model(tiny_qwen35, "float32", fuse=True)
     layers = loaded.model.model.layers
     assert loaded.fused_projections == 2 * len(layers)
     for layer in layers:
         mixer = layer.self_attn if layer.is_attention else layer.linear_attn
         assert "fused" in mixer and "fused" in layer.mlp
         assert "gate_proj" not in layer.mlp and "q_proj" not in mixer and "in_proj_qkv" not in mixer
+
+
+def test_fusion_is_on_by_default_only_on_a_gpu(tiny_qwen35):
+    loaded = load_model(tiny_qwen35, "float32")
+    assert (loaded.fused_projections > 0) == (mx.default_device() != mx.cpu)
 
 
 def test_projection_split_matches_each_part():
