@@ -71,8 +71,8 @@ class PlainDepths:
 
 
 class CompiledSteps:
-    """The compiled read and advance of one (target, head) pair, kept across drafts: a trace is
-    built per top-k and per KV buffer capacity."""
+    """The compiled read and advance of one (target, head) pair, kept across a drafter's drafts: a
+    trace (a few ms on the CPU) is built per top-k and per KV buffer capacity."""
 
     def __init__(self, logits: Logits, embed: Embed, head: MTPHead, scratch_rows: int) -> None:
         self.head, self.scratch_rows = head, max(1, scratch_rows)
