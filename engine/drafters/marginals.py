@@ -37,15 +37,21 @@ class Marginals:
     @classmethod
     def from_logits(cls, logits: mx.array, k: int) -> Marginals:
         """logits [D, V] (device) -> the top-k of every row; only [D, k] values reach the host."""
-        logp = logits.astype(mx.float32)
-        logp = logp - mx.logsumexp(logp, axis=-1, keepdims=True)
-        k = min(k, logp.shape[-1])
-        ids = mx.argpartition(-logp, k - 1, axis=-1)[:, :k]
-        top = mx.take_along_axis(logp, ids, axis=-1)
-        order = mx.argsort(-top, axis=-1)
-        ids, top = mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(top, order, axis=-1)
+        ids, top = top_k_logp(logits, k)
         mx.eval(ids, top)
         return cls(np.array(ids).astype(np.int64), np.array(top).astype(np.float64))
+
+
+def top_k_logp(logits: mx.array, k: int) -> tuple[mx.array, mx.array]:
+    """logits [..., V] -> (ids, log-probabilities) of the k most likely, most likely first, [..., k].
+    Pure (compilable); the log-softmax is taken in fp32 over the full vocabulary."""
+    logp = logits.astype(mx.float32)
+    logp = logp - mx.logsumexp(logp, axis=-1, keepdims=True)
+    k = min(k, logp.shape[-1])
+    ids = mx.argpartition(-logp, k - 1, axis=-1)[..., :k]
+    top = mx.take_along_axis(logp, ids, axis=-1)
+    order = mx.argsort(-top, axis=-1)
+    return mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(top, order, axis=-1)
 
 
 def chain(root: int, m: Marginals, budget: int, max_depth: int) -> DraftTree:

@@ -5,18 +5,28 @@ The head's KV cache holds one row per committed position i, made from (x_{i+1}, 
 is the target's final-normed hidden state (read from the target's FeatureCache). Before each
 proposal the rows of the positions committed since the last one are appended in one chain pass,
 whose last row (the root's token with the last committed hidden state) already gives the
-marginal of depth 1; deeper steps feed the head its own output and the top-1 token, writing
-scratch rows past the committed ones that a rewind drops again.
+marginal of depth 1; deeper steps feed the head its own output and the top-1 token, in rows past
+the committed ones that the draft drops again (engine/drafters/mtp_steps.py: compiled, or the
+plain twin through the head's cache).
+
+Each depth costs a head pass and a target lm_head pass, most of the drafting time, so the draft
+stops early where deeper depths could not matter: once the top-1 path's probability under the
+head's marginals falls below `min_path_prob`, every deeper node's is below it too (a node's score
+is a sum of per-depth log-marginals, each at most its depth's top-1). The tree may then be
+shallower; what is emitted never changes (the accept walk is the target's alone).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
 from engine.drafters.marginals import Marginals
+from engine.drafters.mtp_steps import CompiledSteps, Depths, PlainDepths
 from engine.feature_cache import FeatureCache, FeatureTaps
 from engine.models.base import CausalLM
 from engine.models.mtp import MTPHead
@@ -30,6 +40,15 @@ class MTPConfig:
     # Each step beyond the first costs one head pass and conditions on drafted, not target, states.
     max_steps: int = 6
     top_k: int = 32
+    # Stop drafting deeper once the top-1 path's probability is below this (0: always max_steps).
+    # A depth is worth its cost while it adds more expected accepted tokens than it costs in time:
+    # on the bundled model on a 2-core CPU a depth (head + lm_head pass) is ~8 % of a round that
+    # emits ~2.4 tokens, about 0.2 tokens' worth. With 0.3 (and the compiled steps) the drafting
+    # share fell from 41 % to 30 % (ddtree) and 47 % to 35 % (chain), tokens per forward moving by
+    # at most 0.12 on any prompt (BENCHMARKS.md, "One-pass drafters"); where head steps are cheap
+    # next to a verify (a large target on a GPU), a lower bound keeps more depth.
+    min_path_prob: float = 0.3
+    compiled: bool = True  # the compiled per-depth steps; False: the plain twin (tests hold them equal)
 
 
 class MTPDrafter:
@@ -41,6 +60,8 @@ class MTPDrafter:
         self.tokens: list[int] = []  # prompt + emitted; tokens[committed] is the root
         self.cache = head.make_cache()
         self.embed: Callable[[mx.array], mx.array] = target.model.embed_tokens  # type: ignore[attr-defined]
+        self.steps = CompiledSteps(target.logits, self.embed, head, config.max_steps - 1) if config.compiled else None
+        self.log_min_path = math.log(config.min_path_prob) if config.min_path_prob > 0 else -math.inf
 
     def attach(self, features: FeatureCache) -> None:
         self.features = features
@@ -79,16 +100,27 @@ class MTPDrafter:
         if last is None or depth < 1:
             mx.eval([a for c in self.cache for a in c.arrays()])
             return DraftTree.single(root)
-        marks = [c.mark() for c in self.cache]
-        logits = [self.target.logits(last)[0, 0]]
-        for _ in range(depth - 1):
-            token = mx.argmax(logits[-1]).reshape(1, 1)  # stays on the device: no sync per step
-            last = self.head(self.embed(token), last, self.cache)
-            logits.append(self.target.logits(last)[0, 0])
-        marginals = Marginals.from_logits(mx.stack(logits), max(1, min(budget, self.config.top_k)))
-        for c, m in zip(self.cache, marks, strict=True):
-            c.rewind(m)
+        marginals = self._draft(last, depth, max(1, min(budget, self.config.top_k)))
         return self.build(root, marginals, budget, max_depth)
+
+    def _draft(self, y: mx.array, depth: int, k: int) -> Marginals:
+        """The top-k marginals of depths 1..depth (fewer where the top-1 path's probability drops
+        below min_path_prob), from the head's output y [1, 1, H] of the last committed row."""
+        depths: Depths = self.steps.begin(self.cache, k) if self.steps is not None else \
+            PlainDepths(self.target.logits, self.embed, self.head, self.cache, k)
+        ids, logp, path = [], [], 0.0
+        for d in range(depth):
+            read = depths.read(y)
+            # one small sync a depth (k ids and values): the stop rule needs them on the host
+            mx.eval(read.ids, read.logp, [a for c in self.cache for a in c.arrays()] if d == 0 else [])
+            ids.append(np.array(read.ids))
+            logp.append(np.array(read.logp))
+            path += float(logp[-1][0])
+            if d + 1 == depth or path < self.log_min_path:
+                break
+            y = depths.advance(read.token, y)  # the argmax stays on the device
+        depths.close()
+        return Marginals(np.stack(ids).astype(np.int64), np.stack(logp).astype(np.float64))
 
     def observe(self, emitted: list[int]) -> None:
         self.tokens += emitted

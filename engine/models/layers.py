@@ -77,7 +77,7 @@ class RopeSpec:
     base: float
 
 
-def apply_rope(x: mx.array, rope: RopeSpec, offset: int, batch: Batch) -> mx.array:
+def apply_rope(x: mx.array, rope: RopeSpec, offset: int | mx.array, batch: Batch) -> mx.array:
     """x [1, H, T, D]. Chain rows sit at offset + t; verify rows at batch.positions.
 
     Verify rows are laid out as batch rows so that mx.fast.rope takes one offset per row:

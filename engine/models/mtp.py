@@ -9,9 +9,15 @@ For the token x_{i+1} and the target's final-normed hidden state h_i of position
 and y stands in for h_{i+1} when drafting further (vLLM's and SGLang's recursion). The embedding
 and lm_head are the target's. HF stores every MTP norm zero-centred (applied as 1 + w), like the
 target's own; `sanitize` adds the 1.
+
+Two ways to run it: `__call__` through the head's KV cache (rows of committed positions, a chain or
+one token), and `draft_row`, one drafted row whose shapes do not depend on how many rows are
+committed, so that a drafter can compile its per-depth step once (engine/drafters/mtp_steps.py).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -19,7 +25,7 @@ import mlx.nn as nn
 from engine.cache import KVCache
 from engine.gdn.core import OpsCore
 from engine.models.base import ModelArgs
-from engine.models.layers import CHAIN, Batch, RMSNorm
+from engine.models.layers import CHAIN, Batch, RMSNorm, apply_rope
 from engine.models.qwen3_5 import DecoderLayer
 
 # every RMSNorm of the head: its own three and the decoder layer's four
@@ -43,14 +49,53 @@ class MTPHead(nn.Module):
     def __call__(self, embedded: mx.array, hidden: mx.array, cache: list[KVCache],
                  batch: Batch = CHAIN) -> mx.array:
         """embedded, hidden [1, T, H] of consecutive positions from cache.offset -> y [1, T, H]."""
-        x = mx.concatenate([self.pre_fc_norm_embedding(embedded), self.pre_fc_norm_hidden(hidden)], axis=-1)
-        x = self.fc(x)
+        x = self.fc_in(embedded, hidden)
         for layer, c in zip(self.layers, cache, strict=True):
             x = layer(x, c, batch)
         return self.norm(x)
+
+    def fc_in(self, embedded: mx.array, hidden: mx.array) -> mx.array:
+        return self.fc(mx.concatenate([self.pre_fc_norm_embedding(embedded), self.pre_fc_norm_hidden(hidden)],
+                                      axis=-1))
+
+    def draft_row(self, embedded: mx.array, hidden: mx.array, committed: Sequence[tuple[mx.array, mx.array]],
+                  length: mx.array, scratch: Sequence[tuple[mx.array, mx.array]],
+                  j: mx.array) -> tuple[mx.array, list[tuple[mx.array, mx.array]]]:
+        """One drafted row at position length + j; pure and shape-stable (compilable). embedded, hidden
+        [1, 1, H]; per layer: committed K/V buffers [1, Hkv, cap, D] (a KVCache's, read whole: rows
+        [0, length) count), scratch K/V [1, Hkv, S, D] (rows [0, j) are the draft's earlier rows).
+        Equals __call__ through a cache whose rows past `length` are the scratch's.
+        -> (y [1, 1, H], the scratch with this row's K/V written at row j)."""
+        x, written = self.fc_in(embedded, hidden), []
+        for layer, (keys, values), (skeys, svalues) in zip(self.layers, committed, scratch, strict=True):
+            attn = layer.self_attn
+            q, k, v, *gate = attn.project(layer.input_layernorm(x))
+            q, k = (apply_rope(t, attn.rope, length + j, CHAIN) for t in (q, k))
+            skeys = mx.slice_update(skeys, k, j.reshape(1), axes=(2,))
+            svalues = mx.slice_update(svalues, v, j.reshape(1), axes=(2,))
+            out = scratch_attention(q, keys, values, length, skeys, svalues, j, attn.scale)
+            h = x + attn.output(out, gate[0] if gate else None)
+            x = h + layer.mlp(layer.post_attention_layernorm(h))
+            written.append((skeys, svalues))
+        return self.norm(x), written
 
     @staticmethod
     def sanitize(weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Names without the `mtp.` prefix; every RMSNorm weight gets the +1 of HF's zero-centred norms."""
         return {k: (v.astype(mx.float32) + 1.0 if k.endswith(ZERO_CENTRED) and v.ndim == 1 else v)
                 for k, v in weights.items()}
+
+
+def scratch_attention(q: mx.array, keys: mx.array, values: mx.array, length: mx.array, skeys: mx.array,
+                      svalues: mx.array, j: mx.array, scale: float) -> mx.array:
+    """One query row q [1, H, 1, D] over rows [0, length) of keys/values [1, Hkv, cap, D] and rows
+    [0, j] of the scratch [1, Hkv, S, D], one softmax (fp32) over both -> [1, 1, H * D]. Masking the
+    whole buffer instead of slicing it keeps the shapes independent of `length`."""
+    B, H, _, D = q.shape
+    Hkv, cap = keys.shape[1], keys.shape[2]
+    q = q.reshape(B, Hkv, H // Hkv, D) * scale  # head h reads kv head h // G
+    seen = mx.where(mx.arange(cap) < length, (q @ keys.swapaxes(-1, -2)).astype(mx.float32), -mx.inf)
+    own = mx.where(mx.arange(skeys.shape[2]) <= j, (q @ skeys.swapaxes(-1, -2)).astype(mx.float32), -mx.inf)
+    probs = mx.softmax(mx.concatenate([seen, own], axis=-1), axis=-1).astype(values.dtype)
+    out = probs[..., :cap] @ values + probs[..., cap:] @ svalues  # [B, Hkv, G, D]
+    return out.reshape(B, 1, H * D)

@@ -1,0 +1,128 @@
+"""MTP drafting's fast paths against their twins, on random inputs (fresh each run):
+
+- the compiled per-depth steps (shape-stable head row over a scratch, engine/drafters/mtp_steps.py)
+  against the plain ones through the head's KV cache, for context lengths on both sides of a KV
+  buffer step;
+- the stop rule (`min_path_prob`): the marginals it keeps are the first rows of a full-depth draft,
+  cut at the first depth whose top-1 path probability falls below the bound; and the trees of a
+  whole generation are the same with the compiled steps and with the plain ones.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine.cache import KV_STEP
+from engine.config import EngineConfig, SamplingParams, SpecConfig
+from engine.drafters import BUILDERS
+from engine.drafters.marginals import Marginals
+from engine.drafters.mtp import MTPConfig, MTPDrafter
+from engine.drafters.mtp_steps import CompiledSteps, PlainDepths
+from engine.generate import Engine
+from tests.helpers import generate
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_qwen35_mtp):
+    return Engine(EngineConfig(model_path=str(tiny_qwen35_mtp), prefill_chunk=16))
+
+
+@pytest.mark.parametrize("context", [1, 37, KV_STEP - 2, KV_STEP + 5])
+def test_compiled_steps_equal_plain(engine, context):
+    rng = np.random.default_rng()
+    head, target = engine.mtp_head(), engine.model
+    embed = target.model.embed_tokens
+    H, D, k = target.args.hidden_size, 5, 8
+    cache = head.make_cache()
+    e, h = (mx.array(rng.standard_normal((1, context, H)).astype(np.float32)) for _ in range(2))
+    y = head(e, h, cache)[:, -1:]  # the committed rows, as a catch-up writes them
+    mx.eval(y, [a for c in cache for a in c.arrays()])
+    committed = [np.array(a) for c in cache for a in c.snapshot(context).arrays()]
+    plain = PlainDepths(target.logits, embed, head, cache, k)
+    fast = CompiledSteps(target.logits, embed, head, D - 1).begin(cache, k)
+    y_plain = y_fast = y
+    for d in range(D):
+        a, b = plain.read(y_plain), fast.read(y_fast)
+        np.testing.assert_array_equal(np.array(a.ids), np.array(b.ids))
+        np.testing.assert_allclose(np.array(a.logp), np.array(b.logp), atol=1e-4)
+        assert int(a.token.item()) == int(b.token.item()) == int(a.ids[0].item())
+        if d + 1 < D:
+            token = mx.array([[int(rng.integers(0, target.args.vocab_size))]])  # any token, the same for both
+            y_plain, y_fast = plain.advance(token, y_plain), fast.advance(token, y_fast)
+            np.testing.assert_allclose(np.array(y_plain), np.array(y_fast), atol=1e-4)
+    plain.close()
+    fast.close()
+    assert [c.offset for c in cache] == [context] * len(cache)
+    for want, got in zip(committed, [np.array(a) for c in cache for a in c.snapshot(context).arrays()]):
+        np.testing.assert_array_equal(want, got)
+
+
+def test_compiled_steps_refuse_rows_past_the_scratch(engine):
+    head, target = engine.mtp_head(), engine.model
+    cache = head.make_cache()
+    H = target.args.hidden_size
+    y = head(mx.zeros((1, 3, H)), mx.ones((1, 3, H)), cache)[:, -1:]
+    depths = CompiledSteps(target.logits, target.model.embed_tokens, head, 1).begin(cache, 4)
+    y = depths.advance(mx.array([[1]]), y)
+    with pytest.raises(ValueError, match="more than 1 rows"):
+        depths.advance(mx.array([[2]]), y)
+
+
+class Lockstep(MTPDrafter):
+    """Drafts every round twice from the same committed state, as configured and with `other`'s
+    steps and stop bound, recording both marginals (a draft leaves the committed state as it was)."""
+
+    def __init__(self, engine: Engine, tree: str, config: MTPConfig, other: MTPConfig) -> None:
+        super().__init__(engine.model, engine.mtp_head(), BUILDERS[tree], config)
+        self.twin = MTPDrafter(engine.model, engine.mtp_head(), BUILDERS[tree], other)
+        self.rounds: list[tuple[Marginals, Marginals]] = []
+
+    def _draft(self, y: mx.array, depth: int, k: int) -> Marginals:
+        m = super()._draft(y, depth, k)
+        own = self.steps, self.log_min_path
+        self.steps, self.log_min_path = self.twin.steps, self.twin.log_min_path
+        try:
+            self.rounds.append((m, super()._draft(y, depth, k)))
+        finally:
+            self.steps, self.log_min_path = own
+        return m
+
+
+def lockstep(engine, tree: str, config: MTPConfig, other: MTPConfig, sampling: SamplingParams):
+    rng = np.random.default_rng()
+    prompt = [int(t) for t in rng.integers(0, 500, size=int(rng.integers(3, 40)))]
+    drafter = Lockstep(engine, tree, config, other)
+    out = generate(engine, prompt, sampling, SpecConfig(method="mtp", tree=tree, budget=10, max_depth=6,
+                                                        adaptive=False), drafter)
+    assert out.tokens == generate(engine, prompt, sampling).tokens
+    assert drafter.rounds
+    return drafter.rounds
+
+
+SAMPLED = SamplingParams(max_tokens=30, temperature=0.9, top_p=0.95, seed=5, ignore_eos=True)
+
+
+@pytest.mark.parametrize("tree", ["chain", "ddtree"])
+def test_stop_rule_cuts_a_full_draft_where_the_top1_path_drops(engine, tree):
+    bound = 0.3
+    shallower = 0
+    for cut, full in lockstep(engine, tree, MTPConfig(min_path_prob=bound), MTPConfig(min_path_prob=0.0), SAMPLED):
+        # the full draft's depth is the round's (room shrinks near max_tokens)
+        np.testing.assert_array_equal(cut.ids, full.ids[: cut.depth])
+        np.testing.assert_allclose(cut.logp, full.logp[: cut.depth], atol=1e-5)
+        path = np.cumsum(full.logp[:, 0])
+        assert cut.depth == next((d + 1 for d in range(full.depth) if path[d] < math.log(bound)), full.depth)
+        shallower += cut.depth < full.depth
+    assert shallower > 0  # the rule did cut (random heads are unsure)
+
+
+@pytest.mark.parametrize("tree", ["chain", "ddtree"])
+def test_compiled_and_plain_steps_draft_the_same(engine, tree):
+    config = MTPConfig(min_path_prob=0.05)
+    for fast, plain in lockstep(engine, tree, config, MTPConfig(min_path_prob=0.05, compiled=False), SAMPLED):
+        np.testing.assert_array_equal(fast.ids, plain.ids)
+        np.testing.assert_allclose(fast.logp, plain.logp, atol=1e-5)
