@@ -38,7 +38,10 @@ def test_device_draw_equals_host_draw_but_at_boundaries(params, vocab, rng):
         # vocab * eps (1.4e-5 was seen at vocab 8192)
         tol = vocab * float(np.finfo(np.float32).eps)
         assert abs(cdf[lo] - u) < tol or np.isclose(probs[lo], probs[hi]), (i, device[i], host[i], u)
-    assert (device == host).mean() >= 0.99
+    # every disagreement is justified above; the rate only guards against a systematic one. At
+    # vocab 8192 a flat row's CDF steps are ~1.2e-4 wide against a rounding bound of ~1e-3, so
+    # draws near a boundary are common there (4 of 300 seen)
+    assert (device == host).mean() >= (0.99 if vocab <= 512 else 0.95)
 
 
 def test_greedy_is_the_argmax_of_every_node(rng):
