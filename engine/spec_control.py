@@ -6,9 +6,16 @@ throws away. The right size depends on the hardware, the model, the drafter and 
 drifts during a generation, so it is measured, per request: each candidate budget ("arm", the
 root alone among them) keeps an exponentially weighted estimate of the tokens a round emits and of
 the milliseconds it takes, drafting included; each round takes the arm with the best tokens per
-millisecond. Every arm is tried twice at the start, and the best of the others is tried again now
-and then, since what pays changes as the text changes (prior art: vLLM's dynamic speculation,
-llama.cpp's draft p_min). Output is unaffected: the accept rule does not look at the tree's size.
+millisecond (prior art: vLLM's dynamic speculation, llama.cpp's draft p_min). Output is
+unaffected: the accept rule does not look at the tree's size.
+
+Trying costs more than the try itself. A tree round ends the pipelining of plain rounds (the
+round after it cannot be queued before it lands), and a big tree's verify is a stall a streaming
+client sees: measured on the dev CPU, a 17-node round and the restart after it were the p99
+inter-token gaps where guesses miss (BENCHMARKS.md, issue 17). So the controller climbs: the
+smallest tree is tried first, a bigger one only once the one below it accepts (a round emits at
+least CLIMB tokens), and the root alone after that; later re-tries go to a neighbour of the best
+arm only, and back off (twice as far apart each time) while they keep losing.
 """
 
 from __future__ import annotations
@@ -17,7 +24,11 @@ from dataclasses import dataclass, field
 
 DECAY = 0.8  # weight of the history in each arm's estimates (a few rounds of memory)
 TRIES = 2  # rounds of each arm before choosing
-REVISIT = 16  # rounds between re-tries of the best other arm
+REVISIT = 16  # rounds before the first re-try of a neighbouring arm
+MAX_REVISIT = 128  # re-tries that keep losing back off up to this many rounds apart
+# tokens a round of the arm below must emit on average before a bigger tree is worth a try: where
+# the small tree accepts nothing, a bigger one from the same guesses rarely does
+CLIMB = 1.5
 # a bigger tree must beat a smaller one by this share of tokens per ms to be kept: round times on a
 # busy machine jitter by about that much, and where every arm emits the same tokens (all guesses
 # miss) only the jitter would otherwise decide, keeping trees that draft for nothing
@@ -44,11 +55,15 @@ class Arm:
 
 @dataclass
 class SpecController:
-    """Chooses the budget of each round among powers of two up to `max_budget`, and 0."""
+    """Chooses the budget of each round among 0, powers of four below `max_budget`, and it."""
 
     max_budget: int
-    arms: list[Arm] = field(default_factory=list)
+    arms: list[Arm] = field(default_factory=list)  # ascending budgets, arms[0] = the root alone
     rounds: int = 0
+    interval: int = REVISIT  # rounds between re-tries, doubled while they lose
+    next_revisit: int = 0  # the round of the next re-try (0: none scheduled yet)
+    revisit_side: int = 1  # +1: the neighbour above the best arm, -1: below (alternating)
+    revisiting: Arm | None = None  # the arm a re-try round ran, judged once it is recorded
 
     def __post_init__(self) -> None:
         budgets = {0, self.max_budget}
@@ -56,24 +71,53 @@ class SpecController:
         while b < self.max_budget:
             budgets.add(b)
             b *= 4
-        # the largest first: where guesses hit, the fixed budget is what the first rounds measure
-        self.arms = [Arm(b) for b in sorted(budgets, reverse=True)]
+        self.arms = [Arm(b) for b in sorted(budgets)]
+
+    def _climbing(self) -> Arm | None:
+        """The arm still owed its tries: the smallest tree first, each bigger one only while the
+        one below accepts, then the root alone."""
+        for arm in self.arms[1:]:
+            if arm.rounds < TRIES:
+                return arm
+            if arm.tokens < CLIMB:
+                break
+        return self.arms[0] if self.arms[0].rounds < TRIES else None
+
+    def best(self) -> Arm:
+        """The smallest tried arm within MARGIN of the fastest."""
+        tried = [a for a in self.arms if a.rounds]
+        top = max(a.rate for a in tried)
+        return min((a for a in tried if a.rate >= top * (1 - MARGIN)), key=lambda a: a.budget)
 
     def budget(self) -> int:
-        untried = next((a for a in self.arms if a.rounds < TRIES), None)
-        if untried is not None:
-            return untried.budget
-        top = max(a.rate for a in self.arms)
-        # the smallest arm within MARGIN of the fastest, then the rest from the fastest down
-        best = min((a for a in self.arms if a.rate >= top * (1 - MARGIN)), key=lambda a: a.budget)
-        others = sorted((a for a in self.arms if a is not best), key=lambda a: a.rate, reverse=True)
-        if others and self.rounds % REVISIT == REVISIT - 1:
-            return others[0].budget
+        """The budget of the next round (asking twice without a record gives the same answer)."""
+        climbing = self._climbing()
+        if climbing is not None:
+            return climbing.budget
+        best = self.best()
+        if self.next_revisit == 0:
+            self.next_revisit = self.rounds + self.interval
+        if self.rounds >= self.next_revisit:
+            return self._neighbour(best).budget
         return best.budget
+
+    def _neighbour(self, best: Arm) -> Arm:
+        i = self.arms.index(best)
+        side = self.revisit_side if 0 < i < len(self.arms) - 1 else (1 if i == 0 else -1)
+        return self.arms[i + side]
 
     def record(self, budget: int, tokens: int, ms: float) -> None:
         """A round ran with `budget` (the arm it was given), emitted `tokens` in `ms`."""
-        self.rounds += 1
         arm = next((a for a in self.arms if a.budget == budget), None)
-        if arm is not None:  # a budget cut by the room left is no arm's measurement
-            arm.record(tokens, ms)
+        revisit = (self._climbing() is None and self.next_revisit and self.rounds >= self.next_revisit
+                   and arm is not None and arm is not self.best())
+        best_before = self.best() if revisit else None
+        self.rounds += 1
+        if arm is None:  # a budget cut by the room left is no arm's measurement
+            return
+        arm.record(tokens, ms)
+        if revisit:
+            self.revisit_side = -self.revisit_side
+            # a re-try that changed the choice resets the spacing; one that lost widens it
+            self.interval = REVISIT if self.best() is not best_before else min(2 * self.interval, MAX_REVISIT)
+            self.next_revisit = self.rounds + self.interval

@@ -1,10 +1,11 @@
-"""The per-request tree-size controller: tries every arm, then keeps the best tokens per ms."""
+"""The per-request tree-size controller: climbs from the smallest tree, keeps the best tokens per
+ms, and re-tries neighbours of the best less often while they lose."""
 
 from __future__ import annotations
 
 import random
 
-from engine.spec_control import REVISIT, TRIES, SpecController
+from engine.spec_control import MAX_REVISIT, REVISIT, TRIES, SpecController
 
 
 def drive(c: SpecController, outcome, rounds: int) -> list[int]:
@@ -18,22 +19,37 @@ def drive(c: SpecController, outcome, rounds: int) -> list[int]:
 
 
 def test_arms_are_powers_of_four_the_root_and_the_budget():
-    assert [a.budget for a in SpecController(16).arms] == [16, 4, 0]
-    assert [a.budget for a in SpecController(32).arms] == [32, 16, 4, 0]
-    assert [a.budget for a in SpecController(1).arms] == [1, 0]
+    assert [a.budget for a in SpecController(16).arms] == [0, 4, 16]
+    assert [a.budget for a in SpecController(32).arms] == [0, 4, 16, 32]
+    assert [a.budget for a in SpecController(1).arms] == [0, 1]
 
 
 def test_misses_settle_on_plain_decoding():
     # every guess misses: one token a round whatever the tree, and bigger trees cost more
     chosen = drive(SpecController(16), lambda b: (1, 10.0 + b), 200)
-    assert chosen[: 3 * TRIES] == [16, 16, 4, 4, 0, 0]  # each arm tried first
-    later = chosen[3 * TRIES :]
+    assert chosen[: 2 * TRIES] == [4, 4, 0, 0]  # the small tree accepts nothing: the big one is never tried
+    assert 16 not in chosen[: 3 * REVISIT]
+    later = chosen[2 * TRIES :]
     assert later.count(0) >= len(later) * (1 - 1.5 / REVISIT)  # plain, but for the revisits
+
+
+def test_losing_retries_back_off():
+    chosen = drive(SpecController(16), lambda b: (1, 10.0 + b), 600)
+    retries = [i for i, b in enumerate(chosen) if b and i >= 2 * TRIES]
+    gaps = [b - a for a, b in zip(retries, retries[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] >= MAX_REVISIT  # ever further apart, up to the cap
+    assert len(retries) <= 8
+
+
+def test_hits_climb_to_the_full_budget_first():
+    chosen = drive(SpecController(32), lambda b: (1 + b // 2, 10.0 + b * 0.5), 20)
+    assert chosen[: 4 * TRIES] == [4, 4, 16, 16, 32, 32, 0, 0]
 
 
 def test_hits_keep_the_full_budget():
     chosen = drive(SpecController(16), lambda b: (1 + b // 2, 10.0 + b * 0.5), 100)
     later = chosen[3 * TRIES :]
+    assert later[:REVISIT - 1].count(16) == REVISIT - 1
     assert later.count(16) >= len(later) * (1 - 1.5 / REVISIT)
 
 
