@@ -1,0 +1,139 @@
+"""Two tree-size controllers side by side: the working tree's engine/spec_control.py against the one
+at a git revision, on text where guesses miss and on text where they hit.
+
+    python scripts/bench_controller.py --against REV [--runs 3] [--tokens 96] [--lengths 64,2048]
+
+- misses: seeded sampling (temperature 1) after random-id prompts of each length, like
+  scripts/bench_context.py: decode tok/s as a ratio to plain decoding, tokens per forward, and the
+  p99 inter-token gap over all runs pooled, as a ratio to plain's;
+- hits: greedy on scripts/bench_spec.py's prompts (code, code-edit, math, chat, long).
+Methods ngram and mtp (ddtree), each with both controllers, interleaved with plain decoding in one
+process on the bundled target; medians over runs after a warm-up. Outputs are compared with plain
+decoding's: greedy must be identical; seeded sampling may flip only where the uniform falls within
+rounding of a CDF step (checked elsewhere: tests/unit/test_device_sampler.py), so it is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+from bench_context import pooled_p99  # noqa: E402
+from bench_spec import PROMPTS, render  # noqa: E402
+
+import engine.round as rounds  # noqa: E402
+import engine.spec_control as current  # noqa: E402
+from engine.config import EngineConfig, SamplingParams, SpecConfig  # noqa: E402
+from engine.generate import BUNDLED, Engine  # noqa: E402
+from engine.types import GenerationRequest  # noqa: E402
+
+METHODS = {"ngram": SpecConfig(method="ngram"), "mtp": SpecConfig(method="mtp", tree="ddtree")}
+
+
+def controller_at(rev: str) -> ModuleType:
+    """engine/spec_control.py as it was at `rev`, loaded as its own module."""
+    source = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:engine/spec_control.py"], check=True,
+                            capture_output=True, text=True).stdout
+    path = Path(tempfile.mkdtemp()) / "spec_control_then.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("spec_control_then", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["spec_control_then"] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def generate(engine: Engine, prompt: list[int], params: SamplingParams, spec: SpecConfig) -> dict:
+    gaps: list[float] = []
+    out: list[int] = []
+    last = None
+    for step in engine.generate(GenerationRequest(prompt_ids=prompt, sampling=params, spec=spec)):
+        now = time.perf_counter()
+        if step.token_ids and last is not None:  # a batch of n tokens after a gap: n gaps of gap / n
+            gaps += [(now - last) / len(step.token_ids) * 1e3] * len(step.token_ids)
+        if step.token_ids:
+            last = now
+        out += step.token_ids
+        if step.stats is not None:
+            stats = step.stats
+    return {"tps": stats.decode_tps, "tpf": stats.tokens_per_forward, "gaps": gaps, "tokens": out}
+
+
+def compare(engine: Engine, prompt: list[int], params: SamplingParams, controllers: dict[str, ModuleType],
+            runs: int) -> dict[str, list[dict]]:
+    """Plain decoding and every (method, controller), interleaved; the first round is a warm-up."""
+    results: dict[str, list[dict]] = {}
+    for r in range(runs + 1):
+        plain = generate(engine, prompt, params, SpecConfig())
+        if r:
+            results.setdefault("none", []).append(plain)
+        for method, spec in METHODS.items():
+            for name, module in controllers.items():
+                rounds.SpecController = module.SpecController  # type: ignore[attr-defined]
+                out = generate(engine, prompt, params, spec)
+                if r:
+                    results.setdefault(f"{method}:{name}", []).append(out)
+    rounds.SpecController = current.SpecController
+    return results
+
+
+def summary(results: dict[str, list[dict]]) -> dict[str, str]:
+    plain_tps = statistics.median(x["tps"] for x in results["none"])
+    plain_p99 = pooled_p99([x["gaps"] for x in results["none"]])
+    ref = [x["tokens"] for x in results["none"]]
+    cells = {}
+    for key, runs in results.items():
+        if key == "none":
+            continue
+        tps = statistics.median(x["tps"] for x in runs)
+        p99 = pooled_p99([x["gaps"] for x in runs])
+        same = sum(x["tokens"] == t for x, t in zip(runs, ref, strict=True))
+        cells[key] = (f"{tps / plain_tps:.2f}x, {statistics.median(x['tpf'] for x in runs):.2f}, "
+                      f"{p99 / plain_p99:.2f}x" + ("" if same == len(runs) else f", {same}/{len(runs)} equal"))
+    return cells
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--against", required=True, help="git revision of the other controller")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--lengths", default="64,2048")
+    a = ap.parse_args()
+    controllers = {"now": current, a.against: controller_at(a.against)}
+    lengths = [int(n) for n in a.lengths.split(",")]
+    engine = Engine(EngineConfig(model_path=str(BUNDLED / "target"), prefix_cache=False,
+                                 max_context=max(lengths) + a.tokens + 1))
+    keys = [f"{m}:{c}" for m in METHODS for c in controllers]
+    print("cells: decode tok/s vs plain, tokens per forward, pooled p99 gap vs plain's")
+    print("| text | " + " | ".join(keys) + " |")
+    print("|---|" + "---|" * len(keys))
+    sampled = SamplingParams(max_tokens=a.tokens, ignore_eos=True, temperature=1.0, seed=0)
+    for n in lengths:
+        prompt = [int(t) for t in np.random.RandomState(n).randint(0, engine.vocab_size, size=n)]
+        cells = summary(compare(engine, prompt, sampled, controllers, a.runs))
+        print(f"| misses, {n} random ids | " + " | ".join(cells[k] for k in keys) + " |", flush=True)
+    greedy = SamplingParams(max_tokens=a.tokens)
+    for kind, texts in PROMPTS.items():
+        for p, text in enumerate(texts):
+            cells = summary(compare(engine, render(engine, text), greedy, controllers, a.runs))
+            label = kind if len(texts) == 1 else f"{kind}{p + 1}"
+            print(f"| hits? {label} | " + " | ".join(cells[k] for k in keys) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
