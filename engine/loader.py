@@ -18,6 +18,7 @@ compute dtype) in memory. When the compute dtype is the stored one nothing is co
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
@@ -185,10 +186,11 @@ def _check_and_cast(model: nn.Module, weights: dict[str, mx.array], where: dict[
 def load_model(path: str | Path, dtype: str = "auto", fuse: bool | None = None) -> LoadedModel:
     """dtype: a name of engine.config.DTYPE_NAMES ('auto' = bfloat16 on a GPU, float32 on the CPU).
     fuse: run each layer's same-input projections as one matmul (engine/models/fused.py); None =
-    on a GPU only: on the CPU, OpenBLAS ran the stacked one-row products slower than the separate
-    ones (bundled model, gate|up: 454 us against 206 for the two)."""
+    SPRUCE_FUSE (0 / 1) if set, else on CUDA only, where it was measured: on the CPU OpenBLAS ran
+    the stacked one-row products slower than the separate ones (bundled model, gate|up: 454 us
+    against 206 for the two), and no Apple GPU was reachable to measure Metal."""
     if fuse is None:
-        fuse = mx.default_device() != mx.cpu
+        fuse = default_fuse()
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"model directory {str(path)!r} does not exist")
@@ -219,6 +221,15 @@ def load_model(path: str | Path, dtype: str = "auto", fuse: bool | None = None) 
     if fuse and hasattr(model, "fuse_projections"):
         loaded.fused_projections = model.fuse_projections()
     return loaded
+
+
+def default_fuse() -> bool:
+    choice = os.environ.get("SPRUCE_FUSE")
+    if choice not in (None, "0", "1"):
+        raise CheckpointError(f"SPRUCE_FUSE must be 0 or 1, got {choice!r}")
+    if choice is not None:
+        return choice == "1"
+    return mx.default_device() != mx.cpu and not mx.metal.is_available() and mx.cuda.is_available()
 
 
 def _evaluate_by_file(final: list[tuple[str, mx.array]], where: dict[str, str]) -> None:

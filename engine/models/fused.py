@@ -9,8 +9,9 @@ kernel (92 us each) and each small projection alone filled a fraction of the SMs
 Weights are stacked along the output axis, so each output column is the same dot product over
 the same input as before; the split hands back views in the original order. Only projections
 of one kind fuse: all plain `nn.Linear` without bias, or all `nn.QuantizedLinear` with the same
-group size, bits and mode (a Hadamard-rotated one keeps its own module). The loader fuses on GPUs
-only: on the CPU, OpenBLAS ran some stacked one-row products several times slower than the parts.
+group size, bits and mode (a Hadamard-rotated one keeps its own module). The loader fuses on CUDA
+only unless SPRUCE_FUSE says otherwise: on the CPU, OpenBLAS ran some stacked one-row products
+several times slower than the parts, and Metal could not be measured here.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import pytest
 
 from engine import forward
 from engine.convert import ConvertOptions, convert
-from engine.loader import load_model
+from engine.loader import CheckpointError, load_model
 from engine.models.fused import FusedProjection, can_fuse, fuse_into
 from engine.tree import DraftTree
 
@@ -58,9 +58,18 @@ def test_every_layer_fuses_its_mixer_and_mlp(tiny_qwen35):
         assert "gate_proj" not in layer.mlp and "q_proj" not in mixer and "in_proj_qkv" not in mixer
 
 
-def test_fusion_is_on_by_default_only_on_a_gpu(tiny_qwen35):
-    loaded = load_model(tiny_qwen35, "float32")
-    assert (loaded.fused_projections > 0) == (mx.default_device() != mx.cpu)
+def test_fusion_is_on_by_default_only_on_cuda_and_can_be_chosen(tiny_qwen35, monkeypatch):
+    from engine.kernels import gpu_backend
+
+    monkeypatch.delenv("SPRUCE_FUSE", raising=False)
+    assert (load_model(tiny_qwen35, "float32").fused_projections > 0) == (gpu_backend() == "cuda")
+    monkeypatch.setenv("SPRUCE_FUSE", "1")
+    assert load_model(tiny_qwen35, "float32").fused_projections > 0
+    monkeypatch.setenv("SPRUCE_FUSE", "0")
+    assert load_model(tiny_qwen35, "float32").fused_projections == 0
+    monkeypatch.setenv("SPRUCE_FUSE", "yes")
+    with pytest.raises(CheckpointError, match="SPRUCE_FUSE"):
+        load_model(tiny_qwen35, "float32")
 
 
 def test_projection_split_matches_each_part():
