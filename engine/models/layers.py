@@ -90,20 +90,42 @@ def apply_rope(x: mx.array, rope: RopeSpec, offset: int | mx.array, batch: Batch
     return rows.swapaxes(0, 2)
 
 
-def tree_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float, tree_mask: mx.array) -> mx.array:
-    """Attention of N tree rows q [1, H, N, D] over keys/values [1, Hkv, L, D] whose last N rows
-    are the tree's: each row sees the committed prefix and its ancestors-or-self (tree_mask
-    [N, N]). Spelled out in ops (softmax in fp32) rather than mx.fast.scaled_dot_product_attention
-    with an array mask: on CUDA that routes bf16 to cuDNN, which plans a new graph for every
-    prefix length, about 40 ms a round (measured on the H200). The mask is built on the device."""
+def attention_ops(q: mx.array, keys: mx.array, values: mx.array, scale: float,
+                  mask: mx.array | None = None) -> mx.array:
+    """Attention spelled out in ops (softmax in fp32): q [1, H, N, D] over keys/values
+    [1, Hkv, L, D], mask [N, L] (True = seen) or None for all."""
     B, H, N, D = q.shape
     Hkv, L = keys.shape[1], keys.shape[2]
     G = H // Hkv  # query heads per kv head (GQA); head h reads kv head h // G
     scores = (q.reshape(B, Hkv, G * N, D) * scale) @ keys.swapaxes(-1, -2)  # [B, Hkv, G*N, L]
-    mask = mx.concatenate([mx.ones((N, L - N), dtype=mx.bool_), tree_mask], axis=1)  # [N, L]
-    scores = mx.where(mask, scores.reshape(B, Hkv, G, N, L).astype(mx.float32), -mx.inf)
+    scores = scores.reshape(B, Hkv, G, N, L).astype(mx.float32)
+    if mask is not None:
+        scores = mx.where(mask, scores, -mx.inf)
     probs = mx.softmax(scores, axis=-1).astype(values.dtype).reshape(B, Hkv, G * N, L)
     return (probs @ values).reshape(B, H, N, D)
+
+
+def tree_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float, tree_mask: mx.array) -> mx.array:
+    """Attention of N tree rows q [1, H, N, D] over keys/values [1, Hkv, L, D] whose last N rows
+    are the tree's: each row sees the committed prefix and its ancestors-or-self (tree_mask
+    [N, N]). Spelled out in ops rather than mx.fast.scaled_dot_product_attention with an array
+    mask: on CUDA that routes bf16 to cuDNN, which plans a new graph for every prefix length, about
+    40 ms a round (measured on the H200). The mask is built on the device."""
+    N, L = q.shape[2], keys.shape[2]
+    mask = mx.concatenate([mx.ones((N, L - N), dtype=mx.bool_), tree_mask], axis=1)  # [N, L]
+    return attention_ops(q, keys, values, scale, mask)
+
+
+# From this many cached keys a one-row step on the CPU attends in ops (see one_row_in_ops)
+OPS_ATTENTION_FROM = 16384
+
+
+def one_row_in_ops(keys: int) -> bool:
+    """Whether a one-row step attends in ops rather than the fused kernel: on the CPU over long
+    caches only. Measured on the dev CPU (bundled shape): one query over 32k keys 11.5 ms a layer
+    fused against 6.5 in ops, decode 1.25x faster at 32k; below that the ops' extra launches cost
+    more (decode 0.91x at 8k, 0.92x at 64). On a GPU the fused kernel is the one built for it."""
+    return keys >= OPS_ATTENTION_FROM and mx.default_device() == mx.cpu
 
 
 class Attention(nn.Module):
@@ -152,6 +174,10 @@ class Attention(nn.Module):
         keys, values = cache.write(k, v)
         if batch.tree_mask is not None:
             out = tree_attention(q, keys, values, self.scale, batch.tree_mask)
+        elif T == 1 and one_row_in_ops(keys.shape[2]):
+            if not batch.deferred:
+                cache.advance(T)
+            out = attention_ops(q, keys, values, self.scale)
         else:
             if not batch.deferred:
                 cache.advance(T)

@@ -1,0 +1,41 @@
+"""The one-row attention in ops (used on the CPU over long caches) against the fused kernel, and
+the decode of a long cache through either equal."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine.models import layers
+from engine.models.layers import attention_ops, one_row_in_ops
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "keys"), [(6, 2, 1), (6, 2, 700), (4, 4, 33), (8, 1, 300)])
+def test_ops_equal_the_fused_kernel(heads, kv_heads, keys):
+    rng = np.random.default_rng(keys)
+    q = mx.array(rng.normal(size=(1, heads, 1, 64)).astype(np.float32))
+    k, v = (mx.array(rng.normal(size=(1, kv_heads, keys, 64)).astype(np.float32)) for _ in range(2))
+    fused = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125)
+    np.testing.assert_allclose(np.array(attention_ops(q, k, v, 0.125)), np.array(fused), rtol=1e-5, atol=1e-6)
+
+
+def test_only_long_caches_on_the_cpu_take_the_ops():
+    on_cpu = mx.default_device() == mx.cpu
+    assert one_row_in_ops(layers.OPS_ATTENTION_FROM) == on_cpu
+    assert not one_row_in_ops(layers.OPS_ATTENTION_FROM - 1)
+
+
+def test_decode_is_the_same_through_either(tiny_qwen35, monkeypatch):
+    from engine.config import EngineConfig, SamplingParams
+    from engine.generate import Engine
+    from tests.helpers import generate
+
+    engine = Engine(EngineConfig(model_path=str(tiny_qwen35), prefix_cache=False))
+    prompt = [int(t) for t in np.random.default_rng(0).integers(1, 200, size=40)]
+    sampling = SamplingParams(max_tokens=24, temperature=0.8, seed=3)
+    monkeypatch.setattr(layers, "OPS_ATTENTION_FROM", 10**9)
+    fused = generate(engine, prompt, sampling).tokens
+    monkeypatch.setattr(layers, "OPS_ATTENTION_FROM", 1)
+    ops = generate(engine, prompt, sampling).tokens
+    assert ops == fused
