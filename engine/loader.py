@@ -28,6 +28,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from engine.dtypes import DTYPES, resolve_dtype
+from engine.kernels import gpu_backend
 from engine.models import FAMILIES
 from engine.models.base import ModelArgs
 from engine.rotation import rotate_inputs_of
@@ -229,7 +230,7 @@ def default_fuse() -> bool:
         raise CheckpointError(f"SPRUCE_FUSE must be 0 or 1, got {choice!r}")
     if choice is not None:
         return choice == "1"
-    return mx.default_device() != mx.cpu and not mx.metal.is_available() and mx.cuda.is_available()
+    return gpu_backend() == "cuda"
 
 
 def _evaluate_by_file(final: list[tuple[str, mx.array]], where: dict[str, str]) -> None:

@@ -61,9 +61,8 @@ class SpecController:
     arms: list[Arm] = field(default_factory=list)  # ascending budgets, arms[0] = the root alone
     rounds: int = 0
     interval: int = REVISIT  # rounds between re-tries, doubled while they lose
-    next_revisit: int = 0  # the round of the next re-try (0: none scheduled yet)
+    next_revisit: int = 0  # the round of the next re-try (0: climbing, none scheduled yet)
     revisit_side: int = 1  # +1: the neighbour above the best arm, -1: below (alternating)
-    revisiting: Arm | None = None  # the arm a re-try round ran, judged once it is recorded
 
     def __post_init__(self) -> None:
         budgets = {0, self.max_budget}
@@ -89,17 +88,17 @@ class SpecController:
         top = max(a.rate for a in tried)
         return min((a for a in tried if a.rate >= top * (1 - MARGIN)), key=lambda a: a.budget)
 
+    def _due(self) -> bool:
+        """Whether this round re-tries a neighbour (scheduled once the climb is over)."""
+        return self.next_revisit > 0 and self.rounds >= self.next_revisit
+
     def budget(self) -> int:
-        """The budget of the next round (asking twice without a record gives the same answer)."""
+        """The budget of the next round (pure: asking twice without a record gives the same answer)."""
         climbing = self._climbing()
         if climbing is not None:
             return climbing.budget
         best = self.best()
-        if self.next_revisit == 0:
-            self.next_revisit = self.rounds + self.interval
-        if self.rounds >= self.next_revisit:
-            return self._neighbour(best).budget
-        return best.budget
+        return self._neighbour(best).budget if self._due() else best.budget
 
     def _neighbour(self, best: Arm) -> Arm:
         i = self.arms.index(best)
@@ -109,15 +108,15 @@ class SpecController:
     def record(self, budget: int, tokens: int, ms: float) -> None:
         """A round ran with `budget` (the arm it was given), emitted `tokens` in `ms`."""
         arm = next((a for a in self.arms if a.budget == budget), None)
-        revisit = (self._climbing() is None and self.next_revisit and self.rounds >= self.next_revisit
-                   and arm is not None and arm is not self.best())
-        best_before = self.best() if revisit else None
+        best_before = self.best() if self._due() and arm is not None else None
         self.rounds += 1
         if arm is None:  # a budget cut by the room left is no arm's measurement
             return
         arm.record(tokens, ms)
-        if revisit:
+        if best_before is not None and arm is not best_before:  # a re-try was recorded
             self.revisit_side = -self.revisit_side
             # a re-try that changed the choice resets the spacing; one that lost widens it
             self.interval = REVISIT if self.best() is not best_before else min(2 * self.interval, MAX_REVISIT)
+            self.next_revisit = self.rounds + self.interval
+        elif not self.next_revisit and self._climbing() is None:  # the climb just ended
             self.next_revisit = self.rounds + self.interval

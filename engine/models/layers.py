@@ -172,15 +172,13 @@ class Attention(nn.Module):
         q = apply_rope(q, self.rope, offset, batch)
         k = apply_rope(k, self.rope, offset, batch)
         keys, values = cache.write(k, v)
+        if not batch.deferred:
+            cache.advance(T)
         if batch.tree_mask is not None:
             out = tree_attention(q, keys, values, self.scale, batch.tree_mask)
         elif T == 1 and one_row_in_ops(keys.shape[2]):
-            if not batch.deferred:
-                cache.advance(T)
             out = attention_ops(q, keys, values, self.scale)
         else:
-            if not batch.deferred:
-                cache.advance(T)
             mask = "causal" if T > 1 and not batch.deferred else None
             out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
         return out.transpose(0, 2, 1, 3).reshape(q.shape[0], T, -1)
