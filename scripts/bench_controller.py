@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from bench_context import pooled_p99  # noqa: E402
+from bench_context import distinct_8grams, pooled_p99  # noqa: E402
 from bench_spec import PROMPTS, render  # noqa: E402
 
 import engine.round as rounds  # noqa: E402
@@ -95,7 +95,7 @@ def summary(results: dict[str, list[dict]]) -> dict[str, str]:
     plain_tps = statistics.median(x["tps"] for x in results["none"])
     plain_p99 = pooled_p99([x["gaps"] for x in results["none"]])
     ref = [x["tokens"] for x in results["none"]]
-    cells = {}
+    cells = {"8-grams": f"{statistics.median(distinct_8grams(t) for t in ref):.2f}"}
     for key, runs in results.items():
         if key == "none":
             continue
@@ -118,8 +118,9 @@ def main() -> None:
     lengths = [int(n) for n in a.lengths.split(",")]
     engine = Engine(EngineConfig(model_path=str(BUNDLED / "target"), prefix_cache=False,
                                  max_context=max(lengths) + a.tokens + 1))
-    keys = [f"{m}:{c}" for m in METHODS for c in controllers]
-    print("cells: decode tok/s vs plain, tokens per forward, pooled p99 gap vs plain's")
+    keys = ["8-grams"] + [f"{m}:{c}" for m in METHODS for c in controllers]
+    print("cells: decode tok/s vs plain, tokens per forward, pooled p99 gap vs plain's; 8-grams: the distinct "
+          "share of plain decoding's output")
     print("| text | " + " | ".join(keys) + " |")
     print("|---|" + "---|" * len(keys))
     sampled = SamplingParams(max_tokens=a.tokens, ignore_eos=True, temperature=1.0, seed=0)
