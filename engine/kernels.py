@@ -49,6 +49,7 @@ class KernelSpec:
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     header: tuple[str, ...] = ("gdn_common.h",)
+    backends: tuple[str, ...] = BACKENDS  # qmm_mma is CUDA only (PTX tensor-core MMA)
 
 
 GDN_STEP = KernelSpec("spruce_gdn_step", "gdn_step.kernel",
@@ -63,8 +64,11 @@ GDN_COMMIT = KernelSpec("spruce_gdn_commit", "gdn_commit.kernel",
                         ("conv_out", "state_out"))
 QMM_ROWS = KernelSpec("spruce_qmm_rows", "qmm_rows.kernel", ("x", "w", "scales", "biases"), ("y",), header=())
 READ_FLOOR = KernelSpec("spruce_read_floor", "read_floor.kernel", ("w", "scales", "biases"), ("y",), header=())
-KERNELS = (GDN_STEP, GDN_CHAIN, GDN_TREE, GDN_COMMIT, QMM_ROWS, READ_FLOOR)
+QMM_MMA = KernelSpec("spruce_qmm_mma", "qmm_mma.kernel", ("x", "w", "scales", "biases"), ("y",),
+                     header=("qmm_mma_cuda.h",), backends=("cuda",))
+KERNELS = (GDN_STEP, GDN_CHAIN, GDN_TREE, GDN_COMMIT, QMM_ROWS, READ_FLOOR, QMM_MMA)
 QMM_MAX_ROWS = 32
+MMA_DTYPES = (mx.bfloat16, mx.float16)
 
 
 def read_source(file: str) -> str:
@@ -202,6 +206,53 @@ def quantized_matmul_rows(x: mx.array, w: mx.array, scales: mx.array, biases: mx
     return compiled_kernel(QMM_ROWS, backend)(
         inputs=[x, w, scales, biases], template=template, grid=(groups * 32, 1, 1), threadgroup=(rpg * 32, 1, 1),
         output_shapes=[(m, o)], output_dtypes=[x.dtype])[0]
+
+
+def mma_config(o: int, i: int, bits: int) -> tuple[int, int]:
+    """(RT, KW) of qmm_mma for a weight [o x i]: 16-row tiles per warp and warps splitting the
+    reduction. From the weight's shape only, never from the row count: a row's result must not
+    depend on M. Measured on the H200 (scripts/bench_qmm.py --configs, 9B shapes, M = 1 and 17):
+    one tile a warp and four warps a block were best or within 5 % of it on every shape; two
+    tiles (fewer blocks) lost 20-35 % at M = 1."""
+    steps = i // (16 * (32 // bits))
+    return 1, max(1, min(4, steps))
+
+
+def mma_covers(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, group_size: int,
+               bits: int) -> bool:
+    """Whether qmm_mma computes x @ dequantize(w)^T (x already [M, I])."""
+    m, i = x.shape
+    return (1 <= m <= QMM_MAX_ROWS and bits in (4, 8) and group_size in (32, 64, 128) and biases is not None
+            and x.dtype in MMA_DTYPES and scales.dtype == x.dtype and biases.dtype == x.dtype
+            and i % (16 * (32 // bits)) == 0 and w.shape[1] * (32 // bits) == i)
+
+
+def quantized_matmul_mma(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
+                         bits: int, config: tuple[int, int] | None = None) -> mx.array:
+    """x [M, I] @ dequantize(w)^T on CUDA tensor cores (metal/qmm_mma.kernel), batch-invariant;
+    the caller checks mma_covers. config: (RT, KW), for the micro-benchmark's sweep."""
+    m, i = x.shape
+    o = w.shape[0]
+    rt, kw = config or mma_config(o, i, bits)
+    nt = -(-m // 8)
+    blocks = -(-o // (16 * rt))
+    template = [("OutT", x.dtype), ("GS", group_size), ("BITS", bits), ("NT", nt), ("RT", rt), ("KW", kw)]
+    return compiled_kernel(QMM_MMA, "cuda")(
+        inputs=[x, w, scales, biases], template=template, grid=(blocks * kw * 32, 1, 1), threadgroup=(kw * 32, 1, 1),
+        output_shapes=[(m, o)], output_dtypes=[x.dtype])[0]
+
+
+def quantized_linear(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, group_size: int,
+                     bits: int, mode: str = "affine") -> mx.array:
+    """x [..., I] @ dequantize(w)^T: qmm_mma where it covers the call, else mx.quantized_matmul.
+    For the model's quantized projections once the loader turned the small-M kernel on."""
+    if mode == "affine" and x.ndim >= 1 and gpu_backend() == "cuda":
+        rows = x.reshape(-1, x.shape[-1])
+        if biases is not None and mma_covers(rows, w, scales, biases, group_size, bits):
+            y = quantized_matmul_mma(rows, w, scales, biases, group_size, bits)
+            return y.reshape(*x.shape[:-1], w.shape[0])
+    return mx.quantized_matmul(x, w, scales=scales, biases=biases, transpose=True, group_size=group_size, bits=bits,
+                               mode=mode)
 
 
 def read_floor(w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int, backend: str) -> mx.array:

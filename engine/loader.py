@@ -31,6 +31,7 @@ from engine.dtypes import DTYPES, resolve_dtype
 from engine.kernels import gpu_backend
 from engine.models import FAMILIES
 from engine.models.base import ModelArgs
+from engine.models.qlinear import default_small_m, use_small_m_kernel
 from engine.rotation import rotate_inputs_of
 
 SKIPPED_PREFIXES = ("model.visual.", "visual.", "vision_tower.", "mtp.", "model.mtp.")
@@ -51,6 +52,7 @@ class LoadedModel:
     dtype: str = "float32"  # the compute dtype the float weights were loaded in
     rotated_inputs: int = 0  # projections whose inputs are Hadamard-rotated at run time
     fused_projections: int = 0  # groups of same-input projections run as one matmul
+    small_m_projections: int = 0  # quantized projections on the small-M kernel (engine/models/qlinear.py)
 
     @property
     def nbytes(self) -> int:
@@ -184,14 +186,22 @@ def _check_and_cast(model: nn.Module, weights: dict[str, mx.array], where: dict[
     return out
 
 
-def load_model(path: str | Path, dtype: str = "auto", fuse: bool | None = None) -> LoadedModel:
+def load_model(path: str | Path, dtype: str = "auto", fuse: bool | None = None,
+               small_m: bool | None = None) -> LoadedModel:
     """dtype: a name of engine.config.DTYPE_NAMES ('auto' = bfloat16 on a GPU, float32 on the CPU).
     fuse: run each layer's same-input projections as one matmul (engine/models/fused.py); None =
     SPRUCE_FUSE (0 / 1) if set, else on CUDA only, where it was measured: on the CPU OpenBLAS ran
     the stacked one-row products slower than the separate ones (bundled model, gate|up: 454 us
-    against 206 for the two), and no Apple GPU was reachable to measure Metal."""
+    against 206 for the two), and no Apple GPU was reachable to measure Metal.
+    small_m: run the quantized projections through the small-M tensor-core kernel; None =
+    SPRUCE_QMM (0 / 1) if set, else on CUDA only (engine/models/qlinear.py)."""
     if fuse is None:
         fuse = default_fuse()
+    if small_m is None:
+        try:
+            small_m = default_small_m()
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"model directory {str(path)!r} does not exist")
@@ -221,6 +231,8 @@ def load_model(path: str | Path, dtype: str = "auto", fuse: bool | None = None) 
     mx.eval(model.parameters())  # nothing left to compute; a guard against a lazy parameter
     if fuse and hasattr(model, "fuse_projections"):
         loaded.fused_projections = model.fuse_projections()
+    if small_m:
+        loaded.small_m_projections = use_small_m_kernel(model)
     return loaded
 
 

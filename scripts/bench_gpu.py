@@ -104,14 +104,20 @@ def make_checkpoint(out: Path, shape: str, bits: int = 4, group_size: int = 64) 
 
 
 def spruce_engine(path: Path, dtype: str, core: str) -> Any:
+    """core: kernels | ops (the GDN core), with "-mlxqmm": MLX's quantized matmul instead of the
+    small-M kernel (engine/models/qlinear.py)."""
     from engine.config import EngineConfig
     from engine.generate import Engine
 
-    os.environ["SPRUCE_GDN_CORE"] = core
+    gdn, _, matmul = core.partition("-")
+    os.environ["SPRUCE_GDN_CORE"] = gdn
+    if matmul == "mlxqmm":
+        os.environ["SPRUCE_QMM"] = "0"
     try:
         return Engine(EngineConfig(model_path=str(path), dtype=dtype, prefix_cache=False, max_context=8192))
     finally:
         os.environ.pop("SPRUCE_GDN_CORE", None)
+        os.environ.pop("SPRUCE_QMM", None)
 
 
 def spruce_decode(engine: Any, prompt: list[int], n: int) -> tuple[float, list[int]]:
@@ -157,12 +163,16 @@ def decode_section(name: str, path: Path, dtype: str, args: argparse.Namespace, 
     runs_of: list[tuple[str, Callable[[], tuple[float, list[int]]]]] = [
         (f"spruce_{core}", lambda e=e: spruce_decode(e, prompt, args.tokens)) for core, e in engines.items()]
     for label, fn in [*runs_of, ("mlx_lm", lambda: mlx_lm_decode(ref, prompt, args.tokens))]:
+        t_warm = time.perf_counter()
         fn()  # warm-up (compiles)
+        row[f"{label}_warmup_s"] = time.perf_counter() - t_warm
         runs = [fn() for _ in range(args.runs)]
         row[f"{label}_tok_s"] = statistics.median(r[0] for r in runs)
         outs[label] = runs[-1][1]
         log(f"   {label}: {row[f'{label}_tok_s']:.1f} tok/s ({time.perf_counter() - T0:.0f} s)")
     row["kernels_vs_mlx_lm"] = row["spruce_kernels_tok_s"] / row["mlx_lm_tok_s"]
+    for core in engines:
+        log(f"   spruce_{core} / mlx_lm: {row[f'spruce_{core}_tok_s'] / row['mlx_lm_tok_s']:.3f}")
     row["greedy_equal_kernels_mlx_lm"] = _same_prefix(outs["spruce_kernels"], outs["mlx_lm"])
     if "spruce_ops" in outs:
         row["greedy_equal_kernels_ops"] = _same_prefix(outs["spruce_kernels"], outs["spruce_ops"])
@@ -170,7 +180,8 @@ def decode_section(name: str, path: Path, dtype: str, args: argparse.Namespace, 
     log(f"   parity {row['parity']} ({time.perf_counter() - T0:.0f} s)")
     row["plain_step_ms"] = 1e3 / row["spruce_kernels_tok_s"]
     row["rounds"] = {}
-    for core, sizes in (("kernels", args.tree_sizes), ("ops", args.ops_tree_sizes)):
+    for core, sizes in (("kernels", args.tree_sizes), ("kernels-mlxqmm", args.tree_sizes),
+                        ("ops", args.ops_tree_sizes)):
         if core not in engines or not sizes:
             continue
         row["rounds"][core] = round_costs(engines[core], prompt, sizes)

@@ -1,11 +1,17 @@
-"""Micro-benchmark of the small-M quantized matmul: mx.quantized_matmul, the batch-invariant
-kernel (metal/qmm_rows.kernel) and the read floor (a kernel that only streams the packed weights),
-side by side, for the layer shapes of the 9B, 0.8B and bundled Qwen3.5 layouts.
+"""Micro-benchmark of the small-M quantized matmul: mx.quantized_matmul (built-in), the scalar
+batch-invariant kernel (metal/qmm_rows.kernel), the tensor-core one (metal/qmm_mma.kernel, CUDA)
+and the read floor (a kernel that only streams the packed weights), side by side, for the layer
+shapes of the 9B, 4B, 0.8B and bundled Qwen3.5 layouts (fused projections included).
 
-    python scripts/bench_qmm.py [--rows 1,2,4,8,16,32] [--launches 40]
+    python scripts/bench_qmm.py [--rows 1,2,4,8,16,17,32] [--mode throughput|latency] [--launches 40]
+                                [--configs 1x8,2x8] [--shapes "9b mlp down,..."]
 
-On a GPU machine. Each figure is the median of 5 evaluations of `--launches` independent launches,
-divided by the launches: µs per launch, and TB/s of packed weights + scales + biases read.
+On a GPU machine. throughput: the median of 5 evaluations of `--launches` independent launches,
+divided by the launches (MLX CUDA overlaps independent launches, so this is what a kernel costs
+when others run beside it). latency: one launch per evaluation, median of 30, minus the median
+of the same evaluation of a one-element op (the host's synchronisation), which is what a launch
+costs on the critical path of a forward pass. µs per launch; TB/s of packed weights + scales +
+biases read.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -21,15 +28,24 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.kernels import gpu_backend, quantized_matmul_rows, read_floor  # noqa: E402
+from engine.kernels import (  # noqa: E402
+    gpu_backend,
+    mma_config,
+    mma_covers,
+    quantized_matmul_mma,
+    quantized_matmul_rows,
+    read_floor,
+)
 
-SHAPES = {  # [out x in] of the matmuls a decode step runs
-    "9b mlp up/gate": (12288, 4096), "9b mlp down": (4096, 12288), "9b gdn in_proj_qkv": (8192, 4096),
-    "9b lm_head": (248320, 4096), "0.8b mlp up": (3584, 1024), "bundled mlp up": (768, 384),
+SHAPES = {  # [out x in] of the matmuls a decode step runs; "fused" = the loader's stacked projections
+    "9b gdn in_proj fused": (12352, 4096), "9b mlp gate|up fused": (24576, 4096), "9b mlp down": (4096, 12288),
+    "9b gdn out_proj": (4096, 4096), "9b attn qkv fused": (10240, 4096), "9b attn o_proj": (4096, 4096),
+    "9b lm_head": (248320, 4096), "4b mlp gate|up fused": (18432, 2560), "4b mlp down": (2560, 9216),
+    "0.8b mlp gate|up fused": (7168, 1024), "0.8b mlp down": (1024, 3584), "bundled mlp gate|up fused": (1536, 384),
 }
 
 
-def per_launch_us(fn, launches: int) -> float:
+def throughput_us(fn: Callable[[], mx.array], launches: int) -> float:
     mx.eval(fn())
 
     def once() -> float:
@@ -40,41 +56,71 @@ def per_launch_us(fn, launches: int) -> float:
     return statistics.median(once() for _ in range(5))
 
 
+def latency_us(fn: Callable[[], mx.array], _launches: int) -> float:
+    mx.eval(fn())
+
+    def once(f: Callable[[], mx.array]) -> float:
+        t0 = time.perf_counter()
+        mx.eval(f())
+        return (time.perf_counter() - t0) * 1e6
+
+    one = mx.ones((1,))
+    sync = statistics.median(once(lambda: one + 1) for _ in range(30))
+    return statistics.median(once(fn) for _ in range(30)) - sync
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", default="1,2,4,8,16,32")
+    ap.add_argument("--rows", default="1,2,4,8,16,17,32")
+    ap.add_argument("--mode", choices=["throughput", "latency"], default="throughput")
     ap.add_argument("--launches", type=int, default=40)
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--group-size", type=int, default=64)
+    ap.add_argument("--configs", default="", help="qmm_mma (RT x KW) settings to sweep, e.g. 1x8,2x8,1x4")
+    ap.add_argument("--shapes", default="", help="comma-separated names of SHAPES (default: all)")
+    ap.add_argument("--no-rows-kernel", action="store_true", help="leave out the scalar qmm_rows kernel")
     a = ap.parse_args()
     backend = gpu_backend()
     if backend is None:
         sys.exit("bench_qmm needs a GPU backend")
     rows = [int(r) for r in a.rows.split(",")]
-    print(f"{mx.default_device()}, {a.bits}-bit g{a.group_size}, bf16 activations; us per launch "
-          f"(built-in / kernel), read floor and its TB/s")
+    configs = [tuple(int(v) for v in c.split("x")) for c in a.configs.split(",") if c]
+    names = [s.strip() for s in a.shapes.split(",") if s.strip()] or list(SHAPES)
+    kernels = "built-in" + ("" if a.no_rows_kernel else " / qmm_rows") + (" / qmm_mma" if backend == "cuda" else "")
+    print(f"{mx.default_device()}, {a.bits}-bit g{a.group_size}, bf16 activations, {a.mode}; us per launch "
+          f"({kernels}); read floor and its TB/s")
     print("| weight | read floor | " + " | ".join(f"M={m}" for m in rows) + " |")
     print("|---|---|" + "---|" * len(rows))
-    for name, (out, inp) in SHAPES.items():
-        print(row(name, out, inp, rows, a, backend), flush=True)
+    for name in names:
+        out, inp = SHAPES[name]
+        print(row(name, out, inp, rows, a, backend, configs), flush=True)
 
 
-def row(name: str, out: int, inp: int, rows: list[int], a: argparse.Namespace, backend: str) -> str:
+def row(name: str, out: int, inp: int, rows: list[int], a: argparse.Namespace, backend: str,
+        configs: list[tuple[int, ...]]) -> str:
+    timed = latency_us if a.mode == "latency" else throughput_us
     w = mx.random.normal((out, inp)).astype(mx.bfloat16) * 0.02
     wq, scales, biases = mx.quantize(w, group_size=a.group_size, bits=a.bits)
     mx.eval(wq, scales, biases)
     nbytes = wq.nbytes + scales.nbytes + biases.nbytes
-    floor = per_launch_us(partial(read_floor, wq, scales, biases, a.group_size, a.bits, backend), a.launches)
+    floor = timed(partial(read_floor, wq, scales, biases, a.group_size, a.bits, backend), a.launches)
     cells = []
     for m in rows:
         x = mx.random.normal((m, inp)).astype(mx.bfloat16)
-        builtin = per_launch_us(partial(mx.quantized_matmul, x, wq, scales, biases, transpose=True,
-                                        group_size=a.group_size, bits=a.bits), a.launches)
-        ours = per_launch_us(partial(quantized_matmul_rows, x, wq, scales, biases, a.group_size, a.bits, backend),
-                             a.launches)
-        cells.append(f"{builtin:.1f} / **{ours:.1f}**")
-    return (f"| {name} {out}x{inp} | {floor:.1f} us ({nbytes / floor / 1e6:.2f} TB/s) | " + " | ".join(cells)
-            + " |")
+        times = [timed(partial(mx.quantized_matmul, x, wq, scales, biases, transpose=True, group_size=a.group_size,
+                               bits=a.bits), a.launches)]
+        if not a.no_rows_kernel:
+            times.append(timed(partial(quantized_matmul_rows, x, wq, scales, biases, a.group_size, a.bits, backend),
+                               a.launches))
+        if backend == "cuda" and mma_covers(x, wq, scales, biases, a.group_size, a.bits):
+            for config in configs or [mma_config(out, inp, a.bits)]:
+                times.append(timed(partial(quantized_matmul_mma, x, wq, scales, biases, a.group_size, a.bits,
+                                           tuple(config)), a.launches))
+        cells.append(" / ".join(f"{t:.1f}" for t in times))
+    label = f"{name} {out}x{inp}" + (f" (configs {', '.join('x'.join(map(str, c)) for c in configs)})"
+                                     if configs else f" (mma {'x'.join(map(str, mma_config(out, inp, a.bits)))})")
+    return f"| {label} | {floor:.1f} us ({nbytes / floor / 1e6:.2f} TB/s) | " + " | ".join(cells) + " |"
+
 
 if __name__ == "__main__":
     main()

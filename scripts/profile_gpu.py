@@ -40,6 +40,7 @@ from engine import forward  # noqa: E402
 from engine.gdn.core import GDNWeights  # noqa: E402
 from engine.models import qwen3_5  # noqa: E402
 from engine.models.layers import CHAIN, tree_attention  # noqa: E402
+from engine.models.qlinear import default_small_m, use_small_m_kernel  # noqa: E402
 
 
 def per_call_us(fn: Callable[[], Any], calls: int) -> float:
@@ -55,7 +56,8 @@ def per_call_us(fn: Callable[[], Any], calls: int) -> float:
     return statistics.median(timed() for _ in range(5))
 
 
-def build_model(shape: str, layers: int, bits: int, dtype: mx.Dtype, fuse: bool = True) -> qwen3_5.Model:
+def build_model(shape: str, layers: int, bits: int, dtype: mx.Dtype, fuse: bool = True,
+                qmm: bool = True) -> qwen3_5.Model:
     text = dict(COMMON, **(bundled_text_config() if shape == "bundled" else SHAPES[shape]))
     text["num_hidden_layers"] = layers
     model = qwen3_5.Model(qwen3_5.args_from_config(text))
@@ -70,6 +72,8 @@ def build_model(shape: str, layers: int, bits: int, dtype: mx.Dtype, fuse: bool 
     mx.eval(model.parameters())
     if fuse:  # as the loader does
         model.fuse_projections()
+    if qmm:  # as the loader does on CUDA: the small-M quantized matmul kernel
+        use_small_m_kernel(model)
     return model
 
 
@@ -247,13 +251,15 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=512, help="prefill chunk rows (0 = skip)")
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--no-fuse", action="store_true", help="keep the same-input projections separate")
+    ap.add_argument("--no-qmm", action="store_true", help="MLX's quantized matmul, not the small-M kernel")
     ap.add_argument("--ncu", action="store_true", help="only mark one verify per row count for ncu")
     ap.add_argument("--full-layers", type=int, default=0, help="layers of the full model (default: the shape's)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     dtype = getattr(mx, args.dtype)
     t0 = time.perf_counter()
-    model = build_model(args.shape, args.layers, args.bits, dtype, not args.no_fuse)
+    model = build_model(args.shape, args.layers, args.bits, dtype, not args.no_fuse,
+                        not args.no_qmm and default_small_m())
     print(f"built in {time.perf_counter() - t0:.1f} s", flush=True)
     full = args.full_layers or (bundled_text_config() if args.shape == "bundled" else SHAPES[args.shape])[
         "num_hidden_layers"]

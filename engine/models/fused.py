@@ -22,6 +22,8 @@ from itertools import accumulate
 import mlx.core as mx
 import mlx.nn as nn
 
+from engine.kernels import quantized_linear
+
 
 class FusedProjection(nn.Module):
     """x [..., I] -> the projections' outputs, in the order they were fused."""
@@ -37,11 +39,15 @@ class FusedProjection(nn.Module):
             self.scales = mx.concatenate([p["scales"] for p in parts])
             if "biases" in first:
                 self.biases = mx.concatenate([p["biases"] for p in parts])
+        self.rows_kernel = False  # set by engine/models/qlinear.py where the small-M kernel runs
         sizes = [p["weight"].shape[0] for p in parts]
         self.split_at = tuple(accumulate(sizes))[:-1]
 
     def __call__(self, x: mx.array) -> list[mx.array]:
-        if self.quantized:
+        if self.quantized and self.rows_kernel:
+            y = quantized_linear(x, self["weight"], self["scales"], self.get("biases"), self.group_size, self.bits,
+                                 self.mode)
+        elif self.quantized:
             y = mx.quantized_matmul(x, self["weight"], scales=self["scales"], biases=self.get("biases"),
                                     transpose=True, group_size=self.group_size, bits=self.bits, mode=self.mode)
         else:

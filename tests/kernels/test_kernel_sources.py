@@ -26,7 +26,7 @@ SHAPES = {"bundled": dict(Hk=6, Hv=12, Dk=32, Dv=32, K=4), "9b": dict(Hk=16, Hv=
 def dtypes_for(spec: KernelSpec, activations: str) -> dict[str, str]:
     out = {}
     for n in (*spec.inputs, *spec.outputs):
-        if spec.name.endswith(("qmm_rows", "read_floor")):
+        if spec.name.endswith(("qmm_rows", "read_floor", "qmm_mma")):
             out[n] = "uint32" if n == "w" else "float32" if n == "y" and spec.name.endswith("floor") else activations
         else:
             out[n] = "int32" if n in INT_INPUTS else activations if n in ACTIVATIONS else "float32"
@@ -36,6 +36,8 @@ def dtypes_for(spec: KernelSpec, activations: str) -> dict[str, str]:
 def template_for(spec: KernelSpec, shape: str, activations: str = "float32") -> dict[str, int | str]:
     if spec.name.endswith("qmm_rows"):
         return dict(OutT=activations, I=4096 if shape == "9b" else 384, O=256, GS=64, BITS=4, MAXM=8, R=4, RPG=4)
+    if spec.name.endswith("qmm_mma"):
+        return dict(OutT=activations, GS=64, BITS=4, NT=3 if shape == "9b" else 1, RT=2, KW=8)
     if spec.name.endswith("read_floor"):
         return dict(OutT=activations, WORDS=512 if shape == "9b" else 48, O=256, GS=64, BITS=4, R=8, RPG=4)
     t: dict[str, int | str] = dict(SHAPES[shape], RPG=2)
@@ -53,11 +55,19 @@ def compile_cxx(source: str, tmp_path: Path, includes: list[Path]) -> subprocess
 
 needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is not installed")
 CASES = [(spec, act, shape) for spec in KERNELS for act in ("float32", "bfloat16") for shape in SHAPES]
-IDS = [f"{s.name}-{a}-{sh}" for s, a, sh in CASES]
+
+
+def ids(cases: list) -> list[str]:
+    return [f"{s.name}-{a}-{sh}" for s, a, sh in cases]
+
+
+# qmm_mma is CUDA only and takes bf16 / fp16 activations (tensor-core MMA)
+METAL_CASES = [c for c in CASES if "metal" in c[0].backends]
+CUDA_CASES = [c for c in CASES if "cuda" in c[0].backends and not (c[0].name.endswith("mma") and c[1] == "float32")]
 
 
 @needs_gxx
-@pytest.mark.parametrize(("spec", "activations", "shape"), CASES, ids=IDS)
+@pytest.mark.parametrize(("spec", "activations", "shape"), METAL_CASES, ids=ids(METAL_CASES))
 def test_metal_text_compiles_against_the_stub(spec, activations, shape, tmp_path):
     sizes = {"path": 3}  # small arrays go to Metal's constant address space
     source = render_metal(spec, dtypes_for(spec, activations), sizes, template_for(spec, shape, activations))
@@ -66,7 +76,7 @@ def test_metal_text_compiles_against_the_stub(spec, activations, shape, tmp_path
 
 
 @needs_gxx
-@pytest.mark.parametrize(("spec", "activations", "shape"), CASES, ids=IDS)
+@pytest.mark.parametrize(("spec", "activations", "shape"), CUDA_CASES, ids=ids(CUDA_CASES))
 def test_cuda_text_compiles_against_the_stub(spec, activations, shape, tmp_path):
     source = render_cuda(spec, dtypes_for(spec, activations), template_for(spec, shape, activations), stub=True)
     p = compile_cxx(source, tmp_path, [STUB, STUB / "cuda"])

@@ -64,3 +64,66 @@ def test_gpu_kernel_equals_twin_and_is_batch_invariant(dtype, bits, group_size, 
     for m in (1, 2, 4, 8, 16, 17):
         part = quantized_matmul_rows(x[:m], *wq, group_size, bits, backend)
         assert mx.array_equal(part, full[:m]), m  # bitwise: a verify row equals the one-row step
+
+
+needs_cuda = pytest.mark.skipif(gpu_backend() != "cuda", reason="qmm_mma is a CUDA kernel (PTX tensor-core MMA)")
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+@pytest.mark.parametrize(("bits", "group_size"), [(4, 32), (4, 64), (4, 128), (8, 64), (8, 128)])
+@pytest.mark.parametrize(("out", "inp"), [(1030, 4096), (4096, 12288), (528, 384)])
+def test_mma_kernel_equals_twin_and_is_batch_invariant(dtype, bits, group_size, out, inp, rng):
+    """Against mx.quantized_matmul in fp32 on the CPU (the kernel rounds the dequantized weights to
+    the activations' type, as MLX's own GPU kernels do), and rows bitwise equal whatever M is."""
+    from engine.kernels import mma_covers, quantized_matmul_mma
+
+    w = mx.array(rng.normal(size=(out, inp)).astype(np.float32) * 0.05)
+    wq, scales, biases = mx.quantize(w, group_size=group_size, bits=bits)
+    scales, biases = scales.astype(dtype), biases.astype(dtype)
+    x = mx.array(rng.normal(size=(32, inp)).astype(np.float32)).astype(dtype)
+    assert mma_covers(x, wq, scales, biases, group_size, bits)
+    full = quantized_matmul_mma(x, wq, scales, biases, group_size, bits)
+    with mx.stream(mx.cpu):
+        twin = mx.quantized_matmul(x.astype(mx.float32), wq, scales.astype(mx.float32), biases.astype(mx.float32),
+                                   transpose=True, group_size=group_size, bits=bits)
+    scale = float(mx.abs(twin).max())
+    err = float(mx.abs(full.astype(mx.float32) - twin).max())
+    assert err <= 2e-2 * max(1.0, scale), (err, scale)
+    for m in (1, 2, 3, 4, 7, 8, 9, 16, 17, 24, 31):
+        part = quantized_matmul_mma(x[:m], wq, scales, biases, group_size, bits)
+        assert mx.array_equal(part, full[:m]), m  # bitwise: a verify row equals the one-row step
+
+
+@needs_cuda
+@pytest.mark.parametrize("config", [(1, 1), (1, 4), (2, 8), (4, 2)])
+def test_mma_kernel_configs_agree(config, rng):
+    """Every (tiles a warp, warps a block) computes the same product up to rounding: the config
+    only changes the order of the sum."""
+    from engine.kernels import quantized_matmul_mma
+
+    wq, scales, biases = mx.quantize(mx.array(rng.normal(size=(1024, 2048)).astype(np.float32) * 0.05),
+                                     group_size=64, bits=4)
+    scales, biases = scales.astype(mx.bfloat16), biases.astype(mx.bfloat16)
+    x = mx.array(rng.normal(size=(5, 2048)).astype(np.float32)).astype(mx.bfloat16)
+    ref = quantized_matmul_mma(x, wq, scales, biases, 64, 4, (1, 1)).astype(mx.float32)
+    got = quantized_matmul_mma(x, wq, scales, biases, 64, 4, config).astype(mx.float32)
+    assert float(mx.abs(got - ref).max()) <= 1e-2 * max(1.0, float(mx.abs(ref).max()))
+
+
+def test_mma_kernel_covers_only_what_it_computes():
+    """fp32 activations, mismatched scale dtypes, other widths and more than 32 rows go to MLX."""
+    from engine.kernels import mma_covers
+
+    wq, scales, biases = mx.quantize(mx.zeros((64, 256)), group_size=64, bits=4)
+    bf = scales.astype(mx.bfloat16), biases.astype(mx.bfloat16)
+    assert mma_covers(mx.zeros((3, 256), dtype=mx.bfloat16), wq, *bf, 64, 4)
+    assert not mma_covers(mx.zeros((3, 256)), wq, scales, biases, 64, 4)  # fp32
+    assert not mma_covers(mx.zeros((33, 256), dtype=mx.bfloat16), wq, *bf, 64, 4)
+    assert not mma_covers(mx.zeros((3, 256), dtype=mx.bfloat16), wq, scales, biases, 64, 4)  # fp32 scales
+    w3, s3, b3 = mx.quantize(mx.zeros((64, 256)), group_size=64, bits=3)
+    assert not mma_covers(mx.zeros((3, 256), dtype=mx.bfloat16), w3, s3.astype(mx.bfloat16),
+                          b3.astype(mx.bfloat16), 64, 3)
+    w4, s4, b4 = mx.quantize(mx.zeros((64, 320)), group_size=64, bits=4)  # 320 is not a multiple of 128
+    assert not mma_covers(mx.zeros((3, 320), dtype=mx.bfloat16), w4, s4.astype(mx.bfloat16),
+                          b4.astype(mx.bfloat16), 64, 4)

@@ -6,3 +6,7 @@ struct __nv_bfloat16 {
   __nv_bfloat16(float f) : bits(static_cast<unsigned short>(f)) {}
 };
 inline float __bfloat162float(__nv_bfloat16 x) { return float(x.bits); }
+struct __nv_bfloat162 {
+  __nv_bfloat16 x, y;
+};
+inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) { return __nv_bfloat162{__nv_bfloat16(a), __nv_bfloat16(b)}; }

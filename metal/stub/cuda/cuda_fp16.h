@@ -6,3 +6,7 @@ struct __half {
   __half(float f) : bits(static_cast<unsigned short>(f)) {}
 };
 inline float __half2float(__half x) { return float(x.bits); }
+struct __half2 {
+  __half x, y;
+};
+inline __half2 __floats2half2_rn(float a, float b) { return __half2{__half(a), __half(b)}; }

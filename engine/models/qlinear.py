@@ -1,0 +1,68 @@
+"""The model's quantized projections on the small-M tensor-core kernel (metal/qmm_mma.kernel).
+
+MLX's CUDA quantized matmul streams the weights once per activation row below 8 rows and, from 8
+rows on, launches one block per 128 output rows without splitting the reduction (scripts/
+profile_gpu.py: the 9B down_proj took 342 us at 17 rows against 43 at one, on 32 of 132 SMs).
+qmm_mma reads each weight once for up to 32 rows, splits the reduction over the warps of a block,
+and gives a row the same result whatever the number of rows, so a verify row equals the one-row
+step. The loader swaps the kernel in on CUDA (SPRUCE_QMM=0|1 overrides); calls it does not cover
+(more than 32 rows: prefill; fp32 activations; other bit widths) run mx.quantized_matmul.
+"""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_unflatten
+
+from engine.kernels import gpu_backend, quantized_linear
+from engine.models.fused import FusedProjection
+
+
+class RowsQuantizedLinear(nn.QuantizedLinear):
+    """nn.QuantizedLinear whose matmul goes through engine.kernels.quantized_linear."""
+
+    @classmethod
+    def of(cls, q: nn.QuantizedLinear) -> RowsQuantizedLinear:
+        """The same weights (not copied) in this class; QuantizedLinear's own constructor would
+        quantize a random matrix of the full size first."""
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.group_size, new.bits, new.mode = q.group_size, q.bits, q.mode
+        for name in ("weight", "scales", "biases", "bias"):
+            if name in q:
+                new[name] = q[name]
+        new.freeze()
+        return new
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = quantized_linear(x, self["weight"], self["scales"], self.get("biases"), self.group_size, self.bits,
+                             self.mode)
+        return y + self["bias"] if "bias" in self else y
+
+
+def default_small_m() -> bool:
+    choice = os.environ.get("SPRUCE_QMM")
+    if choice not in (None, "0", "1"):
+        raise ValueError(f"SPRUCE_QMM must be 0 or 1, got {choice!r}")
+    if choice is not None:
+        return choice == "1"
+    return gpu_backend() == "cuda"
+
+
+def use_small_m_kernel(model: nn.Module) -> int:
+    """Route the model's affine 4/8-bit projections (fused ones included) through the small-M
+    kernel; -> how many modules now do. Subclasses (the Hadamard-rotated projection) keep theirs."""
+    swaps = []
+    count = 0
+    for name, module in model.named_modules():
+        if type(module) is nn.QuantizedLinear and module.mode == "affine" and module.bits in (4, 8):
+            swaps.append((name, RowsQuantizedLinear.of(module)))
+        elif isinstance(module, FusedProjection) and module.quantized and module.mode == "affine":
+            module.rows_kernel = True
+            count += 1
+    if swaps:
+        model.update_modules(tree_unflatten(swaps))
+    return count + len(swaps)

@@ -1,0 +1,62 @@
+// Helpers of qmm_mma.kernel, CUDA only: the tensor-core MMA (m16n8k16, fp32 accumulators) and
+// packing two floats into the register pair of the activation type. Under NVRTC (__CUDACC__)
+// they are PTX; elsewhere (the g++ check against metal/stub/) a scalar stand-in with the same
+// signature, so the body's names and types are still checked.
+
+template <typename T>
+SPR_FN uint spr_pack2(float lo, float hi);
+
+template <>
+SPR_FN uint spr_pack2<__nv_bfloat16>(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (lo) in the low half, as the MMA wants
+  return *reinterpret_cast<uint*>(&v);
+}
+
+template <>
+SPR_FN uint spr_pack2<__half>(float lo, float hi) {
+  __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint*>(&v);
+}
+
+// d += A [16 x 16] (a0..a3) x B [16 x 8] (b0, b1), fragments as in PTX's mma.m16n8k16 with .row.col
+template <typename T>
+SPR_FN void spr_mma(float* d, uint a0, uint a1, uint a2, uint a3, uint b0, uint b1);
+
+#if defined(__CUDACC__)
+template <>
+SPR_FN void spr_mma<__nv_bfloat16>(float* d, uint a0, uint a1, uint a2, uint a3, uint b0, uint b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+template <>
+SPR_FN void spr_mma<__half>(float* d, uint a0, uint a1, uint a2, uint a3, uint b0, uint b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+#else
+template <typename T>
+SPR_FN void spr_mma(float* d, uint a0, uint a1, uint a2, uint a3, uint b0, uint b1) {
+  d[0] += float(a0 ^ b0);  // syntax stand-in for the g++ check; never executed
+  d[1] += float(a1 ^ b1);
+  d[2] += float(a2);
+  d[3] += float(a3);
+}
+#endif
+
+// word i (0..3) of a 16-byte load; i is a constant once the loops are unrolled
+SPR_FN uint spr_word(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
+
+// value idx of a 16-byte load of packed BITS-bit weights, dequantized: scale * q + bias. The
+// integer becomes a float through the exponent trick (2^23 + q, minus 2^23: exact, full rate).
+template <int BITS>
+SPR_FN float spr_dequant(const uint4& v, int idx, float scale, float bias) {
+  constexpr int PER = 32 / BITS;
+  const uint q = (spr_word(v, idx / PER) >> (BITS * (idx % PER))) & ((1u << BITS) - 1u);
+  return fmaf(scale, __uint_as_float(0x4B000000u | q) - 8388608.0f, bias);
+}

@@ -1,0 +1,107 @@
+"""The model's quantized projections on the small-M kernel (engine/models/qlinear.py): the loader
+swaps them in where asked, the model computes what it did, and on CUDA (where the kernel runs)
+speculation still only flips tokens at near ties in bf16."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from engine import forward
+from engine.config import EngineConfig, SamplingParams, SpecConfig
+from engine.convert import ConvertOptions, convert
+from engine.generate import Engine
+from engine.kernels import gpu_backend
+from engine.loader import CheckpointError, load_model
+from engine.models.qlinear import RowsQuantizedLinear
+from engine.tree import DraftTree
+from tests.helpers import checkpoint_maker, generate
+
+PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79]
+TREE = DraftTree((7, 8, 9, 10, 11, 12), (-1, 0, 1, 0, 3, 1))
+NEAR_TIE = 0.125  # as tests/engine/test_low_precision.py
+
+
+@pytest.fixture(scope="module")
+def wide_q4(tmp_path_factory):
+    """Hidden 256, so every projection's input is a multiple of 128 and the kernel covers it."""
+    src = tmp_path_factory.mktemp("qlinear_src")
+    checkpoint_maker().main([str(src), "--hidden", "256", "--linear-dim", "32", "--seed", "23"])
+    out = tmp_path_factory.mktemp("qlinear_q4") / "model"
+    convert(src, out, ConvertOptions(bits=4, group_size=64, hadamard=False), progress=False)
+    return out
+
+
+def outputs(path, dtype: str, small_m: bool) -> tuple[np.ndarray, np.ndarray, int]:
+    loaded = load_model(path, dtype, small_m=small_m)
+    model = loaded.model
+    chain = np.array(model(mx.array([PROMPT]), model.make_cache()).astype(mx.float32))[0]
+    cache = model.make_cache()
+    forward.extend(model, cache, PROMPT)
+    tree = np.array(forward.verify(model, cache, TREE, len(PROMPT)).astype(mx.float32))
+    return chain, tree, loaded.small_m_projections
+
+
+def test_swapped_projections_compute_what_they_did(wide_q4):
+    """fp32 activations: the kernel does not cover them, so the swapped model is the same model."""
+    chain, tree, swapped = outputs(wide_q4, "float32", True)
+    chain_ref, tree_ref, none = outputs(wide_q4, "float32", False)
+    assert none == 0 and swapped > 0
+    assert np.array_equal(chain, chain_ref) and np.array_equal(tree, tree_ref)
+
+
+def test_every_quantized_projection_is_routed(wide_q4):
+    model = load_model(wide_q4, "float32", small_m=True, fuse=False).model
+    kinds = {type(m) for _, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)}
+    assert kinds == {RowsQuantizedLinear}
+
+
+def test_on_by_default_only_on_cuda_and_can_be_chosen(wide_q4, monkeypatch):
+    monkeypatch.delenv("SPRUCE_QMM", raising=False)
+    assert (load_model(wide_q4, "float32").small_m_projections > 0) == (gpu_backend() == "cuda")
+    monkeypatch.setenv("SPRUCE_QMM", "1")
+    assert load_model(wide_q4, "float32").small_m_projections > 0
+    monkeypatch.setenv("SPRUCE_QMM", "0")
+    assert load_model(wide_q4, "float32").small_m_projections == 0
+    monkeypatch.setenv("SPRUCE_QMM", "on")
+    with pytest.raises(CheckpointError, match="SPRUCE_QMM"):
+        load_model(wide_q4, "float32")
+
+
+needs_cuda = pytest.mark.skipif(gpu_backend() != "cuda", reason="the small-M kernel runs on CUDA")
+
+
+@needs_cuda
+def test_kernel_model_matches_mlx_matmuls_in_bf16(wide_q4):
+    chain, tree, swapped = outputs(wide_q4, "bfloat16", True)
+    chain_ref, tree_ref, _ = outputs(wide_q4, "bfloat16", False)
+    assert swapped > 0
+    scale = max(1.0, float(np.abs(chain_ref).max()))
+    assert np.abs(chain - chain_ref).max() <= 0.1 * scale
+    assert np.abs(tree - tree_ref).max() <= 0.1 * scale
+
+
+@needs_cuda
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculation_with_the_kernel_flips_only_at_near_ties(wide_q4, method):
+    engine = Engine(EngineConfig(model_path=str(wide_q4), dtype="bfloat16"))
+    routed = [m for _, m in engine.model.named_modules()
+              if isinstance(m, RowsQuantizedLinear) or getattr(m, "rows_kernel", False)]
+    assert routed
+    spec = SpecConfig(method=method, budget=8, max_depth=4, draft_model=str(wide_q4), tree="ddtree", adaptive=False)
+    sampling = SamplingParams(max_tokens=48, ignore_eos=True, logprobs=2)
+    flips = 0
+    for seed in range(5):
+        rng = np.random.RandomState(seed)
+        motif = list(rng.randint(0, 500, size=5))
+        prompt = [int(t) for t in motif * 3 + list(rng.randint(0, 500, size=10))]
+        plain = generate(engine, prompt, sampling)
+        fast = generate(engine, prompt, sampling, spec)
+        i = next((k for k, (a, b) in enumerate(zip(plain.tokens, fast.tokens)) if a != b), None)
+        if i is not None:
+            flips += 1
+            top = plain.logprobs[i].top
+            assert top[0][1] - top[1][1] <= NEAR_TIE, f"prompt {seed}: flip at {i} with a clear winner"
+    print(f"{method}: {flips} of 5 prompts flipped (at near ties)")
