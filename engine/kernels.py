@@ -90,6 +90,15 @@ def compiled_kernel(spec: KernelSpec, backend: str) -> Any:
                 source=body, header=header, ensure_row_contiguous=True)
 
 
+def cuda_default(switch: str) -> bool:
+    """An implementation choice that is on by default on CUDA only, where it was measured; the
+    environment variable `switch` (0 | 1) overrides it. Raises ValueError on another value."""
+    choice = os.environ.get(switch)
+    if choice not in (None, "0", "1"):
+        raise ValueError(f"{switch} must be 0 or 1, got {choice!r}")
+    return choice == "1" if choice is not None else gpu_backend() == "cuda"
+
+
 def gpu_backend() -> str | None:
     if mx.default_device() == mx.cpu:
         return None

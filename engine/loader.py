@@ -18,7 +18,6 @@ compute dtype) in memory. When the compute dtype is the stored one nothing is co
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
@@ -28,7 +27,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from engine.dtypes import DTYPES, resolve_dtype
-from engine.kernels import gpu_backend
+from engine.kernels import cuda_default
 from engine.models import FAMILIES
 from engine.models.base import ModelArgs
 from engine.models.qlinear import default_small_m, use_small_m_kernel
@@ -237,12 +236,10 @@ def load_model(path: str | Path, dtype: str = "auto", fuse: bool | None = None,
 
 
 def default_fuse() -> bool:
-    choice = os.environ.get("SPRUCE_FUSE")
-    if choice not in (None, "0", "1"):
-        raise CheckpointError(f"SPRUCE_FUSE must be 0 or 1, got {choice!r}")
-    if choice is not None:
-        return choice == "1"
-    return gpu_backend() == "cuda"
+    try:
+        return cuda_default("SPRUCE_FUSE")
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
 
 
 def _evaluate_by_file(final: list[tuple[str, mx.array]], where: dict[str, str]) -> None:

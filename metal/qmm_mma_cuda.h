@@ -23,22 +23,18 @@ template <typename T>
 SPR_FN void spr_mma(float* d, uint a0, uint a1, uint a2, uint a3, uint b0, uint b1);
 
 #if defined(__CUDACC__)
-template <>
-SPR_FN void spr_mma<__nv_bfloat16>(float* d, uint a0, uint a1, uint a2, uint a3, uint b0, uint b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-template <>
-SPR_FN void spr_mma<__half>(float* d, uint a0, uint a1, uint a2, uint a3, uint b0, uint b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
+// one specialisation per activation type; only the PTX type name differs
+#define SPR_MMA_FOR(T, PTX_TYPE)                                                                  \
+  template <>                                                                                    \
+  SPR_FN void spr_mma<T>(float* d, uint a0, uint a1, uint a2, uint a3, uint b0, uint b1) {       \
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." PTX_TYPE "." PTX_TYPE ".f32 "          \
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"                       \
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                \
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));                        \
+  }
+SPR_MMA_FOR(__nv_bfloat16, "bf16")
+SPR_MMA_FOR(__half, "f16")
+#undef SPR_MMA_FOR
 #else
 template <typename T>
 SPR_FN void spr_mma(float* d, uint a0, uint a1, uint a2, uint a3, uint b0, uint b1) {

@@ -11,13 +11,11 @@ step. The loader swaps the kernel in on CUDA (SPRUCE_QMM=0|1 overrides); calls i
 
 from __future__ import annotations
 
-import os
-
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
-from engine.kernels import gpu_backend, quantized_linear
+from engine.kernels import cuda_default, quantized_linear
 from engine.models.fused import FusedProjection
 
 
@@ -44,12 +42,7 @@ class RowsQuantizedLinear(nn.QuantizedLinear):
 
 
 def default_small_m() -> bool:
-    choice = os.environ.get("SPRUCE_QMM")
-    if choice not in (None, "0", "1"):
-        raise ValueError(f"SPRUCE_QMM must be 0 or 1, got {choice!r}")
-    if choice is not None:
-        return choice == "1"
-    return gpu_backend() == "cuda"
+    return cuda_default("SPRUCE_QMM")
 
 
 def use_small_m_kernel(model: nn.Module) -> int:
