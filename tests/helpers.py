@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from engine.config import SamplingParams, SpecConfig
     from engine.drafters.base import Drafter
     from engine.generate import Engine
@@ -105,3 +107,23 @@ def add_to_hub_cache(cache: Path, repo_id: str, src: Path, commit: str = "0" * 4
     (repo / "refs").mkdir(exist_ok=True)
     (repo / "refs" / ref).write_text(commit)
     return snapshot
+
+
+def check_cuda_default_switch(monkeypatch, switch: str, count: Callable[[], int]) -> None:
+    """An implementation the loader turns on by default on CUDA only (engine.kernels.cuda_default):
+    count() loads a model and says how many modules use it; `switch` (0 | 1) overrides the
+    default, and another value is a CheckpointError naming the switch."""
+    import pytest
+
+    from engine.kernels import gpu_backend
+    from engine.loader import CheckpointError
+
+    monkeypatch.delenv(switch, raising=False)
+    assert (count() > 0) == (gpu_backend() == "cuda")
+    monkeypatch.setenv(switch, "1")
+    assert count() > 0
+    monkeypatch.setenv(switch, "0")
+    assert count() == 0
+    monkeypatch.setenv(switch, "on")
+    with pytest.raises(CheckpointError, match=switch):
+        count()

@@ -11,9 +11,10 @@ import pytest
 
 from engine import forward
 from engine.convert import ConvertOptions, convert
-from engine.loader import CheckpointError, load_model
+from engine.loader import load_model
 from engine.models.fused import FusedProjection, can_fuse, fuse_into
 from engine.tree import DraftTree
+from tests.helpers import check_cuda_default_switch
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79]
 TREE = DraftTree((7, 8, 9, 10, 11, 12), (-1, 0, 1, 0, 3, 1))
@@ -59,17 +60,7 @@ def test_every_layer_fuses_its_mixer_and_mlp(tiny_qwen35):
 
 
 def test_fusion_is_on_by_default_only_on_cuda_and_can_be_chosen(tiny_qwen35, monkeypatch):
-    from engine.kernels import gpu_backend
-
-    monkeypatch.delenv("SPRUCE_FUSE", raising=False)
-    assert (load_model(tiny_qwen35, "float32").fused_projections > 0) == (gpu_backend() == "cuda")
-    monkeypatch.setenv("SPRUCE_FUSE", "1")
-    assert load_model(tiny_qwen35, "float32").fused_projections > 0
-    monkeypatch.setenv("SPRUCE_FUSE", "0")
-    assert load_model(tiny_qwen35, "float32").fused_projections == 0
-    monkeypatch.setenv("SPRUCE_FUSE", "yes")
-    with pytest.raises(CheckpointError, match="SPRUCE_FUSE"):
-        load_model(tiny_qwen35, "float32")
+    check_cuda_default_switch(monkeypatch, "SPRUCE_FUSE", lambda: load_model(tiny_qwen35, "float32").fused_projections)
 
 
 def test_projection_split_matches_each_part():

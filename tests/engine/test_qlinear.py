@@ -14,10 +14,10 @@ from engine.config import EngineConfig, SamplingParams, SpecConfig
 from engine.convert import ConvertOptions, convert
 from engine.generate import Engine
 from engine.kernels import gpu_backend
-from engine.loader import CheckpointError, load_model
+from engine.loader import load_model
 from engine.models.qlinear import RowsQuantizedLinear
 from engine.tree import DraftTree
-from tests.helpers import checkpoint_maker, generate
+from tests.helpers import check_cuda_default_switch, checkpoint_maker, generate
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79]
 TREE = DraftTree((7, 8, 9, 10, 11, 12), (-1, 0, 1, 0, 3, 1))
@@ -59,15 +59,7 @@ def test_every_quantized_projection_is_routed(wide_q4):
 
 
 def test_on_by_default_only_on_cuda_and_can_be_chosen(wide_q4, monkeypatch):
-    monkeypatch.delenv("SPRUCE_QMM", raising=False)
-    assert (load_model(wide_q4, "float32").small_m_projections > 0) == (gpu_backend() == "cuda")
-    monkeypatch.setenv("SPRUCE_QMM", "1")
-    assert load_model(wide_q4, "float32").small_m_projections > 0
-    monkeypatch.setenv("SPRUCE_QMM", "0")
-    assert load_model(wide_q4, "float32").small_m_projections == 0
-    monkeypatch.setenv("SPRUCE_QMM", "on")
-    with pytest.raises(CheckpointError, match="SPRUCE_QMM"):
-        load_model(wide_q4, "float32")
+    check_cuda_default_switch(monkeypatch, "SPRUCE_QMM", lambda: load_model(wide_q4, "float32").small_m_projections)
 
 
 needs_cuda = pytest.mark.skipif(gpu_backend() != "cuda", reason="the small-M kernel runs on CUDA")
