@@ -4,7 +4,9 @@ and the read floor (a kernel that only streams the packed weights), side by side
 shapes of the 9B, 4B, 0.8B and bundled Qwen3.5 layouts (fused projections included).
 
     python scripts/bench_qmm.py [--rows 1,2,4,8,16,17,32] [--mode throughput|latency] [--launches 40]
-                                [--configs 1x8,2x8] [--shapes "9b mlp down,..."]
+                                [--configs 1x8,2x8] [--shapes "9b mlp down,..."] [--dequant]
+
+    e.g. prefill-sized rows: --rows 512,2048 --dequant --no-rows-kernel (qmm_mma covers <= 32 rows)
 
 On a GPU machine. throughput: the median of 5 evaluations of `--launches` independent launches,
 divided by the launches (MLX CUDA overlaps independent launches, so this is what a kernel costs
@@ -45,6 +47,11 @@ SHAPES = {  # [out x in] of the matmuls a decode step runs; "fused" = the loader
 }
 
 
+def dequant_matmul(x: mx.array, wq: mx.array, scales: mx.array, biases: mx.array, group_size: int,
+                   bits: int) -> mx.array:
+    return x @ mx.dequantize(wq, scales, biases, group_size=group_size, bits=bits).T
+
+
 def throughput_us(fn: Callable[[], mx.array], launches: int) -> float:
     mx.eval(fn())
 
@@ -79,6 +86,10 @@ def main() -> None:
     ap.add_argument("--configs", default="", help="qmm_mma (RT x KW) settings to sweep, e.g. 1x8,2x8,1x4")
     ap.add_argument("--shapes", default="", help="comma-separated names of SHAPES (default: all)")
     ap.add_argument("--no-rows-kernel", action="store_true", help="leave out the scalar qmm_rows kernel")
+    ap.add_argument("--dequant", action="store_true",
+                    help="add dequantize-then-matmul (bf16 GEMM over weights dequantized per call): the "
+                         "candidate for prefill-sized row counts, where MLX's quantized kernel is far from "
+                         "the tensor cores' throughput")
     a = ap.parse_args()
     backend = gpu_backend()
     if backend is None:
@@ -86,7 +97,8 @@ def main() -> None:
     rows = [int(r) for r in a.rows.split(",")]
     configs = [tuple(int(v) for v in c.split("x")) for c in a.configs.split(",") if c]
     names = [s.strip() for s in a.shapes.split(",") if s.strip()] or list(SHAPES)
-    kernels = "built-in" + ("" if a.no_rows_kernel else " / qmm_rows") + (" / qmm_mma" if backend == "cuda" else "")
+    kernels = ("built-in" + ("" if a.no_rows_kernel else " / qmm_rows") + (" / dequant+matmul" if a.dequant else "")
+               + (" / qmm_mma" if backend == "cuda" else ""))
     print(f"{mx.default_device()}, {a.bits}-bit g{a.group_size}, bf16 activations, {a.mode}; us per launch "
           f"({kernels}); read floor and its TB/s")
     print("| weight | read floor | " + " | ".join(f"M={m}" for m in rows) + " |")
@@ -112,6 +124,8 @@ def row(name: str, out: int, inp: int, rows: list[int], a: argparse.Namespace, b
         if not a.no_rows_kernel:
             times.append(timed(partial(quantized_matmul_rows, x, wq, scales, biases, a.group_size, a.bits, backend),
                                a.launches))
+        if a.dequant:
+            times.append(timed(partial(dequant_matmul, x, wq, scales, biases, a.group_size, a.bits), a.launches))
         if backend == "cuda" and mma_covers(x, wq, scales, biases, a.group_size, a.bits):
             for config in configs or [mma_config(out, inp, a.bits)]:
                 times.append(timed(partial(quantized_matmul_mma, x, wq, scales, biases, a.group_size, a.bits,
