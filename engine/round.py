@@ -63,6 +63,7 @@ class InFlight:
     draft_ms: float
     proposed: bool = True  # the drafter's propose ran for this round (False: it is told with skip)
     arm: int = -1  # the budget the controller chose for this round (-1: none to credit)
+    ahead_ms: float = 0.0  # a pipelined round: how long queueing it took, before the previous one landed
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,7 @@ class Rounds:
         drafts = not isinstance(drafter, NoDrafter)
         self.controller = SpecController(spec.budget) if spec.adaptive and drafts else None
         self._last_landed = 0.0
+        self._ahead_ms = 0.0  # spent since the last landing queueing the round after the one landing next
 
     def launch(self, room: int) -> InFlight:
         """Draft a tree of at most `room` emitted tokens from the last token and queue its verify."""
@@ -121,8 +123,11 @@ class Rounds:
     def launch_after(self, flight: InFlight) -> InFlight:
         """Pipelined: the next one-node round, rooted at `flight`'s token while still on the device."""
         assert self.can_pipeline(flight) and flight.choices is not None
-        ahead = self._queue(DraftTree.single(0), flight.choices[:1].reshape(1, 1), time.perf_counter(), 0.0)
+        t0 = time.perf_counter()
+        ahead = self._queue(DraftTree.single(0), flight.choices[:1].reshape(1, 1), t0, 0.0)
         ahead.proposed, ahead.arm = False, 0 if self.controller else -1
+        ahead.ahead_ms = (time.perf_counter() - t0) * 1e3
+        self._ahead_ms += ahead.ahead_ms
         return ahead
 
     def _queue(self, tree: DraftTree, root: mx.array | None, t0: float, draft_ms: float) -> InFlight:
@@ -186,8 +191,13 @@ class Rounds:
         s.verify_ms += (t2 - max(flight.t_start + flight.draft_ms / 1e3, self._last_landed)) * 1e3
         s.commit_ms += (t3 - t2) * 1e3
         # a round's time, for the controller: from its launch, or from the previous landing where
-        # it was queued before that (pipelined rounds overlap)
-        round_ms = (end - max(flight.t_start, self._last_landed)) * 1e3
+        # it was queued before that (pipelined rounds overlap), plus the queueing of it that came
+        # before, less the queueing of the next round that came inside. Charging the next round's
+        # queueing to this one made the first plain round after a tree look twice as slow as it is
+        # (on the CPU, queueing runs most of the compute): the controller then kept 1-node rounds
+        # that asked for drafts the drafter did not have, which cannot be pipelined
+        round_ms = (end - max(flight.t_start, self._last_landed)) * 1e3 - self._ahead_ms + flight.ahead_ms
         self._last_landed = end
+        self._ahead_ms = 0.0
         if self.controller is not None:
             self.controller.record(flight.arm, emitted, round_ms)

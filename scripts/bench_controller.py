@@ -1,5 +1,6 @@
-"""Two tree-size controllers side by side: the working tree's engine/spec_control.py against the one
-at a git revision, on text where guesses miss and on text where they hit.
+"""Two tree-size controllers side by side: the working tree's engine/spec_control.py and the round
+timing that feeds it (engine/round.py) against the ones at a git revision, on text where guesses
+miss and on text where they hit.
 
     python scripts/bench_controller.py --against REV [--runs 3] [--tokens 96] [--lengths 64,2048]
 
@@ -34,8 +35,8 @@ sys.path.insert(0, str(REPO / "scripts"))
 from bench_context import distinct_8grams, pooled_p99  # noqa: E402
 from bench_spec import PROMPTS, render  # noqa: E402
 
-import engine.round as rounds  # noqa: E402
-import engine.spec_control as current  # noqa: E402
+import engine.generate as generation  # noqa: E402
+import engine.round as current  # noqa: E402
 from engine.config import EngineConfig, SamplingParams, SpecConfig  # noqa: E402
 from engine.generate import BUNDLED, Engine  # noqa: E402
 from engine.types import GenerationRequest  # noqa: E402
@@ -43,18 +44,27 @@ from engine.types import GenerationRequest  # noqa: E402
 METHODS = {"ngram": SpecConfig(method="ngram"), "mtp": SpecConfig(method="mtp", tree="ddtree")}
 
 
-def controller_at(rev: str) -> ModuleType:
-    """engine/spec_control.py as it was at `rev`, loaded as its own module."""
-    source = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:engine/spec_control.py"], check=True,
+def module_at(rev: str, path: str, name: str) -> ModuleType:
+    """The file `path` as it was at `rev`, loaded as its own module `name`."""
+    source = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:{path}"], check=True,
                             capture_output=True, text=True).stdout
-    path = Path(tempfile.mkdtemp()) / "spec_control_then.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location("spec_control_then", path)
+    file = Path(tempfile.mkdtemp()) / f"{name}.py"
+    file.write_text(source)
+    spec = importlib.util.spec_from_file_location(name, file)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules["spec_control_then"] = module  # dataclasses look their module up
+    sys.modules[name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module
+
+
+def controller_at(rev: str) -> ModuleType:
+    """engine/round.py as it was at `rev`, using engine/spec_control.py as it was then: the
+    controller and the round times it is fed."""
+    control = module_at(rev, "engine/spec_control.py", "spec_control_then")
+    then = module_at(rev, "engine/round.py", "round_then")
+    then.SpecController = control.SpecController  # type: ignore[attr-defined]
+    return then
 
 
 def generate(engine: Engine, prompt: list[int], params: SamplingParams, spec: SpecConfig) -> dict:
@@ -83,11 +93,11 @@ def compare(engine: Engine, prompt: list[int], params: SamplingParams, controlle
             results.setdefault("none", []).append(plain)
         for method, spec in METHODS.items():
             for name, module in controllers.items():
-                rounds.SpecController = module.SpecController  # type: ignore[attr-defined]
+                generation.Rounds = module.Rounds  # type: ignore[attr-defined]
                 out = generate(engine, prompt, params, spec)
                 if r:
                     results.setdefault(f"{method}:{name}", []).append(out)
-    rounds.SpecController = current.SpecController
+    generation.Rounds = current.Rounds
     return results
 
 
