@@ -23,8 +23,10 @@ from tests.unit.strategies import draft_trees
 
 def reference_probs(x: np.ndarray, prm: SamplingParams) -> np.ndarray:
     """Straightforward full-sort version of process_logits (temperature, top_k, top_p, min_p)."""
-    x = np.asarray(x, dtype=np.float64) / prm.temperature
-    p = np.exp(x - x.max())
+    # the temperature as the engine applies it (shift, then divide): dividing first rounds p
+    # differently, and a top_p within rounding of 1 then keeps one tail token more or less
+    x = np.asarray(x, dtype=np.float64)
+    p = np.exp((x - x.max()) / prm.temperature)
     order = sorted(range(len(p)), key=lambda i: (-p[i], i))
     if prm.top_k:
         p[order[prm.top_k:]] = 0.0
