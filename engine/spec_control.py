@@ -23,7 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DECAY = 0.8  # weight of the history in each arm's estimates (a few rounds of memory)
-TRIES = 2  # rounds of each arm before choosing
+# rounds of each arm before choosing; a tree whose first try accepts nothing is not tried again
+# (each try where guesses miss costs a slow round and, after it, the restart of pipelined rounds)
+TRIES = 2
 REVISIT = 16  # rounds before the first re-try of a neighbouring arm
 MAX_REVISIT = 128  # re-tries that keep losing back off up to this many rounds apart
 # tokens a round of the arm below must emit on average before a bigger tree is worth a try: where
@@ -74,9 +76,10 @@ class SpecController:
 
     def _climbing(self) -> Arm | None:
         """The arm still owed its tries: the smallest tree first, each bigger one only while the
-        one below accepts, then the root alone."""
+        one below accepts, then the root alone. A tree that accepted nothing on its first try is
+        owed no second one."""
         for arm in self.arms[1:]:
-            if arm.rounds < TRIES:
+            if arm.rounds < TRIES and not (arm.rounds and arm.tokens <= 1.0):
                 return arm
             if arm.tokens < CLIMB:
                 break
