@@ -252,10 +252,10 @@ def quantized_matmul_mma(x: mx.array, w: mx.array, scales: mx.array, biases: mx.
 
 
 def quantized_linear(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, group_size: int,
-                     bits: int, mode: str = "affine") -> mx.array:
-    """x [..., I] @ dequantize(w)^T: qmm_mma where it covers the call, else mx.quantized_matmul.
-    For the model's quantized projections once the loader turned the small-M kernel on."""
-    if mode == "affine" and x.ndim >= 1 and gpu_backend() == "cuda":
+                     bits: int, mode: str = "affine", kernel: bool = True) -> mx.array:
+    """x [..., I] @ dequantize(w)^T: qmm_mma where `kernel` asks for it and it covers the call, else
+    mx.quantized_matmul. For the model's quantized projections (the loader sets `kernel`)."""
+    if kernel and mode == "affine" and x.ndim >= 1 and gpu_backend() == "cuda":
         rows = x.reshape(-1, x.shape[-1])
         if biases is not None and mma_covers(rows, w, scales, biases, group_size, bits):
             y = quantized_matmul_mma(rows, w, scales, biases, group_size, bits)

@@ -30,7 +30,7 @@ from engine.dtypes import DTYPES, resolve_dtype
 from engine.kernels import cuda_default
 from engine.models import FAMILIES
 from engine.models.base import ModelArgs
-from engine.models.qlinear import default_small_m, use_small_m_kernel
+from engine.models.qlinear import use_small_m_kernel
 from engine.rotation import rotate_inputs_of
 
 SKIPPED_PREFIXES = ("model.visual.", "visual.", "vision_tower.", "mtp.", "model.mtp.")
@@ -194,13 +194,8 @@ def load_model(path: str | Path, dtype: str = "auto", fuse: bool | None = None,
     against 206 for the two), and no Apple GPU was reachable to measure Metal.
     small_m: run the quantized projections through the small-M tensor-core kernel; None =
     SPRUCE_QMM (0 / 1) if set, else on CUDA only (engine/models/qlinear.py)."""
-    if fuse is None:
-        fuse = default_fuse()
-    if small_m is None:
-        try:
-            small_m = default_small_m()
-        except ValueError as e:
-            raise CheckpointError(str(e)) from None
+    fuse = switch("SPRUCE_FUSE") if fuse is None else fuse
+    small_m = switch("SPRUCE_QMM") if small_m is None else small_m
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"model directory {str(path)!r} does not exist")
@@ -235,9 +230,11 @@ def load_model(path: str | Path, dtype: str = "auto", fuse: bool | None = None,
     return loaded
 
 
-def default_fuse() -> bool:
+def switch(name: str) -> bool:
+    """A loader choice that is on by default on CUDA only (engine.kernels.cuda_default), or what
+    the environment variable `name` (0 | 1) says."""
     try:
-        return cuda_default("SPRUCE_FUSE")
+        return cuda_default(name)
     except ValueError as e:
         raise CheckpointError(str(e)) from None
 

@@ -38,9 +38,10 @@ from bench_gpu import COMMON, SHAPES, bundled_text_config, chain_with_siblings  
 
 from engine import forward  # noqa: E402
 from engine.gdn.core import GDNWeights  # noqa: E402
+from engine.kernels import cuda_default  # noqa: E402
 from engine.models import qwen3_5  # noqa: E402
 from engine.models.layers import CHAIN, tree_attention  # noqa: E402
-from engine.models.qlinear import default_small_m, use_small_m_kernel  # noqa: E402
+from engine.models.qlinear import use_small_m_kernel  # noqa: E402
 
 
 def per_call_us(fn: Callable[[], Any], calls: int) -> float:
@@ -259,7 +260,7 @@ def main() -> None:
     dtype = getattr(mx, args.dtype)
     t0 = time.perf_counter()
     model = build_model(args.shape, args.layers, args.bits, dtype, not args.no_fuse,
-                        not args.no_qmm and default_small_m())
+                        not args.no_qmm and cuda_default("SPRUCE_QMM"))
     print(f"built in {time.perf_counter() - t0:.1f} s", flush=True)
     full = args.full_layers or (bundled_text_config() if args.shape == "bundled" else SHAPES[args.shape])[
         "num_hidden_layers"]

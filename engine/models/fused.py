@@ -44,12 +44,9 @@ class FusedProjection(nn.Module):
         self.split_at = tuple(accumulate(sizes))[:-1]
 
     def __call__(self, x: mx.array) -> list[mx.array]:
-        if self.quantized and self.rows_kernel:
+        if self.quantized:
             y = quantized_linear(x, self["weight"], self["scales"], self.get("biases"), self.group_size, self.bits,
-                                 self.mode)
-        elif self.quantized:
-            y = mx.quantized_matmul(x, self["weight"], scales=self["scales"], biases=self.get("biases"),
-                                    transpose=True, group_size=self.group_size, bits=self.bits, mode=self.mode)
+                                 self.mode, kernel=self.rows_kernel)
         else:
             y = x @ self["weight"].T
         return list(mx.split(y, list(self.split_at), axis=-1))

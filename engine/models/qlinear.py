@@ -5,7 +5,7 @@ rows on, launches one block per 128 output rows without splitting the reduction 
 profile_gpu.py: the 9B down_proj took 342 us at 17 rows against 43 at one, on 32 of 132 SMs).
 qmm_mma reads each weight once for up to 32 rows, splits the reduction over the warps of a block,
 and gives a row the same result whatever the number of rows, so a verify row equals the one-row
-step. The loader swaps the kernel in on CUDA (SPRUCE_QMM=0|1 overrides); calls it does not cover
+step. The loader swaps the kernel in on CUDA (SPRUCE_QMM=0|1 overrides: engine/loader.py); calls it does not cover
 (more than 32 rows: prefill; fp32 activations; other bit widths) run mx.quantized_matmul.
 """
 
@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
-from engine.kernels import cuda_default, quantized_linear
+from engine.kernels import quantized_linear
 from engine.models.fused import FusedProjection
 
 
@@ -39,10 +39,6 @@ class RowsQuantizedLinear(nn.QuantizedLinear):
         y = quantized_linear(x, self["weight"], self["scales"], self.get("biases"), self.group_size, self.bits,
                              self.mode)
         return y + self["bias"] if "bias" in self else y
-
-
-def default_small_m() -> bool:
-    return cuda_default("SPRUCE_QMM")
 
 
 def use_small_m_kernel(model: nn.Module) -> int:
