@@ -76,9 +76,11 @@ def bundled_text_config() -> dict:
     return {k: cfg[k] for k in SHAPES["9b"]}
 
 
-def make_checkpoint(out: Path, shape: str, bits: int = 4, group_size: int = 64) -> Path:
+def make_checkpoint(out: Path, shape: str, bits: int = 4, group_size: int = 64, readable_vocab: int = 0) -> Path:
     """A random-weight Qwen3.5 checkpoint in MLX layout, written by mlx-lm's code (bf16; quantized
-    unless bits is 0)."""
+    unless bits is 0). readable_vocab > 0 zeroes the output rows of the ids past it (the bundled
+    tokenizer's 8192): greedy text then stays in ids a client can read, which an HTTP benchmark
+    needs (an id the tokenizer lacks streams as nothing); the matmul reads the same bytes."""
     from mlx.utils import tree_flatten, tree_map_with_path
     from mlx_lm.models import qwen3_5 as mq
     from mlx_lm.utils import quantize_model, save_config, save_model
@@ -89,6 +91,11 @@ def make_checkpoint(out: Path, shape: str, bits: int = 4, group_size: int = 64) 
     model = mq.Model(mq.ModelArgs.from_dict(config))
     model.update(tree_map_with_path(lambda p, x: x if p.endswith("A_log") else x.astype(mx.bfloat16),
                                     model.parameters()))
+    if readable_vocab:
+        lm = model.language_model
+        head = lm.model.embed_tokens if text["tie_word_embeddings"] else lm.lm_head
+        w = head.weight
+        head.weight = mx.concatenate([w[:readable_vocab], mx.zeros_like(w[readable_vocab:])])
     mx.eval(model.parameters())
     if bits:
         model, config = quantize_model(model, config, group_size, bits)

@@ -181,13 +181,14 @@ class MTP(nn.Module):
 
 
 def init_like_hf(module: nn.Module, std: float = 0.02, seed: int = 0) -> None:
-    """Normal(0, std) matrices; norms as their classes initialise them."""
+    """Normal(0, std) matrices; norms as their classes initialise them. Drawn on the CPU whatever the
+    device, so one seed gives the same start on a GPU."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in module.named_parameters():
             if p.dim() >= 2:
-                p.copy_(torch.randn(p.shape, generator=g) * std / (math.sqrt(2) if "o_proj" in name or "down" in name
-                                                                   else 1.0))
+                scale = std / (math.sqrt(2) if "o_proj" in name or "down" in name else 1.0)
+                p.copy_(torch.randn(p.shape, generator=g, device="cpu") * scale)
 
 
 class BiasRMSNorm(nn.Module):

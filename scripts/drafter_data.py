@@ -4,19 +4,23 @@ training prompts, with the target's hidden states of every position.
 Prompts come from the train split of the corpus (scripts/build_corpus.py): chat requests
 rendered with the chat template up to the assistant turn (thinking off), code prefixes cut from
 whole modules, and FIM prompts cut at `<|fim_middle|>`. The target continues each one, greedily
-or sampled (temperature 0.8), in batches of prompts of one token length (so that no padding is
-needed). Every position, prompt included, is fed one token at a time through HF transformers'
-recurrent path, which on a CPU is several times faster than its chunked prefill, and the hidden
-states are recorded on the way: the residual stream after every decoder layer and the
+or sampled (plain temperature 0.8), with HF transformers' generate in batches of prompts of
+similar length (left-padded with an attention mask), through its first stop token. Then one
+teacher-forced forward over each batch (right-padded, so no position sees padding) records the
+hidden states of every position: the residual stream after every decoder layer and the
 final-normed hidden state (what DFlash and MTP heads read).
 
     python scripts/drafter_data.py --corpus build/bundled_data --out build/drafter_data \
         [--chat 1536 --code 768 --fim 768 --new-tokens 192 --batch 256 --seed 0]
 
+The prompts depend on the interpreter's stdlib (the corpus). To run the generation on another
+machine (the GPU one, whose Python differs), pick them here with --save-prompts FILE and hand
+that file over with --prompts FILE instead of --corpus.
+
 Writes OUT/tokens.npy (int32, all sequences back to back), OUT/features.npy (float16
 [tokens, layers + 1, hidden]: after layer 0..L-1, then the final norm), OUT/sequences.json
 (per sequence: start, prompt length, length, kind, greedy) and OUT/summary.json.
-Deterministic for one --seed on one machine (sampling uses a seeded torch generator).
+Deterministic for one --seed on one machine (each batch seeds torch's generator).
 """
 
 from __future__ import annotations
@@ -102,21 +106,16 @@ def read_prompts(corpus: Path, tok: Tokenizer, counts: dict[str, int], max_len: 
     return prompts
 
 
-def batches_of_equal_length(prompts: list[Prompt], batch: int, rng: random.Random) -> list[list[Prompt]]:
-    """Group prompts by token length; a short group borrows nothing (small batches are only slower)."""
-    groups: dict[int, list[Prompt]] = {}
-    for p in prompts:
-        groups.setdefault(len(p.ids), []).append(p)
-    out = []
-    for length in sorted(groups):
-        group = groups[length]
-        rng.shuffle(group)
-        out += [group[i : i + batch] for i in range(0, len(group), batch)]
+def batches_by_length(prompts: list[Prompt], batch: int, rng: random.Random) -> list[list[Prompt]]:
+    """Prompts sorted by token length and cut into batches (little left padding), in random order."""
+    ordered = sorted(prompts, key=lambda p: len(p.ids))
+    out = [ordered[i : i + batch] for i in range(0, len(ordered), batch)]
+    rng.shuffle(out)
     return out
 
 
 class HiddenRecorder:
-    """Forward hooks that keep the last output of every decoder layer and of the final norm."""
+    """Forward hooks that keep the output of every decoder layer and of the final norm."""
 
     def __init__(self, model) -> None:
         self.outputs: list[torch.Tensor | None] = [None] * (len(model.model.layers) + 1)
@@ -131,49 +130,56 @@ class HiddenRecorder:
         return keep
 
     def stacked(self) -> torch.Tensor:
-        """[B, layers + 1, H] of the last fed position."""
-        return torch.stack([o[:, -1] for o in self.outputs], dim=1)
+        """[B, T, layers + 1, H] of the last forward."""
+        return torch.stack(self.outputs, dim=2)
+
+
+def sampling_config(greedy: bool, new_tokens: int, temperature: float) -> tf.GenerationConfig:
+    """Plain greedy or plain temperature sampling. It replaces the checkpoint's generation_config
+    (whose top-k, top-p and repetition penalty would otherwise be merged in)."""
+    return tf.GenerationConfig(do_sample=not greedy, temperature=temperature if not greedy else 1.0, top_k=0,
+                               top_p=1.0, min_p=None, repetition_penalty=1.0, max_new_tokens=new_tokens,
+                               eos_token_id=list(STOP_IDS), pad_token_id=0)
 
 
 @torch.no_grad()
-def continue_batch(model, recorder: HiddenRecorder, ids: torch.Tensor, new_tokens: int, greedy: bool,
-                   gen: torch.Generator, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Feed the prompts and then the continuation one token at a time.
-    -> (tokens [B, P + new], features [B, P + new, layers + 1, H]) (the last token's features are
-    those of feeding it)."""
-    B, P = ids.shape
-    tokens = torch.empty(B, P + new_tokens, dtype=torch.long)
-    tokens[:, :P] = ids
-    feats = []
-    cache = None
-    stopped = torch.zeros(B, dtype=torch.bool)
-    end = P + new_tokens
-    for t in range(P + new_tokens - 1):
-        out = model(input_ids=tokens[:, t : t + 1].to(model.device), cache=cache, use_cache=True)
-        cache = out.past_key_values
-        feats.append(recorder.stacked().to("cpu", torch.float16))
-        if t + 1 >= P:
-            logits = out.logits[:, -1].float()
-            if greedy:
-                nxt = logits.argmax(-1)
-            else:
-                probs = torch.softmax(logits / temperature, -1).cpu()
-                nxt = torch.multinomial(probs, 1, generator=gen)[:, 0]
-            tokens[:, t + 1] = nxt.cpu()
-            stopped |= torch.isin(tokens[:, t + 1], torch.tensor(STOP_IDS))
-            if bool(stopped.all()):  # what follows a stop token is never trained on
-                end = t + 2
-                break
-    out = model(input_ids=tokens[:, end - 1 : end].to(model.device), cache=cache, use_cache=True)
-    feats.append(recorder.stacked().to("cpu", torch.float16))
-    return tokens[:, :end], torch.stack(feats, dim=1)
+def continue_batch(model, recorder: HiddenRecorder, prompts: list[tuple[int, ...]], new_tokens: int, greedy: bool,
+                   seed: int, temperature: float) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Continue the prompts (left-padded, with HF's attention mask) and record the hidden states of
+    every position of each prompt + continuation (through its first stop token) with one
+    teacher-forced forward (right-padded: causal layers do not see what follows a position).
+    -> per row (tokens [T], features [T, layers + 1, H] fp16)."""
+    B, P = len(prompts), max(len(p) for p in prompts)
+    ids = torch.zeros(B, P, dtype=torch.long)
+    mask = torch.zeros(B, P, dtype=torch.long)
+    for r, p in enumerate(prompts):
+        ids[r, P - len(p) :] = torch.tensor(p)
+        mask[r, P - len(p) :] = 1
+    torch.manual_seed(seed)  # generate samples with the global generator
+    model.generation_config = sampling_config(greedy, new_tokens, temperature)
+    out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device)).cpu()
+    rows = []
+    for r, p in enumerate(prompts):
+        cont = out[r, P:].tolist()
+        stop = next((i for i, t in enumerate(cont) if t in STOP_IDS), len(cont) - 1)
+        rows.append(list(p) + cont[: stop + 1])
+    T = max(len(r) for r in rows)
+    full = torch.zeros(B, T, dtype=torch.long)
+    for r, row in enumerate(rows):
+        full[r, : len(row)] = torch.tensor(row)
+    model(input_ids=full.to(model.device), use_cache=False)
+    feats = recorder.stacked().to("cpu", torch.float16)
+    return [(np.array(row, dtype=np.int32), feats[r, : len(row)].numpy()) for r, row in enumerate(rows)]
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--corpus", type=Path, required=True)
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--corpus", type=Path, help="the bundled model's corpus (scripts/build_corpus.py)")
+    src.add_argument("--prompts", type=Path, help="prompts saved by an earlier --save-prompts")
+    ap.add_argument("--save-prompts", type=Path, help="write the chosen prompts here (JSON) and stop")
     ap.add_argument("--target", type=Path, default=ROOT / "engine" / "bundled" / "target")
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=Path)
     ap.add_argument("--chat", type=int, default=1536)
     ap.add_argument("--code", type=int, default=768)
     ap.add_argument("--fim", type=int, default=768)
@@ -185,19 +191,26 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     a = ap.parse_args(argv)
+    if a.out is None and a.save_prompts is None:
+        ap.error("--out is required (unless --save-prompts)")
     if a.threads:
         torch.set_num_threads(a.threads)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tok = Tokenizer.from_file(str(a.target / "tokenizer.json"))
+    if a.prompts is not None:
+        prompts = [Prompt(p["kind"], tuple(p["ids"])) for p in json.loads(a.prompts.read_text())]
+    else:
+        prompts = read_prompts(a.corpus, tok, {"chat": a.chat, "code": a.code, "fim": a.fim}, a.max_prompt, a.seed)
+    if a.save_prompts is not None:
+        a.save_prompts.write_text(json.dumps([{"kind": p.kind, "ids": list(p.ids)} for p in prompts]))
+        print(json.dumps({"saved_prompts": len(prompts), "to": str(a.save_prompts)}))
+        return
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = tf.AutoModelForCausalLM.from_pretrained(a.target, dtype=torch.float32).to(device).eval()
     recorder = HiddenRecorder(model)
     rng = random.Random(a.seed)
-    prompts = read_prompts(a.corpus, tok, {"chat": a.chat, "code": a.code, "fim": a.fim}, a.max_prompt, a.seed)
-    # code and FIM prompts were cut to max_prompt tokens, so they batch together; chat groups by length
-    batches = batches_of_equal_length(prompts, a.batch, rng)
-    gen = torch.Generator().manual_seed(a.seed)
+    batches = batches_by_length(prompts, a.batch, rng)
     a.out.mkdir(parents=True, exist_ok=True)
-    total = sum(len(b[0].ids) + a.new_tokens for b in batches for _ in b)  # an upper bound: rows may stop early
+    total = sum(len(p.ids) + a.new_tokens for p in prompts)  # an upper bound: rows may stop early
     slots, hidden = len(model.model.layers) + 1, model.config.hidden_size
     # written in place as batches finish: the features do not fit in memory twice
     tokens_out = np.lib.format.open_memmap(a.out / "tokens.npy", "w+", np.int32, (total,))
@@ -206,15 +219,16 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     for i, group in enumerate(batches):
         greedy = rng.random() >= a.sampled_share
-        ids = torch.tensor([p.ids for p in group], dtype=torch.long)
-        tokens, feats = continue_batch(model, recorder, ids, a.new_tokens, greedy, gen, a.temperature)
-        n = tokens.shape[1]
-        for row, p in enumerate(group):
-            tokens_out[start : start + n] = tokens[row].numpy()
-            feats_out[start : start + n] = feats[row].numpy()
+        rows = continue_batch(model, recorder, [p.ids for p in group], a.new_tokens, greedy, a.seed * 100_003 + i,
+                              a.temperature)
+        for (tokens, feats), p in zip(rows, group):
+            n = len(tokens)
+            tokens_out[start : start + n] = tokens
+            feats_out[start : start + n] = feats
             infos.append(SequenceInfo(start, len(p.ids), n, p.kind, greedy))
             start += n
-        print(json.dumps({"batch": i + 1, "of": len(batches), "rows": len(group), "prompt_len": ids.shape[1],
+        print(json.dumps({"batch": i + 1, "of": len(batches), "rows": len(group),
+                          "prompt_len": max(len(p.ids) for p in group),
                           "greedy": greedy, "tokens": start, "elapsed": round(time.perf_counter() - t0, 1)}),
               flush=True)
     tokens_out.flush()

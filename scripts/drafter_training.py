@@ -42,10 +42,36 @@ class Data:
         self.heldout = [seqs[i] for i in order[:n_held]]
         self.train = [seqs[i] for i in order[n_held:]]
 
-    def window(self, s: Sequence, slots: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        toks = np.asarray(self.tokens[s.start : s.start + s.length], dtype=np.int64)
-        feats = np.asarray(self.features[s.start : s.start + s.length][:, slots], dtype=np.float32)
-        return toks, feats.reshape(s.length, -1)
+    def to_device(self, device: torch.device, slots: list[int]) -> None:
+        """Keep the tokens and the features of `slots` on `device` (a GPU), so that a batch is a
+        gather there instead of a read and a conversion on the host every step."""
+        self.slots_on_device = list(slots)
+        self.dev_tokens = torch.from_numpy(np.asarray(self.tokens, dtype=np.int64)).to(device)
+        chunks = []
+        for i in range(0, len(self.features), 1 << 20):  # bounded host memory per copy
+            chunks.append(torch.from_numpy(np.ascontiguousarray(self.features[i : i + (1 << 20)][:, slots])).to(device))
+        self.dev_features = torch.cat(chunks)  # [N, len(slots), H] fp16
+
+    def batch(self, seqs: list[Sequence], slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens [B, T] and the features of `slots` [B, T, len(slots) * H] in fp32, on the default
+        device; rows past a sequence's length are zero."""
+        lengths = np.array([s.length for s in seqs])
+        T = int(lengths.max())
+        pos = np.arange(T)[None]
+        idx = np.array([s.start for s in seqs])[:, None] + np.minimum(pos, lengths[:, None] - 1)
+        valid = torch.as_tensor(pos < lengths[:, None]).to(torch.get_default_device())
+        if getattr(self, "dev_tokens", None) is not None:
+            i = torch.as_tensor(idx).to(self.dev_tokens.device)
+            toks = self.dev_tokens[i]
+            where = [self.slots_on_device.index(k) for k in slots]
+            feats = self.dev_features[i][:, :, where].float()
+        else:
+            toks = torch.from_numpy(np.asarray(self.tokens[idx.ravel()], dtype=np.int64).reshape(idx.shape))
+            f = np.asarray(self.features[idx.ravel()][:, slots], dtype=np.float32)
+            feats = torch.from_numpy(f.reshape(*idx.shape, len(slots), -1))
+        toks = toks.to(valid.device) * valid
+        feats = feats.to(valid.device).flatten(2) * valid[..., None]
+        return toks, feats
 
 
 def target_embedding(target: Path) -> torch.Tensor:
@@ -54,16 +80,6 @@ def target_embedding(target: Path) -> torch.Tensor:
     with safe_open(str(target / "model.safetensors"), "pt") as f:
         key = next(k for k in f.keys() if k.endswith("embed_tokens.weight"))
         return f.get_tensor(key).float()
-
-
-def pad_batch(items: list[tuple[np.ndarray, np.ndarray]]) -> tuple[torch.Tensor, torch.Tensor]:
-    T = max(len(t) for t, _ in items)
-    toks = torch.zeros(len(items), T, dtype=torch.long)
-    feats = torch.zeros(len(items), T, items[0][1].shape[1])
-    for i, (t, f) in enumerate(items):
-        toks[i, : len(t)] = torch.from_numpy(t)
-        feats[i, : len(t)] = torch.from_numpy(f)
-    return toks, feats
 
 
 # ---------------------------------------------------------------- the loop
@@ -81,9 +97,13 @@ def train_loop(model, loss_fn, evaluate, data: Data, a, log) -> dict:
     rng = np.random.default_rng(a.seed)
     start, recent, step = time.perf_counter(), [], 0
     stopped = None
-    for step in range(a.steps):
+    if a.steps <= 0 and a.warmup <= 40:
+        raise SystemExit("--steps 0 needs --warmup > 40 (the step count is fixed at step 40)")
+    steps = a.steps if a.steps > 0 else 10**9  # --steps 0: fixed at step 40
+    t10 = None
+    while step < steps:
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, a.steps, a.lr, a.warmup)
+            g["lr"] = lr_at(step, steps, a.lr, a.warmup)
         seqs = [data.train[i] for i in rng.choice(len(data.train), size=a.batch, replace=False)]
         loss = loss_fn(seqs, rng)
         opt.zero_grad(set_to_none=True)
@@ -92,15 +112,24 @@ def train_loop(model, loss_fn, evaluate, data: Data, a, log) -> dict:
         opt.step()
         recent.append(loss.item())
         elapsed = time.perf_counter() - start
-        if step % a.log_every == 0 or step == a.steps - 1:
+        if a.steps <= 0 and step == 10:
+            t10 = elapsed
+        if a.steps <= 0 and step == 40:
+            per_step = (elapsed - t10) / 30
+            # 10 % of the time is left to the periodic held-out evaluations
+            steps = max(step + 1, int(a.max_seconds * 0.9 / per_step))
+            log({"step": step, "steps_fixed": steps, "seconds_per_step": round(per_step, 4)})
+        if step % a.log_every == 0 or step == steps - 1:
             log({"step": step, "loss": round(float(np.mean(recent[-a.log_every:])), 4),
-                 "lr": lr_at(step, a.steps, a.lr, a.warmup), "elapsed": round(elapsed, 1)})
+                 "lr": lr_at(step, steps, a.lr, a.warmup), "elapsed": round(elapsed, 1)})
         if a.eval_every and (step + 1) % a.eval_every == 0:
             log({"step": step, "eval": evaluate(data.heldout[: a.eval_seqs])})
         if elapsed > a.max_seconds:
             stopped = "max_seconds"
             log({"step": step, "stopped": stopped})
             break
+        step += 1
+    step = min(step, steps - 1)
     final = evaluate(data.heldout)
     log({"step": step, "eval": final, "heldout_sequences": len(data.heldout)})
     return {"steps": step + 1, "seconds": round(time.perf_counter() - start, 1), "stopped": stopped,

@@ -152,9 +152,13 @@ def _spruce(method: str, opts: PeerOptions, port: int) -> Launch:
             str(opts.spec_depth), "--max-context", str(opts.context), "--no-prefix-cache", "--log-level", "warning"]
     if draft is not None and method in ("draft", "draft-tree"):
         argv += ["--draft-model", str(draft)]
-    # Spruce computes float weights in float32 (EngineConfig.dtype) and preloads OpenBLAS itself.
+    # Spruce's --dtype auto computes float weights in float32 on the CPU, bfloat16 on a GPU
+    # (engine/dtypes.py); it preloads OpenBLAS itself.
+    from engine.dtypes import resolve_dtype
+
+    compute = {"float32": "f32", "bfloat16": "bf16"}[resolve_dtype("auto")]
     return Launch(argv, _base_env(opts.threads), REPO,
-                  info={"weights": f"{checkpoint_dtype(opts.model)} file, f32 compute",
+                  info={"weights": f"{checkpoint_dtype(opts.model)} file, {compute} compute",
                         "command": display_command(argv)})
 
 

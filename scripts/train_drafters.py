@@ -4,10 +4,13 @@
     python scripts/train_drafters.py mtp --data build/drafter_data --out OUT/mtp [--steps 3000]
     python scripts/train_drafters.py weaver --data build/drafter_data --dflash OUT/dflash --out OUT/weaver
 
-PyTorch, on a CUDA GPU if there is one, else the CPU (fp32). The target is frozen and never run:
-its hidden states were recorded with the data, and only its embedding (= its tied lm_head) is
-read from the checkpoint. Reproducible from --seed; --max-seconds bounds the wall clock (the
-run then stops early and says so in the summary).
+PyTorch, on a CUDA GPU if there is one (--device), else the CPU; fp32 (TF32 matmuls on a GPU).
+The target is frozen and never run: its hidden states were recorded with the data, and only its
+embedding (= its tied lm_head) is read from the checkpoint. Reproducible from --seed;
+--max-seconds bounds the wall clock (the run then stops early and says so in the summary).
+--steps 0 fits the run into --max-seconds: the step count is fixed from the measured speed of
+steps 10-40 (before the warm-up ends, so the learning-rate schedule is the one `--steps N` with
+the logged N gives).
 
 - dflash: z-lab's DFlash recipe at small scale. For random anchors a of a continuation, the block
   [x_a, MASK x 15] at positions a .. a+15 sees the target's hidden states (after
@@ -49,7 +52,6 @@ from drafter_training import (  # noqa: E402
     Data,
     Sequence,
     load_init,
-    pad_batch,
     save_safetensors,
     target_embedding,
     train_loop,
@@ -61,15 +63,15 @@ ROOT = HERE.parent
 def dflash_batch(data: Data, seqs: list[Sequence], slots: list[int], anchors: int, block: int,
                  rng: np.random.Generator, all_anchors: bool = False):
     """-> tokens [B, T], features [B, T, F], anchors [B, A], labels [B, A, block-1], valid [B, A, block-1]."""
-    items = [data.window(s, slots) for s in seqs]
-    toks, feats = pad_batch(items)
+    toks, feats = data.batch(seqs, slots)
     A = anchors
-    anc = torch.zeros(len(seqs), A, dtype=torch.long)
+    anc_np = np.zeros((len(seqs), A), dtype=np.int64)
     for i, s in enumerate(seqs):
         lo, hi = s.prompt_len - 1, s.length - 2  # the anchor's next token must exist
         choices = np.arange(lo, hi + 1)
         pick = choices[:A] if all_anchors else rng.choice(choices, size=A, replace=len(choices) < A)
-        anc[i, : len(pick)] = torch.from_numpy(pick)
+        anc_np[i, : len(pick)] = pick
+    anc = torch.as_tensor(anc_np).to(toks.device)
     k = torch.arange(1, block)
     pos = anc[:, :, None] + k  # [B, A, block-1]
     lengths = torch.tensor([s.length for s in seqs])
@@ -116,7 +118,7 @@ def dflash_eval(model, embed, mask_id, block, data: Data, slots, seqs: list[Sequ
             hit = ((h @ embed.T).argmax(-1) == labels[:, sl]) & valid[:, sl]
             run = hit.int().cumprod(-1)
             lengths += run.sum(-1).flatten().tolist()
-            per_pos += run.sum((0, 1)).numpy()
+            per_pos += run.sum((0, 1)).cpu().numpy()
     model.train()
     return {"accepted_per_block": float(np.mean(lengths)),
             "hit_rate_pos1_4_8_15": [round(float(per_pos[i] / len(lengths)), 3) for i in (0, 3, 7, block - 2)]}
@@ -125,8 +127,7 @@ def dflash_eval(model, embed, mask_id, block, data: Data, slots, seqs: list[Sequ
 # ---------------------------------------------------------------- MTP
 
 def mtp_batch(data: Data, seqs: list[Sequence], final_slot: int):
-    items = [data.window(s, [final_slot]) for s in seqs]
-    toks, hidden = pad_batch(items)
+    toks, hidden = data.batch(seqs, [final_slot])
     B, T = toks.shape
     lengths = torch.tensor([s.length for s in seqs])
     prompt = torch.tensor([s.prompt_len for s in seqs])
@@ -249,7 +250,7 @@ def weaver_loss(weaver, dflash, embed, mask_id, block, pool, gamma, batch):
     keep = valid & (target >= 0)
     w = torch.exp(-(torch.arange(block - 1, dtype=torch.float32)) / gamma).expand_as(keep)[keep]
     ce = F.cross_entropy(s[keep], target[keep], reduction="none")
-    return (ce * w).sum() / w.sum()
+    return (ce * w).sum() / w.sum().clamp(min=1e-6)  # a batch whose true tokens all miss the pool adds 0
 
 
 @torch.no_grad()
@@ -279,7 +280,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--data", type=Path, required=True)
     ap.add_argument("--target", type=Path, default=ROOT / "engine" / "bundled" / "target")
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--steps", type=int, default=3000)
+    ap.add_argument("--steps", type=int, default=3000, help="0: as many as fit into --max-seconds")
+    ap.add_argument("--device", default="auto", help="auto | cpu | cuda")
     ap.add_argument("--batch", type=int, default=8, help="sequences per step")
     ap.add_argument("--anchors", type=int, default=16, help="dflash: blocks per sequence per step")
     ap.add_argument("--lr", type=float, default=1e-3)
@@ -308,11 +310,16 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device)
+    if device.type == "cuda":
+        torch.set_default_device(device)  # every tensor the heads and the batches make
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
     torch.manual_seed(a.seed)
     import transformers as tf
 
     tcfg = tf.AutoConfig.from_pretrained(a.target)
-    embed = target_embedding(a.target)
+    embed = target_embedding(a.target).to(device)
     data = Data(a.data, a.heldout)
     a.out.mkdir(parents=True, exist_ok=True)
     log_file = (a.out / "train_log.jsonl").open("w")
@@ -371,6 +378,8 @@ def main(argv: list[str] | None = None) -> None:
         def evaluate(seqs):
             return mtp_eval(model, embed, data, final_slot, seqs)
 
+    if device.type == "cuda":
+        data.to_device(device, slots if a.head != "mtp" else [final_slot])
     if a.init is not None:
         load_init(model, a.head, a.init)
     params = sum(p.numel() for p in model.parameters())
