@@ -172,7 +172,7 @@ class MTP(nn.Module):
         """embedded = embed(x_{i+1}), hidden = h_i [B, T, H] at positions i [B, T] -> y [B, T, H]
         (causal over the T rows)."""
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(embedded), self.pre_fc_norm_hidden(hidden)], -1))
-        pe = self.rotary(x, positions)
+        pe = self.rotary(x, positions[None].expand(3, -1, -1))  # text-only M-RoPE: 3 equal rows (HF 5.17 wants all 3)
         T = x.shape[1]
         causal = torch.full((T, T), float("-inf"), device=x.device).triu(1)[None, None].to(x.dtype)
         for layer in self.layers:

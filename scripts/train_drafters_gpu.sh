@@ -12,7 +12,9 @@
 #   python scripts/build_corpus.py build/bundled_data
 #   python scripts/drafter_data.py --corpus build/bundled_data --save-prompts build/drafter_prompts.json \
 #       --chat 4096 --code 2048 --fim 2048
-# NEW_TOKENS and GEN_BATCH (environment) shrink the data for a dry run on a CPU.
+# NEW_TOKENS and GEN_BATCH (environment) shrink the data for a dry run on a CPU. HEADS (default
+# "dflash mtp weaver") picks what is trained; without dflash, Weaver trains over DFLASH (a
+# directory) beside MTP. Data already in build/drafter_data_gpu from the same prompts is reused.
 set -euo pipefail
 OUT=$1
 TOTAL=${2:-560}
@@ -22,9 +24,39 @@ mkdir -p "$OUT"
 START=$(date +%s)
 left() { echo $((TOTAL - ($(date +%s) - START))); }
 
-python scripts/drafter_data.py --prompts "$PROMPTS" --out "$DATA" --new-tokens "${NEW_TOKENS:-192}" \
-    --batch "${GEN_BATCH:-512}" >"$OUT/data.log" 2>&1
-tail -n 1 "$OUT/data.log"
+HEADS=${HEADS:-dflash mtp weaver}
+has() { [[ " $HEADS " == *" $1 "* ]]; }
+if [[ -f $DATA/summary.json ]] && grep -q "\"prompts\": \"$PROMPTS\"" "$DATA/summary.json"; then
+    echo "reusing $DATA"
+else
+    python scripts/drafter_data.py --prompts "$PROMPTS" --out "$DATA" --new-tokens "${NEW_TOKENS:-192}" \
+        --batch "${GEN_BATCH:-512}" >"$OUT/data.log" 2>&1
+    tail -n 1 "$OUT/data.log"
+fi
+
+weaver() {  # $1: seconds, $2: the DFlash drafter it re-scores
+    python scripts/train_drafters.py weaver --data "$DATA" --dflash "$2" --out "$OUT/weaver" --steps 0 \
+        --max-seconds "$1" --batch 16 --anchors 16 --lr 1e-3 --warmup 100 --eval-every 500 >"$OUT/weaver.log" 2>&1
+    tail -n 1 "$OUT/weaver.log"
+}
+
+if ! has dflash; then  # MTP and Weaver side by side, over an earlier DFlash drafter
+    T=$(($(left) - 60))
+    PIDS=()
+    if has mtp; then
+        python scripts/train_drafters.py mtp --data "$DATA" --out "$OUT/mtp" --steps 0 --max-seconds "$T" \
+            --batch 16 --lr 1.5e-3 --warmup 100 --eval-every 500 >"$OUT/mtp.log" 2>&1 &
+        PIDS+=($!)
+    fi
+    if has weaver; then
+        weaver "$T" "${DFLASH:?HEADS without dflash needs DFLASH=dir for weaver}" &
+        PIDS+=($!)
+    fi
+    for p in "${PIDS[@]}"; do wait "$p"; done
+    [[ -f $OUT/mtp.log ]] && tail -n 1 "$OUT/mtp.log"
+    echo "total seconds: $(($(date +%s) - START))"
+    exit 0
+fi
 
 # 70 % of what is left to DFlash and MTP (they share the GPU), the rest to Weaver; 60 s are kept
 # for the loads and the final held-out evaluations.
@@ -40,9 +72,5 @@ wait $DF
 wait $MT
 tail -n 1 "$OUT/dflash.log"
 tail -n 1 "$OUT/mtp.log"
-
-W=$(($(left) - 30))
-python scripts/train_drafters.py weaver --data "$DATA" --dflash "$OUT/dflash" --out "$OUT/weaver" --steps 0 \
-    --max-seconds "$W" --batch 16 --anchors 16 --lr 1e-3 --warmup 100 --eval-every 500 >"$OUT/weaver.log" 2>&1
-tail -n 1 "$OUT/weaver.log"
+has weaver && weaver $(($(left) - 30)) "$OUT/dflash"
 echo "total seconds: $(($(date +%s) - START))"
