@@ -161,7 +161,7 @@ def add_second_pass(mtp_cls) -> None:
         n1, n2 = x1.shape[1], x2.shape[1]
         x = torch.cat([x1, x2], 1)
         pos = torch.cat([pos1, pos1[:, :n2] + 1], 1)
-        pe = self.rotary(x, pos)
+        pe = self.rotary(x, pos[None].expand(3, -1, -1))  # as MTP.forward: 3 equal M-RoPE rows
         i1, i2 = torch.arange(n1), torch.arange(n2)
         see = torch.zeros(n1 + n2, n1 + n2, dtype=torch.bool)
         see[:n1, :n1] = i1[None, :] <= i1[:, None]

@@ -52,7 +52,7 @@ if ! has dflash; then  # MTP and Weaver side by side, over an earlier DFlash dra
         weaver "$T" "${DFLASH:?HEADS without dflash needs DFLASH=dir for weaver}" &
         PIDS+=($!)
     fi
-    for p in "${PIDS[@]}"; do wait "$p"; done
+    for p in "${PIDS[@]}"; do wait "$p" || echo "a head failed (its log says why)"; done
     [[ -f $OUT/mtp.log ]] && tail -n 1 "$OUT/mtp.log"
     echo "total seconds: $(($(date +%s) - START))"
     exit 0
@@ -68,8 +68,8 @@ DF=$!
 python scripts/train_drafters.py mtp --data "$DATA" --out "$OUT/mtp" --steps 0 --max-seconds "$T" \
     --batch 16 --lr 1.5e-3 --warmup 100 --eval-every 500 >"$OUT/mtp.log" 2>&1 &
 MT=$!
-wait $DF
-wait $MT
+wait $DF || echo "dflash failed (its log says why)"
+wait $MT || echo "mtp failed (its log says why)"
 tail -n 1 "$OUT/dflash.log"
 tail -n 1 "$OUT/mtp.log"
 has weaver && weaver $(($(left) - 30)) "$OUT/dflash"
