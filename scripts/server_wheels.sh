@@ -14,6 +14,6 @@ mkdir -p "$dir"
 # the server's runtime dependencies that the H200 image lacks (pyproject.toml lists them all);
 # binary wheels for the target Python and manylinux x86_64, dependencies resolved for it
 python3 -m pip download --quiet --dest "$dir" --only-binary=:all: --python-version "$py" \
-  --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --implementation cp \
-  fastapi uvicorn sse-starlette pydantic
+  --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_31_x86_64 --implementation cp \
+  fastapi uvicorn sse-starlette pydantic "llguidance>=1.9,<2"
 ls "$dir"
