@@ -59,7 +59,10 @@ class WeaverTrees:
         pool_ids = mx.argpartition(-logits[:depth_limit], pool - 1, axis=-1)[:, :pool]  # [D, P]
         pool_logits = mx.take_along_axis(logits[:depth_limit].astype(mx.float32), pool_ids, axis=-1)
         prompt = w.prompt_kv(h_target, hidden[:depth_limit])
-        per_call = self.nodes_per_call or math.ceil(budget / 16)
+        # A Weaver call costs about the same for 1 node as for 8 (op overhead), and one call per
+        # node made drafting 60 % of a round on the CPU; a quarter of the budget per call (4 calls)
+        # kept most of the acceptance (BENCHMARKS.md, "One-pass drafters").
+        per_call = self.nodes_per_call or math.ceil(budget / 4)
 
         tokens, parents, depths, scores = [root], [-1], [0], [0.0]
         kv_slot: dict[int, int] = {}  # tree node -> row of the stepped nodes' K/V
