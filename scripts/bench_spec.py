@@ -1,7 +1,7 @@
 """Speculation benchmark: every drafter and tree builder against plain decoding, side by side in one
 run, per prompt kind.
 
-    LD_PRELOAD=<openblas libblas.so.3> python scripts/bench_spec.py [--model DIR] [--draft-model DIR]
+    python scripts/bench_spec.py [--model DIR] [--draft-model DIR]
         [--dflash-model DIR] [--tokens 128] [--runs 3] [--budgets 16,32] [--depth 8]
         [--methods none,ngram,draft,draft-tree,mtp:chain,mtp:ddtree,dflash:chain,dflash:ddtree,dflash:weaver]
         [--temperature 0 --seed 0] [--defaults] [--adaptive] [--json OUT.json] [--png OUT.png]
@@ -30,13 +30,19 @@ import dataclasses
 import inspect
 import json
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.config import EngineConfig, SamplingParams, SpecConfig
-from engine.generate import BUNDLED, Engine
-from engine.types import GenerationRequest
+from engine.blas import reexec_with_openblas
+
+if __name__ == "__main__":  # a BLAS preload works only from process start: before mlx is imported
+    reexec_with_openblas(sys.orig_argv[1:])
+
+from engine.config import EngineConfig, SamplingParams, SpecConfig  # noqa: E402
+from engine.generate import BUNDLED, Engine  # noqa: E402
+from engine.types import GenerationRequest  # noqa: E402
 
 
 def long_context_prompt() -> str:
