@@ -41,11 +41,14 @@ class Data:
         n_held = max(1, int(len(seqs) * heldout))
         self.heldout = [seqs[i] for i in order[:n_held]]
         self.train = [seqs[i] for i in order[n_held:]]
+        self.dev_tokens: torch.Tensor | None = None  # to_device(): copies on a GPU
+        self.dev_features: torch.Tensor | None = None
+        self.dev_slots: list[int] = []
 
     def to_device(self, device: torch.device, slots: list[int]) -> None:
         """Keep the tokens and the features of `slots` on `device` (a GPU), so that a batch is a
         gather there instead of a read and a conversion on the host every step."""
-        self.slots_on_device = list(slots)
+        self.dev_slots = list(slots)
         self.dev_tokens = torch.from_numpy(np.asarray(self.tokens, dtype=np.int64)).to(device)
         chunks = []
         for i in range(0, len(self.features), 1 << 20):  # bounded host memory per copy
@@ -60,10 +63,10 @@ class Data:
         pos = np.arange(T)[None]
         idx = np.array([s.start for s in seqs])[:, None] + np.minimum(pos, lengths[:, None] - 1)
         valid = torch.as_tensor(pos < lengths[:, None]).to(torch.get_default_device())
-        if getattr(self, "dev_tokens", None) is not None:
+        if self.dev_tokens is not None and self.dev_features is not None:
             i = torch.as_tensor(idx).to(self.dev_tokens.device)
             toks = self.dev_tokens[i]
-            where = [self.slots_on_device.index(k) for k in slots]
+            where = [self.dev_slots.index(k) for k in slots]
             feats = self.dev_features[i][:, :, where].float()
         else:
             toks = torch.from_numpy(np.asarray(self.tokens[idx.ravel()], dtype=np.int64).reshape(idx.shape))
@@ -95,7 +98,7 @@ def train_loop(model, loss_fn, evaluate, data: Data, a, log) -> dict:
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=a.lr, betas=(0.9, 0.95),
                             weight_decay=0.01)
     rng = np.random.default_rng(a.seed)
-    start, recent, step = time.perf_counter(), [], 0
+    start, recent, step, done = time.perf_counter(), [], 0, 0
     stopped = None
     if a.steps <= 0 and a.warmup <= 40:
         raise SystemExit("--steps 0 needs --warmup > 40 (the step count is fixed at step 40)")
@@ -110,6 +113,7 @@ def train_loop(model, loss_fn, evaluate, data: Data, a, log) -> dict:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        done = step + 1
         recent.append(loss.item())
         elapsed = time.perf_counter() - start
         if a.steps <= 0 and step == 10:
@@ -129,10 +133,9 @@ def train_loop(model, loss_fn, evaluate, data: Data, a, log) -> dict:
             log({"step": step, "stopped": stopped})
             break
         step += 1
-    step = min(step, steps - 1)
     final = evaluate(data.heldout)
-    log({"step": step, "eval": final, "heldout_sequences": len(data.heldout)})
-    return {"steps": step + 1, "seconds": round(time.perf_counter() - start, 1), "stopped": stopped,
+    log({"step": done - 1, "eval": final, "heldout_sequences": len(data.heldout)})
+    return {"steps": done, "seconds": round(time.perf_counter() - start, 1), "stopped": stopped,
             "final_train_loss": float(np.mean(recent[-50:])), "heldout": final}
 
 
