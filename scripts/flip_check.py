@@ -8,8 +8,8 @@ the texts go separate ways (both are the model's greedy text under its own round
 the benchmark's prompts (server/bench/prompts.json, rendered with the model's chat template,
 thinking off) greedily with each method and with plain decoding, in one engine, and prints per
 prompt the first position where the tokens differ and the gap between plain decoding's top two
-log-probabilities there. tests/engine/test_low_precision.py holds the rule (gap <= 0.125 on
-logits of magnitude ~4-8); this script shows it on a real-sized checkpoint on a GPU.
+log-probabilities there. tests/engine/test_low_precision.py holds the rule (gap <=
+engine.dtypes.BF16_NEAR_TIE); this script shows it on a real-sized checkpoint on a GPU.
 """
 
 from __future__ import annotations
@@ -23,12 +23,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from engine.config import EngineConfig, SamplingParams, SpecConfig  # noqa: E402
+from engine.dtypes import BF16_NEAR_TIE as NEAR_TIE  # noqa: E402
 from engine.generate import Engine  # noqa: E402
 from engine.types import GenerationRequest  # noqa: E402
 from server.bench.prompts import load_prompt_file  # noqa: E402
 from server.chat import ChatRenderOptions, ChatTemplate  # noqa: E402
-
-NEAR_TIE = 0.125  # as tests/engine/test_low_precision.py
 
 
 def run(engine: Engine, prompt: list[int], max_tokens: int, spec: SpecConfig | None):

@@ -8,12 +8,9 @@ import numpy as np
 import pytest
 
 from engine.config import EngineConfig, SamplingParams, SpecConfig
+from engine.dtypes import BF16_NEAR_TIE as NEAR_TIE
 from engine.generate import Engine
 from tests.helpers import generate
-
-# bf16 keeps 8 significant bits: logits of magnitude ~4-8 round in steps of 1/32-1/16, and a
-# forward pass accumulates a few such steps.
-NEAR_TIE = 0.125
 
 
 @pytest.fixture(scope="module")

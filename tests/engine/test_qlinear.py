@@ -12,6 +12,7 @@ import pytest
 from engine import forward
 from engine.config import EngineConfig, SamplingParams, SpecConfig
 from engine.convert import ConvertOptions, convert
+from engine.dtypes import BF16_NEAR_TIE as NEAR_TIE
 from engine.generate import Engine
 from engine.kernels import gpu_backend
 from engine.loader import load_model
@@ -21,7 +22,6 @@ from tests.helpers import check_cuda_default_switch, checkpoint_maker, generate
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79]
 TREE = DraftTree((7, 8, 9, 10, 11, 12), (-1, 0, 1, 0, 3, 1))
-NEAR_TIE = 0.125  # as tests/engine/test_low_precision.py
 
 
 @pytest.fixture(scope="module")
