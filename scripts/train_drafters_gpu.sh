@@ -34,6 +34,11 @@ else
     tail -n 1 "$OUT/data.log"
 fi
 
+mtp() {  # $1: seconds
+    python scripts/train_drafters.py mtp --data "$DATA" --out "$OUT/mtp" --steps 0 --max-seconds "$1" \
+        --batch 16 --lr 1.5e-3 --warmup 100 --eval-every 500 >"$OUT/mtp.log" 2>&1
+}
+
 weaver() {  # $1: seconds, $2: the DFlash drafter it re-scores
     python scripts/train_drafters.py weaver --data "$DATA" --dflash "$2" --out "$OUT/weaver" --steps 0 \
         --max-seconds "$1" --batch 16 --anchors 16 --lr 1e-3 --warmup 100 --eval-every 500 >"$OUT/weaver.log" 2>&1
@@ -44,8 +49,7 @@ if ! has dflash; then  # MTP and Weaver side by side, over an earlier DFlash dra
     T=$(($(left) - 60))
     PIDS=()
     if has mtp; then
-        python scripts/train_drafters.py mtp --data "$DATA" --out "$OUT/mtp" --steps 0 --max-seconds "$T" \
-            --batch 16 --lr 1.5e-3 --warmup 100 --eval-every 500 >"$OUT/mtp.log" 2>&1 &
+        mtp "$T" &
         PIDS+=($!)
     fi
     if has weaver; then
@@ -65,8 +69,7 @@ python scripts/train_drafters.py dflash --data "$DATA" --out "$OUT/dflash" --ste
     --batch 32 --anchors 16 --lr 1.5e-3 --warmup 100 --layers 2 --target-layers 1,4,7 \
     --eval-every 500 >"$OUT/dflash.log" 2>&1 &
 DF=$!
-python scripts/train_drafters.py mtp --data "$DATA" --out "$OUT/mtp" --steps 0 --max-seconds "$T" \
-    --batch 16 --lr 1.5e-3 --warmup 100 --eval-every 500 >"$OUT/mtp.log" 2>&1 &
+mtp "$T" &
 MT=$!
 wait $DF || echo "dflash failed (its log says why)"
 wait $MT || echo "mtp failed (its log says why)"
