@@ -1,0 +1,145 @@
+"""Where the host's time goes in one verify: building the lazy graph, evaluating it, the commit.
+
+    python scripts/profile_host.py --out DIR [--shape 9b] [--layers 32] [--rows 1,2,17]
+
+MLX evaluates nothing until `mx.eval`, so a verify's wall time is the host building its graph
+(Python, compiled-function replay, array creation) and then the evaluation (the host encoding
+every kernel while the device runs them). This script times the phases of one verify of the
+engine's model, built in memory at a Qwen3.5 layer shape (random weights, as scripts/profile_gpu.py
+builds it), for trees of each row count (a chain of up to 8 with siblings), each phase synchronised:
+
+- `batch_ms`   the per-tree inputs alone (forward.tree_batch: positions, masks, conv taps);
+- `build_ms`   the whole verify graph with every node's argmax, nothing evaluated;
+- `eval_ms`    evaluating it;
+- `commit_build_ms` / `commit_eval_ms`  the commit of the chain, built then evaluated;
+- `sync_ms`    evaluating an array that is already computed (the floor of any round trip).
+
+Each commit is undone by a rewind, so every verify starts from the same committed length.
+`--compile on,off` measures both ways in one process (off: the layers run their pure functions
+uncompiled, what compilation saves on the host). A cProfile of the builds of the largest row count
+goes to DIR/host_profile_N_<compile>.txt; everything to DIR/host.json.
+Runs on any MLX backend; on the CPU use --shape bundled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+from bench_gpu import chain_with_siblings  # noqa: E402
+from profile_gpu import build_model  # noqa: E402
+from shaped_checkpoint import SHAPES, bundled_text_config  # noqa: E402
+
+from engine import forward  # noqa: E402
+from engine.kernels import cuda_default  # noqa: E402
+from engine.models.layers import Batch  # noqa: E402
+from engine.models.qwen3_5 import DecoderLayer  # noqa: E402
+
+
+def phases(model: Any, cache: list, committed: int, n: int, runs: int) -> dict[str, float]:
+    """Median ms of each phase of `runs` verifies of an n-node tree (after two warm-ups)."""
+    tree = chain_with_siblings(n)
+    path = tree.path_to(min(n - 1, 8))
+    kernel = model.args.linear_conv_kernel_dim
+    got: dict[str, list[float]] = {k: [] for k in ("batch_ms", "build_ms", "eval_ms", "commit_build_ms",
+                                                   "commit_eval_ms", "sync_ms")}
+    for r in range(runs + 2):
+        marks = [c.mark() for c in cache]
+        t0 = time.perf_counter()
+        batch = forward.tree_batch(tree, committed, kernel)
+        t1 = time.perf_counter()
+        mx.eval(_batch_arrays(batch))
+        t2 = time.perf_counter()
+        choice = mx.argmax(forward.verify(model, cache, tree, committed), axis=-1)
+        t3 = time.perf_counter()
+        mx.eval(choice)
+        t4 = time.perf_counter()
+        forward.commit(cache, path, evaluate=False)
+        t5 = time.perf_counter()
+        mx.eval(forward.state_arrays(cache))
+        t6 = time.perf_counter()
+        mx.eval(choice)
+        t7 = time.perf_counter()
+        for c, m in zip(cache, marks, strict=True):
+            c.rewind(m)
+        if r >= 2:
+            for key, v in zip(got, (t1 - t0, t3 - t2, t4 - t3, t5 - t4, t6 - t5, t7 - t6), strict=True):
+                got[key].append(v * 1e3)
+    return {k: statistics.median(v) for k, v in got.items()}
+
+
+def _batch_arrays(batch: Batch) -> list[mx.array]:
+    arrays = [a for a in (batch.positions, batch.tree_mask) if a is not None]
+    return arrays + (list(batch.gdn.arrays()) if batch.gdn is not None else [])
+
+
+def profile_builds(model: Any, cache: list, committed: int, n: int, calls: int) -> str:
+    """cProfile of `calls` verify builds of an n-node tree (each evaluated outside the profile)."""
+    tree = chain_with_siblings(n)
+    prof = cProfile.Profile()
+    for _ in range(calls):
+        marks = [c.mark() for c in cache]
+        prof.enable()
+        choice = mx.argmax(forward.verify(model, cache, tree, committed), axis=-1)
+        prof.disable()
+        mx.eval(choice)
+        for c, m in zip(cache, marks, strict=True):
+            c.rewind(m)
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+    return text.getvalue()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--shape", default="9b", choices=("9b", "0.8b", "bundled"))
+    ap.add_argument("--layers", type=int, default=0, help="layers to build (default: the shape's)")
+    ap.add_argument("--bits", type=int, default=4, help="0 = unquantized")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--rows", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 17])
+    ap.add_argument("--runs", type=int, default=8)
+    ap.add_argument("--compile", default="on", help="on, off or on,off: the layers' compiled functions")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    layers = args.layers or (bundled_text_config() if args.shape == "bundled" else SHAPES[args.shape])[
+        "num_hidden_layers"]
+    t0 = time.perf_counter()
+    model = build_model(args.shape, layers, args.bits, getattr(mx, args.dtype), True, cuda_default("SPRUCE_QMM"))
+    print(f"built {layers} layers in {time.perf_counter() - t0:.1f} s", flush=True)
+    cache = model.make_cache()
+    prompt = [int(t) for t in np.random.RandomState(0).randint(0, 8000, size=128)]
+    forward.extend(model, cache, prompt)
+    result: dict[str, Any] = dict(device=str(mx.default_device()), mlx=mx.__version__, shape=args.shape,
+                                  layers=layers, dtype=args.dtype, bits=args.bits,
+                                  date=time.strftime("%Y-%m-%d"), modes={})
+    for mode in args.compile.split(","):
+        DecoderLayer.compile_decode = mode == "on"
+        rows = result["modes"][mode] = {}
+        for n in args.rows:
+            rows[str(n)] = phases(model, cache, len(prompt), n, args.runs)
+            print(f"compile {mode} N={n}: " + ", ".join(f"{k} {v:.3f}" for k, v in rows[str(n)].items()), flush=True)
+        (args.out / "host.json").write_text(json.dumps(result, indent=1))
+        n = max(args.rows)
+        text = profile_builds(model, cache, len(prompt), n, 10)
+        (args.out / f"host_profile_{n}_{mode}.txt").write_text(text)
+        print("\n".join(text.splitlines()[:24]), flush=True)
+
+
+if __name__ == "__main__":
+    main()
