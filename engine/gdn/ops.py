@@ -132,6 +132,12 @@ def tree_masks(ancestor_mask: np.ndarray) -> TreeMasks:
     return TreeMasks(mx.array(m), mx.array(np.tril(m, -1)), mx.array(m.astype(np.float32)))
 
 
+def device_tree_masks(incl: mx.array) -> TreeMasks:
+    """The masks from an inclusive ancestor mask already on the device (a DraftTree's, valid by
+    construction): no host work, and lazy, so a core that never reads them never computes them."""
+    return TreeMasks(incl, mx.tril(incl, -1), incl.astype(mx.float32))
+
+
 @functools.lru_cache(maxsize=8)
 def chain_masks(n: int) -> TreeMasks:
     return tree_masks(np.tri(n, dtype=bool))
