@@ -33,10 +33,11 @@ SPR_FN spr_gate spr_gates(float a, float b, float A_log, float dt_bias) {
 }
 
 // q and k of key head hk for one token (conv, SiLU, L2 norm; q also scaled by Dk^-1/2), this
-// lane's elements, and v of value channel (h, v).
+// lane's elements. The one-token step and the tree front both call this, so a tree node's q and k
+// round exactly as a step of the same token.
 template <int K, int Hk, int Dk, int Hv, int Dv, typename PS, typename PX, typename PW>
-SPR_FN float spr_token_qkv(PS conv_state, PX x, PW w, SPR_THREAD const int* taps, uint lane, uint hk, uint h,
-                           uint v, SPR_THREAD float* q, SPR_THREAD float* k) {
+SPR_FN void spr_token_qk(PS conv_state, PX x, PW w, SPR_THREAD const int* taps, uint lane, uint hk,
+                         SPR_THREAD float* q, SPR_THREAD float* k) {
   constexpr int C = 2 * Hk * Dk + Hv * Dv;
   constexpr int E = Dk / SPR_SIMD;
   float qq = 0.0f, kk = 0.0f;
@@ -53,5 +54,13 @@ SPR_FN float spr_token_qkv(PS conv_state, PX x, PW w, SPR_THREAD const int* taps
     q[e] *= q_scale;
     k[e] *= k_scale;
   }
+}
+
+// q and k as above, and v of value channel (h, v).
+template <int K, int Hk, int Dk, int Hv, int Dv, typename PS, typename PX, typename PW>
+SPR_FN float spr_token_qkv(PS conv_state, PX x, PW w, SPR_THREAD const int* taps, uint lane, uint hk, uint h,
+                           uint v, SPR_THREAD float* q, SPR_THREAD float* k) {
+  constexpr int C = 2 * Hk * Dk + Hv * Dv;
+  spr_token_qk<K, Hk, Dk, Hv, Dv>(conv_state, x, w, taps, lane, hk, q, k);
   return spr_conv_silu<K>(conv_state, x, w, taps, C, 2 * Hk * Dk + int(h) * Dv + int(v));
 }

@@ -14,7 +14,7 @@ from engine.forward import tree_batch
 from engine.gdn import ops
 from engine.gdn.core import GDNShape, GDNWeights, OpsCore, TreeInputs, split_heads
 from engine.gdn.reference import sequential
-from engine.kernels import GDN_CHAIN, GDN_COMMIT, GDN_STEP, GDN_TREE
+from engine.kernels import GDN_CHAIN, GDN_COMMIT, GDN_STEP, GDN_TREE, GDN_TREE_FRONT
 from engine.tree import DraftTree
 from tests.kernels.emulate import emulate
 
@@ -118,6 +118,26 @@ def test_tree_body_equals_twin(shape, kind, n, rng, tmp_path):
     o, rows = OpsCore().tree(s, *twin_args(x), gdn)
     assert maxdiff(out["o"], o) <= 1e-4
     assert maxdiff(out["u"], rows.u) <= 1e-4
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize(("kind", "n"), [("chain", 2), ("star", 7), ("random", 12), ("random", 30)])
+def test_tree_front_body_equals_twin(shape, kind, n, rng, tmp_path):
+    s = SHAPES[shape]
+    tree = a_tree(rng, kind, n)
+    x = random_layer(rng, s, n)
+    gdn = tree_batch(tree, 5, s.K).gdn
+    inputs = {**x, "taps": np.array(gdn.conv_taps)}
+    rows = n * s.Hv
+    out = emulate(GDN_TREE_FRONT, inputs,
+                  {"q": ((n, s.Hv, s.Dk), F32), "k": ((n, s.Hv, s.Dk), F32), "v": ((n, s.Hv, s.Dv), F32),
+                   "g": ((n, s.Hv), F32), "beta": ((n, s.Hv), F32)},
+                  template(s), groups=-(-rows // 2), threads=2, tmp=tmp_path)
+    w, qkv, a, b, conv, _ = twin_args(x)
+    g, beta = ops.gates(a, b, w.A_log, w.dt_bias)
+    q, k, v = split_heads(s, ops.tree_conv(qkv, conv, w.conv, gdn.conv_taps))
+    for name, twin in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        assert maxdiff(out[name], twin) <= 1e-5, name
 
 
 @pytest.mark.parametrize("shape", SHAPES)
