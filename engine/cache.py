@@ -21,10 +21,10 @@ and snapshots hold references.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Protocol
+from typing import Any, Protocol
 
 import mlx.core as mx
 
@@ -182,9 +182,32 @@ class KVCache:
         return sum(a.nbytes for a in self.arrays())
 
 
+_COMMITS: dict[tuple[GDNCore, bool], Callable[..., Any]] = {}
+
+
+def commit_function(core: GDNCore, compiled: bool) -> Callable[..., Any]:
+    """core.commit over flat arrays (x, k, u, g, path, conv_state, state) -> (conv state, state),
+    compiled or not, one per core shared by its layers. Compiled, a commit replays one traced
+    graph per (tree size, path length) instead of building its ops (or its kernel call, whose
+    source MLX assembles on every eager call) layer after layer on the host: on the dev CPU
+    (bundled model, 17-node tree, 9-node path) 2.17 ms a commit against 2.93 (medians of four
+    interleaved runs of eight)."""
+    key = (core, compiled)
+    if key not in _COMMITS:
+
+        def commit(x: mx.array, k: mx.array, u: mx.array, g: mx.array, path: mx.array, conv_state: mx.array,
+                   state: mx.array) -> tuple[mx.array, mx.array]:
+            return core.commit(TreeRows(x, k, u, g), path, conv_state, state)
+
+        _COMMITS[key] = mx.compile(commit) if compiled else commit
+    return _COMMITS[key]
+
+
 class GDNCache:
     """Gated DeltaNet layer state: conv state [K-1, C] (the compute dtype) and recurrent state
     [Hv, Dv, Dk] (float32). A verify defers its result here until `commit(path)`."""
+
+    compile_commit = True  # class-wide switch: tests hold the compiled commit to the plain one
 
     def __init__(self, core: GDNCore, shape: GDNShape) -> None:
         self.core, self.shape = core, shape
@@ -214,7 +237,9 @@ class GDNCache:
         if self.pending is None or self.conv_state is None or self.state is None:
             raise RuntimeError("commit without a pending verify")
         if isinstance(self.pending, TreeRows):
-            conv, S = self.core.commit(self.pending, path.index, self.conv_state, self.state)
+            rows = self.pending
+            conv, S = commit_function(self.core, self.compile_commit)(rows.x, rows.k, rows.u, rows.g, path.index,
+                                                                      self.conv_state, self.state)
         else:
             if len(path) != 1:
                 raise ValueError(f"a one-node verify commits a path of one node, got {path.nodes}")

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
 from engine import forward
+from engine.cache import GDNCache
 from engine.config import SamplingParams
 from engine.loader import load_model
 from engine.sampler import accept
@@ -47,7 +49,10 @@ def assert_same_state(a, b, upto: int) -> None:
             np.testing.assert_allclose(np.array(x), np.array(y), atol=1e-5)
 
 
-def test_commit_equals_replay(tiny_qwen35):
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled-commit", "plain-commit"])
+def test_commit_equals_replay(tiny_qwen35, compiled, monkeypatch):
+    """Both commits (the compiled one the engine runs and its plain twin) equal the replay."""
+    monkeypatch.setattr(GDNCache, "compile_commit", compiled)
     model = load_model(tiny_qwen35).model
     rng = np.random.default_rng(7)
     prompt = [int(t) for t in rng.integers(0, 500, size=12)]
