@@ -16,8 +16,9 @@ builds it), for trees of each row count (a chain of up to 8 with siblings), each
 
 Each commit is undone by a rewind, so every verify starts from the same committed length.
 `--compile on,off` measures both ways in one process (off: the layers run their pure functions
-uncompiled, what compilation saves on the host). A cProfile of the builds of the largest row count
-goes to DIR/host_profile_N_<compile>.txt; everything to DIR/host.json.
+and the GDN commit its ops or kernel call uncompiled, what compilation saves on the host). A
+cProfile of the builds of the largest row count goes to DIR/host_profile_N_<compile>.txt;
+everything to DIR/host.json.
 Runs on any MLX backend; on the CPU use --shape bundled.
 """
 
@@ -46,6 +47,7 @@ from profile_gpu import build_model  # noqa: E402
 from shaped_checkpoint import SHAPES, bundled_text_config  # noqa: E402
 
 from engine import forward  # noqa: E402
+from engine.cache import GDNCache  # noqa: E402
 from engine.kernels import cuda_default  # noqa: E402
 from engine.models.layers import Batch  # noqa: E402
 from engine.models.qwen3_5 import DecoderLayer  # noqa: E402
@@ -129,7 +131,7 @@ def main() -> None:
                                   layers=layers, dtype=args.dtype, bits=args.bits,
                                   date=time.strftime("%Y-%m-%d"), modes={})
     for mode in args.compile.split(","):
-        DecoderLayer.compile_decode = mode == "on"
+        DecoderLayer.compile_decode = GDNCache.compile_commit = mode == "on"
         rows = result["modes"][mode] = {}
         for n in args.rows:
             rows[str(n)] = phases(model, cache, len(prompt), n, args.runs)
