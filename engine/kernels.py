@@ -93,13 +93,17 @@ def compiled_kernel(spec: KernelSpec, backend: str) -> Any:
                 source=body, header=header, ensure_row_contiguous=True)
 
 
-def cuda_default(switch: str) -> bool:
-    """An implementation choice that is on by default on CUDA only, where it was measured; the
-    environment variable `switch` (0 | 1) overrides it. Raises ValueError on another value."""
+def cuda_default(switch: str, cpu: bool = False) -> bool:
+    """An implementation choice that is on by default on CUDA only (and on the CPU where `cpu`
+    says so), where it was measured; the environment variable `switch` (0 | 1) overrides it.
+    Raises ValueError on another value."""
     choice = os.environ.get(switch)
     if choice not in (None, "0", "1"):
         raise ValueError(f"{switch} must be 0 or 1, got {choice!r}")
-    return choice == "1" if choice is not None else gpu_backend() == "cuda"
+    if choice is not None:
+        return choice == "1"
+    backend = gpu_backend()
+    return backend == "cuda" or (cpu and backend is None)
 
 
 def gpu_backend() -> str | None:
@@ -262,15 +266,43 @@ def quantized_matmul_mma(x: mx.array, w: mx.array, scales: mx.array, biases: mx.
         output_shapes=[(m, o)], output_dtypes=[x.dtype])[0]
 
 
+# From this many activation rows the CPU dequantizes the weight and runs a BLAS GEMM: MLX's CPU
+# quantized matmul costs each row about what one row costs (512 rows: 32-60x dequantize + GEMM,
+# OpenBLAS, fp32, dev CPU), while dequantizing costs about 2-9 rows' worth (the crossover measured
+# at 4 rows for 1536 x 384 and 2048 x 2048, 9 rows for 5632 x 2048; 16 rows: 1.9-7.1x).
+CPU_DEQUANT_ROWS = 9
+DEQUANT_BLOCK = 1 << 24  # weight elements dequantized at once (64 MiB in fp32): a big lm_head in slices
+
+
+def dequantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, group_size: int,
+                       bits: int, mode: str = "affine") -> mx.array:
+    """x [..., I] @ dequantize(w)^T, the weight dequantized in slices of output rows (each slice's
+    copy is freed once its product exists, so memory grows by one slice, not the whole weight)."""
+    o, i = w.shape[0], x.shape[-1]
+    step = max(1, DEQUANT_BLOCK // i)
+    parts = []
+    for start in range(0, o, step):
+        rows = slice(start, min(start + step, o))
+        dense = mx.dequantize(w[rows], scales[rows], None if biases is None else biases[rows], group_size=group_size,
+                              bits=bits, mode=mode)
+        parts.append(x @ dense.astype(x.dtype).T)
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+
+
 def quantized_linear(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, group_size: int,
                      bits: int, mode: str = "affine", kernel: bool = True) -> mx.array:
-    """x [..., I] @ dequantize(w)^T: qmm_mma where `kernel` asks for it and it covers the call, else
-    mx.quantized_matmul. For the model's quantized projections (the loader sets `kernel`)."""
-    if kernel and mode == "affine" and x.ndim >= 1 and gpu_backend() == "cuda":
+    """x [..., I] @ dequantize(w)^T for the model's quantized projections, where the loader routes
+    them (`kernel`): on CUDA qmm_mma where it covers the call; on the CPU dequantize + GEMM from
+    CPU_DEQUANT_ROWS rows on; else (and unrouted) mx.quantized_matmul."""
+    if kernel and x.ndim >= 1:
+        backend = gpu_backend()
         rows = x.reshape(-1, x.shape[-1])
-        if biases is not None and mma_covers(rows, w, scales, biases, group_size, bits):
-            y = quantized_matmul_mma(rows, w, scales, biases, group_size, bits)
-            return y.reshape(*x.shape[:-1], w.shape[0])
+        if backend == "cuda" and mode == "affine":
+            if biases is not None and mma_covers(rows, w, scales, biases, group_size, bits):
+                y = quantized_matmul_mma(rows, w, scales, biases, group_size, bits)
+                return y.reshape(*x.shape[:-1], w.shape[0])
+        elif backend is None and rows.shape[0] >= CPU_DEQUANT_ROWS:
+            return dequantized_matmul(x, w, scales, biases, group_size, bits, mode)
     return mx.quantized_matmul(x, w, scales=scales, biases=biases, transpose=True, group_size=group_size, bits=bits,
                                mode=mode)
 

@@ -30,7 +30,7 @@ from engine.dtypes import DTYPES, resolve_dtype
 from engine.kernels import cuda_default
 from engine.models import FAMILIES
 from engine.models.base import ModelArgs
-from engine.models.qlinear import use_small_m_kernel
+from engine.models.qlinear import route_quantized_projections
 from engine.rotation import rotate_inputs_of
 
 SKIPPED_PREFIXES = ("model.visual.", "visual.", "vision_tower.", "mtp.", "model.mtp.")
@@ -51,7 +51,7 @@ class LoadedModel:
     dtype: str = "float32"  # the compute dtype the float weights were loaded in
     rotated_inputs: int = 0  # projections whose inputs are Hadamard-rotated at run time
     fused_projections: int = 0  # groups of same-input projections run as one matmul
-    small_m_projections: int = 0  # quantized projections on the small-M kernel (engine/models/qlinear.py)
+    routed_projections: int = 0  # quantized projections on the engine's matmul (engine/models/qlinear.py)
 
     @property
     def nbytes(self) -> int:
@@ -192,10 +192,11 @@ def load_model(path: str | Path, dtype: str = "auto", fuse: bool | None = None,
     SPRUCE_FUSE (0 / 1) if set, else on CUDA only, where it was measured: on the CPU OpenBLAS ran
     the stacked one-row products slower than the separate ones (bundled model, gate|up: 454 us
     against 206 for the two), and no Apple GPU was reachable to measure Metal.
-    small_m: run the quantized projections through the small-M tensor-core kernel; None =
-    SPRUCE_QMM (0 / 1) if set, else on CUDA only (engine/models/qlinear.py)."""
+    small_m: route the quantized projections through the engine's matmul (the small-M tensor-core
+    kernel on CUDA, dequantize + GEMM for many rows on the CPU); None = SPRUCE_QMM (0 / 1) if set,
+    else on CUDA and the CPU, where each was measured (engine/models/qlinear.py)."""
     fuse = switch("SPRUCE_FUSE") if fuse is None else fuse
-    small_m = switch("SPRUCE_QMM") if small_m is None else small_m
+    small_m = switch("SPRUCE_QMM", cpu=True) if small_m is None else small_m
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"model directory {str(path)!r} does not exist")
@@ -226,15 +227,15 @@ def load_model(path: str | Path, dtype: str = "auto", fuse: bool | None = None,
     if fuse and hasattr(model, "fuse_projections"):
         loaded.fused_projections = model.fuse_projections()
     if small_m:
-        loaded.small_m_projections = use_small_m_kernel(model)
+        loaded.routed_projections = route_quantized_projections(model)
     return loaded
 
 
-def switch(name: str) -> bool:
-    """A loader choice that is on by default on CUDA only (engine.kernels.cuda_default), or what
-    the environment variable `name` (0 | 1) says."""
+def switch(name: str, cpu: bool = False) -> bool:
+    """A loader choice that is on by default on CUDA only (and the CPU where `cpu` says so:
+    engine.kernels.cuda_default), or what the environment variable `name` (0 | 1) says."""
     try:
-        return cuda_default(name)
+        return cuda_default(name, cpu)
     except ValueError as e:
         raise CheckpointError(str(e)) from None
 

@@ -42,7 +42,7 @@ from engine.gdn.core import GDNWeights  # noqa: E402
 from engine.kernels import cuda_default  # noqa: E402
 from engine.models import qwen3_5  # noqa: E402
 from engine.models.layers import CHAIN, tree_attention  # noqa: E402
-from engine.models.qlinear import use_small_m_kernel  # noqa: E402
+from engine.models.qlinear import route_quantized_projections  # noqa: E402
 
 
 def per_call_us(fn: Callable[[], Any], calls: int) -> float:
@@ -74,8 +74,8 @@ def build_model(shape: str, layers: int, bits: int, dtype: mx.Dtype, fuse: bool 
     mx.eval(model.parameters())
     if fuse:  # as the loader does
         model.fuse_projections()
-    if qmm:  # as the loader does on CUDA: the small-M quantized matmul kernel
-        use_small_m_kernel(model)
+    if qmm:  # as the loader does: the engine's quantized matmul (qmm_mma on CUDA)
+        route_quantized_projections(model)
     return model
 
 

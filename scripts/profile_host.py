@@ -122,7 +122,8 @@ def main() -> None:
     layers = args.layers or (bundled_text_config() if args.shape == "bundled" else SHAPES[args.shape])[
         "num_hidden_layers"]
     t0 = time.perf_counter()
-    model = build_model(args.shape, layers, args.bits, getattr(mx, args.dtype), True, cuda_default("SPRUCE_QMM"))
+    routed = cuda_default("SPRUCE_QMM", cpu=True)  # as the loader routes the quantized projections
+    model = build_model(args.shape, layers, args.bits, getattr(mx, args.dtype), True, routed)
     print(f"built {layers} layers in {time.perf_counter() - t0:.1f} s", flush=True)
     cache = model.make_cache()
     prompt = [int(t) for t in np.random.RandomState(0).randint(0, 8000, size=128)]

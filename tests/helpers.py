@@ -109,17 +109,17 @@ def add_to_hub_cache(cache: Path, repo_id: str, src: Path, commit: str = "0" * 4
     return snapshot
 
 
-def check_cuda_default_switch(monkeypatch, switch: str, count: Callable[[], int]) -> None:
-    """An implementation the loader turns on by default on CUDA only (engine.kernels.cuda_default):
-    count() loads a model and says how many modules use it; `switch` (0 | 1) overrides the
-    default, and another value is a CheckpointError naming the switch."""
+def check_cuda_default_switch(monkeypatch, switch: str, count: Callable[[], int], cpu: bool = False) -> None:
+    """An implementation the loader turns on by default on CUDA only (and the CPU with `cpu`:
+    engine.kernels.cuda_default): count() loads a model and says how many modules use it;
+    `switch` (0 | 1) overrides the default, and another value is a CheckpointError naming it."""
     import pytest
 
     from engine.kernels import gpu_backend
     from engine.loader import CheckpointError
 
     monkeypatch.delenv(switch, raising=False)
-    assert (count() > 0) == (gpu_backend() == "cuda")
+    assert (count() > 0) == (gpu_backend() == "cuda" or (cpu and gpu_backend() is None))
     monkeypatch.setenv(switch, "1")
     assert count() > 0
     monkeypatch.setenv(switch, "0")

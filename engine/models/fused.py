@@ -39,7 +39,7 @@ class FusedProjection(nn.Module):
             self.scales = mx.concatenate([p["scales"] for p in parts])
             if "biases" in first:
                 self.biases = mx.concatenate([p["biases"] for p in parts])
-        self.rows_kernel = False  # set by engine/models/qlinear.py where the small-M kernel runs
+        self.rows_kernel = False  # set by engine/models/qlinear.py where the engine's matmul is routed in
         sizes = [p["weight"].shape[0] for p in parts]
         self.split_at = tuple(accumulate(sizes))[:-1]
 

@@ -1,12 +1,16 @@
-"""The model's quantized projections on the small-M tensor-core kernel (metal/qmm_mma.kernel).
+"""The model's quantized projections through the engine's own choice of matmul per backend
+(engine.kernels.quantized_linear), where the loader routes them (SPRUCE_QMM=0|1 overrides:
+engine/loader.py; on by default on CUDA and the CPU, where each was measured).
 
-MLX's CUDA quantized matmul streams the weights once per activation row below 8 rows and, from 8
-rows on, launches one block per 128 output rows without splitting the reduction (scripts/
-profile_gpu.py: the 9B down_proj took 342 us at 17 rows against 43 at one, on 32 of 132 SMs).
-qmm_mma reads each weight once for up to 32 rows, splits the reduction over the warps of a block,
-and gives a row the same result whatever the number of rows, so a verify row equals the one-row
-step. The loader swaps the kernel in on CUDA (SPRUCE_QMM=0|1 overrides: engine/loader.py); calls it does not cover
-(more than 32 rows: prefill; fp32 activations; other bit widths) run mx.quantized_matmul.
+- CUDA: the small-M tensor-core kernel (metal/qmm_mma.kernel). MLX's CUDA quantized matmul
+  streams the weights once per activation row below 8 rows and, from 8 rows on, launches one block
+  per 128 output rows without splitting the reduction (scripts/profile_gpu.py: the 9B down_proj
+  took 342 us at 17 rows against 43 at one, on 32 of 132 SMs). qmm_mma reads each weight once for
+  up to 32 rows, splits the reduction over the warps of a block, and gives a row the same result
+  whatever the number of rows, so a verify row equals the one-row step. Calls it does not cover
+  (more than 32 rows: prefill; fp32 activations; other bit widths) run mx.quantized_matmul.
+- CPU: MLX's quantized matmul costs every row about what one row costs, so from a few rows on
+  (a 17-node verify, a prefill chunk) the weight is dequantized and a BLAS GEMM runs instead.
 """
 
 from __future__ import annotations
@@ -41,9 +45,10 @@ class RowsQuantizedLinear(nn.QuantizedLinear):
         return y + self["bias"] if "bias" in self else y
 
 
-def use_small_m_kernel(model: nn.Module) -> int:
-    """Route the model's affine 4/8-bit projections (fused ones included) through the small-M
-    kernel; -> how many modules now do. Subclasses (the Hadamard-rotated projection) keep theirs."""
+def route_quantized_projections(model: nn.Module) -> int:
+    """Route the model's affine 4/8-bit projections (fused ones included) through
+    engine.kernels.quantized_linear; -> how many modules now do. Subclasses (the Hadamard-rotated
+    projection) keep theirs."""
     swaps = []
     count = 0
     for name, module in model.named_modules():

@@ -1,6 +1,7 @@
-"""The model's quantized projections on the small-M kernel (engine/models/qlinear.py): the loader
-swaps them in where asked, the model computes what it did, and on CUDA (where the kernel runs)
-speculation still only flips tokens at near ties in bf16."""
+"""The model's quantized projections on the engine's matmul (engine/models/qlinear.py): the
+loader routes them where asked, the model computes what it did (up to rounding where the CPU
+dequantizes for many rows), and on CUDA (where the small-M kernel runs) speculation still only
+flips tokens at near ties in bf16."""
 
 from __future__ import annotations
 
@@ -9,12 +10,12 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from engine import forward
+from engine import forward, kernels
 from engine.config import EngineConfig, SamplingParams, SpecConfig
 from engine.convert import ConvertOptions, convert
 from engine.dtypes import BF16_NEAR_TIE as NEAR_TIE
 from engine.generate import Engine
-from engine.kernels import gpu_backend
+from engine.kernels import CPU_DEQUANT_ROWS, gpu_backend
 from engine.loader import load_model
 from engine.models.qlinear import RowsQuantizedLinear
 from engine.tree import DraftTree
@@ -41,15 +42,39 @@ def outputs(path, dtype: str, small_m: bool) -> tuple[np.ndarray, np.ndarray, in
     cache = model.make_cache()
     forward.extend(model, cache, PROMPT)
     tree = np.array(forward.verify(model, cache, TREE, len(PROMPT)).astype(mx.float32))
-    return chain, tree, loaded.small_m_projections
+    return chain, tree, loaded.routed_projections
 
 
 def test_swapped_projections_compute_what_they_did(wide_q4):
-    """fp32 activations: the kernel does not cover them, so the swapped model is the same model."""
+    """fp32 activations: CUDA's kernel does not cover them (the same model, bit for bit); the CPU
+    dequantizes for the 16-row chain (a GEMM sums in another order), and the tree reads the state
+    that chain left, so both agree to rounding."""
     chain, tree, swapped = outputs(wide_q4, "float32", True)
     chain_ref, tree_ref, none = outputs(wide_q4, "float32", False)
     assert none == 0 and swapped > 0
-    assert np.array_equal(chain, chain_ref) and np.array_equal(tree, tree_ref)
+    assert len(PROMPT) >= CPU_DEQUANT_ROWS
+    for ours, ref in ((chain, chain_ref), (tree, tree_ref)):
+        if gpu_backend() is None:
+            assert np.abs(ours - ref).max() <= 1e-4 * max(1.0, float(np.abs(ref).max()))
+        else:
+            assert np.array_equal(ours, ref)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("rows", [1, 9, 40])
+def test_dequantized_matmul_equals_mlx(bits, group_size, rows, monkeypatch):
+    """The CPU's many-row path (dequantize in slices, then GEMM) against mx.quantized_matmul, with
+    slices small enough that a weight takes several."""
+    monkeypatch.setattr(kernels, "DEQUANT_BLOCK", 256 * 50)  # 50 output rows a slice
+    rng = np.random.default_rng(bits * 1000 + group_size + rows)
+    w = mx.array(rng.normal(size=(130, 256)).astype(np.float32) * 0.1)
+    wq, scales, biases = mx.quantize(w, group_size=group_size, bits=bits)
+    x = mx.array(rng.normal(size=(1, rows, 256)).astype(np.float32))
+    ours = kernels.dequantized_matmul(x, wq, scales, biases, group_size, bits)
+    ref = mx.quantized_matmul(x, wq, scales, biases, transpose=True, group_size=group_size, bits=bits)
+    assert ours.shape == ref.shape == (1, rows, 130)
+    assert np.abs(np.array(ours) - np.array(ref)).max() <= 1e-4
 
 
 def test_every_quantized_projection_is_routed(wide_q4):
@@ -58,8 +83,9 @@ def test_every_quantized_projection_is_routed(wide_q4):
     assert kinds == {RowsQuantizedLinear}
 
 
-def test_on_by_default_only_on_cuda_and_can_be_chosen(wide_q4, monkeypatch):
-    check_cuda_default_switch(monkeypatch, "SPRUCE_QMM", lambda: load_model(wide_q4, "float32").small_m_projections)
+def test_on_by_default_on_cuda_and_the_cpu_and_can_be_chosen(wide_q4, monkeypatch):
+    check_cuda_default_switch(monkeypatch, "SPRUCE_QMM", lambda: load_model(wide_q4, "float32").routed_projections,
+                              cpu=True)
 
 
 needs_cuda = pytest.mark.skipif(gpu_backend() != "cuda", reason="the small-M kernel runs on CUDA")
