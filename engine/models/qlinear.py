@@ -45,15 +45,40 @@ class RowsQuantizedLinear(nn.QuantizedLinear):
         return y + self["bias"] if "bias" in self else y
 
 
+class RowsQuantizedEmbedding(nn.QuantizedEmbedding):
+    """nn.QuantizedEmbedding whose `as_linear` (the output projection of a model with tied
+    embeddings: a verify's or a prefill's last rows times the whole vocabulary) goes through
+    engine.kernels.quantized_linear; the lookup is unchanged."""
+
+    @classmethod
+    def of(cls, q: nn.QuantizedEmbedding) -> RowsQuantizedEmbedding:
+        """The same weights (not copied); see RowsQuantizedLinear.of."""
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.group_size, new.bits, new.mode = q.group_size, q.bits, q.mode
+        new.num_embeddings, new.dims = q.num_embeddings, q.dims
+        for name in ("weight", "scales", "biases"):
+            if name in q:
+                new[name] = q[name]
+        new.freeze()
+        return new
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return quantized_linear(x, self["weight"], self["scales"], self.get("biases"), self.group_size, self.bits,
+                                self.mode)
+
+
 def route_quantized_projections(model: nn.Module) -> int:
-    """Route the model's affine 4/8-bit projections (fused ones included) through
-    engine.kernels.quantized_linear; -> how many modules now do. Subclasses (the Hadamard-rotated
-    projection) keep theirs."""
-    swaps = []
+    """Route the model's affine 4/8-bit projections (fused ones and a tied embedding's output
+    projection included) through engine.kernels.quantized_linear; -> how many modules now do.
+    Subclasses (the Hadamard-rotated projection) keep theirs."""
+    swaps: list[tuple[str, nn.Module]] = []
     count = 0
     for name, module in model.named_modules():
         if type(module) is nn.QuantizedLinear and module.mode == "affine" and module.bits in (4, 8):
             swaps.append((name, RowsQuantizedLinear.of(module)))
+        elif type(module) is nn.QuantizedEmbedding and module.mode == "affine" and module.bits in (4, 8):
+            swaps.append((name, RowsQuantizedEmbedding.of(module)))
         elif isinstance(module, FusedProjection) and module.quantized and module.mode == "affine":
             module.rows_kernel = True
             count += 1

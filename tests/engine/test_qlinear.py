@@ -17,7 +17,7 @@ from engine.dtypes import BF16_NEAR_TIE as NEAR_TIE
 from engine.generate import Engine
 from engine.kernels import CPU_DEQUANT_ROWS, gpu_backend
 from engine.loader import load_model
-from engine.models.qlinear import RowsQuantizedLinear
+from engine.models.qlinear import RowsQuantizedEmbedding, RowsQuantizedLinear
 from engine.tree import DraftTree
 from tests.helpers import check_cuda_default_switch, checkpoint_maker, generate
 
@@ -81,6 +81,8 @@ def test_every_quantized_projection_is_routed(wide_q4):
     model = load_model(wide_q4, "float32", small_m=True, fuse=False).model
     kinds = {type(m) for _, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)}
     assert kinds == {RowsQuantizedLinear}
+    embeddings = {type(m) for _, m in model.named_modules() if isinstance(m, nn.QuantizedEmbedding)}
+    assert embeddings == {RowsQuantizedEmbedding}
 
 
 def test_on_by_default_on_cuda_and_the_cpu_and_can_be_chosen(wide_q4, monkeypatch):
