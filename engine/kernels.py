@@ -93,17 +93,16 @@ def compiled_kernel(spec: KernelSpec, backend: str) -> Any:
                 source=body, header=header, ensure_row_contiguous=True)
 
 
-def cuda_default(switch: str, cpu: bool = False) -> bool:
-    """An implementation choice that is on by default on CUDA only (and on the CPU where `cpu`
-    says so), where it was measured; the environment variable `switch` (0 | 1) overrides it.
-    Raises ValueError on another value."""
+def backend_default(switch: str, on: tuple[str, ...] = ("cuda",)) -> bool:
+    """An implementation choice that is on by default on the backends `on` names ("cuda",
+    "metal", "cpu"), where it was measured; the environment variable `switch` (0 | 1) overrides
+    it. Raises ValueError on another value."""
     choice = os.environ.get(switch)
     if choice not in (None, "0", "1"):
         raise ValueError(f"{switch} must be 0 or 1, got {choice!r}")
     if choice is not None:
         return choice == "1"
-    backend = gpu_backend()
-    return backend == "cuda" or (cpu and backend is None)
+    return (gpu_backend() or "cpu") in on
 
 
 def gpu_backend() -> str | None:
@@ -290,18 +289,17 @@ def dequantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.ar
 
 
 def quantized_linear(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, group_size: int,
-                     bits: int, mode: str = "affine", kernel: bool = True) -> mx.array:
+                     bits: int, mode: str = "affine", routed: bool = True) -> mx.array:
     """x [..., I] @ dequantize(w)^T for the model's quantized projections, where the loader routes
-    them (`kernel`): on CUDA qmm_mma where it covers the call; on the CPU dequantize + GEMM from
+    them (`routed`): on CUDA qmm_mma where it covers the call; on the CPU dequantize + GEMM from
     CPU_DEQUANT_ROWS rows on; else (and unrouted) mx.quantized_matmul."""
-    if kernel and x.ndim >= 1:
+    if routed:
         backend = gpu_backend()
         rows = x.reshape(-1, x.shape[-1])
-        if backend == "cuda" and mode == "affine":
-            if biases is not None and mma_covers(rows, w, scales, biases, group_size, bits):
-                y = quantized_matmul_mma(rows, w, scales, biases, group_size, bits)
-                return y.reshape(*x.shape[:-1], w.shape[0])
-        elif backend is None and rows.shape[0] >= CPU_DEQUANT_ROWS:
+        if backend == "cuda" and mode == "affine" and biases is not None and mma_covers(rows, w, scales, biases,
+                                                                                        group_size, bits):
+            return quantized_matmul_mma(rows, w, scales, biases, group_size, bits).reshape(*x.shape[:-1], w.shape[0])
+        if backend is None and rows.shape[0] >= CPU_DEQUANT_ROWS:
             return dequantized_matmul(x, w, scales, biases, group_size, bits, mode)
     return mx.quantized_matmul(x, w, scales=scales, biases=biases, transpose=True, group_size=group_size, bits=bits,
                                mode=mode)

@@ -27,7 +27,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from engine.dtypes import DTYPES, resolve_dtype
-from engine.kernels import cuda_default
+from engine.kernels import backend_default
 from engine.models import FAMILIES
 from engine.models.base import ModelArgs
 from engine.models.qlinear import route_quantized_projections
@@ -186,17 +186,17 @@ def _check_and_cast(model: nn.Module, weights: dict[str, mx.array], where: dict[
 
 
 def load_model(path: str | Path, dtype: str = "auto", fuse: bool | None = None,
-               small_m: bool | None = None) -> LoadedModel:
+               routed: bool | None = None) -> LoadedModel:
     """dtype: a name of engine.config.DTYPE_NAMES ('auto' = bfloat16 on a GPU, float32 on the CPU).
     fuse: run each layer's same-input projections as one matmul (engine/models/fused.py); None =
     SPRUCE_FUSE (0 / 1) if set, else on CUDA only, where it was measured: on the CPU OpenBLAS ran
     the stacked one-row products slower than the separate ones (bundled model, gate|up: 454 us
     against 206 for the two), and no Apple GPU was reachable to measure Metal.
-    small_m: route the quantized projections through the engine's matmul (the small-M tensor-core
+    routed: route the quantized projections through the engine's matmul (the small-M tensor-core
     kernel on CUDA, dequantize + GEMM for many rows on the CPU); None = SPRUCE_QMM (0 / 1) if set,
     else on CUDA and the CPU, where each was measured (engine/models/qlinear.py)."""
     fuse = switch("SPRUCE_FUSE") if fuse is None else fuse
-    small_m = switch("SPRUCE_QMM", cpu=True) if small_m is None else small_m
+    routed = switch("SPRUCE_QMM", on=("cuda", "cpu")) if routed is None else routed
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"model directory {str(path)!r} does not exist")
@@ -226,16 +226,16 @@ def load_model(path: str | Path, dtype: str = "auto", fuse: bool | None = None,
     mx.eval(model.parameters())  # nothing left to compute; a guard against a lazy parameter
     if fuse and hasattr(model, "fuse_projections"):
         loaded.fused_projections = model.fuse_projections()
-    if small_m:
+    if routed:
         loaded.routed_projections = route_quantized_projections(model)
     return loaded
 
 
-def switch(name: str, cpu: bool = False) -> bool:
-    """A loader choice that is on by default on CUDA only (and the CPU where `cpu` says so:
-    engine.kernels.cuda_default), or what the environment variable `name` (0 | 1) says."""
+def switch(name: str, on: tuple[str, ...] = ("cuda",)) -> bool:
+    """A loader choice that is on by default on the backends `on` names
+    (engine.kernels.backend_default), or what the environment variable `name` (0 | 1) says."""
     try:
-        return cuda_default(name, cpu)
+        return backend_default(name, on)
     except ValueError as e:
         raise CheckpointError(str(e)) from None
 

@@ -7,7 +7,8 @@ side by side in one process, runs interleaved.
 Per engine, medians of the runs, the engine's own timings: prefill tok/s of a prompt of random
 ids, plain decode tok/s, and decode tok/s with prompt lookup at a fixed budget of 16 (17-row
 verifies) on a prompt that repeats a motif (so that guesses hit: the rows are what is measured),
-with its tokens per forward; and whether the greedy outputs agree between the engines and between
+with its tokens per forward and the distinct-8-gram share of its output (low: the text loops,
+which is what makes the guesses hit here); and whether the greedy outputs agree between the engines and between
 plain and speculative decoding. Make a 4-bit checkpoint with `spruce convert SRC DIR --bits 4`.
 """
 
@@ -21,6 +22,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
 
 from engine.blas import reexec_with_openblas  # noqa: E402
 
@@ -28,6 +30,7 @@ if __name__ == "__main__":  # a BLAS preload works only from process start: befo
     reexec_with_openblas(sys.orig_argv[1:])
 
 import numpy as np  # noqa: E402
+from bench_spec import distinct_8grams  # noqa: E402
 
 from engine.config import EngineConfig, SamplingParams, SpecConfig  # noqa: E402
 from engine.generate import Engine  # noqa: E402
@@ -71,6 +74,7 @@ def main() -> None:
             f.setdefault("plain decode tok/s", []).append(s_plain.decode_tps)
             f.setdefault("ngram@16 decode tok/s", []).append(s_fast.decode_tps)
             f.setdefault("ngram tok/fwd", []).append(s_fast.tokens_per_forward)
+            f.setdefault("distinct 8-grams", []).append(distinct_8grams(fast))
             texts[label].append((plain, fast))
     names = list(figures[next(iter(figures))])
     print("| engine | " + " | ".join(names) + " |")

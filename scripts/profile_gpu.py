@@ -39,7 +39,7 @@ from shaped_checkpoint import COMMON, SHAPES, bundled_text_config  # noqa: E402
 
 from engine import forward  # noqa: E402
 from engine.gdn.core import GDNWeights  # noqa: E402
-from engine.kernels import cuda_default  # noqa: E402
+from engine.kernels import backend_default  # noqa: E402
 from engine.models import qwen3_5  # noqa: E402
 from engine.models.layers import CHAIN, tree_attention  # noqa: E402
 from engine.models.qlinear import route_quantized_projections  # noqa: E402
@@ -261,7 +261,7 @@ def main() -> None:
     dtype = getattr(mx, args.dtype)
     t0 = time.perf_counter()
     model = build_model(args.shape, args.layers, args.bits, dtype, not args.no_fuse,
-                        not args.no_qmm and cuda_default("SPRUCE_QMM"))
+                        not args.no_qmm and backend_default("SPRUCE_QMM"))
     print(f"built in {time.perf_counter() - t0:.1f} s", flush=True)
     full = args.full_layers or (bundled_text_config() if args.shape == "bundled" else SHAPES[args.shape])[
         "num_hidden_layers"]

@@ -48,7 +48,7 @@ from shaped_checkpoint import SHAPES, bundled_text_config  # noqa: E402
 
 from engine import forward  # noqa: E402
 from engine.cache import GDNCache  # noqa: E402
-from engine.kernels import cuda_default  # noqa: E402
+from engine.kernels import backend_default  # noqa: E402
 from engine.models.layers import Batch  # noqa: E402
 from engine.models.qwen3_5 import DecoderLayer  # noqa: E402
 
@@ -122,7 +122,7 @@ def main() -> None:
     layers = args.layers or (bundled_text_config() if args.shape == "bundled" else SHAPES[args.shape])[
         "num_hidden_layers"]
     t0 = time.perf_counter()
-    routed = cuda_default("SPRUCE_QMM", cpu=True)  # as the loader routes the quantized projections
+    routed = backend_default("SPRUCE_QMM", on=("cuda", "cpu"))  # as the loader routes the quantized projections
     model = build_model(args.shape, layers, args.bits, getattr(mx, args.dtype), True, routed)
     print(f"built {layers} layers in {time.perf_counter() - t0:.1f} s", flush=True)
     cache = model.make_cache()

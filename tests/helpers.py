@@ -109,9 +109,10 @@ def add_to_hub_cache(cache: Path, repo_id: str, src: Path, commit: str = "0" * 4
     return snapshot
 
 
-def check_cuda_default_switch(monkeypatch, switch: str, count: Callable[[], int], cpu: bool = False) -> None:
-    """An implementation the loader turns on by default on CUDA only (and the CPU with `cpu`:
-    engine.kernels.cuda_default): count() loads a model and says how many modules use it;
+def check_backend_default_switch(monkeypatch, switch: str, count: Callable[[], int],
+                                 on: tuple[str, ...] = ("cuda",)) -> None:
+    """An implementation the loader turns on by default on the backends `on` names
+    (engine.kernels.backend_default): count() loads a model and says how many modules use it;
     `switch` (0 | 1) overrides the default, and another value is a CheckpointError naming it."""
     import pytest
 
@@ -119,7 +120,7 @@ def check_cuda_default_switch(monkeypatch, switch: str, count: Callable[[], int]
     from engine.loader import CheckpointError
 
     monkeypatch.delenv(switch, raising=False)
-    assert (count() > 0) == (gpu_backend() == "cuda" or (cpu and gpu_backend() is None))
+    assert (count() > 0) == ((gpu_backend() or "cpu") in on)
     monkeypatch.setenv(switch, "1")
     assert count() > 0
     monkeypatch.setenv(switch, "0")

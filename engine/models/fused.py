@@ -39,14 +39,14 @@ class FusedProjection(nn.Module):
             self.scales = mx.concatenate([p["scales"] for p in parts])
             if "biases" in first:
                 self.biases = mx.concatenate([p["biases"] for p in parts])
-        self.rows_kernel = False  # set by engine/models/qlinear.py where the engine's matmul is routed in
+        self.routed = False  # set by engine/models/qlinear.py where the engine's matmul is routed in
         sizes = [p["weight"].shape[0] for p in parts]
         self.split_at = tuple(accumulate(sizes))[:-1]
 
     def __call__(self, x: mx.array) -> list[mx.array]:
         if self.quantized:
             y = quantized_linear(x, self["weight"], self["scales"], self.get("biases"), self.group_size, self.bits,
-                                 self.mode, kernel=self.rows_kernel)
+                                 self.mode, routed=self.routed)
         else:
             y = x @ self["weight"].T
         return list(mx.split(y, list(self.split_at), axis=-1))

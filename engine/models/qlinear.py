@@ -80,7 +80,7 @@ def route_quantized_projections(model: nn.Module) -> int:
         elif type(module) is nn.QuantizedEmbedding and module.mode == "affine" and module.bits in (4, 8):
             swaps.append((name, RowsQuantizedEmbedding.of(module)))
         elif isinstance(module, FusedProjection) and module.quantized and module.mode == "affine":
-            module.rows_kernel = True
+            module.routed = True
             count += 1
     if swaps:
         model.update_modules(tree_unflatten(swaps))

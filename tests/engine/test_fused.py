@@ -14,7 +14,7 @@ from engine.convert import ConvertOptions, convert
 from engine.loader import load_model
 from engine.models.fused import FusedProjection, can_fuse, fuse_into
 from engine.tree import DraftTree
-from tests.helpers import check_cuda_default_switch
+from tests.helpers import check_backend_default_switch
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79]
 TREE = DraftTree((7, 8, 9, 10, 11, 12), (-1, 0, 1, 0, 3, 1))
@@ -60,7 +60,8 @@ def test_every_layer_fuses_its_mixer_and_mlp(tiny_qwen35):
 
 
 def test_fusion_is_on_by_default_only_on_cuda_and_can_be_chosen(tiny_qwen35, monkeypatch):
-    check_cuda_default_switch(monkeypatch, "SPRUCE_FUSE", lambda: load_model(tiny_qwen35, "float32").fused_projections)
+    check_backend_default_switch(monkeypatch, "SPRUCE_FUSE",
+                                 lambda: load_model(tiny_qwen35, "float32").fused_projections)
 
 
 def test_projection_split_matches_each_part():

@@ -19,7 +19,7 @@ from engine.kernels import CPU_DEQUANT_ROWS, gpu_backend
 from engine.loader import load_model
 from engine.models.qlinear import RowsQuantizedEmbedding, RowsQuantizedLinear
 from engine.tree import DraftTree
-from tests.helpers import check_cuda_default_switch, checkpoint_maker, generate
+from tests.helpers import check_backend_default_switch, checkpoint_maker, generate
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79]
 TREE = DraftTree((7, 8, 9, 10, 11, 12), (-1, 0, 1, 0, 3, 1))
@@ -35,8 +35,8 @@ def wide_q4(tmp_path_factory):
     return out
 
 
-def outputs(path, dtype: str, small_m: bool) -> tuple[np.ndarray, np.ndarray, int]:
-    loaded = load_model(path, dtype, small_m=small_m)
+def outputs(path, dtype: str, routed: bool) -> tuple[np.ndarray, np.ndarray, int]:
+    loaded = load_model(path, dtype, routed=routed)
     model = loaded.model
     chain = np.array(model(mx.array([PROMPT]), model.make_cache()).astype(mx.float32))[0]
     cache = model.make_cache()
@@ -78,7 +78,7 @@ def test_dequantized_matmul_equals_mlx(bits, group_size, rows, monkeypatch):
 
 
 def test_every_quantized_projection_is_routed(wide_q4):
-    model = load_model(wide_q4, "float32", small_m=True, fuse=False).model
+    model = load_model(wide_q4, "float32", routed=True, fuse=False).model
     kinds = {type(m) for _, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)}
     assert kinds == {RowsQuantizedLinear}
     embeddings = {type(m) for _, m in model.named_modules() if isinstance(m, nn.QuantizedEmbedding)}
@@ -86,8 +86,8 @@ def test_every_quantized_projection_is_routed(wide_q4):
 
 
 def test_on_by_default_on_cuda_and_the_cpu_and_can_be_chosen(wide_q4, monkeypatch):
-    check_cuda_default_switch(monkeypatch, "SPRUCE_QMM", lambda: load_model(wide_q4, "float32").routed_projections,
-                              cpu=True)
+    check_backend_default_switch(monkeypatch, "SPRUCE_QMM", lambda: load_model(wide_q4, "float32").routed_projections,
+                                 on=("cuda", "cpu"))
 
 
 needs_cuda = pytest.mark.skipif(gpu_backend() != "cuda", reason="the small-M kernel runs on CUDA")
@@ -108,7 +108,7 @@ def test_kernel_model_matches_mlx_matmuls_in_bf16(wide_q4):
 def test_speculation_with_the_kernel_flips_only_at_near_ties(wide_q4, method):
     engine = Engine(EngineConfig(model_path=str(wide_q4), dtype="bfloat16"))
     routed = [m for _, m in engine.model.named_modules()
-              if isinstance(m, RowsQuantizedLinear) or getattr(m, "rows_kernel", False)]
+              if isinstance(m, RowsQuantizedLinear) or getattr(m, "routed", False)]
     assert routed
     spec = SpecConfig(method=method, budget=8, max_depth=4, draft_model=str(wide_q4), tree="ddtree", adaptive=False)
     sampling = SamplingParams(max_tokens=48, ignore_eos=True, logprobs=2)
