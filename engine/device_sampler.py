@@ -6,8 +6,9 @@ needs the [N, vocab] logits copied to the host every round; here only N ids trav
 mirror the host's: temperature (logits shifted by their max before dividing), top_k, top_p,
 min_p, then the inverse CDF in vocabulary order at the uniform of the node's absolute position.
 In float32 the chosen token can differ from the host's only where the uniform falls within
-rounding of a CDF boundary, and where ties straddle a top_k / top_p cut (the device keeps every
-tied token, the host keeps the lower ids); tests/unit/test_device_sampler.py measures both.
+rounding of a CDF boundary, and where ties straddle a top_k / top_p / min_p cut (the device
+keeps every tied token, the host keeps the lower ids; in float32 two slightly different logits can
+tie after exp); tests/unit/test_device_sampler.py measures both.
 
 Spec and plain decoding draw through the same function, so their outputs stay identical to each
 other. Logit bias, penalties and logprobs stay on the host (SamplingParams.adjusts_logits).
