@@ -86,8 +86,13 @@ class SpecController:
         return self.arms[0] if self.arms[0].rounds < TRIES else None
 
     def best(self) -> Arm:
-        """The smallest tried arm within MARGIN of the fastest."""
+        """The smallest tried arm within MARGIN of the fastest. A tree that emits no more than the
+        root alone (it accepts nothing) is not a candidate once the root was tried: it costs more
+        for the same tokens, and only a slow outlier among the root's rounds could make it look
+        faster (one did in a test, and trees stayed on until the next re-try)."""
         tried = [a for a in self.arms if a.rounds]
+        if self.arms[0].rounds:
+            tried = [a for a in tried if a.budget == 0 or a.tokens > 1.0]
         top = max(a.rate for a in tried)
         return min((a for a in tried if a.rate >= top * (1 - MARGIN)), key=lambda a: a.budget)
 

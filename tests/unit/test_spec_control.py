@@ -78,3 +78,16 @@ def test_jitter_alone_does_not_keep_a_tree():
 def test_a_clearly_faster_tree_is_kept_over_plain():
     chosen = drive(SpecController(4), lambda b: (2 if b else 1, 13.0 if b else 10.0), 100)
     assert chosen[-40:].count(4) >= 35  # 0.154 tokens/ms against 0.1
+
+
+def test_a_slow_outlier_of_plain_rounds_does_not_keep_a_tree_that_accepts_nothing():
+    # all guesses miss; the second plain try is a 10x outlier (seen on a loaded machine): a tree
+    # that emits what the root alone does must not become the choice until the next re-try
+    plain_rounds = iter([10.0, 100.0])
+
+    def outcome(b):
+        return 1, (13.0 if b else next(plain_rounds, 10.0))
+
+    chosen = drive(SpecController(16), outcome, 40)
+    assert chosen[: 1 + TRIES] == [4, 0, 0]
+    assert chosen[1 + TRIES : REVISIT].count(0) == REVISIT - 1 - TRIES
