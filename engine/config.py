@@ -112,7 +112,7 @@ class EngineConfig:
     model_path: str
     model_id: str | None = None  # the name clients see (a hub repo id); None = the directory's name
     max_context: int = 8192
-    prefill_chunk: int = 512
+    prefill_chunk: int = 0  # tokens a prefill pass; 0 = the backend's (engine/prefill.py, default_prefill_chunk)
     dtype: str = "auto"  # compute dtype for float weights (DTYPE_NAMES)
     spec: SpecConfig = field(default_factory=SpecConfig)
     prefix_cache: bool = True
@@ -122,8 +122,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.max_context < 1:
             raise ValueError(f"max_context must be >= 1, got {self.max_context}")
-        if self.prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+        if self.prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk must be >= 1 (or 0: the backend's default), got {self.prefill_chunk}")
         if self.snapshot_every < 0:
             raise ValueError(f"snapshot_every must be >= 0, got {self.snapshot_every}")
         if self.prefix_cache_bytes < 0:

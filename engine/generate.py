@@ -24,7 +24,7 @@ from engine.loader import CheckpointError, load_dflash, load_model, load_mtp, lo
 from engine.memory import MemoryReport, cache_nbytes
 from engine.models import dflash
 from engine.models.base import CausalLM
-from engine.prefill import CheckpointRule, Prefiller
+from engine.prefill import CheckpointRule, Prefiller, default_prefill_chunk
 from engine.prefix_cache import PrefixCache
 from engine.round import InFlight, Rounds, Sequence
 from engine.sampling_defaults import read_sampling_defaults
@@ -58,7 +58,8 @@ class Engine:
         attention_only = all(self.model.args.layer_is_attention)
         self.prefix = PrefixCache(config.prefix_cache_bytes, config.prefix_cache, trimmable=attention_only)
         self.checkpoints = CheckpointRule.of(self.tokenizer, config.snapshot_every)
-        self.prefiller = Prefiller(self.prefix, self.checkpoints, config.prefill_chunk)
+        self.prefill_chunk = config.prefill_chunk or default_prefill_chunk()
+        self.prefiller = Prefiller(self.prefix, self.checkpoints, self.prefill_chunk)
         self._draft_prefillers: dict[int, Prefiller] = {}
         self.sampling_defaults = read_sampling_defaults(Path(config.model_path))
         self._grammar_tokenizer: GrammarTokenizer | None = None
@@ -189,7 +190,7 @@ class Engine:
         Checks and drafter set-up happen here, eagerly; decoding when the iterator is consumed."""
         self.check_request(req)
         if req.embed:
-            return iter([embed_step(self.model, req.prompt_ids, self.config.prefill_chunk)])
+            return iter([embed_step(self.model, req.prompt_ids, self.prefill_chunk)])
         spec = req.spec or self.config.spec
         eos = () if req.sampling.ignore_eos else self.tokenizer.eos_token_ids
         params = dataclasses.replace(
@@ -276,7 +277,7 @@ class Engine:
             attention_only = all(model.args.layer_is_attention)
             prefix = PrefixCache(self.config.prefix_cache_bytes // 4, self.config.prefix_cache,
                                  trimmable=attention_only)
-            self._draft_prefillers[key] = Prefiller(prefix, self.checkpoints, self.config.prefill_chunk)
+            self._draft_prefillers[key] = Prefiller(prefix, self.checkpoints, self.prefill_chunk)
         return self._draft_prefillers[key]
 
     def _final(self, tokens: list[int], reason: str, stats: Stats, t_start: float,

@@ -270,15 +270,23 @@ def quantized_matmul_mma(x: mx.array, w: mx.array, scales: mx.array, biases: mx.
 # OpenBLAS, fp32, dev CPU), while dequantizing costs about 2-9 rows' worth (the crossover measured
 # at 4 rows for 1536 x 384 and 2048 x 2048, 9 rows for 5632 x 2048; 16 rows: 1.9-7.1x).
 CPU_DEQUANT_ROWS = 9
+# On CUDA the same from this many rows (a prefill chunk): MLX's quantized matmul for many rows
+# runs far below the tensor cores' bf16 throughput, while dequantizing a weight costs one pass over
+# it. Up to QMM_MAX_ROWS rows qmm_mma runs (decode, verify). H200, 9B shape 4-bit, 4k prompt:
+# 8,295 tok/s against 5,443 with MLX's kernel at 512-token chunks, 13,359 against 6,396 at 2048
+# (scripts/bench_prefill.py; BENCHMARKS.md, "prefill").
+CUDA_DEQUANT_ROWS = 64
 DEQUANT_BLOCK = 1 << 24  # weight elements dequantized at once (64 MiB in fp32): a big lm_head in slices
+GPU_DEQUANT_BLOCK = 1 << 28  # on a GPU, whose memory is large: every 9B projection in one slice
 
 
 def dequantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, group_size: int,
-                       bits: int, mode: str = "affine") -> mx.array:
-    """x [..., I] @ dequantize(w)^T, the weight dequantized in slices of output rows (each slice's
-    copy is freed once its product exists, so memory grows by one slice, not the whole weight)."""
+                       bits: int, mode: str = "affine", block: int | None = None) -> mx.array:
+    """x [..., I] @ dequantize(w)^T, the weight dequantized in slices of `block` elements (default
+    DEQUANT_BLOCK) of output rows: each slice's copy is freed once its product exists, so memory
+    grows by one slice, not the whole weight."""
     o, i = w.shape[0], x.shape[-1]
-    step = max(1, DEQUANT_BLOCK // i)
+    step = max(1, (block or DEQUANT_BLOCK) // i)
     parts = []
     for start in range(0, o, step):
         rows = slice(start, min(start + step, o))
@@ -291,14 +299,17 @@ def dequantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.ar
 def quantized_linear(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, group_size: int,
                      bits: int, mode: str = "affine", routed: bool = True) -> mx.array:
     """x [..., I] @ dequantize(w)^T for the model's quantized projections, where the loader routes
-    them (`routed`): on CUDA qmm_mma where it covers the call; on the CPU dequantize + GEMM from
-    CPU_DEQUANT_ROWS rows on; else (and unrouted) mx.quantized_matmul."""
+    them (`routed`): on CUDA qmm_mma where it covers the call, dequantize + GEMM from
+    CUDA_DEQUANT_ROWS rows on; on the CPU dequantize + GEMM from CPU_DEQUANT_ROWS rows on; else
+    (and unrouted) mx.quantized_matmul."""
     if routed:
         backend = gpu_backend()
         rows = x.reshape(-1, x.shape[-1])
         if backend == "cuda" and mode == "affine" and biases is not None and mma_covers(rows, w, scales, biases,
                                                                                         group_size, bits):
             return quantized_matmul_mma(rows, w, scales, biases, group_size, bits).reshape(*x.shape[:-1], w.shape[0])
+        if backend == "cuda" and rows.shape[0] >= CUDA_DEQUANT_ROWS:
+            return dequantized_matmul(x, w, scales, biases, group_size, bits, mode, block=GPU_DEQUANT_BLOCK)
         if backend is None and rows.shape[0] >= CPU_DEQUANT_ROWS:
             return dequantized_matmul(x, w, scales, biases, group_size, bits, mode)
     return mx.quantized_matmul(x, w, scales=scales, biases=biases, transpose=True, group_size=group_size, bits=bits,

@@ -235,7 +235,7 @@ def prefill(engine: Any, ref: Any, n: int) -> dict[str, float]:
     def ours() -> float:
         cache = engine.model.make_cache()
         t0 = time.perf_counter()
-        forward.extend(engine.model, cache, ids, engine.config.prefill_chunk)
+        forward.extend(engine.model, cache, ids, engine.prefill_chunk)
         return n / (time.perf_counter() - t0)
 
     def theirs() -> float:

@@ -125,3 +125,21 @@ def test_speculation_with_the_kernel_flips_only_at_near_ties(wide_q4, method):
             top = plain.logprobs[i].top
             assert top[0][1] - top[1][1] <= NEAR_TIE, f"prompt {seed}: flip at {i} with a clear winner"
     print(f"{method}: {flips} of 5 prompts flipped (at near ties)")
+
+
+@needs_cuda
+@pytest.mark.parametrize("bits", [4, 8])
+def test_prefill_rows_dequantize_on_cuda(bits):
+    """From CUDA_DEQUANT_ROWS rows on (a prefill chunk) the routed projection is the dequantize +
+    GEMM path, and that agrees with MLX's quantized matmul to bf16 rounding."""
+    rng = np.random.default_rng(bits)
+    w = mx.array(rng.normal(size=(384, 256)).astype(np.float32) * 0.1)
+    wq, scales, biases = mx.quantize(w.astype(mx.bfloat16), group_size=64, bits=bits)
+    for rows in (kernels.CUDA_DEQUANT_ROWS, 3 * kernels.CUDA_DEQUANT_ROWS + 1):
+        x = mx.array(rng.normal(size=(1, rows, 256)).astype(np.float32)).astype(mx.bfloat16)
+        got = kernels.quantized_linear(x, wq, scales, biases, 64, bits)
+        assert mx.array_equal(got, kernels.dequantized_matmul(x, wq, scales, biases, 64, bits,
+                                                              block=kernels.GPU_DEQUANT_BLOCK))
+        ref = mx.quantized_matmul(x, wq, scales, biases, transpose=True, group_size=64, bits=bits)
+        scale = max(1.0, float(mx.abs(ref).max()))
+        assert float(mx.abs(got.astype(mx.float32) - ref.astype(mx.float32)).max()) <= 0.02 * scale
