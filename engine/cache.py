@@ -203,33 +203,11 @@ def commit_function(core: GDNCore, compiled: bool) -> Callable[..., Any]:
     return _COMMITS[key]
 
 
-_LAYER_COMMITS: dict[tuple[GDNCore, bool], Callable[..., Any]] = {}
-
-
-def commit_layers_function(core: GDNCore, compiled: bool) -> Callable[..., list[mx.array]]:
-    """core.commit_layers over flat arrays (path, then x, k, u, g, conv_state, state of each
-    layer) -> [conv state, state] of each layer, compiled or not. Compiled, a round replays one
-    trace instead of assembling a kernel call of 6 inputs a layer on the host (eager, that took
-    0.77 ms for the 24 layers of the 9B shape on the H200, more than the launches it saves)."""
-    key = (core, compiled)
-    if key not in _LAYER_COMMITS:
-
-        def commit(path: mx.array, *arrays: mx.array) -> list[mx.array]:
-            parts = [arrays[i : i + 6] for i in range(0, len(arrays), 6)]
-            out = core.commit_layers([TreeRows(*p[:4]) for p in parts], path, [p[4] for p in parts],
-                                     [p[5] for p in parts])
-            return [a for pair in out for a in pair]
-
-        _LAYER_COMMITS[key] = mx.compile(commit) if compiled else commit
-    return _LAYER_COMMITS[key]
-
-
 class GDNCache:
     """Gated DeltaNet layer state: conv state [K-1, C] (the compute dtype) and recurrent state
     [Hv, Dv, Dk] (float32). A verify defers its result here until `commit(path)`."""
 
     compile_commit = True  # class-wide switch: tests hold the compiled commit to the plain one
-    commit_together = True  # class-wide switch: all layers' commits in one call where the core can
 
     def __init__(self, core: GDNCore, shape: GDNShape) -> None:
         self.core, self.shape = core, shape
@@ -269,24 +247,6 @@ class GDNCache:
         self.pending = None
         self.write(conv, S, len(path))
 
-    @staticmethod
-    def commit_layers(caches: Sequence[GDNCache], path: AcceptedPath) -> bool:
-        """Commit caches that all hold a tree's rows through their core's commit_layers, when they
-        share one core and it has one for them. -> whether they were committed."""
-        core = caches[0].core
-        rows = [c.pending for c in caches if isinstance(c.pending, TreeRows)]
-        convs = [c.conv_state for c in caches if c.conv_state is not None]
-        states = [c.state for c in caches if c.state is not None]
-        if (any(c.core is not core for c in caches) or not len(rows) == len(convs) == len(states) == len(caches)
-                or not core.commits_layers(rows, convs)):
-            return False
-        flat = [a for r, conv, S in zip(rows, convs, states, strict=True) for a in (r.x, r.k, r.u, r.g, conv, S)]
-        done = commit_layers_function(core, GDNCache.compile_commit)(path.index, *flat)
-        for i, c in enumerate(caches):
-            c.pending = None
-            c.write(done[2 * i], done[2 * i + 1], len(path))
-        return True
-
     def arrays(self) -> list[mx.array]:
         return [a for a in (self.conv_state, self.state) if a is not None]
 
@@ -315,13 +275,8 @@ class GDNCache:
 
 
 def commit_all(cache: Sequence[LayerCache], path: AcceptedPath) -> None:
-    """Every layer's commit; the GDN layers that verified a tree together, where their core can
-    (one kernel launch for all of them on the GPU instead of one a layer)."""
-    together = [c for c in cache if isinstance(c, GDNCache) and isinstance(c.pending, TreeRows)]
-    done = GDNCache.commit_together and len(together) > 1 and GDNCache.commit_layers(together, path)
     for c in cache:
-        if not (done and isinstance(c, GDNCache) and c in together):
-            c.commit(path)
+        c.commit(path)
 
 
 def snapshot_all(cache: Sequence[LayerCache], length: int) -> tuple[LayerSnapshot, ...]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
@@ -50,19 +50,6 @@ class KernelSpec:
     outputs: tuple[str, ...]
     header: tuple[str, ...] = ("gdn_common.h",)
     backends: tuple[str, ...] = BACKENDS  # qmm_mma is CUDA only (PTX tensor-core MMA)
-    layers: int = 0  # > 0: a per_layer() expansion; the body's lines holding @ repeat this often
-
-
-def per_layer(spec: KernelSpec, layers: int) -> KernelSpec:
-    """`spec` over `layers` layers in one launch: each name holding @ once per layer, @ replaced
-    by the layer's index (x@ -> x0, x1, ...; the names of layer 0 first), names without @ once,
-    after them; the body's lines holding @ likewise (kernel_text)."""
-    def expand(names: tuple[str, ...]) -> tuple[str, ...]:
-        return (tuple(n.replace("@", str(i)) for i in range(layers) for n in names if "@" in n)
-                + tuple(n for n in names if "@" not in n))
-
-    return replace(spec, name=f"{spec.name}{layers}", inputs=expand(spec.inputs), outputs=expand(spec.outputs),
-                   layers=layers)
 
 
 GDN_STEP = KernelSpec("spruce_gdn_step", "gdn_step.kernel",
@@ -77,19 +64,12 @@ GDN_CHAIN = KernelSpec("spruce_gdn_chain", "gdn_chain.kernel", ("q", "k", "v", "
                        ("o", "state_out"))
 GDN_COMMIT = KernelSpec("spruce_gdn_commit", "gdn_commit.kernel",
                         ("x", "k", "u", "g", "path", "conv_state", "state"),
-                        ("conv_out", "state_out"), header=("gdn_commit.h",))
-# every layer's commit in one launch; per_layer(GDN_COMMIT_LAYERS, n) is the kernel for n layers
-GDN_COMMIT_LAYERS = KernelSpec("spruce_gdn_commit_layers", "gdn_commit_layers.kernel",
-                               ("x@", "k@", "u@", "g@", "conv_state@", "state@", "path"),
-                               ("conv_out@", "state_out@"), header=("gdn_commit.h",))
-# Metal binds at most 31 buffers a kernel: 8 a layer (6 in, 2 out) and path with its shape
-LAYERS_PER_LAUNCH = {"metal": 3, "cuda": 64}
+                        ("conv_out", "state_out"))
 QMM_ROWS = KernelSpec("spruce_qmm_rows", "qmm_rows.kernel", ("x", "w", "scales", "biases"), ("y",), header=())
 READ_FLOOR = KernelSpec("spruce_read_floor", "read_floor.kernel", ("w", "scales", "biases"), ("y",), header=())
 QMM_MMA = KernelSpec("spruce_qmm_mma", "qmm_mma.kernel", ("x", "w", "scales", "biases"), ("y",),
                      header=("qmm_mma_cuda.h",), backends=("cuda",))
-KERNELS = (GDN_STEP, GDN_CHAIN, GDN_TREE_FRONT, GDN_TREE, GDN_COMMIT, per_layer(GDN_COMMIT_LAYERS, 3), QMM_ROWS,
-           READ_FLOOR, QMM_MMA)
+KERNELS = (GDN_STEP, GDN_CHAIN, GDN_TREE_FRONT, GDN_TREE, GDN_COMMIT, QMM_ROWS, READ_FLOOR, QMM_MMA)
 QMM_MAX_ROWS = 32
 MMA_DTYPES = (mx.bfloat16, mx.float16)
 
@@ -101,11 +81,7 @@ def read_source(file: str) -> str:
 def kernel_text(spec: KernelSpec, backend: str) -> tuple[str, str]:
     """(header, body) of a kernel for a backend, as handed to MLX."""
     header = "".join(read_source(f) for f in (f"prelude_{backend}.h", *spec.header))
-    body = read_source(spec.file)
-    if spec.layers:
-        body = "".join(line.replace("@", str(i)) for line in body.splitlines(keepends=True)
-                       for i in (range(spec.layers) if "@" in line else (0,)))
-    return header, INDEX_NAMES[backend] + body
+    return header, INDEX_NAMES[backend] + read_source(spec.file)
 
 
 @functools.cache
@@ -213,54 +189,21 @@ class KernelCore(OpsCore):
                             [((n, s.Hv, s.Dv), mx.float32), ((n, s.Hv, s.Dv), mx.float32)], rpg, MAXD=levels)
         return o, TreeRows(x=x, k=k, u=u, g=g)
 
-    @staticmethod
-    def _commit_shape(rows: TreeRows, conv_state: mx.array) -> GDNShape | None:
-        """The layer's shape, read from the commit's arrays; None where the kernel does not cover it."""
+    def commit(self, rows, path, conv_state, S0):
         if rows.x.dtype != conv_state.dtype or rows.k.shape[-1] % 32 or rows.k.shape[-1] > 256:
-            return None
-        _, Hv, Dk = rows.k.shape
+            return super().commit(rows, path, conv_state, S0)
+        n, Hv, Dk = rows.k.shape
+        K = conv_state.shape[0] + 1
         C = conv_state.shape[1]
         Dv = rows.u.shape[-1]
-        return GDNShape((C - Hv * Dv) // (2 * Dk), Hv, Dk, Dv, conv_state.shape[0] + 1)
-
-    def commit(self, rows, path, conv_state, S0):
-        shape = self._commit_shape(rows, conv_state)
-        if shape is None:
-            return super().commit(rows, path, conv_state, S0)
+        Hk = (C - Hv * Dv) // (2 * Dk)
+        shape = GDNShape(Hk, Hv, Dk, Dv, K)
         conv, S = self._launch(
             GDN_COMMIT, shape,
             [rows.x, rows.k, rows.u, rows.g, path, conv_state, S0],
             [(tuple(conv_state.shape), conv_state.dtype), (tuple(S0.shape), mx.float32)],
             self._rows_per_group(shape, 4))
         return conv, S
-
-    def commits_layers(self, rows, conv_states):
-        """Layers of one shape, dtypes and tree size that the commit kernel covers."""
-        first = (rows[0].x.shape, rows[0].k.shape, rows[0].x.dtype, conv_states[0].shape)
-        return self._commit_shape(rows[0], conv_states[0]) is not None and all(
-            (r.x.shape, r.k.shape, r.x.dtype, c.shape) == first for r, c in zip(rows, conv_states, strict=True))
-
-    def commit_layers(self, rows, path, conv_states, states):
-        """One launch for up to LAYERS_PER_LAUNCH layers (gdn_commit_layers.kernel); the caller
-        checks commits_layers."""
-        shape = self._commit_shape(rows[0], conv_states[0])
-        assert shape is not None
-        rpg = self._rows_per_group(shape, 4)
-        gpl = shape.Hv * shape.Dv // rpg
-        most = LAYERS_PER_LAUNCH[self.backend]
-        template = [("Hk", shape.Hk), ("Hv", shape.Hv), ("Dk", shape.Dk), ("Dv", shape.Dv), ("K", shape.K),
-                    ("RPG", rpg), ("GPL", gpl)]
-        out: list[tuple[mx.array, mx.array]] = []
-        for start in range(0, len(rows), most):
-            part = range(start, min(start + most, len(rows)))
-            inputs = [a for i in part for a in (rows[i].x, rows[i].k, rows[i].u, rows[i].g, conv_states[i], states[i])]
-            got = compiled_kernel(per_layer(GDN_COMMIT_LAYERS, len(part)), self.backend)(
-                inputs=[*inputs, path], template=template, grid=(len(part) * gpl * rpg * 32, 1, 1),
-                threadgroup=(rpg * 32, 1, 1),
-                output_shapes=[s for i in part for s in (tuple(conv_states[i].shape), tuple(states[i].shape))],
-                output_dtypes=[d for i in part for d in (conv_states[i].dtype, mx.float32)])
-            out += [(got[2 * j], got[2 * j + 1]) for j in range(len(part))]
-        return out
 
 
 def qmm_rows_for(m: int) -> tuple[int, int]:

@@ -15,8 +15,7 @@ builds it), for trees of each row count (a chain of up to 8 with siblings), each
 - `sync_ms`    evaluating an array that is already computed (the floor of any round trip).
 
 Each commit is undone by a rewind, so every verify starts from the same committed length.
-`--commit layers,each` likewise the GDN commit of all layers in one call against one call a
-layer. `--compile on,off` measures both ways in one process (off: the layers run their pure functions
+`--compile on,off` measures both ways in one process (off: the layers run their pure functions
 and the GDN commit its ops or kernel call uncompiled, what compilation saves on the host). A
 cProfile of the builds of the largest row count goes to DIR/host_profile_N_<compile>.txt;
 everything to DIR/host.json.
@@ -118,9 +117,6 @@ def main() -> None:
     ap.add_argument("--rows", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 17])
     ap.add_argument("--runs", type=int, default=8)
     ap.add_argument("--compile", default="on", help="on, off or on,off: the layers' compiled functions")
-    ap.add_argument("--commit", default="layers",
-                    help="layers, each or layers,each: the GDN commit of all layers in one call (one launch "
-                         "on the GPU) or one call a layer")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     layers = args.layers or (bundled_text_config() if args.shape == "bundled" else SHAPES[args.shape])[
@@ -137,16 +133,11 @@ def main() -> None:
                                   date=time.strftime("%Y-%m-%d"), modes={})
     for mode in args.compile.split(","):
         DecoderLayer.compile_decode = GDNCache.compile_commit = mode == "on"
-        for commit in args.commit.split(","):
-            GDNCache.commit_together = commit == "layers"
-            key = mode if commit == "layers" else f"{mode}, commit each layer"
-            rows = result["modes"][key] = {}
-            for n in args.rows:
-                rows[str(n)] = phases(model, cache, len(prompt), n, args.runs)
-                print(f"compile {key} N={n}: " + ", ".join(f"{k} {v:.3f}" for k, v in rows[str(n)].items()),
-                      flush=True)
-            (args.out / "host.json").write_text(json.dumps(result, indent=1))
-        GDNCache.commit_together = True
+        rows = result["modes"][mode] = {}
+        for n in args.rows:
+            rows[str(n)] = phases(model, cache, len(prompt), n, args.runs)
+            print(f"compile {mode} N={n}: " + ", ".join(f"{k} {v:.3f}" for k, v in rows[str(n)].items()), flush=True)
+        (args.out / "host.json").write_text(json.dumps(result, indent=1))
         n = max(args.rows)
         text = profile_builds(model, cache, len(prompt), n, 10)
         (args.out / f"host_profile_{n}_{mode}.txt").write_text(text)

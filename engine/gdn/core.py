@@ -20,7 +20,6 @@ engine/kernels.py adds the Metal / CUDA ones and picks one per backend.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -117,15 +116,6 @@ class GDNCore(Protocol):
         """path: int32 node indices root..leaf -> (conv state, S) after the path."""
         ...
 
-    def commits_layers(self, rows: Sequence[TreeRows], conv_states: Sequence[mx.array]) -> bool:
-        """Whether `commit_layers` has a faster way for these layers than one commit a layer."""
-        ...
-
-    def commit_layers(self, rows: Sequence[TreeRows], path: mx.array, conv_states: Sequence[mx.array],
-                      states: Sequence[mx.array]) -> list[tuple[mx.array, mx.array]]:
-        """`commit` of several layers at once: [(conv state, S)] in their order."""
-        ...
-
 
 def split_heads(shape: GDNShape, y: mx.array) -> tuple[mx.array, mx.array, mx.array]:
     """Post-conv rows [T, C] -> q, k [T, Hv, Dk] (normalised, q scaled, repeated to Hv heads)
@@ -172,9 +162,3 @@ class OpsCore:
         S = ops.commit_fold(rows.k, rows.u, rows.g, path, S0)
         conv = ops.conv_state_after(rows.x, path, conv_state).astype(conv_state.dtype)
         return conv, S
-
-    def commits_layers(self, rows, conv_states):
-        return False  # no faster way: the caller commits layer by layer, through its compiled commit
-
-    def commit_layers(self, rows, path, conv_states, states):
-        return [self.commit(r, path, c, S) for r, c, S in zip(rows, conv_states, states, strict=True)]

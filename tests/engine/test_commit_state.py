@@ -10,7 +10,6 @@ import pytest
 from engine import forward
 from engine.cache import GDNCache
 from engine.config import SamplingParams
-from engine.gdn.core import OpsCore
 from engine.loader import load_model
 from engine.sampler import accept
 from engine.tree import DraftTree
@@ -50,36 +49,14 @@ def assert_same_state(a, b, upto: int) -> None:
             np.testing.assert_allclose(np.array(x), np.array(y), atol=1e-5)
 
 
-class LayersTogether(OpsCore):
-    """The plain core, asking for every GDN layer's commit in one call (what the GPU kernels do in
-    one launch): the CPU runs the cache's path that packs and unpacks the layers."""
-
-    calls = 0
-
-    def commits_layers(self, rows, conv_states):
-        return True
-
-    def commit_layers(self, rows, path, conv_states, states):
-        LayersTogether.calls += 1
-        return super().commit_layers(rows, path, conv_states, states)
-
-
-@pytest.mark.parametrize("together", [False, True], ids=["each-layer", "layers-together"])
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled-commit", "plain-commit"])
-def test_commit_equals_replay(tiny_qwen35, compiled, together, monkeypatch):
-    """Both commits (the compiled one the engine runs and its plain twin), layer by layer or all
-    layers in one call, equal the replay."""
+def test_commit_equals_replay(tiny_qwen35, compiled, monkeypatch):
+    """Both commits (the compiled one the engine runs and its plain twin) equal the replay."""
     monkeypatch.setattr(GDNCache, "compile_commit", compiled)
     model = load_model(tiny_qwen35, "float32").model
     rng = np.random.default_rng(7)
     prompt = [int(t) for t in rng.integers(0, 500, size=12)]
     cache = model.make_cache()
-    if together:
-        core = LayersTogether()
-        for c in cache:
-            if isinstance(c, GDNCache):
-                c.core = core
-    LayersTogether.calls = 0
     model.hidden(mx.array([prompt[:-1]]), cache)
     params = SamplingParams(temperature=1.0, seed=3)
     truth = plain_run(model, prompt, params, 60)
@@ -100,8 +77,6 @@ def test_commit_equals_replay(tiny_qwen35, compiled, together, monkeypatch):
         accepted += len(acc.path) - 1
     assert seq[len(prompt):] == truth[: len(seq) - len(prompt)]
     assert accepted >= 10  # the rounds really committed multi-token paths
-    # every round that verified a tree of more than one node committed its layers together
-    assert (LayersTogether.calls > 0) == together
 
 
 def plain_run(model, prompt, params, n) -> list[int]:

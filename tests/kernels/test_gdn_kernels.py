@@ -153,29 +153,6 @@ def test_commit_equals_twin(shape, dtype, rng):
         close(S_k, S_o, 1e-4)
 
 
-@pytest.mark.parametrize("layers", [2, 24])
-@pytest.mark.parametrize("shape", ["bundled", "9b"])
-def test_commit_of_all_layers_equals_each_commit(shape, layers, rng):
-    """One launch for every layer: bitwise each layer's own one-layer commit (the same arithmetic
-    per element), whatever the number of layers."""
-    s = SHAPES[shape]
-    tree = tree_of("chain+siblings", 17, rng)
-    rows, convs, states = [], [], []
-    for _ in range(layers):
-        qkv, a, b, conv, w, S = inputs(rng, s, 17, mx.bfloat16)
-        rows.append(kernels().tree(s, w, qkv, a, b, conv, S, tree_inputs(tree, s.K))[1])
-        convs.append(conv)
-        states.append(S)
-    for leaf in (0, 12, 16):
-        path = mx.array(tree.path_to(leaf), dtype=mx.int32)
-        assert kernels().commits_layers(rows, convs)
-        together = kernels().commit_layers(rows, path, convs, states)
-        assert len(together) == layers
-        for i, (conv, S) in enumerate(together):
-            conv_1, S_1 = kernels().commit(rows[i], path, convs[i], states[i])
-            assert mx.array_equal(conv, conv_1) and mx.array_equal(S, S_1), f"layer {i}"
-
-
 def test_the_model_picks_the_kernels_on_cuda(tiny_qwen35):
     from engine.loader import load_model
 

@@ -14,7 +14,7 @@ from engine.forward import tree_batch
 from engine.gdn import ops
 from engine.gdn.core import GDNShape, GDNWeights, OpsCore, TreeInputs, split_heads
 from engine.gdn.reference import sequential
-from engine.kernels import GDN_CHAIN, GDN_COMMIT, GDN_COMMIT_LAYERS, GDN_STEP, GDN_TREE, GDN_TREE_FRONT, per_layer
+from engine.kernels import GDN_CHAIN, GDN_COMMIT, GDN_STEP, GDN_TREE, GDN_TREE_FRONT
 from engine.tree import DraftTree
 from tests.kernels.emulate import emulate
 
@@ -156,28 +156,3 @@ def test_commit_body_equals_twin(shape, rng, tmp_path):
         conv, S = OpsCore().commit(rows, mx.array(path), mx.array(x["conv_state"]), mx.array(x["state"]))
         assert maxdiff(out["conv_out"], conv) == 0.0
         assert maxdiff(out["state_out"], S) <= 1e-5
-
-
-@pytest.mark.parametrize("shape", SHAPES)
-def test_commit_layers_body_equals_twin(shape, rng, tmp_path):
-    """Three layers in one launch, each with its own random state and tree rows: each layer's
-    outputs are its own commit (the switch picks the right arrays, no layer writes another's)."""
-    s, n, layers = SHAPES[shape], 19, 3
-    tree = a_tree(rng, "chain", n)  # a path of 19 nodes: two full steps of the kernel's loads and a partial one
-    path = np.array(tree.path_to(n - 1), dtype=np.int32)
-    inputs: dict[str, np.ndarray] = {"path": path}
-    outputs: dict[str, tuple[tuple[int, ...], type]] = {}
-    twins = []
-    for i in range(layers):
-        x = random_layer(rng, s, n)
-        _, rows = OpsCore().tree(s, *twin_args(x), tree_batch(tree, 5, s.K).gdn)
-        inputs.update({f"x{i}": x["qkv"], f"k{i}": np.array(rows.k), f"u{i}": np.array(rows.u),
-                       f"g{i}": np.array(rows.g), f"conv_state{i}": x["conv_state"], f"state{i}": x["state"]})
-        outputs.update({f"conv_out{i}": ((s.K - 1, s.conv_dim), F32), f"state_out{i}": ((s.Hv, s.Dv, s.Dk), F32)})
-        twins.append(OpsCore().commit(rows, mx.array(path), mx.array(x["conv_state"]), mx.array(x["state"])))
-    gpl = launch(s)["groups"]
-    out = emulate(per_layer(GDN_COMMIT_LAYERS, layers), inputs, outputs, template(s, GPL=gpl), groups=layers * gpl,
-                  threads=2, tmp=tmp_path)
-    for i, (conv, S) in enumerate(twins):
-        assert maxdiff(out[f"conv_out{i}"], conv) == 0.0
-        assert maxdiff(out[f"state_out{i}"], S) <= 1e-5

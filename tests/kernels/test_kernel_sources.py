@@ -29,8 +29,7 @@ def dtypes_for(spec: KernelSpec, activations: str) -> dict[str, str]:
         if spec.name.endswith(("qmm_rows", "read_floor", "qmm_mma")):
             out[n] = "uint32" if n == "w" else "float32" if n == "y" and spec.name.endswith("floor") else activations
         else:
-            base = n.rstrip("0123456789") if spec.layers else n  # per_layer() names: x0, conv_state1, ...
-            out[n] = "int32" if base in INT_INPUTS else activations if base in ACTIVATIONS else "float32"
+            out[n] = "int32" if n in INT_INPUTS else activations if n in ACTIVATIONS else "float32"
     return out
 
 
@@ -44,8 +43,6 @@ def template_for(spec: KernelSpec, shape: str, activations: str = "float32") -> 
     t: dict[str, int | str] = dict(SHAPES[shape], RPG=2)
     if spec.name.endswith("tree"):
         t["MAXD"] = 16
-    if spec.layers:
-        t["GPL"] = 8
     return t
 
 
