@@ -18,7 +18,8 @@ Each commit is undone by a rewind, so every verify starts from the same committe
 `--compile on,off` measures both ways in one process (off: the layers run their pure functions
 and the GDN commit its ops or kernel call uncompiled, what compilation saves on the host). A
 cProfile of the builds of the largest row count goes to DIR/host_profile_N_<compile>.txt;
-everything to DIR/host.json.
+everything to DIR/host.json. `--new-sizes 9,10,...` then verifies tree sizes not seen before in
+the process: the first verify of each (the compiled layers trace it) against later ones.
 Runs on any MLX backend; on the CPU use --shape bundled.
 """
 
@@ -90,6 +91,24 @@ def _batch_arrays(batch: Batch) -> list[mx.array]:
     return arrays + (list(batch.gdn.arrays()) if batch.gdn is not None else [])
 
 
+def first_use(model: Any, cache: list, committed: int, sizes: list[int], runs: int) -> dict[str, dict[str, float]]:
+    """ms of the first verify of each tree size in this process (the layers' compiled functions
+    trace it) against the median of `runs` more: what a tree size the loop has not seen costs once."""
+    out = {}
+    for n in sizes:
+        tree = chain_with_siblings(n)
+        times = []
+        for _ in range(runs + 1):
+            marks = [c.mark() for c in cache]
+            t0 = time.perf_counter()
+            mx.eval(mx.argmax(forward.verify(model, cache, tree, committed), axis=-1))
+            times.append((time.perf_counter() - t0) * 1e3)
+            for c, m in zip(cache, marks, strict=True):
+                c.rewind(m)
+        out[str(n)] = {"first_ms": times[0], "again_ms": statistics.median(times[1:])}
+    return out
+
+
 def profile_builds(model: Any, cache: list, committed: int, n: int, calls: int) -> str:
     """cProfile of `calls` verify builds of an n-node tree (each evaluated outside the profile)."""
     tree = chain_with_siblings(n)
@@ -116,6 +135,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--rows", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 17])
     ap.add_argument("--runs", type=int, default=8)
+    ap.add_argument("--new-sizes", type=lambda s: [int(x) for x in s.split(",") if x], default=[],
+                    help="tree sizes not verified before: the first verify of each against later ones "
+                         "(what tree sizes cost the compiled layers once), after everything else")
     ap.add_argument("--compile", default="on", help="on, off or on,off: the layers' compiled functions")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -142,6 +164,12 @@ def main() -> None:
         text = profile_builds(model, cache, len(prompt), n, 10)
         (args.out / f"host_profile_{n}_{mode}.txt").write_text(text)
         print("\n".join(text.splitlines()[:24]), flush=True)
+    DecoderLayer.compile_decode = GDNCache.compile_commit = True
+    if args.new_sizes:
+        result["first_use"] = first_use(model, cache, len(prompt), args.new_sizes, 5)
+        for n, t in result["first_use"].items():
+            print(f"first verify of N={n}: {t['first_ms']:.2f} ms, then {t['again_ms']:.2f}", flush=True)
+        (args.out / "host.json").write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":
