@@ -1,6 +1,5 @@
 """A tree verify over a long context with the attention's softmax two ways, side by side: through
-MLX's exp (mx.softmax) and through its power (engine/models/layers.py, softmax_rows; the CPU's
-default).
+MLX's exp (mx.softmax) and through its power (engine/cpu_exp.py, the CPU's default).
 
     python scripts/bench_tree_attention.py [--model DIR] [--lengths 64,1024,4000] [--nodes 17] [--runs 12]
 
@@ -27,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_gpu import chain_with_siblings  # noqa: E402
 
-import engine.models.layers as layers  # noqa: E402
+import engine.cpu_exp as cpu_exp  # noqa: E402
 from engine import forward  # noqa: E402
 from engine.generate import BUNDLED  # noqa: E402
 from engine.loader import load_model  # noqa: E402
@@ -52,7 +51,7 @@ def main() -> None:
         choices: dict[bool, np.ndarray] = {}
         for _ in range(a.runs + 2):
             for pow_softmax in (False, True):
-                layers.POW_SOFTMAX = pow_softmax
+                cpu_exp.POW_EXP = pow_softmax
                 marks = [c.mark() for c in cache]
                 t0 = time.perf_counter()
                 choice = mx.argmax(forward.verify(model, cache, tree, length), axis=-1)
@@ -61,7 +60,7 @@ def main() -> None:
                 choices[pow_softmax] = np.array(choice)
                 for c, m in zip(cache, marks, strict=True):
                     c.rewind(m)
-        layers.POW_SOFTMAX = True
+        cpu_exp.POW_EXP = True
         exp_ms, pow_ms = (statistics.median(times[k][2:]) for k in (False, True))
         same = bool(np.array_equal(choices[False], choices[True]))
         print(f"| {length} | {exp_ms:.2f} | {pow_ms:.2f} | {exp_ms / pow_ms:.2f}x | {same} |", flush=True)

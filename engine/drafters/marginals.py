@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from engine.cpu_exp import logsumexp_rows
 from engine.tree import DraftTree
 
 
@@ -44,12 +45,12 @@ class Marginals:
 
 def top_k_logp(logits: mx.array, k: int) -> tuple[mx.array, mx.array]:
     """logits [..., V] -> (ids, log-probabilities) of the k most likely, most likely first, [..., k].
-    Pure (compilable); the log-softmax is taken in fp32 over the full vocabulary."""
-    logp = logits.astype(mx.float32)
-    logp = logp - mx.logsumexp(logp, axis=-1, keepdims=True)
-    k = min(k, logp.shape[-1])
-    ids = mx.argpartition(-logp, k - 1, axis=-1)[..., :k]
-    top = mx.take_along_axis(logp, ids, axis=-1)
+    Pure (compilable); the log-softmax is taken in fp32 over the full vocabulary, and only the
+    top k are normalised (the same subtraction as normalising every entry)."""
+    x = logits.astype(mx.float32)
+    k = min(k, x.shape[-1])
+    ids = mx.argpartition(-x, k - 1, axis=-1)[..., :k]
+    top = mx.take_along_axis(x, ids, axis=-1) - logsumexp_rows(x)
     order = mx.argsort(-top, axis=-1)
     return mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(top, order, axis=-1)
 

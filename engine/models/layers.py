@@ -10,6 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.cache import KVCache
+from engine.cpu_exp import softmax_rows
 from engine.gdn.core import TreeInputs
 from engine.models.fused import fuse_into
 
@@ -90,24 +91,9 @@ def apply_rope(x: mx.array, rope: RopeSpec, offset: int | mx.array, batch: Batch
     return rows.swapaxes(0, 2)
 
 
-LOG2E = 1.4426950408889634
-POW_SOFTMAX = True  # module switch: False = mx.softmax on the CPU too (scripts/bench_tree_attention.py)
-
-
-def softmax_rows(scores: mx.array) -> mx.array:
-    """Softmax over the last axis (masked entries -inf). On the CPU through 2^(x log2 e): MLX's CPU
-    exp costs ~15 ns an element on the dev CPU and its power ~7, and a tree's attention over a long
-    context is mostly exponentials (17 rows over 4k keys, 6 heads: the softmax 7.5 ms a layer with
-    mx.softmax, 2.9 ms this way; max |difference| 2e-9). Elsewhere mx.softmax."""
-    if not POW_SOFTMAX or mx.default_device() != mx.cpu:
-        return mx.softmax(scores, axis=-1)
-    e = mx.power(2.0, (scores - mx.max(scores, axis=-1, keepdims=True)) * LOG2E)
-    return e / e.sum(axis=-1, keepdims=True)
-
-
 def attention_ops(q: mx.array, keys: mx.array, values: mx.array, scale: float,
                   mask: mx.array | None = None) -> mx.array:
-    """Attention spelled out in ops (softmax in fp32): q [1, H, N, D] over keys/values
+    """Attention spelled out in ops (softmax in fp32, engine/cpu_exp.py): q [1, H, N, D] over keys/values
     [1, Hkv, L, D], mask [N, L] (True = seen) or None for all."""
     B, H, N, D = q.shape
     Hkv, L = keys.shape[1], keys.shape[2]

@@ -1,0 +1,37 @@
+"""Exponentials on the CPU: softmax and log-sum-exp through a power of two.
+
+MLX's CPU `exp` costs ~15 ns an element on the dev CPU (AMD EPYC, MLX 0.32.4) and its `power`
+~7 ns, while a multiply costs 0.3 ns: where a pass takes many exponentials (a tree's attention over
+a long context, the full-vocabulary log-softmax of a drafter's marginals) exp(x) = 2^(x log2 e) is
+the faster spelling. Results differ from mx.softmax / mx.logsumexp by float32 rounding (max
+|difference| 2e-9 on attention probabilities). On other backends, and with POW_EXP off, the MLX
+functions run.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+POW_EXP = True  # module switch: False = MLX's exp on the CPU too (scripts/bench_tree_attention.py)
+
+
+def _pow_exp() -> bool:
+    return POW_EXP and mx.default_device() == mx.cpu
+
+
+def softmax_rows(scores: mx.array) -> mx.array:
+    """Softmax over the last axis (masked entries -inf; every row must see one entry)."""
+    if not _pow_exp():
+        return mx.softmax(scores, axis=-1)
+    e = mx.power(2.0, (scores - mx.max(scores, axis=-1, keepdims=True)) * LOG2E)
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def logsumexp_rows(x: mx.array) -> mx.array:
+    """log(sum(exp(x))) over the last axis, kept as a size-1 axis."""
+    if not _pow_exp():
+        return mx.logsumexp(x, axis=-1, keepdims=True)
+    m = mx.max(x, axis=-1, keepdims=True)
+    return m + mx.log2(mx.power(2.0, (x - m) * LOG2E).sum(axis=-1, keepdims=True)) * LN2
