@@ -160,7 +160,9 @@ def replay_features(engine: Engine, tokens: list[int]) -> mx.array:
 def test_accepted_rounds_keep_the_drafters_in_step(engine, sampling):
     prompt = PROMPTS[0]
     plain = generate(engine, prompt, sampling).tokens
-    spec = SpecConfig(method="none", budget=10, max_depth=6)
+    # every round gets the full budget: with the controller sizing trees by measured time, how
+    # many rounds carried the true branch depended on the machine's timing (CI: 1.48 tokens a forward)
+    spec = SpecConfig(method="none", budget=10, max_depth=6, adaptive=False)
     for make in (lambda: DFlashDrafter(engine.model, engine.dflash_model(None), BUILDERS["ddtree"]),
                  lambda: MTPDrafter(engine.model, engine.mtp_head(), BUILDERS["ddtree"])):
         drafter = make()
