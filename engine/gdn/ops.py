@@ -127,15 +127,15 @@ class TreeMasks:
     incl_f32: mx.array  # float32 [N, N], for the path sums prefix = g @ incl^T
 
 
-def tree_masks(ancestor_mask: np.ndarray) -> TreeMasks:
-    m = check_mask(ancestor_mask)
-    return TreeMasks(mx.array(m), mx.array(np.tril(m, -1)), mx.array(m.astype(np.float32)))
-
-
 def device_tree_masks(incl: mx.array) -> TreeMasks:
     """The masks from an inclusive ancestor mask already on the device (a DraftTree's, valid by
     construction): no host work, and lazy, so a core that never reads them never computes them."""
     return TreeMasks(incl, mx.tril(incl, -1), incl.astype(mx.float32))
+
+
+def tree_masks(ancestor_mask: np.ndarray) -> TreeMasks:
+    """The masks from a host ancestor mask, checked first."""
+    return device_tree_masks(mx.array(check_mask(ancestor_mask)))
 
 
 @functools.lru_cache(maxsize=8)

@@ -15,6 +15,8 @@ engine/loader.py; on by default on CUDA and the CPU, where each was measured).
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
@@ -22,22 +24,29 @@ from mlx.utils import tree_unflatten
 from engine.kernels import quantized_linear
 from engine.models.fused import FusedProjection
 
+M = TypeVar("M", bound=nn.Module)
+
+
+def same_weights(cls: type[M], q: nn.Module, attributes: tuple[str, ...]) -> M:
+    """A module of class `cls` holding q's arrays (not copied) and `attributes`, frozen; the
+    quantized modules' own constructors would quantize a random matrix of the full size first."""
+    new = cls.__new__(cls)
+    nn.Module.__init__(new)
+    for attribute in attributes:
+        setattr(new, attribute, getattr(q, attribute))
+    for name in ("weight", "scales", "biases", "bias"):
+        if name in q:
+            new[name] = q[name]
+    new.freeze()
+    return new
+
 
 class RowsQuantizedLinear(nn.QuantizedLinear):
     """nn.QuantizedLinear whose matmul goes through engine.kernels.quantized_linear."""
 
     @classmethod
     def of(cls, q: nn.QuantizedLinear) -> RowsQuantizedLinear:
-        """The same weights (not copied) in this class; QuantizedLinear's own constructor would
-        quantize a random matrix of the full size first."""
-        new = cls.__new__(cls)
-        nn.Module.__init__(new)
-        new.group_size, new.bits, new.mode = q.group_size, q.bits, q.mode
-        for name in ("weight", "scales", "biases", "bias"):
-            if name in q:
-                new[name] = q[name]
-        new.freeze()
-        return new
+        return same_weights(cls, q, ("group_size", "bits", "mode"))
 
     def __call__(self, x: mx.array) -> mx.array:
         y = quantized_linear(x, self["weight"], self["scales"], self.get("biases"), self.group_size, self.bits,
@@ -52,16 +61,7 @@ class RowsQuantizedEmbedding(nn.QuantizedEmbedding):
 
     @classmethod
     def of(cls, q: nn.QuantizedEmbedding) -> RowsQuantizedEmbedding:
-        """The same weights (not copied); see RowsQuantizedLinear.of."""
-        new = cls.__new__(cls)
-        nn.Module.__init__(new)
-        new.group_size, new.bits, new.mode = q.group_size, q.bits, q.mode
-        new.num_embeddings, new.dims = q.num_embeddings, q.dims
-        for name in ("weight", "scales", "biases"):
-            if name in q:
-                new[name] = q[name]
-        new.freeze()
-        return new
+        return same_weights(cls, q, ("group_size", "bits", "mode", "num_embeddings", "dims"))
 
     def as_linear(self, x: mx.array) -> mx.array:
         return quantized_linear(x, self["weight"], self["scales"], self.get("biases"), self.group_size, self.bits,
