@@ -119,6 +119,10 @@ class KVCache:
         self.keys: mx.array | None = None  # [1, n_kv, cap, D]
         self.values: mx.array | None = None
         self.offset = 0
+        # the rows of the last write (its offset, K, V): a commit gathers the accepted ones from
+        # these, not from the buffer, so the buffer's only reader is the update and MLX writes it
+        # in place instead of copying the whole context (CPU, 16k keys: 1.6 ms a layer a commit)
+        self._written: tuple[int, mx.array, mx.array] | None = None
 
     def write(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
         """Write T rows at [offset, offset+T) and return K/V for [0, offset+T). Does not advance."""
@@ -128,6 +132,7 @@ class KVCache:
         assert self.keys is not None and self.values is not None
         self.keys[:, :, self.offset : end] = k
         self.values[:, :, self.offset : end] = v
+        self._written = (self.offset, k, v)
         return self.keys[:, :, :end], self.values[:, :, :end]
 
     def _grow(self, end: int, like: mx.array) -> None:
@@ -147,10 +152,17 @@ class KVCache:
         """Keep tree rows `path`: compact them to contiguous slots after the committed ones."""
         if not path.is_prefix:
             assert self.keys is not None and self.values is not None
-            rows = self.offset + path.index
             end = self.offset + len(path)
-            self.keys[:, :, self.offset : end] = self.keys[:, :, rows]
-            self.values[:, :, self.offset : end] = self.values[:, :, rows]
+            written = self._written
+            if written is not None and written[0] == self.offset and max(path.nodes) < written[1].shape[2]:
+                _, k, v = written
+                self.keys[:, :, self.offset : end] = k[:, :, path.index]
+                self.values[:, :, self.offset : end] = v[:, :, path.index]
+            else:
+                rows = self.offset + path.index
+                self.keys[:, :, self.offset : end] = self.keys[:, :, rows]
+                self.values[:, :, self.offset : end] = self.values[:, :, rows]
+        self._written = None
         self.advance(len(path))
 
     def arrays(self) -> list[mx.array]:
@@ -176,6 +188,7 @@ class KVCache:
         """Back to a mark: rows past it become scratch (valid while only appends happened since)."""
         assert isinstance(mark, int) and mark <= self.offset
         self.offset = mark
+        self._written = None
 
     @property
     def nbytes(self) -> int:
