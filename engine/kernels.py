@@ -236,9 +236,18 @@ def mma_config(o: int, i: int, bits: int) -> tuple[int, int]:
     reduction. From the weight's shape only, never from the row count: a row's result must not
     depend on M. Measured on the H200 (scripts/bench_qmm.py --configs, 9B shapes, M = 1 and 17):
     one tile a warp and four warps a block were best or within 5 % of it on every shape; two
-    tiles (fewer blocks) lost 20-35 % at M = 1."""
+    tiles (fewer blocks) lost 20-35 % at M = 1. Long reductions (MMA_LONG_STEPS steps or more,
+    the 9B down_proj's 12288 inputs) take MMA_LONG_KW warps: one warp walks fewer dependent steps."""
     steps = i // (16 * (32 // bits))
+    if steps >= MMA_LONG_STEPS:
+        return 1, max(4, min(MMA_LONG_KW, steps // 6))
     return 1, max(1, min(4, steps))
+
+
+MMA_LONG_STEPS = 64  # 8192 inputs at 4 bits
+# warps a block for long reductions: 16 ran the 9B down_proj at one row in 50 us against 71 with
+# 4 (H200 latency sweep); kept at 4 until measured end to end (scripts/bench_gpu.py, "kernels-kw16")
+MMA_LONG_KW = 4
 
 
 def mma_covers(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, group_size: int,

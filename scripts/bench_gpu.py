@@ -61,9 +61,24 @@ def section(name: str) -> Iterator[None]:
 
 
 
+@contextlib.contextmanager
+def variant_setting(core: str) -> Iterator[None]:
+    """What a variant sets around each of its engine's calls: "-kw16" runs qmm_mma's long
+    reductions (engine.kernels.MMA_LONG_KW) with 16 warps a block. Compiled layer graphs are per
+    model instance and trace on first use, so each engine's graphs carry its own setting."""
+    from engine import kernels
+
+    saved = kernels.MMA_LONG_KW
+    kernels.MMA_LONG_KW = 16 if core.endswith("-kw16") else saved
+    try:
+        yield
+    finally:
+        kernels.MMA_LONG_KW = saved
+
+
 def spruce_engine(path: Path, dtype: str, core: str) -> Any:
     """core: kernels | ops (the GDN core), with "-mlxqmm": MLX's quantized matmul instead of the
-    small-M kernel (engine/models/qlinear.py)."""
+    small-M kernel (engine/models/qlinear.py), "-kw16": see variant_setting."""
     from engine.config import EngineConfig
     from engine.generate import Engine
 
@@ -118,16 +133,28 @@ def decode_section(name: str, path: Path, dtype: str, args: argparse.Namespace, 
         ref.set_dtype(mx.float32)
     log(f"   engines loaded ({time.perf_counter() - T0:.0f} s)")
     outs: dict[str, list[int]] = {}
+    def spruce_run(core: str, e: Any) -> tuple[float, list[int]]:
+        with variant_setting(core):
+            return spruce_decode(e, prompt, args.tokens)
+
     runs_of: list[tuple[str, Callable[[], tuple[float, list[int]]]]] = [
-        (f"spruce_{core}", lambda e=e: spruce_decode(e, prompt, args.tokens)) for core, e in engines.items()]
-    for label, fn in [*runs_of, ("mlx_lm", lambda: mlx_lm_decode(ref, prompt, args.tokens))]:
+        (f"spruce_{core}", lambda core=core, e=e: spruce_run(core, e)) for core, e in engines.items()]
+    runs_of.append(("mlx_lm", lambda: mlx_lm_decode(ref, prompt, args.tokens)))
+    for label, fn in runs_of:
         t_warm = time.perf_counter()
         fn()  # warm-up (compiles)
         row[f"{label}_warmup_s"] = time.perf_counter() - t_warm
-        runs = [fn() for _ in range(args.runs)]
+    # runs interleaved (one of each setup in turn), so a machine that drifts moves all alike
+    results: dict[str, list[tuple[float, list[int]]]] = {label: [] for label, _ in runs_of}
+    for _ in range(args.runs):
+        for label, fn in runs_of:
+            results[label].append(fn())
+    for label, runs in results.items():
         row[f"{label}_tok_s"] = statistics.median(r[0] for r in runs)
+        row[f"{label}_runs_tok_s"] = [round(r[0], 1) for r in runs]
         outs[label] = runs[-1][1]
-        log(f"   {label}: {row[f'{label}_tok_s']:.1f} tok/s ({time.perf_counter() - T0:.0f} s)")
+        log(f"   {label}: {row[f'{label}_tok_s']:.1f} tok/s {row[f'{label}_runs_tok_s']} "
+            f"({time.perf_counter() - T0:.0f} s)")
     row["kernels_vs_mlx_lm"] = row["spruce_kernels_tok_s"] / row["mlx_lm_tok_s"]
     for core in engines:
         log(f"   spruce_{core} / mlx_lm: {row[f'spruce_{core}_tok_s'] / row['mlx_lm_tok_s']:.3f}")
@@ -139,14 +166,16 @@ def decode_section(name: str, path: Path, dtype: str, args: argparse.Namespace, 
     row["plain_step_ms"] = 1e3 / row["spruce_kernels_tok_s"]
     row["rounds"] = {}
     for core, sizes in (("kernels", args.tree_sizes), ("kernels-mlxqmm", args.tree_sizes),
-                        ("ops", args.ops_tree_sizes)):
+                        ("kernels-kw16", args.tree_sizes), ("ops", args.ops_tree_sizes)):
         if core not in engines or not sizes:
             continue
-        row["rounds"][core] = round_costs(engines[core], prompt, sizes)
+        with variant_setting(core):
+            row["rounds"][core] = round_costs(engines[core], prompt, sizes)
         log(f"   rounds {core}: {row['rounds'][core]} ({time.perf_counter() - T0:.0f} s)")
         save(args.out, row)
-    row["prefill"] = prefill(engines["kernels"], ref, args.prefill_tokens)
-    log(f"   prefill {row['prefill']} ({time.perf_counter() - T0:.0f} s)")
+    if args.prefill_tokens:
+        row["prefill"] = prefill(engines["kernels"], ref, args.prefill_tokens)
+        log(f"   prefill {row['prefill']} ({time.perf_counter() - T0:.0f} s)")
     return row
 
 
@@ -331,6 +360,10 @@ def markdown(r: dict) -> str:
                          f"{x.get('greedy_equal_kernels_ops', '-')} | "
                          f"{p['kernels_vs_mlx_lm_max_abs']:.4f}, {p.get('ops_vs_mlx_lm_max_abs', float('nan')):.4f} "
                          f"(max abs logit {p['max_abs_logit']:.1f}) |")
+        for x in rows:  # every variant run, with its runs in the order they ran (interleaved)
+            lines.append(f"\n{x['checkpoint']} {x['dtype']}: " + "; ".join(
+                f"{k[:-len('_runs_tok_s')]} {x[k[:-len('_runs_tok_s')] + '_tok_s']:.1f} tok/s {v}"
+                for k, v in x.items() if k.endswith("_runs_tok_s")))
         lines += ["", "Speculation round (verify + accept + commit), median ms; ratio to the 1-node round:", "",
                   "| checkpoint | core | " + " | ".join(f"N={n}" for n in TREE_SIZES) + " |",
                   "|---|---|" + "---|" * len(TREE_SIZES)]
@@ -340,7 +373,7 @@ def markdown(r: dict) -> str:
                          f" c {c['commit']:.2f})" if c else "" for c in (costs.get(str(n)) for n in TREE_SIZES)]
                 lines.append(f"| {x['checkpoint']} {x['dtype']} | {core} | " + " | ".join(cells) + " |")
         lines += ["", "| checkpoint | prefill tokens | Spruce tok/s | mlx-lm tok/s |", "|---|---|---|---|"]
-        for x in rows:
+        for x in filter(lambda x: "prefill" in x, rows):
             p = x["prefill"]
             lines.append(f"| {x['checkpoint']} {x['dtype']} | {p['tokens']} | {p['spruce_tok_s']:.0f} | "
                          f"{p['mlx_lm_tok_s']:.0f} |")

@@ -177,10 +177,17 @@ def main() -> None:
     ap.add_argument("--defaults", action="store_true",
                     help="sample with the checkpoint's generation_config.json (temperature, top_p, top_k, "
                          "repetition_penalty) and --seed")
+    ap.add_argument("--dtype", default="float32",
+                    help="compute dtype (float32: the losslessness checks demand identity; on a GPU the "
+                         "engine's own default is bfloat16)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--png", type=Path)
+    ap.add_argument("--plot-json", type=Path, help="only draw --png from a report written by --json")
     a = ap.parse_args()
-    engine = Engine(EngineConfig(model_path=a.model, dtype="float32", spec=SpecConfig(dflash_model=a.dflash_model)))
+    if a.plot_json:
+        plot(json.loads(a.plot_json.read_text())["per_round_histograms"], a.png)
+        return
+    engine = Engine(EngineConfig(model_path=a.model, dtype=a.dtype, spec=SpecConfig(dflash_model=a.dflash_model)))
     specs = parse_methods(a.methods, [int(b) for b in a.budgets.split(",")], a.depth, a)
     for name, spec in specs.items():
         if (why := engine.missing_drafter(spec.method, spec.tree)) is not None:
@@ -227,9 +234,9 @@ def main() -> None:
                 print(f"{label:10} {name:18} {row['tok_s']:7.1f} {row['vs_none']:7.2f}x {row['tok_fwd']:8.2f} "
                       f"{100 * row['draft_share']:6.1f}% {row['itl_p50_ms']:8.1f} {row['itl_p99_ms']:8.1f} "
                       f"{row['distinct_8grams']:7.2f}  {'yes' if row['same'] else 'NO'}", flush=True)
-    report["per_round_histograms"] = histograms
-    if a.json:
-        a.json.write_text(json.dumps(report, indent=1))
+            report["per_round_histograms"] = histograms
+            if a.json:  # after every prompt: a run cut short keeps what it measured
+                a.json.write_text(json.dumps(report, indent=1))
     if a.png:
         plot(histograms, a.png)
         print(f"wrote {a.png}")

@@ -96,7 +96,7 @@ def test_mma_kernel_equals_twin_and_is_batch_invariant(dtype, bits, group_size, 
 
 
 @needs_cuda
-@pytest.mark.parametrize("config", [(1, 1), (1, 4), (2, 8), (4, 2)])
+@pytest.mark.parametrize("config", [(1, 1), (1, 4), (2, 8), (4, 2), (1, 12), (1, 16)])
 def test_mma_kernel_configs_agree(config, rng):
     """Every (tiles a warp, warps a block) computes the same product up to rounding: the config
     only changes the order of the sum."""
@@ -127,3 +127,15 @@ def test_mma_kernel_covers_only_what_it_computes():
     w4, s4, b4 = mx.quantize(mx.zeros((64, 320)), group_size=64, bits=4)  # 320 is not a multiple of 128
     assert not mma_covers(mx.zeros((3, 320), dtype=mx.bfloat16), w4, s4.astype(mx.bfloat16),
                           b4.astype(mx.bfloat16), 64, 4)
+
+
+def test_mma_config_depends_on_the_weight_only():
+    """Long reductions take MMA_LONG_KW warps (at least four), the rest at most four; the choice
+    never depends on the number of rows (the function does not take it)."""
+    from engine import kernels
+
+    assert kernels.mma_config(4096, 4096, 4) == (1, 4)
+    assert kernels.mma_config(1024, 1024, 4) == (1, 4)
+    assert kernels.mma_config(528, 384, 4) == (1, 3)
+    assert kernels.mma_config(4096, 12288, 4)[1] == max(4, min(kernels.MMA_LONG_KW, 96 // 6))
+    assert kernels.mma_config(4096, 12288, 8)[1] == max(4, min(kernels.MMA_LONG_KW, 192 // 6))

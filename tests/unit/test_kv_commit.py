@@ -35,7 +35,8 @@ def test_commit_keeps_the_accepted_rows(nodes: tuple[int, ...], context: int) ->
     cache.write(mx.array(tree_k), mx.array(tree_v))
     cache.commit(AcceptedPath(nodes))
     assert cache.offset == context + len(nodes)
-    np.testing.assert_array_equal(np.array(cache.keys[:, :, : cache.offset]), expected(before_k, tree_k, context, nodes))
+    got = np.array(cache.keys[:, :, : cache.offset])
+    np.testing.assert_array_equal(got, expected(before_k, tree_k, context, nodes))
     assert np.array_equal(np.array(cache.values[:, :, context : cache.offset]), tree_v[:, :, list(nodes)])
 
 
