@@ -76,6 +76,21 @@ needs_cuda = pytest.mark.skipif(gpu_backend() != "cuda", reason="qmm_mma is a CU
 def test_mma_kernel_equals_twin_and_is_batch_invariant(dtype, bits, group_size, out, inp, rng):
     """Against mx.quantized_matmul in fp32 on the CPU (the kernel rounds the dequantized weights to
     the activations' type, as MLX's own GPU kernels do), and rows bitwise equal whatever M is."""
+    check_mma_against_twin(dtype, bits, group_size, out, inp, rng)
+
+
+@needs_cuda
+@pytest.mark.parametrize(("bits", "group_size"), [(4, 64), (8, 64), (4, 128)])
+def test_mma_long_reductions_with_sixteen_warps(bits, group_size, rng, monkeypatch):
+    """The same with MMA_LONG_KW = 16 (the candidate for long reductions), on the 9B down_proj."""
+    from engine import kernels
+
+    monkeypatch.setattr(kernels, "MMA_LONG_KW", 16)
+    assert kernels.mma_config(4096, 12288, bits)[1] == 16
+    check_mma_against_twin(mx.bfloat16, bits, group_size, 4096, 12288, rng)
+
+
+def check_mma_against_twin(dtype, bits, group_size, out, inp, rng):
     from engine.kernels import mma_covers, quantized_matmul_mma
 
     w = mx.array(rng.normal(size=(out, inp)).astype(np.float32) * 0.05)
