@@ -245,9 +245,11 @@ def mma_config(o: int, i: int, bits: int) -> tuple[int, int]:
 
 
 MMA_LONG_STEPS = 64  # 8192 inputs at 4 bits
-# warps a block for long reductions: 16 ran the 9B down_proj at one row in 50 us against 71 with
-# 4 (H200 latency sweep); kept at 4 until measured end to end (scripts/bench_gpu.py, "kernels-kw16")
-MMA_LONG_KW = 4
+# Warps a block for long reductions. H200, 9B shape, one process, runs interleaved
+# (scripts/bench_gpu.py --cores kernels-kw4,kernels-kw16): plain decode 179.0 tok/s with 16
+# against 148.4 with 4 (faster in 5 of 5 paired runs), 17-node round 12.65 ms against 14.16;
+# the down_proj's 96 steps at one row: 6 dependent steps a warp instead of 24.
+MMA_LONG_KW = 16
 
 
 def mma_covers(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, group_size: int,

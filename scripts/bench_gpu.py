@@ -63,13 +63,14 @@ def section(name: str) -> Iterator[None]:
 
 @contextlib.contextmanager
 def variant_setting(core: str) -> Iterator[None]:
-    """What a variant sets around each of its engine's calls: "-kw16" runs qmm_mma's long
-    reductions (engine.kernels.MMA_LONG_KW) with 16 warps a block. Compiled layer graphs are per
+    """What a variant sets around each of its engine's calls: "-kwN" runs qmm_mma's long
+    reductions with N warps a block (engine.kernels.MMA_LONG_KW). Compiled layer graphs are per
     model instance and trace on first use, so each engine's graphs carry its own setting."""
     from engine import kernels
 
     saved = kernels.MMA_LONG_KW
-    kernels.MMA_LONG_KW = 16 if core.endswith("-kw16") else saved
+    suffix = core.rpartition("-")[2]
+    kernels.MMA_LONG_KW = int(suffix[2:]) if suffix.startswith("kw") else saved
     try:
         yield
     finally:
@@ -78,7 +79,7 @@ def variant_setting(core: str) -> Iterator[None]:
 
 def spruce_engine(path: Path, dtype: str, core: str) -> Any:
     """core: kernels | ops (the GDN core), with "-mlxqmm": MLX's quantized matmul instead of the
-    small-M kernel (engine/models/qlinear.py), "-kw16": see variant_setting."""
+    small-M kernel (engine/models/qlinear.py), "-kwN": see variant_setting."""
     from engine.config import EngineConfig
     from engine.generate import Engine
 
@@ -165,12 +166,12 @@ def decode_section(name: str, path: Path, dtype: str, args: argparse.Namespace, 
     log(f"   parity {row['parity']} ({time.perf_counter() - T0:.0f} s)")
     row["plain_step_ms"] = 1e3 / row["spruce_kernels_tok_s"]
     row["rounds"] = {}
-    for core, sizes in (("kernels", args.tree_sizes), ("kernels-mlxqmm", args.tree_sizes),
-                        ("kernels-kw16", args.tree_sizes), ("ops", args.ops_tree_sizes)):
-        if core not in engines or not sizes:
+    for core, engine in engines.items():
+        sizes = args.ops_tree_sizes if core == "ops" else args.tree_sizes
+        if not sizes:
             continue
         with variant_setting(core):
-            row["rounds"][core] = round_costs(engines[core], prompt, sizes)
+            row["rounds"][core] = round_costs(engine, prompt, sizes)
         log(f"   rounds {core}: {row['rounds'][core]} ({time.perf_counter() - T0:.0f} s)")
         save(args.out, row)
     if args.prefill_tokens:
