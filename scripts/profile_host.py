@@ -54,8 +54,9 @@ from engine.models.layers import Batch  # noqa: E402
 from engine.models.qwen3_5 import DecoderLayer  # noqa: E402
 
 
-def phases(model: Any, cache: list, committed: int, n: int, runs: int) -> dict[str, float]:
-    """Median ms of each phase of `runs` verifies of an n-node tree (after two warm-ups)."""
+def phases(model: Any, cache: list, committed: int, n: int, runs: int, split: bool = False) -> dict[str, float]:
+    """Median ms of each phase of `runs` verifies of an n-node tree (after two warm-ups); split:
+    the commit timed by layer kind (each built and evaluated) instead of by building / evaluating."""
     tree = chain_with_siblings(n)
     path = tree.path_to(min(n - 1, 8))
     kernel = model.args.linear_conv_kernel_dim
@@ -72,10 +73,16 @@ def phases(model: Any, cache: list, committed: int, n: int, runs: int) -> dict[s
         t3 = time.perf_counter()
         mx.eval(choice)
         t4 = time.perf_counter()
-        forward.commit(cache, path, evaluate=False)
-        t5 = time.perf_counter()
-        mx.eval(forward.state_arrays(cache))
-        t6 = time.perf_counter()
+        if split:  # "commit_build_ms" is then the GDN layers' commit, "commit_eval_ms" the others'
+            forward.commit([c for c in cache if isinstance(c, GDNCache)], path)
+            t5 = time.perf_counter()
+            forward.commit([c for c in cache if not isinstance(c, GDNCache)], path)
+            t6 = time.perf_counter()
+        else:
+            forward.commit(cache, path, evaluate=False)
+            t5 = time.perf_counter()
+            mx.eval(forward.state_arrays(cache))
+            t6 = time.perf_counter()
         mx.eval(choice)
         t7 = time.perf_counter()
         for c, m in zip(cache, marks, strict=True):
@@ -138,7 +145,12 @@ def main() -> None:
     ap.add_argument("--new-sizes", type=lambda s: [int(x) for x in s.split(",") if x], default=[],
                     help="tree sizes not verified before: the first verify of each against later ones "
                          "(what tree sizes cost the compiled layers once), after everything else")
-    ap.add_argument("--compile", default="on", help="on, off or on,off: the layers' compiled functions")
+    ap.add_argument("--compile", default="on",
+                    help="on, off, apart or a list: the layers' compiled functions (apart: compiled, each GDN "
+                         "layer's commit its own call)")
+    ap.add_argument("--commit-split", action="store_true",
+                    help="time the commit by layer kind: commit_build_ms = the GDN layers' (built and "
+                         "evaluated), commit_eval_ms = the attention layers'")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     layers = args.layers or (bundled_text_config() if args.shape == "bundled" else SHAPES[args.shape])[
@@ -154,17 +166,18 @@ def main() -> None:
                                   layers=layers, dtype=args.dtype, bits=args.bits,
                                   date=time.strftime("%Y-%m-%d"), modes={})
     for mode in args.compile.split(","):
-        DecoderLayer.compile_decode = GDNCache.compile_commit = mode == "on"
+        DecoderLayer.compile_decode = GDNCache.compile_commit = mode in ("on", "apart")
+        GDNCache.commit_together = mode != "apart"
         rows = result["modes"][mode] = {}
         for n in args.rows:
-            rows[str(n)] = phases(model, cache, len(prompt), n, args.runs)
+            rows[str(n)] = phases(model, cache, len(prompt), n, args.runs, args.commit_split)
             print(f"compile {mode} N={n}: " + ", ".join(f"{k} {v:.3f}" for k, v in rows[str(n)].items()), flush=True)
         (args.out / "host.json").write_text(json.dumps(result, indent=1))
         n = max(args.rows)
         text = profile_builds(model, cache, len(prompt), n, 10)
         (args.out / f"host_profile_{n}_{mode}.txt").write_text(text)
         print("\n".join(text.splitlines()[:24]), flush=True)
-    DecoderLayer.compile_decode = GDNCache.compile_commit = True
+    DecoderLayer.compile_decode = GDNCache.compile_commit = GDNCache.commit_together = True
     if args.new_sizes:
         result["first_use"] = first_use(model, cache, len(prompt), args.new_sizes, 5)
         for n, t in result["first_use"].items():
