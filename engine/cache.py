@@ -221,7 +221,6 @@ class GDNCache:
     [Hv, Dv, Dk] (float32). A verify defers its result here until `commit(path)`."""
 
     compile_commit = True  # class-wide switch: tests hold the compiled commit to the plain one
-    commit_together = True  # commit_all folds all GDN layers in one call (tests hold it to one by one)
 
     def __init__(self, core: GDNCore, shape: GDNShape) -> None:
         self.core, self.shape = core, shape
@@ -288,50 +287,9 @@ class GDNCache:
         return sum(a.nbytes for a in self.arrays())
 
 
-_LAYER_COMMITS: dict[tuple[GDNCore, bool], Callable[..., Any]] = {}
-
-
-def layers_commit_function(core: GDNCore, compiled: bool) -> Callable[..., Any]:
-    """core.commit for several layers in one call: (path, then per layer x, k, u, g, conv state,
-    state) -> per layer (conv state, state). Compiled, the host replays one traced graph a round
-    for all the model's GDN layers instead of entering a compiled function layer after layer (the
-    kernels launched are the same: one a layer)."""
-    key = (core, compiled)
-    if key not in _LAYER_COMMITS:
-
-        def commit(path: mx.array, *flat: mx.array) -> list[mx.array]:
-            out: list[mx.array] = []
-            for i in range(0, len(flat), 6):
-                x, k, u, g, conv_state, state = flat[i : i + 6]
-                out += core.commit(TreeRows(x, k, u, g), path, conv_state, state)
-            return out
-
-        _LAYER_COMMITS[key] = mx.compile(commit) if compiled else commit
-    return _LAYER_COMMITS[key]
-
-
 def commit_all(cache: Sequence[LayerCache], path: AcceptedPath) -> None:
-    """Every layer's commit; the GDN layers whose verify left tree rows (and share a core) in one
-    call when GDNCache.commit_together says so."""
-    together: dict[GDNCore, list[GDNCache]] = {}
     for c in cache:
-        if GDNCache.commit_together and isinstance(c, GDNCache) and isinstance(c.pending, TreeRows):
-            together.setdefault(c.core, []).append(c)
-        else:
-            c.commit(path)
-    for core, layers in together.items():
-        if len(layers) == 1:
-            layers[0].commit(path)
-            continue
-        flat: list[mx.array] = []
-        for c in layers:
-            rows = c.pending
-            assert isinstance(rows, TreeRows) and c.conv_state is not None and c.state is not None
-            flat += [rows.x, rows.k, rows.u, rows.g, c.conv_state, c.state]
-        out = layers_commit_function(core, GDNCache.compile_commit)(path.index, *flat)
-        for i, c in enumerate(layers):
-            c.pending = None
-            c.write(out[2 * i], out[2 * i + 1], len(path))
+        c.commit(path)
 
 
 def snapshot_all(cache: Sequence[LayerCache], length: int) -> tuple[LayerSnapshot, ...]:

@@ -146,8 +146,7 @@ def main() -> None:
                     help="tree sizes not verified before: the first verify of each against later ones "
                          "(what tree sizes cost the compiled layers once), after everything else")
     ap.add_argument("--compile", default="on",
-                    help="on, off, apart or a list: the layers' compiled functions (apart: compiled, each GDN "
-                         "layer's commit its own call)")
+                    help="on, off or on,off: the layers' compiled functions")
     ap.add_argument("--commit-split", action="store_true",
                     help="time the commit by layer kind: commit_build_ms = the GDN layers' (built and "
                          "evaluated), commit_eval_ms = the attention layers'")
@@ -166,8 +165,7 @@ def main() -> None:
                                   layers=layers, dtype=args.dtype, bits=args.bits,
                                   date=time.strftime("%Y-%m-%d"), modes={})
     for mode in args.compile.split(","):
-        DecoderLayer.compile_decode = GDNCache.compile_commit = mode in ("on", "apart")
-        GDNCache.commit_together = mode != "apart"
+        DecoderLayer.compile_decode = GDNCache.compile_commit = mode == "on"
         rows = result["modes"][mode] = {}
         for n in args.rows:
             rows[str(n)] = phases(model, cache, len(prompt), n, args.runs, args.commit_split)
@@ -177,7 +175,7 @@ def main() -> None:
         text = profile_builds(model, cache, len(prompt), n, 10)
         (args.out / f"host_profile_{n}_{mode}.txt").write_text(text)
         print("\n".join(text.splitlines()[:24]), flush=True)
-    DecoderLayer.compile_decode = GDNCache.compile_commit = GDNCache.commit_together = True
+    DecoderLayer.compile_decode = GDNCache.compile_commit = True
     if args.new_sizes:
         result["first_use"] = first_use(model, cache, len(prompt), args.new_sizes, 5)
         for n, t in result["first_use"].items():
