@@ -97,6 +97,26 @@ def load_engine(config):
     raise CLIError(message)
 
 
+def warmed_engine(config, warmup: str):
+    """load_engine, then the warm-up (engine/warmup.py) where `warmup` asks for it: on, or auto on
+    a GPU backend."""
+    from engine.kernels import gpu_backend
+
+    engine = load_engine(config)
+    if warmup == "on" or (warmup == "auto" and gpu_backend() is not None):
+        from engine.warmup import warm_up
+
+        print("spruce: warming up (compiling the GPU kernels the first requests would wait for)", file=sys.stderr)
+        try:
+            report = warm_up(engine)
+        except Exception as e:
+            del engine
+            release_mlx()
+            raise CLIError(f"the warm-up failed: {e}") from None
+        print(f"spruce: warm-up done in {report.seconds:.1f} s", file=sys.stderr)
+    return engine
+
+
 def release_mlx() -> None:
     """Free MLX objects that only the cycle collector would find (a failed load leaves such cycles)
     while MLX is fully alive."""
@@ -135,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default 15)")
     serve.add_argument("--max-connections", type=int, default=128,
                        help="open connections at most; more get 503 (default 128)")
+    serve.add_argument("--warmup", choices=("auto", "on", "off"), default="auto",
+                       help="before serving, run once what the first requests would compile (auto, the default: "
+                            "on a GPU, where MLX compiles each kernel variant on first use; off on the CPU)")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     run = sub.add_parser("run", help="answer one prompt and print speed statistics to stderr")
     add_engine_args(run)
@@ -170,7 +193,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     except OSError as e:
         raise CLIError(f"cannot listen on {a.host}:{a.port}: {e.strerror or e}") from None
     limit_malloc_arenas()
-    bridge = EngineBridge(lambda: load_engine(settings.config), max_queue=a.max_queue)
+    bridge = EngineBridge(lambda: warmed_engine(settings.config, a.warmup), max_queue=a.max_queue)
     try:
         bridge.start()
     except KeyboardInterrupt:  # while the model loads: MLX is busy on the engine thread, nothing to save

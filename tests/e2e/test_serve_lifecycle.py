@@ -128,6 +128,19 @@ def test_an_idle_server_stops_at_once_and_warns_when_exposed(tiny_checkpoint):
     assert "warning: --host 0.0.0.0" in stderr and "--api-key" in stderr
 
 
+def test_warmup_on_runs_before_serving_and_the_server_answers(tiny_checkpoint):
+    """--warmup on (the GPU default) on the CPU: the warm-up runs before /health answers, with
+    speculation configured, and requests are answered as usual afterwards."""
+    with serve(tiny_checkpoint, "--warmup", "on", "--spec", "ngram") as (proc, base):
+        r = httpx.post(base + "/v1/chat/completions", timeout=60,
+                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=30)
+    assert "spruce: warm-up done in" in stderr
+    assert stderr.index("warm-up done") < stderr.index("serving")
+
+
 def test_a_model_that_fails_to_load_exits_2_without_an_abort(tiny_checkpoint, tmp_path):
     """Weights load, then the tokenizer fails: the half-built model must be freed before exit
     (freed during interpreter exit, MLX aborted: "terminate called without an active exception")."""

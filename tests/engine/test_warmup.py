@@ -1,0 +1,48 @@
+"""The warm-up `spruce serve` runs on a GPU before taking requests (engine/warmup.py): it covers
+every row class and depth class a configured tree can have, and leaves nothing behind that could
+change what a request gets."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from engine.config import EngineConfig, SamplingParams, SpecConfig
+from engine.forward import tree_batch
+from engine.generate import Engine
+from engine.types import GenerationRequest
+from engine.warmup import chain_with_siblings, tree_shapes, warm_up
+
+
+@pytest.mark.parametrize(("budget", "depth"), [(16, 8), (32, 8), (1, 8), (4, 2), (31, 16), (7, 3)])
+def test_tree_shapes_cover_every_row_and_level_class(budget, depth):
+    """Every tree the engine can verify (root + up to `budget` nodes, depth up to `depth`) falls
+    in a row class (ceil(rows / 8)) and a level class (forward.tree_batch's power of two) that one
+    of the warm-up's trees has."""
+    shapes = tree_shapes(budget, depth)
+    rows = {math.ceil(n / 8) for n, _ in shapes}
+    levels = {1 << d.bit_length() for _, d in shapes}
+    for n in range(2, budget + 2):
+        assert math.ceil(n / 8) in rows, n
+    for d in range(1, min(depth, budget) + 1):
+        assert 1 << d.bit_length() in levels, d
+    for n, d in shapes:
+        assert 1 <= d <= min(depth, n - 1) and n <= budget + 1
+        tree = chain_with_siblings(5, n, d, 1000)
+        assert len(tree.tokens) == n and tree.max_depth == d
+        assert tree_batch(tree, 10, 4).gdn.levels == 1 << d.bit_length()
+
+
+def test_warm_up_leaves_no_trace(tiny_qwen35):
+    """After the warm-up the prefix cache is empty and a request decodes as on a fresh engine."""
+    spec = SpecConfig(method="ngram", budget=16, max_depth=8)
+    req = GenerationRequest(prompt_ids=[3, 9, 27, 81, 243, 229, 175, 13, 3, 9, 27],
+                            sampling=SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.8, seed=5))
+    cold = Engine(EngineConfig(model_path=str(tiny_qwen35), spec=spec))
+    want = [t for step in cold.generate(req) for t in step.token_ids]
+    warm = Engine(EngineConfig(model_path=str(tiny_qwen35), spec=spec))
+    report = warm_up(warm)
+    assert report.trees == tuple(tree_shapes(16, 8)) and report.seconds > 0
+    assert warm.prefix.nbytes == 0 and not warm.prefix.entries
+    assert [t for step in warm.generate(req) for t in step.token_ids] == want
