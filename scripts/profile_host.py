@@ -93,6 +93,45 @@ def phases(model: Any, cache: list, committed: int, n: int, runs: int, split: bo
     return {k: statistics.median(v) for k, v in got.items()}
 
 
+def commit_probe(model: Any, cache: list, committed: int, n: int, runs: int) -> dict[str, float]:
+    """Where a GDN commit's time goes, median ms over `runs` verifies of an n-node tree:
+    - pending_eval_ms: evaluating every GDN layer's pending tree rows and states after the verify's
+      own evaluation (anything left lazy by it shows here);
+    - commit_ms: then the GDN layers' commit, built and evaluated;
+    - each_layer_ms: the same commit with a synchronisation after every layer (summed), and
+      layer_ms its median per layer."""
+    tree = chain_with_siblings(n)
+    path = tree.path_to(min(n - 1, 8))
+    gdn = [c for c in cache if isinstance(c, GDNCache)]
+    got: dict[str, list[float]] = {k: [] for k in ("pending_eval_ms", "commit_ms", "each_layer_ms", "layer_ms")}
+    for r in range(2 * runs + 2):
+        marks = [c.mark() for c in cache]
+        mx.eval(mx.argmax(forward.verify(model, cache, tree, committed), axis=-1))
+        t0 = time.perf_counter()
+        mx.eval([a for c in gdn for a in (c.pending.x, c.pending.k, c.pending.u, c.pending.g, c.conv_state, c.state)])
+        t1 = time.perf_counter()
+        layer_times = []
+        if r % 2 == 0:
+            forward.commit(gdn, path)
+        else:
+            for c in gdn:
+                t = time.perf_counter()
+                forward.commit([c], path)
+                layer_times.append(time.perf_counter() - t)
+        t2 = time.perf_counter()
+        forward.commit([c for c in cache if not isinstance(c, GDNCache)], path)
+        for c, m in zip(cache, marks, strict=True):
+            c.rewind(m)
+        if r >= 2:
+            got["pending_eval_ms"].append((t1 - t0) * 1e3)
+            if r % 2 == 0:
+                got["commit_ms"].append((t2 - t1) * 1e3)
+            else:
+                got["each_layer_ms"].append((t2 - t1) * 1e3)
+                got["layer_ms"].append(statistics.median(layer_times) * 1e3)
+    return {k: statistics.median(v) for k, v in got.items()}
+
+
 def _batch_arrays(batch: Batch) -> list[mx.array]:
     arrays = [a for a in (batch.positions, batch.tree_mask) if a is not None]
     return arrays + (list(batch.gdn.arrays()) if batch.gdn is not None else [])
@@ -150,6 +189,8 @@ def main() -> None:
     ap.add_argument("--commit-split", action="store_true",
                     help="time the commit by layer kind: commit_build_ms = the GDN layers' (built and "
                          "evaluated), commit_eval_ms = the attention layers'")
+    ap.add_argument("--commit-probe", action="store_true",
+                    help="after the rest: where the GDN commit's time goes at the largest --rows (commit_probe)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     layers = args.layers or (bundled_text_config() if args.shape == "bundled" else SHAPES[args.shape])[
@@ -176,6 +217,11 @@ def main() -> None:
         (args.out / f"host_profile_{n}_{mode}.txt").write_text(text)
         print("\n".join(text.splitlines()[:24]), flush=True)
     DecoderLayer.compile_decode = GDNCache.compile_commit = True
+    if args.commit_probe:
+        result["commit_probe"] = commit_probe(model, cache, len(prompt), max(args.rows), args.runs)
+        print(f"commit probe N={max(args.rows)}: "
+              + ", ".join(f"{k} {v:.3f}" for k, v in result["commit_probe"].items()), flush=True)
+        (args.out / "host.json").write_text(json.dumps(result, indent=1))
     if args.new_sizes:
         result["first_use"] = first_use(model, cache, len(prompt), args.new_sizes, 5)
         for n, t in result["first_use"].items():
