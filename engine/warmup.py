@@ -63,13 +63,16 @@ def chain_with_siblings(root: int, nodes: int, depth: int, vocab: int) -> DraftT
 
 
 def warm_up(engine: Engine, new_tokens: int = 8) -> WarmupReport:
+    """The warm-up, sized to fit the engine's context (a prompt of up to 24 ids, `new_tokens`
+    tokens after it, trees up to the speculation budget after the prompt)."""
     t0 = time.perf_counter()
-    vocab = engine.vocab_size
-    ids = [(17 * i + 3) % vocab for i in range(24)]
+    vocab, context = engine.vocab_size, engine.config.max_context
+    spec = engine.config.spec
+    new_tokens = max(1, min(new_tokens, context // 4))
+    ids = [(17 * i + 3) % vocab for i in range(max(2, min(24, context - new_tokens - 1)))]
     req = GenerationRequest(prompt_ids=ids, sampling=SamplingParams(max_tokens=new_tokens, ignore_eos=True))
     for _ in engine.generate(req):
         pass
-    spec = engine.config.spec
     shapes = tree_shapes(spec.budget, spec.max_depth) if spec.method != "none" else []
     model = engine.model
     cache = engine.make_cache()

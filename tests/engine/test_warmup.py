@@ -34,15 +34,26 @@ def test_tree_shapes_cover_every_row_and_level_class(budget, depth):
         assert tree_batch(tree, 10, 4).gdn.levels == 1 << d.bit_length()
 
 
-def test_warm_up_leaves_no_trace(tiny_qwen35):
-    """After the warm-up the prefix cache is empty and a request decodes as on a fresh engine."""
-    spec = SpecConfig(method="ngram", budget=16, max_depth=8)
+@pytest.mark.parametrize("method", ["ngram", "mtp", "dflash", "none"])
+def test_warm_up_leaves_no_trace(method, request):
+    """After the warm-up (with each kind of drafter configured: their own passes compile too) the
+    prefix cache is empty and a request decodes as on a fresh engine."""
+    model = request.getfixturevalue("tiny_qwen35_mtp" if method == "mtp" else "tiny_qwen35")
+    dflash = str(request.getfixturevalue("tiny_dflash")) if method == "dflash" else None
+    spec = SpecConfig(method=method, budget=16, max_depth=8, dflash_model=dflash)
     req = GenerationRequest(prompt_ids=[3, 9, 27, 81, 243, 229, 175, 13, 3, 9, 27],
                             sampling=SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.8, seed=5))
-    cold = Engine(EngineConfig(model_path=str(tiny_qwen35), spec=spec))
+    cold = Engine(EngineConfig(model_path=str(model), spec=spec))
     want = [t for step in cold.generate(req) for t in step.token_ids]
-    warm = Engine(EngineConfig(model_path=str(tiny_qwen35), spec=spec))
+    warm = Engine(EngineConfig(model_path=str(model), spec=spec))
     report = warm_up(warm)
-    assert report.trees == tuple(tree_shapes(16, 8)) and report.seconds > 0
+    assert report.trees == (tuple(tree_shapes(16, 8)) if method != "none" else ()) and report.seconds > 0
     assert warm.prefix.nbytes == 0 and not warm.prefix.entries
     assert [t for step in warm.generate(req) for t in step.token_ids] == want
+
+
+def test_warm_up_fits_a_small_context(tiny_qwen35):
+    """A context of 12 tokens: the warm-up request fits it (the trees run on a scratch cache)."""
+    engine = Engine(EngineConfig(model_path=str(tiny_qwen35), max_context=12,
+                                 spec=SpecConfig(method="ngram", budget=4, max_depth=2)))
+    assert warm_up(engine).trees == tuple(tree_shapes(4, 2))
