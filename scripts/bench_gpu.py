@@ -5,7 +5,9 @@
 On the machine with the GPU (MLX CUDA or Metal). Writes random-weight checkpoints in MLX layout
 with mlx-lm's own model code (a Qwen3.5-9B-shaped 4-bit g64 target, a 0.8B-shaped 4-bit draft)
 and uses the bundled model as shipped; then prints and writes (DIR/results.json, DIR/results.md):
-- plain decode tok/s: Spruce with the GDN kernels, Spruce with the plain-ops core, mlx-lm;
+- plain decode tok/s: Spruce with the GDN kernels, Spruce with the plain-ops core, mlx-lm (and any
+  variant --cores names: "-mlxqmm" MLX's quantized matmul, "-kwN" N warps on long reductions),
+  the runs interleaved (one of each setup in turn) after a warm-up of each;
 - greedy tokens equal or not, and the max |logit| difference on a 128-token prompt (parity);
 - the cost of one speculation round for trees of N nodes, split into verify / accept / commit,
   as a ratio to Spruce's plain step, kernels and ops; the draft model's drafting time;
