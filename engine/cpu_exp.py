@@ -21,6 +21,11 @@ def _pow_exp() -> bool:
     return POW_EXP and mx.default_device() == mx.cpu
 
 
+def exp(x: mx.array) -> mx.array:
+    """exp(x), through 2^(x log2 e) on the CPU."""
+    return mx.power(2.0, x * LOG2E) if _pow_exp() else mx.exp(x)
+
+
 def softmax_rows(scores: mx.array) -> mx.array:
     """Softmax over the last axis (masked entries -inf; every row must see one entry)."""
     if not _pow_exp():

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from engine.config import SamplingParams
-from engine.device_sampler import choose, node_uniforms
+from engine.device_sampler import choose, node_uniforms, probabilities
 from engine.sampler import position_uniform, process_logits, sample_token
 
 PARAMS = [
@@ -79,3 +79,26 @@ def test_banned_tokens_are_never_drawn(rng):
     device = np.array(choose(mx.array(logits), SamplingParams(temperature=2.0, seed=3),
                              node_uniforms(3, range(200))))
     assert (device % 2 == 1).all()
+
+
+def test_top_p_cut_from_the_top_k_values_equals_the_cut_from_the_whole_sort(rng, monkeypatch):
+    """With top_k on, the device sorts only the k largest probabilities to find the top_p cut; the
+    kept tokens must be those of the cut found by sorting the whole (top_k-masked) row, ties with
+    the k-th value included (rows below repeat values on purpose)."""
+    from engine import cpu_exp
+
+    monkeypatch.setattr(cpu_exp, "POW_EXP", False)
+    rows, vocab = 200, 512
+    logits = (rng.normal(size=(rows, vocab)) * 2).astype(np.float32)
+    logits[:50, 100:140] = logits[:50, 99:100]  # ties around the k-th value in a quarter of the rows
+    for params in (SamplingParams(temperature=0.9, top_k=20, top_p=0.7, seed=1),
+                   SamplingParams(temperature=1.1, top_k=64, top_p=0.95, seed=1),
+                   SamplingParams(temperature=0.6, top_k=5, top_p=0.5, seed=1)):
+        x = mx.array(logits)
+        p = mx.exp((x - x.max(axis=-1, keepdims=True)) / params.temperature)
+        p = mx.where(p >= mx.topk(p, params.top_k, axis=-1).min(axis=-1, keepdims=True), p, 0.0)
+        ranked = mx.sort(p, axis=-1)[..., ::-1]
+        cum = mx.cumsum(ranked, axis=-1)
+        cut = mx.where((cum - ranked) < params.top_p * cum[..., -1:], ranked, mx.inf).min(axis=-1, keepdims=True)
+        want = np.array(mx.where(p >= cut, p, 0.0) > 0)
+        np.testing.assert_array_equal(np.array(probabilities(x, params) > 0), want)
