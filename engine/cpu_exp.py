@@ -2,7 +2,8 @@
 
 MLX's CPU `exp` costs ~15 ns an element on the dev CPU (AMD EPYC, MLX 0.32.4) and its `power`
 ~7 ns, while a multiply costs 0.3 ns: where a pass takes many exponentials (a tree's attention over
-a long context, the full-vocabulary log-softmax of a drafter's marginals) exp(x) = 2^(x log2 e) is
+a long context, the full-vocabulary log-softmax of a drafter's marginals, the sampler's
+probabilities over the vocabulary for every node) exp(x) = 2^(x log2 e) is
 the faster spelling. Results differ from mx.softmax / mx.logsumexp by float32 rounding (max
 |difference| 2e-9 on attention probabilities). On other backends, and with POW_EXP off, the MLX
 functions run.
