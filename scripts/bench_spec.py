@@ -173,6 +173,8 @@ def main() -> None:
                     help="let the controller size each round's tree (engine/spec_control.py); default: every "
                          "round gets the full budget, which is what tok/fwd of a method means")
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--defaults", action="store_true",
                     help="sample with the checkpoint's generation_config.json (temperature, top_p, top_k, "
@@ -193,7 +195,7 @@ def main() -> None:
         if (why := engine.missing_drafter(spec.method, spec.tree)) is not None:
             print(f"skipping {name}: {why}")
     specs = {n: s for n, s in specs.items() if not engine.missing_drafter(s.method, s.tree)}
-    base = SamplingParams(temperature=a.temperature, seed=a.seed)
+    base = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed)
     if a.defaults:
         d = engine.sampling_defaults
         base = SamplingParams(temperature=d.temperature or 0.0, top_p=d.top_p or 1.0, top_k=d.top_k or 0,
