@@ -106,7 +106,7 @@ def warmed_engine(config, warmup: str):
     if warmup == "on" or (warmup == "auto" and gpu_backend() is not None):
         from engine.warmup import warm_up
 
-        print("spruce: warming up (compiling the GPU kernels the first requests would wait for)", file=sys.stderr)
+        print("spruce: warming up (running once what the first requests would otherwise compile)", file=sys.stderr)
         try:
             report = warm_up(engine)
         except Exception as e:
