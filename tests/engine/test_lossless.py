@@ -112,6 +112,21 @@ def test_right_drafter_needs_fewer_forwards(engine):
     assert stats.tokens_per_forward > 7
 
 
+@pytest.mark.parametrize("visited", [True, False], ids=["draw-visited-nodes", "draw-every-node"])
+@pytest.mark.parametrize("kind", ["right", "random"])
+def test_seeded_trees_drawn_node_by_node_or_all_at_once(engine, kind, visited, monkeypatch):
+    """A sampled tree's tokens drawn as the walk visits each node (the CPU's way) or for every node
+    in the verify's graph (the GPU's): both emit plain decoding's tokens."""
+    from engine import round as rounds
+
+    monkeypatch.setattr(rounds, "DRAW_VISITED_ON_CPU", visited)
+    spec = SpecConfig(method="none", budget=12, max_depth=6, adaptive=False)
+    for i, prompt in enumerate(PROMPTS):
+        plain = generate(engine, prompt, SAMPLED).tokens
+        drafter = OracleDrafter(plain, len(prompt)) if kind == "right" else RandomTreeDrafter(i, 512, plain)
+        assert generate(engine, prompt, SAMPLED, spec, drafter).tokens == plain
+
+
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "seeded"])
 def test_spec_stops_where_plain_stops(engine, sampling):
     """Stop tokens on: a stop token the target chooses inside an accepted draft ends the answer at
