@@ -22,16 +22,20 @@ def _pow_exp() -> bool:
     return POW_EXP and mx.default_device() == mx.cpu
 
 
+def _exp2(x: mx.array) -> mx.array:
+    return mx.power(2.0, x * LOG2E)
+
+
 def exp(x: mx.array) -> mx.array:
     """exp(x), through 2^(x log2 e) on the CPU."""
-    return mx.power(2.0, x * LOG2E) if _pow_exp() else mx.exp(x)
+    return _exp2(x) if _pow_exp() else mx.exp(x)
 
 
 def softmax_rows(scores: mx.array) -> mx.array:
     """Softmax over the last axis (masked entries -inf; every row must see one entry)."""
     if not _pow_exp():
         return mx.softmax(scores, axis=-1)
-    e = mx.power(2.0, (scores - mx.max(scores, axis=-1, keepdims=True)) * LOG2E)
+    e = _exp2(scores - mx.max(scores, axis=-1, keepdims=True))
     return e / e.sum(axis=-1, keepdims=True)
 
 
@@ -40,4 +44,4 @@ def logsumexp_rows(x: mx.array) -> mx.array:
     if not _pow_exp():
         return mx.logsumexp(x, axis=-1, keepdims=True)
     m = mx.max(x, axis=-1, keepdims=True)
-    return m + mx.log2(mx.power(2.0, (x - m) * LOG2E).sum(axis=-1, keepdims=True)) * LN2
+    return m + mx.log2(_exp2(x - m).sum(axis=-1, keepdims=True)) * LN2

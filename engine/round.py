@@ -164,7 +164,7 @@ class Rounds:
         if flight.choices is not None:
             choices = np.array(flight.choices)
             acc = sampler.accept_walk(tree, lambda node: int(choices[node]), params.stop_token_ids)
-        elif self.on_device:  # draw_visited: each node the walk visits is drawn on its own
+        elif self.draw_visited:  # each node the walk visits is drawn on its own
             acc = sampler.accept_walk(tree, lambda node: self._draw(flight, node), params.stop_token_ids)
         else:
             host_logits = np.array(flight.logits.astype(mx.float32))

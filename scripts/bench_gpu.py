@@ -213,13 +213,11 @@ def parity(engines: dict[str, Any], ref: Any, prompt: list[int]) -> dict[str, fl
 
 
 def chain_with_siblings(n: int, root: int = 1) -> Any:
-    from engine.tree import DraftTree
+    """The benchmarks' fixed tree of n nodes: a chain of up to 8 under the root, the rest siblings
+    along it (engine/warmup.py's shape; ids below 8192, inside every vocabulary used here)."""
+    from engine import warmup
 
-    depth = min(n - 1, 8)
-    parents = [-1, *range(depth)]
-    parents += [1 + (i % max(1, depth)) - 1 for i in range(n - 1 - depth)]  # siblings along the chain
-    tokens = [root] + [100 + i for i in range(n - 1)]
-    return DraftTree(tuple(tokens), tuple(parents))
+    return warmup.chain_with_siblings(root, n, min(n - 1, 8), 8192)
 
 
 def round_costs(engine: Any, prompt: list[int], sizes: tuple[int, ...],
