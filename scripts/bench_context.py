@@ -25,6 +25,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engine.blas import reexec_with_openblas  # noqa: E402
+
+if __name__ == "__main__":  # a BLAS preload works only from process start: before mlx is imported
+    reexec_with_openblas(sys.orig_argv[1:])
+
 from engine.config import EngineConfig, SamplingParams, SpecConfig  # noqa: E402
 from engine.generate import BUNDLED, Engine  # noqa: E402
 from engine.types import GenerationRequest  # noqa: E402

@@ -32,6 +32,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
+from engine.blas import reexec_with_openblas  # noqa: E402
+
+if __name__ == "__main__":  # a BLAS preload works only from process start: before mlx is imported
+    reexec_with_openblas(sys.orig_argv[1:])
+
 from bench_context import distinct_8grams, pooled_p99  # noqa: E402
 from bench_spec import PROMPTS, render  # noqa: E402
 

@@ -8,8 +8,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections.abc import Callable
+
+from engine.blas import reexec_with_openblas  # noqa: E402
+
+if __name__ == "__main__":  # a BLAS preload works only from process start: before mlx is imported
+    reexec_with_openblas(sys.orig_argv[1:])
 
 import mlx.core as mx
 import numpy as np

@@ -26,6 +26,11 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
+from engine.blas import reexec_with_openblas  # noqa: E402
+
+if __name__ == "__main__":  # a BLAS preload works only from process start: before mlx is imported
+    reexec_with_openblas(sys.orig_argv[1:])
+
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

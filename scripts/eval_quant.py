@@ -23,6 +23,11 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.blas import reexec_with_openblas  # noqa: E402
+
+if __name__ == "__main__":  # a BLAS preload works only from process start: before mlx is imported
+    reexec_with_openblas(sys.orig_argv[1:])
+
 import mlx.core as mx
 import numpy as np
 

@@ -11,6 +11,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
+
+from engine.blas import reexec_with_openblas  # noqa: E402
+
+if __name__ == "__main__":  # a BLAS preload works only from process start: before mlx is imported
+    reexec_with_openblas(sys.orig_argv[1:])
 
 from engine.config import EngineConfig, SamplingParams
 from engine.generate import BUNDLED, Engine

@@ -22,6 +22,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from engine.blas import reexec_with_openblas  # noqa: E402
+
+if __name__ == "__main__":  # a BLAS preload works only from process start: before mlx is imported
+    reexec_with_openblas(sys.orig_argv[1:])
+
 from engine.config import EngineConfig, SamplingParams, SpecConfig  # noqa: E402
 from engine.dtypes import BF16_NEAR_TIE as NEAR_TIE  # noqa: E402
 from engine.generate import Engine  # noqa: E402
