@@ -172,7 +172,10 @@ class Rounds:
                                  self.constraint, self.prompt_seen)
         t2 = time.perf_counter()
         if not flight.committed:
-            forward.commit(self.cache, acc.path)
+            # queued, not waited for: the next verify depends on the new state, so the commit runs on
+            # the device while the host lets the drafter observe and drafts the next tree
+            forward.commit(self.cache, acc.path, evaluate=False)
+            mx.async_eval(forward.state_arrays(self.cache))
             self.seq.covered += len(acc.path)
         t3 = time.perf_counter()
         root = self.seq.tokens[-1]  # a pipelined tree's root was only on the device
