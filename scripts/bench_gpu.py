@@ -250,9 +250,49 @@ def round_costs(engine: Any, prompt: list[int], sizes: tuple[int, ...],
                     times[k].append(v * 1e3)
         out[str(n)] = {k: statistics.median(v) for k, v in times.items()}
         out[str(n)]["round"] = sum(out[str(n)].values())
+        queued, committed = queued_rounds(model, cache, tree, path, committed, rounds)
+        out[str(n)].update(queued)
     for v in out.values():
         v["vs_1_node"] = v["round"] / out["1"]["round"]
     return out
+
+
+def queued_rounds(model: Any, cache: list, tree: Any, path: list[int], committed: int,
+                  rounds: int) -> tuple[dict[str, float], int]:
+    """Rounds as the engine runs them: the commit queued, not waited for (the next verify waits
+    for it). Median ms a round over `rounds` back-to-back rounds, with the commit ("queued_round")
+    and without it, each verify from the same state ("queued_no_commit"); their difference is what
+    the commit adds to a round, host and device. "commit_host" is the host's part: building it."""
+    from engine import forward, sampler
+
+    def one(commit: bool) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        marks = None if commit else [c.mark() for c in cache]
+        choices = mx.argmax(forward.verify(model, cache, tree, committed), axis=-1)
+        sampler.accept_walk(tree, np.array(choices).__getitem__)
+        t1 = time.perf_counter()
+        if commit:
+            forward.commit(cache, path, evaluate=False)
+            mx.async_eval(forward.state_arrays(cache))
+        else:
+            for c, m in zip(cache, marks, strict=True):
+                c.rewind(m)
+        return time.perf_counter() - t0, time.perf_counter() - t1
+
+    got: dict[str, list[float]] = {"queued_round": [], "queued_no_commit": [], "commit_host": []}
+    for r in range(2 * rounds + 4):  # the two kinds alternate, each after one of its own kind
+        commit = r % 4 < 2
+        ms, host = one(commit)
+        if commit:
+            committed += len(path)
+        if r >= 4 and r % 2 == 1:
+            got["queued_round" if commit else "queued_no_commit"].append(ms * 1e3)
+            if commit:
+                got["commit_host"].append(host * 1e3)
+    mx.eval(forward.state_arrays(cache))
+    out = {k: statistics.median(v) for k, v in got.items()}
+    out["commit_queued"] = out["queued_round"] - out["queued_no_commit"]
+    return out, committed
 
 
 def prefill(engine: Any, ref: Any, n: int) -> dict[str, float]:
@@ -372,6 +412,17 @@ def markdown(r: dict) -> str:
             for core, costs in x["rounds"].items():
                 cells = [f"{c['round']:.2f} ({c['vs_1_node']:.2f}x; v {c['verify']:.2f} a {c['accept']:.2f}"
                          f" c {c['commit']:.2f})" if c else "" for c in (costs.get(str(n)) for n in TREE_SIZES)]
+                lines.append(f"| {x['checkpoint']} {x['dtype']} | {core} | " + " | ".join(cells) + " |")
+        lines += ["", "Rounds as the engine runs them (commit queued, the next verify waits for it), median ms:"
+                  " the round with its commit; without (each verify from the same state); what the commit adds"
+                  " (of it, the host's building); the round as a multiple of the plain step (1 / plain tok/s):", "",
+                  "| checkpoint | core | " + " | ".join(f"N={n}" for n in TREE_SIZES) + " |",
+                  "|---|---|" + "---|" * len(TREE_SIZES)]
+        for x in rows:
+            for core, costs in x["rounds"].items():
+                cells = [f"{c['queued_round']:.2f} / {c['queued_no_commit']:.2f}; c {c['commit_queued']:.2f}"
+                         f" (host {c['commit_host']:.2f}); {c['queued_round'] / x['plain_step_ms']:.2f}x"
+                         if c and "queued_round" in c else "" for c in (costs.get(str(n)) for n in TREE_SIZES)]
                 lines.append(f"| {x['checkpoint']} {x['dtype']} | {core} | " + " | ".join(cells) + " |")
         lines += ["", "| checkpoint | prefill tokens | Spruce tok/s | mlx-lm tok/s |", "|---|---|---|---|"]
         for x in filter(lambda x: "prefill" in x, rows):
