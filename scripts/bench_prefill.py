@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's engine, installed or not
+
 from engine.blas import reexec_with_openblas  # noqa: E402
 
 if __name__ == "__main__":  # a BLAS preload works only from process start: before mlx is imported

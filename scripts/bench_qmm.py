@@ -26,6 +26,8 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's engine, installed or not
+
 from engine.blas import reexec_with_openblas  # noqa: E402
 
 if __name__ == "__main__":  # a BLAS preload works only from process start: before mlx is imported
