@@ -1,5 +1,6 @@
 """The one-row attention in ops (used on the CPU over long caches) against the fused kernel, and
-the decode of a long cache through either equal."""
+the decode of a long cache through either equal; the two-part attention (a DFlash block over its
+context buffer) against the fused kernel over the concatenated keys."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 
 from engine.models import layers
-from engine.models.layers import attention_ops, one_row_in_ops
+from engine.models.layers import attention_ops, attention_two_parts, one_row_in_ops
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "keys"), [(6, 2, 1), (6, 2, 700), (4, 4, 33), (8, 1, 300)])
@@ -18,6 +19,25 @@ def test_ops_equal_the_fused_kernel(heads, kv_heads, keys):
     k, v = (mx.array(rng.normal(size=(1, kv_heads, keys, 64)).astype(np.float32)) for _ in range(2))
     fused = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125)
     np.testing.assert_allclose(np.array(attention_ops(q, k, v, 0.125)), np.array(fused), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "ctx", "rows"), [(6, 2, 256, 16), (4, 4, 1, 3), (8, 1, 512, 5)])
+def test_two_parts_equal_the_fused_kernel_over_the_concatenation(heads, kv_heads, ctx, rows):
+    rng = np.random.default_rng(ctx + rows)
+
+    def arr(*shape):
+        return mx.array(rng.normal(size=shape).astype(np.float32))
+
+    q = arr(1, heads, rows, 64)
+    k0, v0 = arr(1, kv_heads, ctx, 64), arr(1, kv_heads, ctx, 64)
+    k1, v1 = arr(1, kv_heads, rows, 64), arr(1, kv_heads, rows, 64)
+    mask = rng.random((rows, ctx + rows)) < 0.6
+    mask[:, -1] = True  # every row sees a key
+    mask = mx.array(mask)
+    fused = mx.fast.scaled_dot_product_attention(q, mx.concatenate([k0, k1], axis=2), mx.concatenate([v0, v1], axis=2),
+                                                 scale=0.125, mask=mask)
+    got = attention_two_parts(q, (k0, k1), (v0, v1), 0.125, mask)
+    np.testing.assert_allclose(np.array(got), np.array(fused), rtol=1e-5, atol=1e-6)
 
 
 def test_only_long_caches_on_the_cpu_take_the_ops():

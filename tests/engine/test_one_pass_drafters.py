@@ -78,6 +78,10 @@ def test_dflash_matches_pytorch(tiny_dflash, tmp_path):
         model.append_context(mx.array(feats[:7]), cache)  # the context grows in pieces, as rounds commit
         model.append_context(mx.array(feats[7:]), cache)
         np.testing.assert_allclose(np.array(model.block(mx.array(block), cache)), want, atol=2e-5)
+        for layer in model.layers:  # the fused kernel over the concatenation: the twin of the CPU's split
+            layer.self_attn.split_on_cpu = False
+        model._block_fn = None
+        np.testing.assert_allclose(np.array(model.block(mx.array(block), cache)), want, atol=2e-5)
 
 
 @pytest.mark.parametrize("where", ["file", "inline"])
