@@ -2,7 +2,7 @@
 
     python scripts/bench_context.py [--model DIR] [--lengths 64,2048,4000,8000] [--tokens 96] [--runs 3]
                                     [--temperature 1.0 --seed 0]
-                                    [--methods none,ngram,ngram-fixed]   (also: draft, draft-fixed, mtp, mtp-fixed)
+                                    [--methods none,ngram,ngram-fixed]   (also: draft, mtp, dflash, each -fixed)
 
 The engine is called directly (no server), greedy, after a prompt of random token ids (guesses
 mostly miss there: the honest case for speculation). Runs interleave methods and lengths; medians.
@@ -38,7 +38,9 @@ METHODS = {"none": SpecConfig(), "ngram": SpecConfig(method="ngram"),
            "ngram-fixed": SpecConfig(method="ngram", adaptive=False),
            "draft": SpecConfig(method="draft"), "draft-fixed": SpecConfig(method="draft", adaptive=False),
            "mtp": SpecConfig(method="mtp", tree="ddtree"),
-           "mtp-fixed": SpecConfig(method="mtp", tree="ddtree", adaptive=False)}
+           "mtp-fixed": SpecConfig(method="mtp", tree="ddtree", adaptive=False),
+           "dflash": SpecConfig(method="dflash", tree="ddtree"),
+           "dflash-fixed": SpecConfig(method="dflash", tree="ddtree", adaptive=False)}
 
 
 def distinct_8grams(tokens: list[int]) -> float:
