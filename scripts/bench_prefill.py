@@ -35,7 +35,6 @@ import mlx.core as mx
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 from engine import forward, kernels  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402

@@ -35,8 +35,6 @@ if __name__ == "__main__":  # a BLAS preload works only from process start: befo
 
 import mlx.core as mx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from engine.kernels import (  # noqa: E402
     gpu_backend,
     mma_config,

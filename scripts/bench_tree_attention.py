@@ -28,7 +28,6 @@ if __name__ == "__main__":  # a BLAS preload works only from process start: befo
 import mlx.core as mx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_gpu import chain_with_siblings  # noqa: E402

@@ -47,7 +47,6 @@ import mlx.core as mx
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
 from bench_gpu import chain_with_siblings  # noqa: E402
