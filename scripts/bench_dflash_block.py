@@ -1,6 +1,6 @@
 """A DFlash block over a long context, its attention two ways, side by side: the fused kernel over
 the context buffer concatenated with the block's rows, and the split form the CPU uses
-(engine/models/layers.py, attention_two_parts).
+(engine/models/layers.py, attention_parts).
 
     python scripts/bench_dflash_block.py [--dflash DIR] [--lengths 64,2048,4000] [--runs 20]
 
@@ -27,6 +27,7 @@ if __name__ == "__main__":  # a BLAS preload works only from process start: befo
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
+import engine.models.dflash as dflash_model  # noqa: E402
 from engine.generate import BUNDLED  # noqa: E402
 from engine.loader import load_dflash  # noqa: E402
 
@@ -52,8 +53,7 @@ def main() -> None:
         # one compiled block per way (the switch is read when a block is traced), traced before timing
         ways = {}
         for split in (False, True):
-            for layer in model.layers:
-                layer.self_attn.split_on_cpu = split
+            dflash_model.SPLIT_ON_CPU = split
             model._block_fn = ways[split] = mx.compile(model._block)
             mx.eval(model.block(block, cache))
         times: dict[bool, list[float]] = {False: [], True: []}

@@ -29,9 +29,13 @@ import mlx.nn as nn
 import numpy as np
 
 from engine.cache import KVCache
-from engine.models.layers import MLP, RMSNorm, attention_two_parts
+from engine.models.layers import MLP, RMSNorm, attention_parts
 
 SUPPORTED_ARCHITECTURES = ("DFlashDraftModel",)
+# module switch, read when a block is traced: on the CPU the block attends over the context buffer
+# and its own rows without concatenating them (layers.attention_parts); False: the fused kernel
+# over the concatenation, its twin (tests hold the two equal)
+SPLIT_ON_CPU = True
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
@@ -157,9 +161,6 @@ class DFlashAttention(nn.Module):
         self.o_proj = nn.Linear(self.heads * self.head_dim, H, bias=False)
         self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
-        # on the CPU, attend over the context buffer and the block without concatenating them
-        # (layers.attention_two_parts); a switch so tests can hold it to the fused twin
-        self.split_on_cpu = True
 
     def _rope(self, x: mx.array, offset: int | mx.array) -> mx.array:
         return mx.fast.rope(x, self.head_dim, traditional=False, base=self.theta, scale=1.0, offset=offset)
@@ -184,8 +185,8 @@ class DFlashAttention(nn.Module):
         q = self.q_norm(self.q_proj(x).reshape(1, B, self.heads, -1)).transpose(0, 2, 1, 3)
         q = self._rope(q, offset)
         k, v = self._kv(x, offset)
-        if self.split_on_cpu and mx.default_device() == mx.cpu:
-            out = attention_two_parts(q, (k_ctx, k), (v_ctx, v), self.scale, mask)
+        if SPLIT_ON_CPU and mx.default_device() == mx.cpu:
+            out = attention_parts(q, (k_ctx, k), (v_ctx, v), self.scale, mask)
         else:  # on a GPU the fused kernel (the split form was not measured there)
             keys, values = mx.concatenate([k_ctx, k], axis=2), mx.concatenate([v_ctx, v], axis=2)
             out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)

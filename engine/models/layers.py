@@ -95,32 +95,33 @@ def attention_ops(q: mx.array, keys: mx.array, values: mx.array, scale: float,
                   mask: mx.array | None = None) -> mx.array:
     """Attention spelled out in ops (softmax in fp32, engine/cpu_exp.py): q [1, H, N, D] over keys/values
     [1, Hkv, L, D], mask [N, L] (True = seen) or None for all."""
+    return attention_parts(q, (keys,), (values,), scale, mask)
+
+
+def attention_parts(q: mx.array, keys: tuple[mx.array, ...], values: tuple[mx.array, ...], scale: float,
+                    mask: mx.array | None = None) -> mx.array:
+    """attention_ops over the concatenation of K/V sets (a cache buffer and new rows) without
+    building it: the parts' scores are joined, not their keys and values. Concatenating copies the
+    whole buffer on every call (a DFlash block over 2k context keys on the dev CPU: 4.9 ms a layer
+    with the fused kernel over the copy, 3.4 ms this way). keys/values [1, Hkv, Li, D] each, mask
+    [N, sum Li]."""
     B, H, N, D = q.shape
-    Hkv, L = keys.shape[1], keys.shape[2]
+    Hkv = keys[0].shape[1]
     G = H // Hkv  # query heads per kv head (GQA); head h reads kv head h // G
-    scores = (q.reshape(B, Hkv, G * N, D) * scale) @ keys.swapaxes(-1, -2)  # [B, Hkv, G*N, L]
-    scores = scores.reshape(B, Hkv, G, N, L).astype(mx.float32)
+    qs = q.reshape(B, Hkv, G * N, D) * scale
+    parts = [qs @ k.swapaxes(-1, -2) for k in keys]  # [B, Hkv, G*N, Li]
+    scores = (parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)).reshape(B, Hkv, G, N, -1)
+    scores = scores.astype(mx.float32)
     if mask is not None:
         scores = mx.where(mask, scores, -mx.inf)
-    probs = softmax_rows(scores).astype(values.dtype).reshape(B, Hkv, G * N, L)
-    return (probs @ values).reshape(B, H, N, D)
-
-
-def attention_two_parts(q: mx.array, keys: tuple[mx.array, mx.array], values: tuple[mx.array, mx.array],
-                        scale: float, mask: mx.array) -> mx.array:
-    """attention_ops over the concatenation of two K/V sets (a cache buffer and new rows) without
-    building it: the scores of both parts are joined, not the keys and values. Concatenating copies
-    the whole buffer on every call (a DFlash block over 2k context keys on the dev CPU: 4.9 ms a
-    layer with the fused kernel over the copy, 3.4 ms this way). keys/values [1, Hkv, Li, D] each,
-    mask [N, L0 + L1] (True = seen)."""
-    B, H, N, D = q.shape
-    Hkv, L0 = keys[0].shape[1], keys[0].shape[2]
-    G = H // Hkv
-    qs = q.reshape(B, Hkv, G * N, D) * scale
-    scores = mx.concatenate([qs @ k.swapaxes(-1, -2) for k in keys], axis=-1)  # [B, Hkv, G*N, L0+L1]
-    scores = mx.where(mask, scores.reshape(B, Hkv, G, N, -1).astype(mx.float32), -mx.inf)
     probs = softmax_rows(scores).astype(values[0].dtype).reshape(B, Hkv, G * N, -1)
-    return (probs[..., :L0] @ values[0] + probs[..., L0:] @ values[1]).reshape(B, H, N, D)
+    if len(values) == 1:
+        return (probs @ values[0]).reshape(B, H, N, D)
+    outs, start = [], 0
+    for v in values:  # each part's probabilities against its own values
+        outs.append(probs[..., start : start + v.shape[2]] @ v)
+        start += v.shape[2]
+    return sum(outs[1:], outs[0]).reshape(B, H, N, D)
 
 
 def tree_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float, tree_mask: mx.array) -> mx.array:

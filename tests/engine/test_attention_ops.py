@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from engine.models import layers
-from engine.models.layers import attention_ops, attention_two_parts, one_row_in_ops
+from engine.models.layers import attention_ops, attention_parts, one_row_in_ops
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "keys"), [(6, 2, 1), (6, 2, 700), (4, 4, 33), (8, 1, 300)])
@@ -36,7 +36,7 @@ def test_two_parts_equal_the_fused_kernel_over_the_concatenation(heads, kv_heads
     mask = mx.array(mask)
     fused = mx.fast.scaled_dot_product_attention(q, mx.concatenate([k0, k1], axis=2), mx.concatenate([v0, v1], axis=2),
                                                  scale=0.125, mask=mask)
-    got = attention_two_parts(q, (k0, k1), (v0, v1), 0.125, mask)
+    got = attention_parts(q, (k0, k1), (v0, v1), 0.125, mask)
     np.testing.assert_allclose(np.array(got), np.array(fused), rtol=1e-5, atol=1e-6)
 
 

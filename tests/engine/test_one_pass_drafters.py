@@ -17,6 +17,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+import engine.models.dflash as dflash_model
 from engine import forward
 from engine.config import EngineConfig, SamplingParams, SpecConfig
 from engine.drafters import BUILDERS
@@ -48,7 +49,7 @@ def heads():
     return draft_heads
 
 
-def test_dflash_matches_pytorch(tiny_dflash, tmp_path):
+def test_dflash_matches_pytorch(tiny_dflash, tmp_path, monkeypatch):
     import torch
     from safetensors.torch import load_file
 
@@ -78,10 +79,10 @@ def test_dflash_matches_pytorch(tiny_dflash, tmp_path):
         model.append_context(mx.array(feats[:7]), cache)  # the context grows in pieces, as rounds commit
         model.append_context(mx.array(feats[7:]), cache)
         np.testing.assert_allclose(np.array(model.block(mx.array(block), cache)), want, atol=2e-5)
-        for layer in model.layers:  # the fused kernel over the concatenation: the twin of the CPU's split
-            layer.self_attn.split_on_cpu = False
-        model._block_fn = None
+        monkeypatch.setattr(dflash_model, "SPLIT_ON_CPU", False)  # the fused twin of the CPU's split
+        model._block_fn = None  # the switch is read when the block is traced
         np.testing.assert_allclose(np.array(model.block(mx.array(block), cache)), want, atol=2e-5)
+        monkeypatch.undo()
 
 
 @pytest.mark.parametrize("where", ["file", "inline"])
