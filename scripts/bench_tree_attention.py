@@ -4,7 +4,7 @@ MLX's exp (mx.softmax) and through its power (engine/cpu_exp.py, the CPU's defau
     python scripts/bench_tree_attention.py [--model DIR] [--lengths 64,1024,4000] [--nodes 17] [--runs 12]
 
 For each context length (random ids, prefilled once), verifies of an N-node tree (a chain of up to
-8 with siblings, as scripts/bench_gpu.py builds it) alternate between the two ways, each undone by
+8 with siblings, as scripts/round_costs.py builds it) alternate between the two ways, each undone by
 a rewind; prints the median ms of each, their ratio, and whether every node's argmax agrees. The
 tree's rows attend in ops (engine/models/layers.py, tree_attention), so on the CPU a long context
 makes the softmax a large share of the verify.
@@ -30,7 +30,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gpu import chain_with_siblings  # noqa: E402
+from round_costs import chain_with_siblings  # noqa: E402
 
 import engine.cpu_exp as cpu_exp  # noqa: E402
 from engine import forward  # noqa: E402

@@ -49,8 +49,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 
-from bench_gpu import chain_with_siblings  # noqa: E402
 from profile_gpu import build_model  # noqa: E402
+from round_costs import chain_with_siblings  # noqa: E402
 from shaped_checkpoint import SHAPES, bundled_text_config  # noqa: E402
 
 from engine import forward  # noqa: E402
