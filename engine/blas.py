@@ -29,6 +29,11 @@ def preloaded() -> bool:
     return any("openblas" in p for p in os.environ.get("LD_PRELOAD", "").split(":"))
 
 
+def fast() -> bool:
+    """Whether MLX's CPU matmuls run on a fast BLAS: OpenBLAS preloaded on Linux, Accelerate on macOS."""
+    return preloaded() or platform.system() == "Darwin"
+
+
 def reexec_with_openblas(argv: list[str]) -> str | None:
     """Re-exec `argv` with OpenBLAS preloaded when it helps. Returns a hint to print when it can't."""
     if platform.system() != "Linux" or os.environ.get(OPT_OUT) or preloaded() or "mlx.core" in sys.modules:

@@ -9,6 +9,7 @@ from typing import Literal
 import mlx.core as mx
 import mlx.nn as nn
 
+from engine import blas
 from engine.cache import KVCache
 from engine.cpu_exp import softmax_rows
 from engine.gdn.core import TreeInputs
@@ -135,15 +136,21 @@ def tree_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float, 
     return attention_ops(q, keys, values, scale, mask)
 
 
-# From this many cached keys a one-row step on the CPU attends in ops (see one_row_in_ops)
-OPS_ATTENTION_FROM = 16384
+# From this many cached keys a one-row step on the CPU attends in ops (see one_row_in_ops); the
+# BLAS is fixed at process start (engine/blas.py), before this module loads
+OPS_ATTENTION_FROM = 1024 if blas.fast() else 16384
 
 
 def one_row_in_ops(keys: int) -> bool:
     """Whether a one-row step attends in ops rather than the fused kernel: on the CPU over long
-    caches only. Measured on the dev CPU (bundled shape): one query over 32k keys 11.5 ms a layer
-    fused against 6.5 in ops, decode 1.25x faster at 32k; below that the ops' extra launches cost
-    more (decode 0.91x at 8k, 0.92x at 64). On a GPU the fused kernel is the one built for it."""
+    caches only. MLX's fused CPU kernel reads the keys at a fraction of the bandwidth the two
+    BLAS matmuls reach: one query (6 heads, 2 KV heads of 64) over 4,000 / 8,000 / 32k keys took
+    1.0-2.1 / 1.5-2.6 / 12-14.5 ms a layer fused against 0.55-0.7 / 1.3-1.7 / 6.5-6.8 in ops on the
+    dev CPU with OpenBLAS; decode's median gap between tokens over 2k / 4k keys 1.10x / 1.06x
+    shorter (`python scripts/bench_attention.py --runs 6`), at 64 / 1k keys 0.98x (the ops' extra
+    launches). A verify's rows attend in ops at every length, so from here on plain decoding and a
+    verify round the same way. With the reference BLAS (no preload) ops win only from ~16k keys.
+    On a GPU the fused kernel is the one built for it."""
     return keys >= OPS_ATTENTION_FROM and mx.default_device() == mx.cpu
 
 
