@@ -20,9 +20,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's engine, installed or not
+sys.path.insert(0, str(ROOT))  # the repo's engine, installed or not
 
 from engine.blas import reexec_with_openblas  # noqa: E402
 
