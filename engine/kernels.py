@@ -261,16 +261,26 @@ def mma_covers(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | No
             and i % (16 * (32 // bits)) == 0 and w.shape[1] * (32 // bits) == i)
 
 
+# Paired dequantization in qmm_mma (DQ in metal/qmm_mma.kernel), for 4-bit weights: two weights
+# a mask-and-or, a subtraction and an FMA in the activation type, instead of six fp32 instructions
+# a weight. Rows stay bitwise equal whatever M is; the rounding differs from DQ = 0 (one bf16
+# rounding of scale * q + bias instead of fp32 then bf16), within the twin's tolerance.
+MMA_PAIRED_DEQUANT = True
+
+
 def quantized_matmul_mma(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
-                         bits: int, config: tuple[int, int] | None = None) -> mx.array:
+                         bits: int, config: tuple[int, int] | None = None, paired: bool | None = None) -> mx.array:
     """x [M, I] @ dequantize(w)^T on CUDA tensor cores (metal/qmm_mma.kernel), batch-invariant;
-    the caller checks mma_covers. config: (RT, KW), for the micro-benchmark's sweep."""
+    the caller checks mma_covers. config: (RT, KW), for the micro-benchmark's sweep; paired:
+    MMA_PAIRED_DEQUANT unless given (4-bit weights only)."""
     m, i = x.shape
     o = w.shape[0]
     rt, kw = config or mma_config(o, i, bits)
     nt = -(-m // 8)
     blocks = -(-o // (16 * rt))
-    template = [("OutT", x.dtype), ("GS", group_size), ("BITS", bits), ("NT", nt), ("RT", rt), ("KW", kw)]
+    dq = int(bits == 4 and (MMA_PAIRED_DEQUANT if paired is None else paired))
+    template = [("OutT", x.dtype), ("GS", group_size), ("BITS", bits), ("NT", nt), ("RT", rt), ("KW", kw),
+                ("DQ", dq)]
     return compiled_kernel(QMM_MMA, "cuda")(
         inputs=[x, w, scales, biases], template=template, grid=(blocks * kw * 32, 1, 1), threadgroup=(kw * 32, 1, 1),
         output_shapes=[(m, o)], output_dtypes=[x.dtype])[0]

@@ -56,3 +56,27 @@ SPR_FN float spr_dequant(const uint4& v, int idx, float scale, float bias) {
   const uint q = (spr_word(v, idx / PER) >> (BITS * (idx % PER))) & ((1u << BITS) - 1u);
   return fmaf(scale, __uint_as_float(0x4B000000u | q) - 8388608.0f, bias);
 }
+
+// Values i and i + 4 (i = 0..3) of a word of eight 4-bit weights, dequantized as a pair of the
+// activation type (scale2, bias2: the group's scale and bias, each in both halves). See DQ in
+// qmm_mma.kernel; the subtraction is exact, the FMA rounds once.
+template <typename T>
+SPR_FN uint spr_dequant_pair4(uint w, int i, uint scale2, uint bias2);
+
+template <>
+SPR_FN uint spr_dequant_pair4<__nv_bfloat16>(uint w, int i, uint scale2, uint bias2) {
+  uint m = ((w >> (4 * i)) & 0x000F000Fu) | 0x43004300u;  // 128 + q in each half
+  const uint off = 0x43004300u;
+  __nv_bfloat162 q = __hsub2(*reinterpret_cast<__nv_bfloat162*>(&m), *reinterpret_cast<const __nv_bfloat162*>(&off));
+  __nv_bfloat162 d = __hfma2(q, *reinterpret_cast<__nv_bfloat162*>(&scale2), *reinterpret_cast<__nv_bfloat162*>(&bias2));
+  return *reinterpret_cast<uint*>(&d);
+}
+
+template <>
+SPR_FN uint spr_dequant_pair4<__half>(uint w, int i, uint scale2, uint bias2) {
+  uint m = ((w >> (4 * i)) & 0x000F000Fu) | 0x64006400u;  // 1024 + q in each half
+  const uint off = 0x64006400u;
+  __half2 q = __hsub2(*reinterpret_cast<__half2*>(&m), *reinterpret_cast<const __half2*>(&off));
+  __half2 d = __hfma2(q, *reinterpret_cast<__half2*>(&scale2), *reinterpret_cast<__half2*>(&bias2));
+  return *reinterpret_cast<uint*>(&d);
+}

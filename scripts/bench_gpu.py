@@ -6,7 +6,8 @@ On the machine with the GPU (MLX CUDA or Metal). Writes random-weight checkpoint
 with mlx-lm's own model code (a Qwen3.5-9B-shaped 4-bit g64 target, a 0.8B-shaped 4-bit draft)
 and uses the bundled model as shipped; then prints and writes (DIR/results.json, DIR/results.md):
 - plain decode tok/s: Spruce with the GDN kernels, Spruce with the plain-ops core, mlx-lm (and any
-  variant --cores names: "-mlxqmm" MLX's quantized matmul, "-kwN" N warps on long reductions),
+  variant --cores names: "-mlxqmm" MLX's quantized matmul, "-kwN" N warps on long reductions,
+  "-dq0" qmm_mma without paired dequantization),
   the runs interleaved (one of each setup in turn) after a warm-up of each;
 - greedy tokens equal or not, and the max |logit| difference on a 128-token prompt (parity);
 - the cost of one speculation round for trees of N nodes, split into verify / accept / commit,
@@ -67,17 +68,19 @@ def section(name: str) -> Iterator[None]:
 @contextlib.contextmanager
 def variant_setting(core: str) -> Iterator[None]:
     """What a variant sets around each of its engine's calls: "-kwN" runs qmm_mma's long
-    reductions with N warps a block (engine.kernels.MMA_LONG_KW). Compiled layer graphs are per
+    reductions with N warps a block (engine.kernels.MMA_LONG_KW), "-dq0" / "-dq1" turns its paired
+    dequantization off / on (engine.kernels.MMA_PAIRED_DEQUANT). Compiled layer graphs are per
     model instance and trace on first use, so each engine's graphs carry its own setting."""
     from engine import kernels
 
-    saved = kernels.MMA_LONG_KW
+    saved = kernels.MMA_LONG_KW, kernels.MMA_PAIRED_DEQUANT
     suffix = core.rpartition("-")[2]
-    kernels.MMA_LONG_KW = int(suffix[2:]) if suffix.startswith("kw") else saved
+    kernels.MMA_LONG_KW = int(suffix[2:]) if suffix.startswith("kw") else saved[0]
+    kernels.MMA_PAIRED_DEQUANT = suffix[2:] == "1" if suffix.startswith("dq") else saved[1]
     try:
         yield
     finally:
-        kernels.MMA_LONG_KW = saved
+        kernels.MMA_LONG_KW, kernels.MMA_PAIRED_DEQUANT = saved
 
 
 def spruce_engine(path: Path, dtype: str, core: str) -> Any:

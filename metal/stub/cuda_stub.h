@@ -21,6 +21,7 @@ struct uint4 {
 inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return uint4{x, y, z, w}; }
 inline float __uint_as_float(unsigned x) { return static_cast<float>(x); }
 inline void __syncthreads() {}
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) { return x ^ y ^ s; }
 inline float __shfl_xor_sync(unsigned, float x, int) { return x; }
 inline float expf(float x) { return std::exp(x); }
 inline float logf(float x) { return std::log(x); }

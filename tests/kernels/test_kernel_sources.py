@@ -37,7 +37,8 @@ def template_for(spec: KernelSpec, shape: str, activations: str = "float32") -> 
     if spec.name.endswith("qmm_rows"):
         return dict(OutT=activations, I=4096 if shape == "9b" else 384, O=256, GS=64, BITS=4, MAXM=8, R=4, RPG=4)
     if spec.name.endswith("qmm_mma"):
-        return dict(OutT=activations, GS=64, BITS=4, NT=3 if shape == "9b" else 1, RT=2, KW=8)
+        return dict(OutT=activations, GS=64, BITS=4, NT=3 if shape == "9b" else 1, RT=2, KW=8,
+                    DQ=1 if shape == "9b" else 0)
     if spec.name.endswith("read_floor"):
         return dict(OutT=activations, WORDS=512 if shape == "9b" else 48, O=256, GS=64, BITS=4, R=8, RPG=4)
     t: dict[str, int | str] = dict(SHAPES[shape], RPG=2)

@@ -90,7 +90,15 @@ def test_mma_long_reductions_with_sixteen_warps(bits, group_size, rng, monkeypat
     check_mma_against_twin(mx.bfloat16, bits, group_size, 4096, 12288, rng)
 
 
-def check_mma_against_twin(dtype, bits, group_size, out, inp, rng):
+@needs_cuda
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+@pytest.mark.parametrize(("out", "inp"), [(1030, 4096), (4096, 12288)])
+def test_mma_kernel_without_paired_dequantization(dtype, out, inp, rng):
+    """4-bit weights dequantized one by one in fp32 (DQ = 0, the form 8-bit weights always take)."""
+    check_mma_against_twin(dtype, 4, 64, out, inp, rng, paired=False)
+
+
+def check_mma_against_twin(dtype, bits, group_size, out, inp, rng, paired=None):
     from engine.kernels import mma_covers, quantized_matmul_mma
 
     w = mx.array(rng.normal(size=(out, inp)).astype(np.float32) * 0.05)
@@ -98,7 +106,7 @@ def check_mma_against_twin(dtype, bits, group_size, out, inp, rng):
     scales, biases = scales.astype(dtype), biases.astype(dtype)
     x = mx.array(rng.normal(size=(32, inp)).astype(np.float32)).astype(dtype)
     assert mma_covers(x, wq, scales, biases, group_size, bits)
-    full = quantized_matmul_mma(x, wq, scales, biases, group_size, bits)
+    full = quantized_matmul_mma(x, wq, scales, biases, group_size, bits, paired=paired)
     with mx.stream(mx.cpu):
         twin = mx.quantized_matmul(x.astype(mx.float32), wq, scales.astype(mx.float32), biases.astype(mx.float32),
                                    transpose=True, group_size=group_size, bits=bits)
@@ -106,7 +114,7 @@ def check_mma_against_twin(dtype, bits, group_size, out, inp, rng):
     err = float(mx.abs(full.astype(mx.float32) - twin).max())
     assert err <= 2e-2 * max(1.0, scale), (err, scale)
     for m in (1, 2, 3, 4, 7, 8, 9, 16, 17, 24, 31):
-        part = quantized_matmul_mma(x[:m], wq, scales, biases, group_size, bits)
+        part = quantized_matmul_mma(x[:m], wq, scales, biases, group_size, bits, paired=paired)
         assert mx.array_equal(part, full[:m]), m  # bitwise: a verify row equals the one-row step
 
 

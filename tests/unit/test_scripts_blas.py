@@ -23,6 +23,7 @@ EXEMPT = {
     "peer_engines.py": "a module of bench_peers.py, which starts servers that re-exec themselves",
     "shaped_checkpoint.py": "writes checkpoints for the GPU benchmarks",
     "round_costs.py": "a module of the GPU benchmarks (its importers re-exec)",
+    "kernel_registers.py": "GPU machine only (nvcc); imports MLX for names, runs no MLX op",
 }
 
 

@@ -10,3 +10,5 @@ struct __nv_bfloat162 {
   __nv_bfloat16 x, y;
 };
 inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) { return __nv_bfloat162{__nv_bfloat16(a), __nv_bfloat16(b)}; }
+inline __nv_bfloat162 __hsub2(__nv_bfloat162 a, __nv_bfloat162) { return a; }
+inline __nv_bfloat162 __hfma2(__nv_bfloat162 a, __nv_bfloat162, __nv_bfloat162) { return a; }
