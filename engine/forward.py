@@ -47,7 +47,7 @@ def verify(model: CausalLM, cache: list[LayerCache], tree: DraftTree, committed_
     if tokens is None:
         tokens = mx.array([list(tree.tokens)])
     batch = tree_batch(tree, committed_len, model.args.linear_conv_kernel_dim)
-    return model(tokens, cache, batch)[0]
+    return model(tokens, cache, batch).squeeze(0)
 
 
 def extend(model: CausalLM, cache: list[LayerCache], ids: Sequence[int], chunk: int = 512) -> None:

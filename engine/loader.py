@@ -34,7 +34,10 @@ from engine.models.qlinear import route_quantized_projections
 from engine.rotation import rotate_inputs_of
 
 SKIPPED_PREFIXES = ("model.visual.", "visual.", "vision_tower.", "mtp.", "model.mtp.")
-KEEP_FP32 = ("A_log",)
+# kept in float32 whatever the compute dtype: A_log feeds an exp, and the gated norm's weight
+# multiplies an fp32 normalisation (stored in the compute dtype it was cast back every call: one
+# launch a GDN layer on a GPU)
+KEEP_FP32 = ("A_log", "linear_attn.norm.weight")
 
 
 class CheckpointError(ValueError):

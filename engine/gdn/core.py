@@ -141,7 +141,7 @@ class OpsCore:
         g, beta = ops.gates(a, b, w.A_log, w.dt_bias)
         y, conv_state = ops.causal_conv(qkv, conv_state, w.conv)
         q, k, v = split_heads(shape, y)
-        o, S = ops.step(q[0], k[0], v[0], g[0], beta[0], S)
+        o, S = ops.step(*(t.squeeze(0) for t in (q, k, v, g, beta)), S)
         return o[None], conv_state, S
 
     def chain(self, shape, w, qkv, a, b, conv_state, S):

@@ -92,9 +92,10 @@ class GatedDeltaNet(nn.Module):
         (conv state, state) for a token or a chain, the TreeRows fields for a tree)."""
         s, T = self.shape, x.shape[1]
         if "fused" in self:
-            qkv, z, b, a = (y[0] for y in self.fused(x))
+            qkv, z, b, a = (y.squeeze(0) for y in self.fused(x))
         else:
-            qkv, z, b, a = (p(x)[0] for p in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a))
+            qkv, z, b, a = (p(x).squeeze(0) for p in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b,
+                                                            self.in_proj_a))
         w = GDNWeights(self.conv1d.weight, self.A_log, self.dt_bias)
         result: tuple[mx.array, ...]
         if mode == "tree":
@@ -231,7 +232,7 @@ class TextModel(nn.Module):
                 tapped.append(h)
         h = self.norm(h)
         if features is not None:
-            rows = mx.concatenate([*tapped, h] if features.taps.final else tapped, axis=-1)[0]
+            rows = mx.concatenate([*tapped, h] if features.taps.final else tapped, axis=-1).squeeze(0)
             features.record(rows, batch.deferred)
         return h
 

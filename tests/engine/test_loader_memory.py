@@ -11,7 +11,7 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-from engine.loader import load_model
+from engine.loader import KEEP_FP32, load_model
 
 SHARDS = 4
 
@@ -61,7 +61,8 @@ def test_bf16_compute_keeps_bf16_weights(sharded_bf16):
     loaded, peak = _peak_while_loading(path, "bfloat16")
     assert loaded.dtype == "bfloat16"
     dtypes = {name: v.dtype for name, v in tree_flatten(loaded.model.parameters())}
-    # A_log stays fp32 (the decay needs it); everything else is stored bf16 and stays bf16
-    assert {d for n, d in dtypes.items() if not n.endswith("A_log")} == {mx.bfloat16}
+    # A_log and the gated norm's weight stay fp32 (engine.loader.KEEP_FP32); the rest stays bf16
+    assert {d for n, d in dtypes.items() if not n.endswith(KEEP_FP32)} == {mx.bfloat16}
+    assert {d for n, d in dtypes.items() if n.endswith(KEEP_FP32)} == {mx.float32}
     assert loaded.nbytes < stored * 1.05
     assert peak < stored * 1.3, (peak, stored)
