@@ -19,7 +19,7 @@ from tests.helpers import generate
 
 @pytest.fixture(scope="module")
 def engine(tiny_qwen35):
-    return Engine(EngineConfig(model_path=str(tiny_qwen35), prefill_chunk=16))
+    return Engine(EngineConfig(model_path=str(tiny_qwen35), prefill_chunk=16, dtype="float32"))  # fp32 on a GPU too
 
 
 class OracleDrafter:
