@@ -164,7 +164,12 @@ def decode_section(name: str, path: Path, dtype: str, args: argparse.Namespace, 
             f"({time.perf_counter() - T0:.0f} s)")
     row["kernels_vs_mlx_lm"] = row["spruce_kernels_tok_s"] / row["mlx_lm_tok_s"]
     for core in engines:
-        log(f"   spruce_{core} / mlx_lm: {row[f'spruce_{core}_tok_s'] / row['mlx_lm_tok_s']:.3f}")
+        # each run against the mlx-lm run right after it: on a lease whose speed drifts by 1.5x
+        # within a call, the median of these pairs moves less than the ratio of the medians
+        pairs = [s[0] / m[0] for s, m in zip(results[f"spruce_{core}"], results["mlx_lm"], strict=True)]
+        row[f"spruce_{core}_paired_vs_mlx_lm"] = [round(r, 3) for r in pairs]
+        log(f"   spruce_{core} / mlx_lm: {row[f'spruce_{core}_tok_s'] / row['mlx_lm_tok_s']:.3f} "
+            f"(run by run {row[f'spruce_{core}_paired_vs_mlx_lm']}, median {statistics.median(pairs):.3f})")
     row["greedy_equal_kernels_mlx_lm"] = _same_prefix(outs["spruce_kernels"], outs["mlx_lm"])
     if "spruce_ops" in outs:
         row["greedy_equal_kernels_ops"] = _same_prefix(outs["spruce_kernels"], outs["spruce_ops"])
@@ -326,6 +331,9 @@ def markdown(r: dict) -> str:
             lines.append(f"\n{x['checkpoint']} {x['dtype']}: " + "; ".join(
                 f"{k[:-len('_runs_tok_s')]} {x[k[:-len('_runs_tok_s')] + '_tok_s']:.1f} tok/s {v}"
                 for k, v in x.items() if k.endswith("_runs_tok_s")))
+            lines.append("run by run against mlx-lm's next run: " + "; ".join(
+                f"{k[:-len('_paired_vs_mlx_lm')]} {v}, median {statistics.median(v):.2f}"
+                for k, v in x.items() if k.endswith("_paired_vs_mlx_lm")))
         lines += ["", "Speculation round (verify + accept + commit), median ms; ratio to the 1-node round:", "",
                   "| checkpoint | core | " + " | ".join(f"N={n}" for n in TREE_SIZES) + " |",
                   "|---|---|" + "---|" * len(TREE_SIZES)]
