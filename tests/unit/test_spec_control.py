@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from engine.spec_control import MAX_REVISIT, REVISIT, TRIES, SpecController
+from engine.spec_control import FIRST, MAX_REVISIT, REVISIT, TRIES, SpecController
 
 
 def drive(c: SpecController, outcome, rounds: int) -> list[int]:
@@ -18,45 +18,51 @@ def drive(c: SpecController, outcome, rounds: int) -> list[int]:
     return chosen
 
 
-def test_arms_are_powers_of_four_the_root_and_the_budget():
-    assert [a.budget for a in SpecController(16).arms] == [0, 4, 16]
-    assert [a.budget for a in SpecController(32).arms] == [0, 4, 16, 32]
+def test_arms_are_the_root_one_guess_powers_of_four_and_the_budget():
+    assert [a.budget for a in SpecController(16).arms] == [0, 1, 4, 16]
+    assert [a.budget for a in SpecController(32).arms] == [0, 1, 4, 16, 32]
     assert [a.budget for a in SpecController(1).arms] == [0, 1]
 
 
 def test_misses_settle_on_plain_decoding():
     # every guess misses: one token a round whatever the tree, and bigger trees cost more
     chosen = drive(SpecController(16), lambda b: (1, 10.0 + b), 200)
-    # the small tree accepts nothing on its first try: tried once, and the big one never
-    assert chosen[: 1 + TRIES] == [4, 0, 0]
-    assert 16 not in chosen[: 3 * REVISIT]
-    later = chosen[1 + TRIES :]
+    # the one-guess tree gets its two tries (they cost a row each), accepts nothing, and no bigger
+    # tree is ever tried: re-tries go to the neighbour of the root, the one-guess tree again
+    assert chosen[: 2 * TRIES] == [FIRST, FIRST, 0, 0]
+    assert set(chosen) == {0, FIRST}
+    later = chosen[2 * TRIES :]
     assert later.count(0) >= len(later) * (1 - 1.5 / REVISIT)  # plain, but for the revisits
 
 
 def test_losing_retries_back_off():
     chosen = drive(SpecController(16), lambda b: (1, 10.0 + b), 600)
-    retries = [i for i, b in enumerate(chosen) if b and i >= 1 + TRIES]
+    retries = [i for i, b in enumerate(chosen) if b and i >= 2 * TRIES]
     gaps = [b - a for a, b in zip(retries, retries[1:])]
     assert gaps == sorted(gaps) and gaps[-1] >= MAX_REVISIT  # ever further apart, up to the cap
     assert len(retries) <= 8
 
 
+def hits(b: int) -> tuple[int, float]:
+    """Half of a tree's budget accepted, and rows cost a twentieth of a step each."""
+    return 1 + (b + 1) // 2, 10.0 + b * 0.5
+
+
 def test_hits_climb_to_the_full_budget_first():
-    chosen = drive(SpecController(32), lambda b: (1 + b // 2, 10.0 + b * 0.5), 20)
-    assert chosen[: 4 * TRIES] == [4, 4, 16, 16, 32, 32, 0, 0]
+    chosen = drive(SpecController(32), hits, 20)
+    assert chosen[: 5 * TRIES] == [FIRST, FIRST, 4, 4, 16, 16, 32, 32, 0, 0]
 
 
 def test_hits_keep_the_full_budget():
-    chosen = drive(SpecController(16), lambda b: (1 + b // 2, 10.0 + b * 0.5), 100)
-    later = chosen[3 * TRIES :]
+    chosen = drive(SpecController(16), hits, 100)
+    later = chosen[4 * TRIES :]
     assert later[:REVISIT - 1].count(16) == REVISIT - 1
     assert later.count(16) >= len(later) * (1 - 1.5 / REVISIT)
 
 
 def test_a_change_of_text_is_followed():
     c = SpecController(16)
-    drive(c, lambda b: (1 + b // 2, 10.0 + b * 0.5), 50)  # guesses hit...
+    drive(c, hits, 50)  # guesses hit...
     chosen = drive(c, lambda b: (1, 10.0 + b), 100)  # ...then miss
     assert chosen[-40:].count(0) >= 35
 
@@ -76,8 +82,15 @@ def test_jitter_alone_does_not_keep_a_tree():
 
 
 def test_a_clearly_faster_tree_is_kept_over_plain():
-    chosen = drive(SpecController(4), lambda b: (2 if b else 1, 13.0 if b else 10.0), 100)
-    assert chosen[-40:].count(4) >= 35  # 0.154 tokens/ms against 0.1
+    # one guess: 1.25 tokens in 10.75 ms (0.116 tokens/ms); four: 2 tokens in 13 ms (0.154); root 0.1
+    chosen = drive(SpecController(4), lambda b: (1 + b / 4, 10.0 + 0.75 * b), 100)
+    assert chosen[-40:].count(4) >= 35
+
+
+def test_one_right_guess_in_the_first_two_tries_is_enough_to_climb():
+    outcomes = iter([(1, 11.0), (2, 11.0)])  # the first guess misses, the second is right
+    chosen = drive(SpecController(16), lambda b: next(outcomes) if b == FIRST else hits(b), 6)
+    assert chosen[:4] == [FIRST, FIRST, 4, 4]
 
 
 def test_a_slow_outlier_of_plain_rounds_does_not_keep_a_tree_that_accepts_nothing():
@@ -89,5 +102,5 @@ def test_a_slow_outlier_of_plain_rounds_does_not_keep_a_tree_that_accepts_nothin
         return 1, (13.0 if b else next(plain_rounds, 10.0))
 
     chosen = drive(SpecController(16), outcome, 40)
-    assert chosen[: 1 + TRIES] == [4, 0, 0]
-    assert chosen[1 + TRIES : REVISIT].count(0) == REVISIT - 1 - TRIES
+    assert chosen[: 2 * TRIES] == [FIRST, FIRST, 0, 0]
+    assert chosen[2 * TRIES : REVISIT].count(0) == REVISIT - 2 * TRIES
