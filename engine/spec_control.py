@@ -83,8 +83,8 @@ class SpecController:
 
     def _climbing(self) -> Arm | None:
         """The arm still owed its tries: the smallest tree first, each bigger one only while the
-        one below accepts, then the root alone. A tree that accepted nothing on its first try is
-        owed no second one."""
+        one below accepts, then the root alone. A tree bigger than one guess that accepted nothing
+        on its first try is owed no second one."""
         for arm in self.arms[1:]:
             if arm.rounds < TRIES and not (arm.rounds and arm.tokens <= 1.0 and arm.budget != FIRST):
                 return arm

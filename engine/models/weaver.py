@@ -133,7 +133,7 @@ class Weaver(nn.Module):
             q, k, v = block.qkv(x, positions)
             kv.append((k, v))
             attn = mx.fast.scaled_dot_product_attention(q[None], k[None], v[None], scale=self.config.head_dim**-0.5,
-                                                        mask=causal)[0]
+                                                        mask=causal).squeeze(0)
             x = block.finish(x, attn)
         return kv
 
@@ -154,7 +154,7 @@ class Weaver(nn.Module):
             values = [prompt[i][1], *(kv[1] for kv in older), v]
             attn = mx.fast.scaled_dot_product_attention(
                 q[None], mx.concatenate(keys, axis=1)[None], mx.concatenate(values, axis=1)[None],
-                scale=self.config.head_dim**-0.5, mask=mask)[0]
+                scale=self.config.head_dim**-0.5, mask=mask).squeeze(0)
             new.append((k, v))
             x = block.finish(x, attn)
         return self.out_norm(x), new
