@@ -137,7 +137,9 @@ def test_tree_front_body_equals_twin(shape, kind, n, rng, tmp_path):
     g, beta = ops.gates(a, b, w.A_log, w.dt_bias)
     q, k, v = split_heads(s, ops.tree_conv(qkv, conv, w.conv, gdn.conv_taps))
     for name, twin in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-        assert maxdiff(out[name], twin) <= 1e-5, name
+        # relative to the values: the log-decays reach ~20, where 1e-5 is a few float32 ulps of
+        # expf / logf against MLX's exp / log (a random seed failed an absolute 1e-5 by 1.4e-6)
+        assert maxdiff(out[name], twin) <= 1e-5 * max(1.0, float(np.abs(np.asarray(twin)).max())), name
 
 
 @pytest.mark.parametrize("shape", SHAPES)
