@@ -63,20 +63,17 @@ SPR_FN float spr_dequant(const uint4& v, int idx, float scale, float bias) {
 template <typename T>
 SPR_FN uint spr_dequant_pair4(uint w, int i, uint scale2, uint bias2);
 
-template <>
-SPR_FN uint spr_dequant_pair4<__nv_bfloat16>(uint w, int i, uint scale2, uint bias2) {
-  uint m = ((w >> (4 * i)) & 0x000F000Fu) | 0x43004300u;  // 128 + q in each half
-  const uint off = 0x43004300u;
-  __nv_bfloat162 q = __hsub2(*reinterpret_cast<__nv_bfloat162*>(&m), *reinterpret_cast<const __nv_bfloat162*>(&off));
-  __nv_bfloat162 d = __hfma2(q, *reinterpret_cast<__nv_bfloat162*>(&scale2), *reinterpret_cast<__nv_bfloat162*>(&bias2));
-  return *reinterpret_cast<uint*>(&d);
-}
-
-template <>
-SPR_FN uint spr_dequant_pair4<__half>(uint w, int i, uint scale2, uint bias2) {
-  uint m = ((w >> (4 * i)) & 0x000F000Fu) | 0x64006400u;  // 1024 + q in each half
-  const uint off = 0x64006400u;
-  __half2 q = __hsub2(*reinterpret_cast<__half2*>(&m), *reinterpret_cast<const __half2*>(&off));
-  __half2 d = __hfma2(q, *reinterpret_cast<__half2*>(&scale2), *reinterpret_cast<__half2*>(&bias2));
-  return *reinterpret_cast<uint*>(&d);
-}
+// one specialisation per activation type; only the pair type and the offset differ (the offset
+// is a float of the type whose last mantissa bit is worth 1: bf16 128, fp16 1024)
+#define SPR_DEQUANT_PAIR4_FOR(T, PAIR, OFFSET)                                                  \
+  template <>                                                                                    \
+  SPR_FN uint spr_dequant_pair4<T>(uint w, int i, uint scale2, uint bias2) {                     \
+    uint m = ((w >> (4 * i)) & 0x000F000Fu) | OFFSET; /* OFFSET + q in each half */              \
+    const uint off = OFFSET;                                                                     \
+    PAIR q = __hsub2(*reinterpret_cast<PAIR*>(&m), *reinterpret_cast<const PAIR*>(&off));        \
+    PAIR d = __hfma2(q, *reinterpret_cast<PAIR*>(&scale2), *reinterpret_cast<PAIR*>(&bias2));    \
+    return *reinterpret_cast<uint*>(&d);                                                         \
+  }
+SPR_DEQUANT_PAIR4_FOR(__nv_bfloat16, __nv_bfloat162, 0x43004300u)
+SPR_DEQUANT_PAIR4_FOR(__half, __half2, 0x64006400u)
+#undef SPR_DEQUANT_PAIR4_FOR
