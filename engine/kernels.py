@@ -67,9 +67,11 @@ GDN_COMMIT = KernelSpec("spruce_gdn_commit", "gdn_commit.kernel",
                         ("conv_out", "state_out"))
 QMM_ROWS = KernelSpec("spruce_qmm_rows", "qmm_rows.kernel", ("x", "w", "scales", "biases"), ("y",), header=())
 READ_FLOOR = KernelSpec("spruce_read_floor", "read_floor.kernel", ("w", "scales", "biases"), ("y",), header=())
+READ_STREAM = KernelSpec("spruce_read_stream", "read_stream.kernel", ("w", "scales", "biases"), ("y",), header=(),
+                         backends=("cuda",))
 QMM_MMA = KernelSpec("spruce_qmm_mma", "qmm_mma.kernel", ("x", "w", "scales", "biases"), ("y",),
                      header=("qmm_mma_cuda.h",), backends=("cuda",))
-KERNELS = (GDN_STEP, GDN_CHAIN, GDN_TREE_FRONT, GDN_TREE, GDN_COMMIT, QMM_ROWS, READ_FLOOR, QMM_MMA)
+KERNELS = (GDN_STEP, GDN_CHAIN, GDN_TREE_FRONT, GDN_TREE, GDN_COMMIT, QMM_ROWS, READ_FLOOR, READ_STREAM, QMM_MMA)
 QMM_MAX_ROWS = 32
 MMA_DTYPES = (mx.bfloat16, mx.float16)
 
@@ -345,6 +347,17 @@ def read_floor(w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
     return compiled_kernel(READ_FLOOR, backend)(
         inputs=[w, scales, biases], template=template, grid=(-(-o // 8) * 32, 1, 1), threadgroup=(128, 1, 1),
         output_shapes=[(o,)], output_dtypes=[mx.float32])[0]
+
+
+def read_stream(w: mx.array, scales: mx.array, biases: mx.array) -> mx.array:
+    """Streams the packed weights, scales and biases once at the memory's streaming rate
+    (CUDA, metal/read_stream.kernel): the honest read floor of a matmul with them."""
+    threads = 256
+    chunks = (w.nbytes + scales.nbytes + biases.nbytes) // 16
+    blocks = max(1, min(2048, -(-chunks // (threads * 4))))
+    return compiled_kernel(READ_STREAM, "cuda")(
+        inputs=[w, scales, biases], template=[("OutT", scales.dtype)], grid=(blocks * threads, 1, 1),
+        threadgroup=(threads, 1, 1), output_shapes=[(blocks * threads // 32,)], output_dtypes=[mx.uint32])[0]
 
 
 def select_gdn_core() -> GDNCore:

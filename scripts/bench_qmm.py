@@ -1,6 +1,7 @@
 """Micro-benchmark of the small-M quantized matmul: mx.quantized_matmul (built-in), the scalar
 batch-invariant kernel (metal/qmm_rows.kernel), the tensor-core one (metal/qmm_mma.kernel, CUDA)
-and the read floor (a kernel that only streams the packed weights), side by side, for the layer
+and the read floor (a kernel that only streams the packed weights: on CUDA at the memory's
+streaming rate, metal/read_stream.kernel; on Metal in qmm_rows' launch shape), side by side, for the layer
 shapes of the 9B, 4B, 0.8B and bundled Qwen3.5 layouts (fused projections included).
 
     python scripts/bench_qmm.py [--rows 1,2,4,8,16,17,32] [--mode throughput|latency] [--launches 40]
@@ -42,6 +43,7 @@ from engine.kernels import (  # noqa: E402
     quantized_matmul_mma,
     quantized_matmul_rows,
     read_floor,
+    read_stream,
 )
 
 SHAPES = {  # [out x in] of the matmuls a decode step runs; "fused" = the loader's stacked projections
@@ -123,7 +125,9 @@ def row(name: str, out: int, inp: int, rows: list[int], a: argparse.Namespace, b
     wq, scales, biases = mx.quantize(w, group_size=a.group_size, bits=a.bits)
     mx.eval(wq, scales, biases)
     nbytes = wq.nbytes + scales.nbytes + biases.nbytes
-    floor = timed(partial(read_floor, wq, scales, biases, a.group_size, a.bits, backend), a.launches)
+    floor_fn = (partial(read_stream, wq, scales, biases) if backend == "cuda"
+                else partial(read_floor, wq, scales, biases, a.group_size, a.bits, backend))
+    floor = timed(floor_fn, a.launches)
     cells = []
     for m in rows:
         x = mx.random.normal((m, inp)).astype(mx.bfloat16)

@@ -23,6 +23,7 @@ inline float __uint_as_float(unsigned x) { return static_cast<float>(x); }
 inline void __syncthreads() {}
 inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) { return x ^ y ^ s; }
 inline float __shfl_xor_sync(unsigned, float x, int) { return x; }
+inline unsigned __shfl_xor_sync(unsigned, unsigned x, int) { return x; }
 inline float expf(float x) { return std::exp(x); }
 inline float logf(float x) { return std::log(x); }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }

@@ -26,8 +26,9 @@ SHAPES = {"bundled": dict(Hk=6, Hv=12, Dk=32, Dv=32, K=4), "9b": dict(Hk=16, Hv=
 def dtypes_for(spec: KernelSpec, activations: str) -> dict[str, str]:
     out = {}
     for n in (*spec.inputs, *spec.outputs):
-        if spec.name.endswith(("qmm_rows", "read_floor", "qmm_mma")):
-            out[n] = "uint32" if n == "w" else "float32" if n == "y" and spec.name.endswith("floor") else activations
+        if spec.name.endswith(("qmm_rows", "read_floor", "read_stream", "qmm_mma")):
+            out[n] = ("uint32" if n == "w" or (n == "y" and spec.name.endswith("stream"))
+                      else "float32" if n == "y" and spec.name.endswith("floor") else activations)
         else:
             out[n] = "int32" if n in INT_INPUTS else activations if n in ACTIVATIONS else "float32"
     return out
@@ -39,6 +40,8 @@ def template_for(spec: KernelSpec, shape: str, activations: str = "float32") -> 
     if spec.name.endswith("qmm_mma"):
         return dict(OutT=activations, GS=64, BITS=4, NT=3 if shape == "9b" else 1, RT=2, KW=8,
                     DQ=1 if shape == "9b" else 0)
+    if spec.name.endswith("read_stream"):
+        return dict(OutT=activations)
     if spec.name.endswith("read_floor"):
         return dict(OutT=activations, WORDS=512 if shape == "9b" else 48, O=256, GS=64, BITS=4, R=8, RPG=4)
     t: dict[str, int | str] = dict(SHAPES[shape], RPG=2)
