@@ -28,13 +28,15 @@ class Batch:
     layer defers what `commit(path)` needs. For a verify of N > 1 rows, positions [N] int32 are
     absolute (committed_len + depth) and the per-tree inputs are built once and shared by all layers:
     tree_mask [N, N] (ancestors-or-self; every row also sees the whole committed prefix) and the
-    GDN tree inputs.
+    GDN tree inputs. eval_every > 0: the model hands the rows to the device every that many
+    layers while it builds the rest (engine/forward.py VERIFY_EVAL_EVERY).
     """
 
     deferred: bool = False
     positions: mx.array | None = None
     tree_mask: mx.array | None = None
     gdn: TreeInputs | None = None
+    eval_every: int = 0
 
     def mode(self, rows: int) -> Mode:
         """What a layer computes: one token (chain step or one-node verify), a tree, or a chain."""

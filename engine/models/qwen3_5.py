@@ -226,10 +226,13 @@ class TextModel(nn.Module):
         assert features is None or isinstance(features, FeatureCache)
         taps = features.taps.layers if features is not None else ()
         h, tapped = self.embed_tokens(tokens), []
+        every = batch.eval_every
         for i, (layer, c) in enumerate(zip(self.layers, cache[: len(self.layers)], strict=True)):
             h = layer(h, c, batch)
             if i in taps:
                 tapped.append(h)
+            if every and (i + 1) % every == 0 and i + 1 < len(self.layers):
+                mx.async_eval(h)  # the device starts on these layers while the host builds the next
         h = self.norm(h)
         if features is not None:
             rows = mx.concatenate([*tapped, h] if features.taps.final else tapped, axis=-1).squeeze(0)

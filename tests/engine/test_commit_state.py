@@ -49,10 +49,13 @@ def assert_same_state(a, b, upto: int) -> None:
             np.testing.assert_allclose(np.array(x), np.array(y), atol=1e-5)
 
 
-@pytest.mark.parametrize("compiled", [True, False], ids=["compiled-commit", "plain-commit"])
-def test_commit_equals_replay(tiny_qwen35, compiled, monkeypatch):
-    """Both commits (the compiled one the engine runs and its plain twin) equal the replay."""
+@pytest.mark.parametrize(("compiled", "eval_every"), [(True, 0), (False, 0), (True, 1)],
+                         ids=["compiled-commit", "plain-commit", "verify-handed-over-every-layer"])
+def test_commit_equals_replay(tiny_qwen35, compiled, eval_every, monkeypatch):
+    """Both commits (the compiled one the engine runs and its plain twin) equal the replay; so does
+    a verify handed to the device layer by layer while it is built (the GPU's way, forced here)."""
     monkeypatch.setattr(GDNCache, "compile_commit", compiled)
+    monkeypatch.setattr(forward, "verify_eval_every", lambda: eval_every)
     model = load_model(tiny_qwen35, "float32").model
     rng = np.random.default_rng(7)
     prompt = [int(t) for t in rng.integers(0, 500, size=12)]
