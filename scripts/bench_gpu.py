@@ -7,7 +7,8 @@ with mlx-lm's own model code (a Qwen3.5-9B-shaped 4-bit g64 target, a 0.8B-shape
 and uses the bundled model as shipped; then prints and writes (DIR/results.json, DIR/results.md):
 - plain decode tok/s: Spruce with the GDN kernels, Spruce with the plain-ops core, mlx-lm (and any
   variant --cores names: "-mlxqmm" MLX's quantized matmul, "-kwN" N warps on long reductions,
-  "-dq0" qmm_mma without paired dequantization),
+  "-dq0" qmm_mma without paired dequantization, "-evN" a verify handed to the device every N
+  layers),
   the runs interleaved (one of each setup in turn) after a warm-up of each;
 - greedy tokens equal or not, and the max |logit| difference on a 128-token prompt (parity);
 - the cost of one speculation round for trees of N nodes, split into verify / accept / commit,
@@ -69,18 +70,21 @@ def section(name: str) -> Iterator[None]:
 def variant_setting(core: str) -> Iterator[None]:
     """What a variant sets around each of its engine's calls: "-kwN" runs qmm_mma's long
     reductions with N warps a block (engine.kernels.MMA_LONG_KW), "-dq0" / "-dq1" turns its paired
-    dequantization off / on (engine.kernels.MMA_PAIRED_DEQUANT). Compiled layer graphs are per
-    model instance and trace on first use, so each engine's graphs carry its own setting."""
-    from engine import kernels
+    dequantization off / on (engine.kernels.MMA_PAIRED_DEQUANT), "-evN" hands a multi-node verify
+    to the device every N layers (engine.forward.VERIFY_EVAL_EVERY; 0 = at the end). Compiled
+    layer graphs are per model instance and trace on first use, so each engine's graphs carry its
+    own setting."""
+    from engine import forward, kernels
 
-    saved = kernels.MMA_LONG_KW, kernels.MMA_PAIRED_DEQUANT
+    saved = kernels.MMA_LONG_KW, kernels.MMA_PAIRED_DEQUANT, forward.VERIFY_EVAL_EVERY
     suffix = core.rpartition("-")[2]
     kernels.MMA_LONG_KW = int(suffix[2:]) if suffix.startswith("kw") else saved[0]
     kernels.MMA_PAIRED_DEQUANT = suffix[2:] == "1" if suffix.startswith("dq") else saved[1]
+    forward.VERIFY_EVAL_EVERY = int(suffix[2:]) if suffix.startswith("ev") else saved[2]
     try:
         yield
     finally:
-        kernels.MMA_LONG_KW, kernels.MMA_PAIRED_DEQUANT = saved
+        kernels.MMA_LONG_KW, kernels.MMA_PAIRED_DEQUANT, forward.VERIFY_EVAL_EVERY = saved
 
 
 def spruce_engine(path: Path, dtype: str, core: str) -> Any:
@@ -344,13 +348,15 @@ def markdown(r: dict) -> str:
                 lines.append(f"| {x['checkpoint']} {x['dtype']} | {core} | " + " | ".join(cells) + " |")
         lines += ["", "Rounds as the engine runs them (commit queued, the next verify waits for it), median ms:"
                   " the round with its commit; without (each verify from the same state); what the commit adds"
-                  " (of it, the host's building); the round as a multiple of the plain step (1 / plain tok/s):", "",
+                  " (of it, the host's part and its building); the round as a multiple of the plain step"
+                  " (1 / plain tok/s):", "",
                   "| checkpoint | core | " + " | ".join(f"N={n}" for n in TREE_SIZES) + " |",
                   "|---|---|" + "---|" * len(TREE_SIZES)]
         for x in rows:
             for core, costs in x["rounds"].items():
                 cells = [f"{c['queued_round']:.2f} / {c['queued_no_commit']:.2f}; c {c['commit_queued']:.2f}"
-                         f" (host {c['commit_host']:.2f}); {c['queued_round'] / x['plain_step_ms']:.2f}x"
+                         f" (host {c['commit_host']:.2f}, building {c.get('commit_build', float('nan')):.2f});"
+                         f" {c['queued_round'] / x['plain_step_ms']:.2f}x"
                          if c and "queued_round" in c else "" for c in (costs.get(str(n)) for n in TREE_SIZES)]
                 lines.append(f"| {x['checkpoint']} {x['dtype']} | {core} | " + " | ".join(cells) + " |")
         lines += ["", "| checkpoint | prefill tokens | Spruce tok/s | mlx-lm tok/s |", "|---|---|---|---|"]

@@ -66,33 +66,39 @@ def queued_rounds(model: Any, cache: list, tree: Any, path: list[int], committed
     """Rounds as the engine runs them: the commit queued, not waited for (the next verify waits
     for it). Median ms a round over `rounds` back-to-back rounds, with the commit ("queued_round")
     and without it, each verify from the same state ("queued_no_commit"); their difference is what
-    the commit adds to a round, host and device. "commit_host" is the host's part: building it."""
+    the commit adds to a round, host and device. "commit_host" is the host's part: building it
+    ("commit_build": the layers' commit calls) and handing it to the device (the rest: MLX's
+    evaluation call, which encodes the launches)."""
     from engine import forward, sampler
 
-    def one(commit: bool) -> tuple[float, float]:
+    def one(commit: bool) -> tuple[float, float, float]:
         t0 = time.perf_counter()
         marks = None if commit else [c.mark() for c in cache]
         choices = mx.argmax(forward.verify(model, cache, tree, committed), axis=-1)
         sampler.accept_walk(tree, np.array(choices).__getitem__)
         t1 = time.perf_counter()
+        built = t1
         if commit:
             forward.commit(cache, path, evaluate=False)
+            built = time.perf_counter()
             mx.async_eval(forward.state_arrays(cache))
         else:
             for c, m in zip(cache, marks, strict=True):
                 c.rewind(m)
-        return time.perf_counter() - t0, time.perf_counter() - t1
+        end = time.perf_counter()
+        return end - t0, end - t1, built - t1
 
-    got: dict[str, list[float]] = {"queued_round": [], "queued_no_commit": [], "commit_host": []}
+    got: dict[str, list[float]] = {"queued_round": [], "queued_no_commit": [], "commit_host": [], "commit_build": []}
     for r in range(2 * rounds + 4):  # the two kinds alternate, each after one of its own kind
         commit = r % 4 < 2
-        ms, host = one(commit)
+        ms, host, build = one(commit)
         if commit:
             committed += len(path)
         if r >= 4 and r % 2 == 1:
             got["queued_round" if commit else "queued_no_commit"].append(ms * 1e3)
             if commit:
                 got["commit_host"].append(host * 1e3)
+                got["commit_build"].append(build * 1e3)
     mx.eval(forward.state_arrays(cache))
     out = {k: statistics.median(v) for k, v in got.items()}
     out["commit_queued"] = out["queued_round"] - out["queued_no_commit"]
