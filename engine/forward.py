@@ -16,6 +16,7 @@ import numpy as np
 from engine.cache import AcceptedPath, LayerCache, commit_all
 from engine.gdn import ops
 from engine.gdn.core import TreeInputs
+from engine.kernels import gpu_backend
 from engine.models.base import CausalLM
 from engine.models.layers import Batch
 from engine.tree import DraftTree
@@ -24,7 +25,8 @@ from engine.tree import DraftTree
 # the rest of its graph: a round waits for its verify before the next can be drafted, so the
 # host's graph building (2.3 ms of a 17-node 9B-shaped verify, H200) is not hidden behind device
 # work the way a plain decode step's is, and without this the device idles through it. 0: once,
-# at the end. The CPU (where MLX evaluates on the host's own cores) never does it.
+# at the end. Measured on CUDA only (BENCHMARKS.md, issue 10); the CPU, where MLX evaluates on the
+# host's own cores, did not gain from it, and on Metal it is unmeasured, so both leave it off.
 VERIFY_EVAL_EVERY = 2
 
 
@@ -48,8 +50,8 @@ def tree_batch(tree: DraftTree, committed_len: int, conv_kernel: int) -> Batch:
 
 
 def verify_eval_every() -> int:
-    """Batch.eval_every of a multi-node verify: VERIFY_EVAL_EVERY on a GPU, 0 on the CPU."""
-    return VERIFY_EVAL_EVERY if mx.default_device() != mx.cpu else 0
+    """Batch.eval_every of a multi-node verify: VERIFY_EVAL_EVERY on CUDA, 0 elsewhere."""
+    return VERIFY_EVAL_EVERY if gpu_backend() == "cuda" else 0
 
 
 def verify(model: CausalLM, cache: list[LayerCache], tree: DraftTree, committed_len: int,
