@@ -48,6 +48,12 @@ class MTPConfig:
     # at most 0.12 on any prompt (BENCHMARKS.md, "One-pass drafters"); where head steps are cheap
     # next to a verify (a large target on a GPU), a lower bound keeps more depth.
     min_path_prob: float = 0.3
+    # In rounds without a tree the head falls behind the committed tokens; it catches up once this
+    # many rows are owed (in the background of the rounds that follow), not all at the next
+    # propose: after 128 plain rounds that catch-up alone took 8.5 ms on the dev CPU, 16 rows 1.6
+    # ms, and the round that paid it was a streaming client's worst gap (issue 17's tail). 0: only
+    # at the next propose.
+    catch_up_every: int = 16
     compiled: bool = True  # the compiled per-depth steps; False: the plain twin (tests hold them equal)
 
 
@@ -62,6 +68,7 @@ class MTPDrafter:
         self.embed: Callable[[mx.array], mx.array] = target.model.embed_tokens  # type: ignore[attr-defined]
         self.steps = CompiledSteps(target.logits, self.embed, head, config.max_steps - 1) if config.compiled else None
         self.log_min_path = math.log(config.min_path_prob) if config.min_path_prob > 0 else -math.inf
+        self.last: mx.array | None = None  # the head's output at the last row it has caught up to
 
     def attach(self, features: FeatureCache) -> None:
         self.features = features
@@ -70,6 +77,7 @@ class MTPDrafter:
     def begin(self, prompt_ids: list[int]) -> None:
         self.tokens = list(prompt_ids)
         self.cache = self.head.make_cache()
+        self.last = None
         if self.features is not None and self.features.length:
             # the head's rows of the prompt: its prefill, part of the prompt's time like a draft
             # model's (left to the first propose, it was a stall in the first decode round)
@@ -84,15 +92,17 @@ class MTPDrafter:
         return rows[:, self.slot * H : (self.slot + 1) * H][None]
 
     def _catch_up(self) -> mx.array | None:
-        """Append the head's rows of newly committed positions -> the last row's output [1, 1, H]
-        (None when nothing was committed since)."""
+        """Append the head's rows of newly committed positions -> the output [1, 1, H] of the last
+        committed row (None before the first row)."""
         assert self.features is not None
-        done, committed = self.cache[0].offset, self.features.length
-        if committed == done:
-            return None
-        ids = mx.array([self.tokens[done + 1 : committed + 1]])
-        out = self.head(self.embed(ids), self._hidden(done, committed), self.cache)
-        return out[:, -1:]
+        # a row needs the token after it: a pipelined round's root row is committed (queued)
+        # before that token is known, so rows can run one ahead of the tokens
+        done, committed = self.cache[0].offset, min(self.features.length, len(self.tokens) - 1)
+        if committed > done:
+            ids = mx.array([self.tokens[done + 1 : committed + 1]])
+            out = self.head(self.embed(ids), self._hidden(done, committed), self.cache)
+            self.last = out[:, -1:]
+        return self.last
 
     def propose(self, root: int, budget: int, max_depth: int) -> DraftTree:
         last = self._catch_up()
@@ -126,6 +136,11 @@ class MTPDrafter:
         self.tokens += emitted
 
     def skip(self, root: int, emitted: list[int]) -> None:
-        """A round without a tree: the head's rows of its positions are appended, with the others
-        committed since, in one chain pass at the next propose."""
+        """A round without a tree: the head's rows of its positions are appended with the others
+        committed since, in one chain pass once catch_up_every rows are owed (queued, not waited
+        for) or at the next propose, whichever comes first."""
         self.tokens += emitted
+        every = self.config.catch_up_every
+        if every and self.features is not None and len(self.tokens) - 1 - self.cache[0].offset >= every:
+            last = self._catch_up()
+            mx.async_eval([a for c in self.cache for a in c.arrays()], *([] if last is None else [last]))

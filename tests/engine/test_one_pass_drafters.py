@@ -193,6 +193,46 @@ def test_accepted_rounds_keep_the_drafters_in_step(engine, sampling):
                 np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-4)
 
 
+@pytest.mark.parametrize("every", [0, 3])
+def test_mtp_head_catches_up_in_rounds_without_a_tree(engine, every, monkeypatch):
+    """Plain rounds (the controller gives the drafter no budget, pipelined) leave the MTP head
+    behind; with catch_up_every it catches up in chunks during them (0: all at the next propose).
+    Either way the output stays the target's, and the head's cache equals a replay of the
+    committed tokens."""
+    from engine import spec_control
+    from engine.drafters.mtp import MTPConfig
+
+    # 20 plain rounds, then the full budget: the plain ones are pipelined and call skip
+    monkeypatch.setattr(spec_control.SpecController, "budget", lambda self: 0 if self.rounds < 20 else 10)
+    prompt = PROMPTS[0]
+    plain = generate(engine, prompt, GREEDY).tokens
+    drafter = MTPDrafter(engine.model, engine.mtp_head(), BUILDERS["ddtree"], MTPConfig(catch_up_every=every))
+    offsets: list[int] = []
+    propose = drafter.propose
+
+    def watched(root, budget, max_depth):
+        offsets.append(drafter.cache[0].offset)  # how far the head had caught up before the propose
+        return propose(root, budget, max_depth)
+
+    drafter.propose = watched  # type: ignore[method-assign]
+    out = generate(engine, prompt, GREEDY, SpecConfig(method="none", budget=10, max_depth=6), drafter)
+    assert out.tokens == plain
+    assert offsets, "no round drafted"
+    # with chunks of 3 the head was at most 2 rows behind when the first tree came; without, ~20
+    behind = len(prompt) + 20 - offsets[0]
+    assert behind <= 3 if every else behind >= 15
+    seq = prompt + out.tokens
+    n = drafter.cache[0].offset
+    features = replay_features(engine, seq[:n])
+    fresh = drafter.head.make_cache()
+    slot = engine.feature_taps.slots((), final=True)[0]
+    H = engine.model.args.hidden_size
+    drafter.head(drafter.embed(mx.array([seq[1 : n + 1]])), features[None, :, slot * H : (slot + 1) * H], fresh)
+    for live, want in zip(drafter.cache, fresh, strict=True):
+        for a, b in zip(live.snapshot(n).arrays(), want.snapshot(n).arrays(), strict=True):
+            np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-4)
+
+
 def test_feature_cache_commit_equals_replay(engine):
     """The target's feature rows after speculative rounds equal those of a chain replay."""
     prompt = PROMPTS[0]
