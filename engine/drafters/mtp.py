@@ -48,12 +48,6 @@ class MTPConfig:
     # at most 0.12 on any prompt (BENCHMARKS.md, "One-pass drafters"); where head steps are cheap
     # next to a verify (a large target on a GPU), a lower bound keeps more depth.
     min_path_prob: float = 0.3
-    # In rounds without a tree the head falls behind the committed tokens; it catches up once this
-    # many rows are owed (in the background of the rounds that follow), not all at the next
-    # propose: after 128 plain rounds that catch-up alone took 8.5 ms on the dev CPU, 16 rows 1.6
-    # ms, and the round that paid it was a streaming client's worst gap (issue 17's tail). 0: only
-    # at the next propose.
-    catch_up_every: int = 16
     compiled: bool = True  # the compiled per-depth steps; False: the plain twin (tests hold them equal)
 
 
@@ -81,8 +75,8 @@ class MTPDrafter:
         if self.features is not None and self.features.length:
             # the head's rows of the prompt: its prefill, part of the prompt's time like a draft
             # model's (left to the first propose, it was a stall in the first decode round)
-            self._catch_up()
-            mx.eval([a for c in self.cache for a in c.arrays()])
+            last = self._catch_up()
+            mx.eval([a for c in self.cache for a in c.arrays()], *([] if last is None else [last]))
 
     def _hidden(self, start: int, stop: int) -> mx.array:
         """The target's final-normed hidden states of positions [start, stop), [1, T, H]."""
@@ -95,13 +89,12 @@ class MTPDrafter:
         """Append the head's rows of newly committed positions -> the output [1, 1, H] of the last
         committed row (None before the first row)."""
         assert self.features is not None
-        # a row needs the token after it: a pipelined round's root row is committed (queued)
-        # before that token is known, so rows can run one ahead of the tokens
+        # a row needs the token after it (were the head to catch up while a pipelined round's
+        # root row is committed but its token not yet known, rows would run one ahead)
         done, committed = self.cache[0].offset, min(self.features.length, len(self.tokens) - 1)
         if committed > done:
             ids = mx.array([self.tokens[done + 1 : committed + 1]])
-            out = self.head(self.embed(ids), self._hidden(done, committed), self.cache)
-            self.last = out[:, -1:]
+            self.last = self.head.append(self.embed(ids), self._hidden(done, committed), self.cache)
         return self.last
 
     def propose(self, root: int, budget: int, max_depth: int) -> DraftTree:
@@ -136,11 +129,7 @@ class MTPDrafter:
         self.tokens += emitted
 
     def skip(self, root: int, emitted: list[int]) -> None:
-        """A round without a tree: the head's rows of its positions are appended with the others
-        committed since, in one chain pass once catch_up_every rows are owed (queued, not waited
-        for) or at the next propose, whichever comes first."""
+        """A round without a tree: the head's rows of its positions are appended, with the others
+        committed since, in one pass at the next propose (MTPHead.append: 128 rows ~3 ms on the dev
+        CPU, about two of its one-row passes)."""
         self.tokens += emitted
-        every = self.config.catch_up_every
-        if every and self.features is not None and len(self.tokens) - 1 - self.cache[0].offset >= every:
-            last = self._catch_up()
-            mx.async_eval([a for c in self.cache for a in c.arrays()], *([] if last is None else [last]))

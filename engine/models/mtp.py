@@ -54,6 +54,22 @@ class MTPHead(nn.Module):
             x = layer(x, c, batch)
         return self.norm(x)
 
+    def append(self, embedded: mx.array, hidden: mx.array, cache: list[KVCache]) -> mx.array:
+        """Committed rows [1, T, H] into the caches (a catch-up) -> y [1, 1, H] of the last row only.
+        Nothing reads the last layer's outputs of the other rows, only their K/V, so its attention
+        and MLP run for one row: a 2048-row prompt's catch-up cost 110 ms more on the dev CPU when
+        the whole layer ran for every row. Equals __call__ (its last row) up to rounding."""
+        x = self.fc_in(embedded, hidden)
+        *inner, last = self.layers
+        for layer, c in zip(inner, cache[:-1], strict=True):
+            x = layer(x, c, CHAIN)
+        if x.shape[1] > 1:  # the K/V of all rows but the last, as the layer's attend writes them
+            attn, c = last.self_attn, cache[-1]
+            _, k, v, *_ = attn.project(last.input_layernorm(x[:, :-1]))
+            c.write(apply_rope(k, attn.rope, c.offset, CHAIN), v)
+            c.advance(x.shape[1] - 1)
+        return self.norm(last(x[:, -1:], cache[-1], CHAIN))
+
     def fc_in(self, embedded: mx.array, hidden: mx.array) -> mx.array:
         return self.fc(mx.concatenate([self.pre_fc_norm_embedding(embedded), self.pre_fc_norm_hidden(hidden)],
                                       axis=-1))
