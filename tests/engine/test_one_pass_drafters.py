@@ -175,22 +175,28 @@ def test_accepted_rounds_keep_the_drafters_in_step(engine, sampling):
         assert out.tokens == plain
         assert out.stats.accepted >= 10 and out.stats.tokens_per_forward > 1.5
         seq = prompt + out.tokens
-        n = drafter.cache[0].offset  # positions the drafter has taken in so far (all but the last round's)
-        assert n >= len(seq) - 8
-        features = replay_features(engine, seq[:n])
-        if isinstance(drafter, DFlashDrafter):
-            fresh = drafter.model.make_cache()
-            slots = engine.feature_taps.slots(drafter.model.config.target_layer_ids, final=False)
-            H = engine.model.args.hidden_size
-            drafter.model.append_context(features.reshape(n, -1, H)[:, mx.array(slots)].reshape(n, -1), fresh)
-        else:
-            fresh = drafter.head.make_cache()
-            slot = engine.feature_taps.slots((), final=True)[0]
-            H = engine.model.args.hidden_size
-            drafter.head(drafter.embed(mx.array([seq[1 : n + 1]])), features[None, :, slot * H : (slot + 1) * H], fresh)
-        for live, want in zip(drafter.cache, fresh, strict=True):
-            for a, b in zip(live.snapshot(n).arrays(), want.snapshot(n).arrays(), strict=True):
-                np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-4)
+        # positions the drafter has taken in so far (all but the last round's)
+        assert drafter.cache[0].offset >= len(seq) - 8
+        assert_drafter_equals_replay(engine, drafter, seq)
+
+
+def assert_drafter_equals_replay(engine: Engine, drafter, seq: list[int]) -> None:
+    """The drafter's cache (DFlash context K/V, MTP head K/V) over the positions it has taken in
+    equals what a replay of those tokens gives."""
+    n = drafter.cache[0].offset
+    features = replay_features(engine, seq[:n])
+    H = engine.model.args.hidden_size
+    if isinstance(drafter, DFlashDrafter):
+        fresh = drafter.model.make_cache()
+        slots = engine.feature_taps.slots(drafter.model.config.target_layer_ids, final=False)
+        drafter.model.append_context(features.reshape(n, -1, H)[:, mx.array(slots)].reshape(n, -1), fresh)
+    else:
+        fresh = drafter.head.make_cache()
+        slot = engine.feature_taps.slots((), final=True)[0]
+        drafter.head(drafter.embed(mx.array([seq[1 : n + 1]])), features[None, :, slot * H : (slot + 1) * H], fresh)
+    for live, want in zip(drafter.cache, fresh, strict=True):
+        for a, b in zip(live.snapshot(n).arrays(), want.snapshot(n).arrays(), strict=True):
+            np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-4)
 
 
 def test_mtp_head_catches_up_after_rounds_without_a_tree(engine, monkeypatch):
@@ -216,16 +222,7 @@ def test_mtp_head_catches_up_after_rounds_without_a_tree(engine, monkeypatch):
     out = generate(engine, prompt, GREEDY, SpecConfig(method="none", budget=10, max_depth=6), drafter)
     assert out.tokens == plain
     assert offsets and len(prompt) + 20 - offsets[0] >= 15  # the 20 plain rounds' rows were owed
-    seq = prompt + out.tokens
-    n = drafter.cache[0].offset
-    features = replay_features(engine, seq[:n])
-    fresh = drafter.head.make_cache()
-    slot = engine.feature_taps.slots((), final=True)[0]
-    H = engine.model.args.hidden_size
-    drafter.head(drafter.embed(mx.array([seq[1 : n + 1]])), features[None, :, slot * H : (slot + 1) * H], fresh)
-    for live, want in zip(drafter.cache, fresh, strict=True):
-        for a, b in zip(live.snapshot(n).arrays(), want.snapshot(n).arrays(), strict=True):
-            np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-4)
+    assert_drafter_equals_replay(engine, drafter, prompt + out.tokens)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 7])
