@@ -65,10 +65,15 @@ def verify(model: CausalLM, cache: list[LayerCache], tree: DraftTree, committed_
 
 
 def extend(model: CausalLM, cache: list[LayerCache], ids: Sequence[int], chunk: int = 512) -> None:
-    """Append a chain of tokens to the committed state, `chunk` tokens per forward pass."""
+    """Append a chain of tokens to the committed state, `chunk` tokens per forward pass.
+
+    Only the caches are evaluated, not the pass's output: nothing reads it, and MLX then skips
+    what only the output needs, the last layer's attention output (or GDN output), MLP and the
+    final norm over every row (unless a FeatureCache records the final state). Bundled target,
+    2048-token prompt on the dev CPU: 1347 ms against 1667 ms, the caches bit for bit the same."""
     for i in range(0, len(ids), chunk):
-        h = model.hidden(mx.array([list(ids[i : i + chunk])]), cache)
-        mx.eval(h, state_arrays(cache))
+        model.hidden(mx.array([list(ids[i : i + chunk])]), cache)
+        mx.eval(state_arrays(cache))
 
 
 def commit(cache: list[LayerCache], path: Sequence[int], evaluate: bool = True) -> None:
