@@ -60,3 +60,38 @@ def test_decode_is_the_same_through_either(tiny_qwen35, monkeypatch):
     ops = generate(engine, prompt, sampling).tokens
     assert ops == fused
 
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "ctx", "rows"), [(6, 2, 0, 16), (6, 2, 300, 64), (8, 1, 40, 7)])
+def test_a_causal_chunk_in_ops_equals_the_fused_kernel(heads, kv_heads, ctx, rows):
+    """A prefill chunk's rows (the last `rows` of the keys) under the causal mask, in ops (the CPU's
+    way with a fast BLAS) and fused."""
+    rng = np.random.default_rng(ctx + rows)
+    q = mx.array(rng.normal(size=(1, heads, rows, 64)).astype(np.float32))
+    k, v = (mx.array(rng.normal(size=(1, kv_heads, ctx + rows, 64)).astype(np.float32)) for _ in range(2))
+    fused = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask="causal")
+    got = attention_ops(q, k, v, 0.125, layers.causal_mask(rows, ctx + rows))
+    np.testing.assert_allclose(np.array(got), np.array(fused), rtol=1e-5, atol=1e-6)
+
+
+def test_chunks_in_ops_only_on_the_cpu_and_while_the_scores_stay_small():
+    fast_cpu = mx.default_device() == mx.cpu and layers.OPS_ATTENTION_FROM < 16384
+    assert layers.chunk_in_ops(512 * 4000 * 6) == fast_cpu
+    assert not layers.chunk_in_ops(layers.CHUNK_OPS_SCORES + 1)
+
+
+def test_prefill_is_the_same_through_either(tiny_qwen35, monkeypatch):
+    """The caches after a chunked prefill, chunks attending in ops or fused, agree (fp32)."""
+    from engine import forward
+    from engine.loader import load_model
+
+    model = load_model(tiny_qwen35, "float32").model
+    ids = [int(t) for t in np.random.default_rng(1).integers(1, 200, size=90)]
+    states = {}
+    for name, ops in (("ops", True), ("fused", False)):
+        monkeypatch.setattr(layers, "chunk_in_ops", lambda scores, ops=ops: ops)
+        cache = model.make_cache()
+        forward.extend(model, cache, ids, chunk=32)
+        states[name] = [np.array(a) for c in cache for a in c.arrays()]
+    for a, b in zip(states["ops"], states["fused"], strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
