@@ -140,7 +140,8 @@ def tree_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float, 
 
 # From this many cached keys a one-row step on the CPU attends in ops (see one_row_in_ops); the
 # BLAS is fixed at process start (engine/blas.py), before this module loads
-OPS_ATTENTION_FROM = 1024 if blas.fast() else 16384
+FAST_BLAS = blas.fast()
+OPS_ATTENTION_FROM = 1024 if FAST_BLAS else 16384
 
 
 def one_row_in_ops(keys: int) -> bool:
@@ -163,7 +164,7 @@ def chunk_in_ops(scores: int) -> bool:
     14.1 / 89.2 / 164.1 ms against 25.6 / 96.8 / 188.6; a 4000-token prompt's TTFT 2839 against
     3068 ms), while its score matrix (`scores` floats, all heads) stays small: ops materialise it,
     the fused kernel does not."""
-    return OPS_ATTENTION_FROM < 16384 and mx.default_device() == mx.cpu and scores <= CHUNK_OPS_SCORES
+    return FAST_BLAS and mx.default_device() == mx.cpu and scores <= CHUNK_OPS_SCORES
 
 
 CHUNK_OPS_SCORES = 32 << 20  # floats (128 MiB): a 512-row chunk of 6 heads over up to ~10k keys

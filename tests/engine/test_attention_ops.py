@@ -75,7 +75,7 @@ def test_a_causal_chunk_in_ops_equals_the_fused_kernel(heads, kv_heads, ctx, row
 
 
 def test_chunks_in_ops_only_on_the_cpu_and_while_the_scores_stay_small():
-    fast_cpu = mx.default_device() == mx.cpu and layers.OPS_ATTENTION_FROM < 16384
+    fast_cpu = mx.default_device() == mx.cpu and layers.FAST_BLAS
     assert layers.chunk_in_ops(512 * 4000 * 6) == fast_cpu
     assert not layers.chunk_in_ops(layers.CHUNK_OPS_SCORES + 1)
 
