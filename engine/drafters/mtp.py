@@ -89,9 +89,7 @@ class MTPDrafter:
         """Append the head's rows of newly committed positions -> the output [1, 1, H] of the last
         committed row (None before the first row)."""
         assert self.features is not None
-        # a row needs the token after it (were the head to catch up while a pipelined round's
-        # root row is committed but its token not yet known, rows would run one ahead)
-        done, committed = self.cache[0].offset, min(self.features.length, len(self.tokens) - 1)
+        done, committed = self.cache[0].offset, self.features.length
         if committed > done:
             ids = mx.array([self.tokens[done + 1 : committed + 1]])
             self.last = self.head.append(self.embed(ids), self._hidden(done, committed), self.cache)
