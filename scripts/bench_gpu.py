@@ -355,7 +355,7 @@ def markdown(r: dict) -> str:
         for x in rows:
             for core, costs in x["rounds"].items():
                 cells = [f"{c['queued_round']:.2f} / {c['queued_no_commit']:.2f}; c {c['commit_queued']:.2f}"
-                         f" (host {c['commit_host']:.2f}, building {c.get('commit_build', float('nan')):.2f});"
+                         f" (host {c['commit_host']:.2f}, building {c['commit_build']:.2f});"
                          f" {c['queued_round'] / x['plain_step_ms']:.2f}x"
                          if c and "queued_round" in c else "" for c in (costs.get(str(n)) for n in TREE_SIZES)]
                 lines.append(f"| {x['checkpoint']} {x['dtype']} | {core} | " + " | ".join(cells) + " |")
