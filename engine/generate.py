@@ -223,7 +223,9 @@ class Engine:
             drafter.attach(features)
         drafter.begin(req.prompt_ids)  # a draft model's prefill is part of the prompt's time too
         stats.prompt_ms = _ms_since(t_start)
-        seq = Sequence(tokens=list(req.prompt_ids), covered=len(req.prompt_ids) - 1, prompt_len=len(req.prompt_ids))
+        n = len(req.prompt_ids)
+        seq = Sequence(tokens=list(req.prompt_ids), covered=n - 1, prompt_len=n,
+                       end=min(n + params.max_tokens, self.config.max_context))
         rounds = Rounds(self.model, cache, seq, params, seed, spec, drafter, stats, grammar)
         try:
             yield from self._decode(req, params, rounds, seq, stats, t_start)
@@ -236,13 +238,12 @@ class Engine:
 
     def _decode(self, req: GenerationRequest, params: SamplingParams, rounds: Rounds, seq: Sequence,
                 stats: Stats, t_start: float) -> Iterator[Step]:
-        produced = 0
         flight: InFlight | None = None
         while True:
             if req.cancel.is_set():
                 yield self._final([], "cancelled", stats, t_start)
                 return
-            room = min(params.max_tokens - produced, self.config.max_context - len(seq.tokens))
+            room = seq.end - len(seq.tokens)
             if room <= 0:
                 yield self._final([], "length", stats, t_start)
                 return
@@ -253,7 +254,6 @@ class Engine:
             if stats.forward_passes == 1:
                 stats.ttft_ms = _ms_since(t_start)
             tokens, logprobs = list(result.tokens), result.logprobs
-            produced += len(tokens)
             if tokens[-1] in params.stop_token_ids:
                 yield self._final(tokens[:-1], "stop", stats, t_start, logprobs and logprobs[:-1])
                 return
@@ -261,6 +261,8 @@ class Engine:
                 yield self._final(tokens[:room], "length", stats, t_start, logprobs and logprobs[:room])
                 return
             yield Step(token_ids=tokens, logprobs=logprobs)
+            if ahead is not None:
+                rounds.start(ahead)  # a no-op where it started at launch (see engine/round.py)
             flight = ahead
 
     def _prefill(self, ids: list[int]) -> tuple[list[LayerCache], int]:

@@ -27,7 +27,7 @@ import numpy as np
 from engine import device_sampler, forward, sampler
 from engine.cache import LayerCache
 from engine.config import SamplingParams, SpecConfig
-from engine.drafters.base import Drafter, NoDrafter, Skips, skips
+from engine.drafters.base import Drafter, GuessesAhead, NoDrafter, Skips, skips
 from engine.logits_extras import token_logprobs
 from engine.models.base import CausalLM
 from engine.sampler import TokenConstraint
@@ -44,6 +44,7 @@ class Sequence:
     tokens: list[int]
     covered: int
     prompt_len: int  # tokens[prompt_len:] is what this completion generated (penalties look at it)
+    end: int = 1 << 62  # the most tokens it may reach: the prompt's and max_tokens, within the context
 
     @property
     def generated(self) -> list[int]:
@@ -64,6 +65,8 @@ class InFlight:
     proposed: bool = True  # the drafter's propose ran for this round (False: it is told with skip)
     arm: int = -1  # the budget the controller chose for this round (-1: none to credit)
     ahead_ms: float = 0.0  # a pipelined round: how long queueing it took, before the previous one landed
+    tokens: mx.array | None = None  # [1, N] the tree's tokens, where they were still on the device at launch
+    unstarted: list[mx.array] | None = None  # what `start` hands the device, where that waits (START_LATE_ON_CPU)
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,20 @@ class RoundResult:
 # module switch: False draws every node of a sampled tree in the verify's graph on the CPU too (the
 # GPU's way; tests hold the two to the same tokens)
 DRAW_VISITED_ON_CPU = True
+
+# On the CPU, MLX's async_eval does not return until all but the last few dozen of the graph's
+# tasks have run (a chain of 400 ops: it returned after 1022 of 1173 ms), so a pipelined round
+# handed to the device before the previous one lands holds that one's token back for most of its
+# own compute. In a run of plain rounds that only delays every token alike; but after a round
+# that cannot be pipelined (a tree, the restart after it) two rounds' compute come between two
+# tokens, and those gaps were the p99 of speculation where guesses miss. So when a drafter is on,
+# the CPU builds the round after (the host's graph building still overlaps the previous round's
+# compute) but starts it only once the previous round's token is out (`start`). Bundled target,
+# dev CPU, 96 tokens sampled after 64 random ids, in-process A/Bs: pooled p99 gap 12.8-18.0 ms
+# against 18.7-23.7 (ngram, MTP), at 1-6 % of tok/s (the host's landing no longer overlaps the
+# compute). Plain decoding keeps starting at once (no gap to shorten), and so do GPUs, so that the
+# device never waits for the host.
+START_LATE_ON_CPU = True
 
 
 class Rounds:
@@ -101,6 +118,7 @@ class Rounds:
             and mx.default_device() == mx.cpu
         drafts = not isinstance(drafter, NoDrafter)
         self.controller = SpecController(spec.budget) if spec.adaptive and drafts else None
+        self.start_late = START_LATE_ON_CPU and drafts and mx.default_device() == mx.cpu
         self._last_landed = 0.0
         self._ahead_ms = 0.0  # spent since the last landing queueing the round after the one landing next
 
@@ -120,27 +138,60 @@ class Rounds:
         t1 = time.perf_counter()
         flight = self._queue(tree, None, t0, (t1 - t0) * 1e3)
         flight.proposed, flight.arm = proposed, arm if budget == arm else -1
+        self.start(flight)
         return flight
 
     def can_pipeline(self, flight: InFlight) -> bool:
-        """Whether the round after `flight` can be queued before `flight` lands: both are one-node
-        rounds whose tokens are chosen on the device, and the drafter, if any, is given no budget
-        by the controller and catches up by itself (skip)."""
+        """Whether the round after `flight` can be queued before `flight` lands: `flight` is a
+        one-node round whose token is chosen on the device, and the next is one too (no drafter,
+        or one the controller gives no budget and that catches up by itself through skip), or
+        the smallest tree, the root and one guess, from a drafter that guesses on the device."""
         if not (self.on_device and flight.choices is not None and flight.tree.size == 1):
             return False
         if isinstance(self.drafter, NoDrafter):
             return True
-        return self.controller is not None and skips(self.drafter) and self.controller.budget() == 0
+        if self.controller is None or not skips(self.drafter):
+            return False
+        budget = self.controller.budget()
+        return budget == 0 or (budget == 1 and isinstance(self.drafter, GuessesAhead)
+                               and self.seq.end - len(self.seq.tokens) - 1 >= 2)
 
     def launch_after(self, flight: InFlight) -> InFlight:
-        """Pipelined: the next one-node round, rooted at `flight`'s token while still on the device."""
+        """Pipelined: the next round, rooted at `flight`'s token while still on the device.
+
+        Where the controller asks for the one-guess tree, the drafter guesses on the device too
+        and the two-node verify is queued behind `flight` like a plain round: the smallest tree
+        is the controller's try and re-try where guesses miss, and drafting it after `flight`
+        landed, then verifying without overlap, made it the p99 gap a streaming client saw (dev
+        CPU, MTP: 17-24 ms against a 10 ms plain round; BENCHMARKS.md, issue 17). The round
+        after it still waits for it to land (its root and position depend on the accept)."""
         assert self.can_pipeline(flight) and flight.choices is not None
         t0 = time.perf_counter()
-        ahead = self._queue(DraftTree.single(0), flight.choices[:1].reshape(1, 1), t0, 0.0)
-        ahead.proposed, ahead.arm = False, 0 if self.controller else -1
+        root = flight.choices[:1].reshape(1, 1)
+        guess = None
+        if self.controller is not None and self.controller.budget() == 1:
+            guess = cast(GuessesAhead, self.drafter).guess_after(root)
+        if guess is None:
+            ahead = self._queue(DraftTree.single(0), root, t0, 0.0)
+            ahead.proposed, ahead.arm = False, 0 if self.controller else -1
+        else:
+            tokens = mx.concatenate([root, guess.reshape(1, 1).astype(root.dtype)], axis=1)
+            # the tree's tokens reach the host when it lands (placeholders until then)
+            ahead = self._queue(DraftTree.chain(0, [0]), tokens, t0, (time.perf_counter() - t0) * 1e3)
+            ahead.arm, ahead.tokens = 1, tokens
+            ahead.unstarted = [ahead.choices if ahead.choices is not None else ahead.logits]
+        if not self.start_late:
+            self.start(ahead)
         ahead.ahead_ms = (time.perf_counter() - t0) * 1e3
         self._ahead_ms += ahead.ahead_ms
         return ahead
+
+    def start(self, flight: InFlight) -> None:
+        """Hand a queued round to the device (at once, except a pipelined round on the CPU: the loop
+        starts it once the round before has landed and its token is out; START_LATE_ON_CPU)."""
+        if flight.unstarted:
+            mx.async_eval(*flight.unstarted)
+        flight.unstarted = None
 
     def _queue(self, tree: DraftTree, root: mx.array | None, t0: float, draft_ms: float) -> InFlight:
         committed_len = self.seq.covered
@@ -151,15 +202,19 @@ class Rounds:
             uniforms = None if self.params.greedy else device_sampler.node_uniforms(self.seed, positions)
             choices = device_sampler.choose(logits, self.params, uniforms)
         committed = tree.size == 1 and choices is not None
-        if committed:  # the root is accepted whatever the choice: commit without waiting for it
+        flight = InFlight(tree, committed_len, logits, choices, committed, t0, draft_ms)
+        if choices is not None and committed:  # the root is accepted whatever the choice: commit now
             forward.commit(self.cache, [0], evaluate=False)
             self.seq.covered += 1
-            mx.async_eval(choices)
-        return InFlight(tree, committed_len, logits, choices, committed, t0, draft_ms)
+            flight.unstarted = [choices]
+        return flight
 
     def land(self, flight: InFlight) -> RoundResult:
         """Wait for the verify, walk to the accepted path, commit it, let the drafter observe."""
+        self.start(flight)
         tree, params = flight.tree, self.params
+        if flight.tokens is not None and tree.size > 1:  # a pipelined tree: its tokens reach the host now
+            tree = flight.tree = DraftTree(tuple(np.array(flight.tokens)[0].tolist()), tree.parents)
         host_logits = None
         if flight.choices is not None:
             choices = np.array(flight.choices)

@@ -69,6 +69,8 @@ def controller_at(rev: str) -> ModuleType:
     control = module_at(rev, "engine/spec_control.py", "spec_control_then")
     then = module_at(rev, "engine/round.py", "round_then")
     then.SpecController = control.SpecController  # type: ignore[attr-defined]
+    if not hasattr(then.Rounds, "start"):  # before rounds were started apart from their launch
+        then.Rounds.start = lambda self, flight: None  # type: ignore[attr-defined]
     return then
 
 

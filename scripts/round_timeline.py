@@ -48,7 +48,7 @@ def instrument() -> None:
     def timed_after(self: rounds.Rounds, flight: rounds.InFlight) -> rounds.InFlight:
         t = time.perf_counter()
         f = after(self, flight)
-        EVENTS.append(("pipelined", 1, 0, t, (time.perf_counter() - t) * 1e3))
+        EVENTS.append(("pipelined", f.tree.size, f.arm, t, (time.perf_counter() - t) * 1e3))
         return f
 
     def timed_land(self: rounds.Rounds, flight: rounds.InFlight) -> rounds.RoundResult:

@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+import mlx.core as mx
+
 from engine.feature_cache import FeatureCache, FeatureTaps
 from engine.tree import DraftTree
 
@@ -38,6 +40,16 @@ def skips(drafter: Drafter) -> bool:
     gets the protocol's usual pair instead: a root-only propose before the round, observe after
     (a drafter may read state the round's commit changes, so the propose cannot wait for it)."""
     return callable(getattr(drafter, "skip", None))
+
+
+@runtime_checkable
+class GuessesAhead(Protocol):
+    def guess_after(self, root: mx.array) -> mx.array | None:
+        """The most likely token after `root` [1, 1], a token still on the device (the choice of a
+        one-node round that is queued and committed, not landed), as a lazy [1, 1] array, or None
+        where no guess can be made. Its round is the one-guess tree, whose tokens the drafter
+        `observe`s after it lands, as after a propose; the guess must be the one `propose` with
+        budget 1 would have put in the tree."""
 
 
 @runtime_checkable

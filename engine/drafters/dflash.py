@@ -62,10 +62,15 @@ class DFlashDrafter:
             self.model.append_context(rows.reshape(rows.shape[0], -1), self.cache)
         return committed
 
-    def draft(self, root: int, depth: int) -> tuple[mx.array, mx.array]:
-        """The block after `root`: final hidden states [depth, H] and logits [depth, V] (lazy)."""
+    def draft(self, root: int | mx.array, depth: int) -> tuple[mx.array, mx.array]:
+        """The block after `root` (an id, or one still on the device [1, 1]): final hidden states
+        [depth, H] and logits [depth, V] (lazy)."""
         c = self.model.config
-        block = mx.array([[root] + [c.mask_token_id] * (c.block_size - 1)])
+        masks = [c.mask_token_id] * (c.block_size - 1)
+        if isinstance(root, mx.array):
+            block = mx.concatenate([root.reshape(1, 1).astype(mx.int32), mx.array([masks], dtype=mx.int32)], axis=1)
+        else:
+            block = mx.array([[root] + masks])
         embedded = self.embed(block)
         if c.input_embedding_scale != 1.0:
             embedded = embedded * c.input_embedding_scale
@@ -90,6 +95,15 @@ class DFlashDrafter:
             hidden, logits = self.draft(root, depth)
             return self.weaver.build(root, h_target, hidden, logits, budget, max_depth)
         return self.build(root, self.marginals(root, depth), budget, max_depth)
+
+    def guess_after(self, root: mx.array) -> mx.array | None:
+        """The block's top-1 at depth 1 after `root`, a token still on the device whose position
+        is committed (its round is queued, not landed), lazily: the one-guess tree of chain and
+        DDTree. None with Weaver, whose one-node tree is its own choice, not the top-1."""
+        if self.weaver is not None or self.features is None:
+            return None
+        self._catch_up()
+        return mx.argmax(self.draft(root, 1)[1][0]).reshape(1, 1)
 
     def observe(self, emitted: list[int]) -> None:
         """Nothing to do: the accepted rows reach the context through the feature cache."""

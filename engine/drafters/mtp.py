@@ -104,6 +104,20 @@ class MTPDrafter:
         marginals = self._draft(last, depth, max(1, min(budget, self.config.top_k)))
         return self.build(root, marginals, budget, max_depth)
 
+    def guess_after(self, root: mx.array) -> mx.array | None:
+        """The head's top-1 after `root`, a token still on the device whose position is committed
+        (its round is queued, not landed): the catch-up's last row is (root, the last committed
+        hidden state), so the guess is that row's argmax, all of it lazy. The same token propose
+        puts in a one-guess tree (chain and DDTree both take the top-1 of depth 1)."""
+        assert self.features is not None
+        done, committed = self.cache[0].offset, self.features.length
+        if committed <= done or len(self.tokens) != committed:  # nothing to catch up on / not one behind
+            return None
+        known = mx.array([self.tokens[done + 1 : committed]], dtype=mx.int32)
+        ids = mx.concatenate([known, root.reshape(1, 1).astype(mx.int32)], axis=1)
+        self.last = self.head.append(self.embed(ids), self._hidden(done, committed), self.cache)
+        return mx.argmax(self.target.logits(self.last)[0, 0]).reshape(1, 1)
+
     def _draft(self, y: mx.array, depth: int, k: int) -> Marginals:
         """The top-k marginals of depths 1..depth (fewer where the top-1 path's probability drops
         below min_path_prob), from the head's output y [1, 1, H] of the last committed row."""

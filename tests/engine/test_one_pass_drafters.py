@@ -325,3 +325,99 @@ def test_hidden_states_are_recorded_only_once_a_drafter_reads_them(tiny_qwen35_m
     assert dflash.tokens == plain and e.feature_taps.final and e.feature_taps.layers
     started_for_it = Engine(EngineConfig(model_path=str(tiny_qwen35_mtp), spec=SpecConfig(method="mtp")))
     assert started_for_it.feature_taps == FeatureTaps(final=True)
+
+
+def one_pass_drafter(engine: Engine, method: str, tree: str):
+    if method == "mtp":
+        return MTPDrafter(engine.model, engine.mtp_head(), BUILDERS[tree])
+    return DFlashDrafter(engine.model, engine.dflash_model(None), BUILDERS[tree])
+
+
+@pytest.mark.parametrize("method", ["mtp", "dflash"])
+def test_guess_after_is_the_guess_a_one_guess_propose_makes(engine, method):
+    """guess_after (the drafter's guess while the round before is still on the device) gives the
+    token a one-guess propose after that round's landing puts in its tree, round after round."""
+    engine.widen_taps(FeatureTaps(final=True))
+    prompt = PROMPTS[0]
+    cache = engine.make_cache()
+    forward.extend(engine.model, cache, prompt[:-1])
+    landed, ahead = (one_pass_drafter(engine, method, b) for b in ("chain", "ddtree"))
+    for drafter in (landed, ahead):
+        drafter.attach(cache[-1])
+        drafter.begin(prompt)
+    root, guesses = prompt[-1], 0
+    for committed in range(len(prompt) - 1, len(prompt) + 5):
+        # a plain round at `root`, committed at once, its token still on the device
+        logits = forward.verify(engine.model, cache, DraftTree.single(root), committed)
+        forward.commit(cache, [0])
+        choice = mx.argmax(logits, axis=-1).astype(mx.int32).reshape(1, 1)
+        guess = ahead.guess_after(choice)
+        assert guess is not None
+        token = int(choice.item())
+        ahead.skip(root, [token])
+        landed.observe([token])
+        tree = landed.propose(token, 1, 6)
+        assert tree.size == 2 and tree.tokens[1] == int(guess.item())
+        root, guesses = token, guesses + 1
+    assert ahead.cache[0].offset == landed.cache[0].offset == len(prompt) + 5
+
+
+class GuessesRight:
+    """Wraps a one-pass drafter: every other guess made on the device is replaced by the true next
+    token, so that pipelined one-guess rounds accept too (random weights rarely guess right)."""
+
+    def __init__(self, inner, reference: list[int]) -> None:
+        self.inner, self.ref, self.taps = inner, reference, inner.taps
+        self.pos, self.calls, self.tries = 0, 0, 0
+
+    def attach(self, features: FeatureCache) -> None:
+        self.inner.attach(features)
+
+    def begin(self, prompt_ids: list[int]) -> None:
+        self.inner.begin(prompt_ids)
+        self.pos = 0
+
+    def propose(self, root: int, budget: int, max_depth: int) -> DraftTree:
+        return self.inner.propose(root, budget, max_depth)
+
+    def guess_after(self, root: mx.array) -> mx.array | None:
+        guess = self.inner.guess_after(root)  # keeps the head in step whatever is returned
+        self.calls += 1
+        if guess is None:
+            return None
+        self.tries += 1
+        # the host is one token behind: ref[pos] is `root`, ref[pos + 1] the token after it
+        right = self.calls % 2 == 0 and self.pos + 1 < len(self.ref)
+        return mx.array([[self.ref[self.pos + 1]]]) if right else guess
+
+    def observe(self, emitted: list[int]) -> None:
+        self.inner.observe(emitted)
+        self.pos += len(emitted)
+
+    def skip(self, root: int, emitted: list[int]) -> None:
+        self.inner.skip(root, emitted)
+        self.pos += len(emitted)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("method", ["mtp", "dflash"])
+def test_one_guess_rounds_are_queued_before_the_round_before_lands(engine, monkeypatch, method, sampling):
+    """Where the controller asks for the one-guess tree after a plain round, a one-pass drafter
+    guesses on the device and the two-node verify is queued before the plain round lands
+    (launch_after). The output is plain decoding's, rounds whose guess was right accept it, and the
+    drafter's cache equals a replay of the committed tokens."""
+    from engine import spec_control
+    from engine.round import Rounds
+
+    monkeypatch.setattr(spec_control.SpecController, "budget", lambda self: 1 if self.rounds % 3 == 2 else 0)
+    queued: list[int] = []
+    real = Rounds.launch_after
+    monkeypatch.setattr(Rounds, "launch_after", lambda self, f: queued.append(1) or real(self, f))
+    prompt = PROMPTS[0]
+    plain = generate(engine, prompt, sampling).tokens
+    drafter = GuessesRight(one_pass_drafter(engine, method, "ddtree"), plain)
+    out = generate(engine, prompt, sampling, SpecConfig(method="none", budget=10, max_depth=6), drafter)
+    assert out.tokens == plain
+    assert drafter.tries >= 5 and len(queued) >= 20, (drafter.tries, len(queued))
+    assert out.stats.accepted >= 2 and out.stats.drafted >= drafter.tries
+    assert_drafter_equals_replay(engine, drafter.inner, prompt + out.tokens)
