@@ -13,9 +13,10 @@ Trying costs more than the try itself. A tree round ends the pipelining of plain
 round after it cannot be queued before it lands), and a big tree's verify is a stall a streaming
 client sees: measured on the dev CPU, a 17-node round and the restart after it were the p99
 inter-token gaps where guesses miss (BENCHMARKS.md, issue 17). So the controller climbs: the
-smallest tree is tried first, a bigger one only once the one below it accepts (a round emits at
-least CLIMB tokens), and the root alone after that; later re-tries go to a neighbour of the best
-arm only, and back off (twice as far apart each time) while they keep losing.
+smallest tree is tried first (its two tries a plain round apart), a bigger one only once the one
+below it accepts (a round emits at least CLIMB tokens), and the root alone after that; later
+re-tries go to a neighbour of the best arm only, and back off (twice as far apart each time) while
+they keep losing.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ class SpecController:
     interval: int = REVISIT  # rounds between re-tries, doubled while they lose
     next_revisit: int = 0  # the round of the next re-try (0: climbing, none scheduled yet)
     revisit_side: int = 1  # +1: the neighbour above the best arm, -1: below (alternating)
+    last: int = 0  # the budget of the last round recorded (0 before the first)
 
     def __post_init__(self) -> None:
         budgets = {0, min(FIRST, self.max_budget), self.max_budget}
@@ -111,6 +113,11 @@ class SpecController:
         """The budget of the next round (pure: asking twice without a record gives the same answer)."""
         climbing = self._climbing()
         if climbing is not None:
+            # a plain round before the smallest tree's second try: a one-guess round after a plain
+            # one is queued before that one lands where the drafter guesses on the device
+            # (engine/round.py), while one right after a tree waits for it and drafts on the host
+            if climbing.budget == FIRST and climbing.rounds and self.last != 0 and climbing is not self.arms[0]:
+                return 0
             return climbing.budget
         best = self.best()
         return self._neighbour(best).budget if self._due() else best.budget
@@ -125,6 +132,7 @@ class SpecController:
         arm = next((a for a in self.arms if a.budget == budget), None)
         best_before = self.best() if self._due() and arm is not None else None
         self.rounds += 1
+        self.last = budget
         if arm is None:  # a budget cut by the room left is no arm's measurement
             return
         arm.record(tokens, ms)
