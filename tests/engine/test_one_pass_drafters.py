@@ -122,12 +122,11 @@ def test_lossless(engine, method, tree, sampling):
         assert out.stats.drafted > 0
 
 
-class Assisted:
-    """Wraps a drafter: its tree plus the true continuation (of random length) as one more branch."""
+class Wrapped:
+    """A drafter passed through, counting the emitted tokens it has been told of (pos)."""
 
-    def __init__(self, inner, reference: list[int], seed: int) -> None:
-        self.inner, self.ref, self.rng = inner, reference, np.random.default_rng(seed)
-        self.taps = inner.taps
+    def __init__(self, inner, reference: list[int]) -> None:
+        self.inner, self.ref, self.taps = inner, reference, inner.taps
         self.pos = 0
 
     def attach(self, features: FeatureCache) -> None:
@@ -136,6 +135,18 @@ class Assisted:
     def begin(self, prompt_ids: list[int]) -> None:
         self.inner.begin(prompt_ids)
         self.pos = 0
+
+    def observe(self, emitted: list[int]) -> None:
+        self.inner.observe(emitted)
+        self.pos += len(emitted)
+
+
+class Assisted(Wrapped):
+    """Wraps a drafter: its tree plus the true continuation (of random length) as one more branch."""
+
+    def __init__(self, inner, reference: list[int], seed: int) -> None:
+        super().__init__(inner, reference)
+        self.rng = np.random.default_rng(seed)
 
     def propose(self, root: int, budget: int, max_depth: int) -> DraftTree:
         tree = self.inner.propose(root, budget, max_depth)
@@ -148,10 +159,6 @@ class Assisted:
                 child = len(tokens) - 1
             node = child
         return DraftTree(tuple(tokens), tuple(parents))
-
-    def observe(self, emitted: list[int]) -> None:
-        self.inner.observe(emitted)
-        self.pos += len(emitted)
 
 
 def replay_features(engine: Engine, tokens: list[int]) -> mx.array:
@@ -362,20 +369,13 @@ def test_guess_after_is_the_guess_a_one_guess_propose_makes(engine, method):
     assert ahead.cache[0].offset == landed.cache[0].offset == len(prompt) + 5
 
 
-class GuessesRight:
+class GuessesRight(Wrapped):
     """Wraps a one-pass drafter: every other guess made on the device is replaced by the true next
     token, so that pipelined one-guess rounds accept too (random weights rarely guess right)."""
 
     def __init__(self, inner, reference: list[int]) -> None:
-        self.inner, self.ref, self.taps = inner, reference, inner.taps
-        self.pos, self.calls, self.tries = 0, 0, 0
-
-    def attach(self, features: FeatureCache) -> None:
-        self.inner.attach(features)
-
-    def begin(self, prompt_ids: list[int]) -> None:
-        self.inner.begin(prompt_ids)
-        self.pos = 0
+        super().__init__(inner, reference)
+        self.calls, self.tries = 0, 0
 
     def propose(self, root: int, budget: int, max_depth: int) -> DraftTree:
         return self.inner.propose(root, budget, max_depth)
@@ -389,10 +389,6 @@ class GuessesRight:
         # the host is one token behind: ref[pos] is `root`, ref[pos + 1] the token after it
         right = self.calls % 2 == 0 and self.pos + 1 < len(self.ref)
         return mx.array([[self.ref[self.pos + 1]]]) if right else guess
-
-    def observe(self, emitted: list[int]) -> None:
-        self.inner.observe(emitted)
-        self.pos += len(emitted)
 
     def skip(self, root: int, emitted: list[int]) -> None:
         self.inner.skip(root, emitted)
