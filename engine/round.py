@@ -12,7 +12,9 @@ the next needs nothing from the host (no logits there; no drafter, or one the co
 budget and that catches up by itself), the loop launches round r+1 from round r's token while it
 is still on the device, before landing round r: building the next graph overlaps the compute, as
 mlx-lm's generate_step does. That is a property of the round (`can_pipeline`), not a second loop,
-and it is what lets a controller that settles on plain rounds run as fast as plain decoding.
+and it is what lets a controller that settles on plain rounds run as fast as plain decoding. The
+controller's smallest tree (the root and one guess) is queued the same way behind a plain round
+where the drafter guesses on the device (`GuessesAhead`).
 """
 
 from __future__ import annotations
@@ -187,8 +189,9 @@ class Rounds:
         return ahead
 
     def start(self, flight: InFlight) -> None:
-        """Hand a queued round to the device (at once, except a pipelined round on the CPU: the loop
-        starts it once the round before has landed and its token is out; START_LATE_ON_CPU)."""
+        """Hand a queued round to the device (at once, except a pipelined round on the CPU with a
+        drafter on: the loop starts it once the round before has landed and its token is out;
+        START_LATE_ON_CPU)."""
         if flight.unstarted:
             mx.async_eval(*flight.unstarted)
         flight.unstarted = None
