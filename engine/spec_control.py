@@ -116,7 +116,7 @@ class SpecController:
             # a plain round before the smallest tree's second try: a one-guess round after a plain
             # one is queued before that one lands where the drafter guesses on the device
             # (engine/round.py), while one right after a tree waits for it and drafts on the host
-            if climbing.budget == FIRST and climbing.rounds and self.last != 0 and climbing is not self.arms[0]:
+            if climbing.budget == FIRST and climbing.rounds and self.last != 0:
                 return 0
             return climbing.budget
         best = self.best()

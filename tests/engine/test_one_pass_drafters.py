@@ -352,7 +352,7 @@ def test_guess_after_is_the_guess_a_one_guess_propose_makes(engine, method):
     for drafter in (landed, ahead):
         drafter.attach(cache[-1])
         drafter.begin(prompt)
-    root, guesses = prompt[-1], 0
+    root = prompt[-1]
     for committed in range(len(prompt) - 1, len(prompt) + 5):
         # a plain round at `root`, committed at once, its token still on the device
         logits = forward.verify(engine.model, cache, DraftTree.single(root), committed)
@@ -365,7 +365,7 @@ def test_guess_after_is_the_guess_a_one_guess_propose_makes(engine, method):
         landed.observe([token])
         tree = landed.propose(token, 1, 6)
         assert tree.size == 2 and tree.tokens[1] == int(guess.item())
-        root, guesses = token, guesses + 1
+        root = token
     assert ahead.cache[0].offset == landed.cache[0].offset == len(prompt) + 5
 
 
