@@ -1,0 +1,73 @@
+"""The late start of pipelined rounds on the CPU (engine.round.START_LATE_ON_CPU) on and off, in
+one process, alternating: decode tok/s and pooled inter-token gaps (p50 / p99 / max), on text
+sampled at temperature 1 after random ids (guesses miss), with the distinct 8-gram share of the
+output.
+
+    python scripts/bench_start_late.py [--method mtp|ngram|none] [--reps 7] [--tokens 96]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from engine.blas import reexec_with_openblas  # noqa: E402
+
+if __name__ == "__main__":  # a BLAS preload works only from process start: before mlx is imported
+    reexec_with_openblas(sys.orig_argv[1:])
+
+from bench_context import distinct_8grams  # noqa: E402
+
+import engine.round as rounds  # noqa: E402
+from engine.config import EngineConfig, SamplingParams, SpecConfig  # noqa: E402
+from engine.generate import BUNDLED, Engine  # noqa: E402
+from engine.types import GenerationRequest  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--method", default="mtp")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--tokens", type=int, default=96)
+    a = ap.parse_args()
+    engine = Engine(EngineConfig(model_path=str(BUNDLED / "target"), prefix_cache=False))
+    prompt = [int(t) for t in np.random.RandomState(64).randint(0, 8000, size=64)]
+    params = SamplingParams(max_tokens=a.tokens, ignore_eos=True, temperature=1.0, seed=0)
+    spec = SpecConfig(method=a.method, tree="ddtree") if a.method != "none" else SpecConfig()
+    tps: dict[bool, list[float]] = {True: [], False: []}
+    gaps: dict[bool, list[float]] = {True: [], False: []}
+    grams: list[float] = []
+    for rep in range(a.reps + 1):  # the first of each is a warm-up
+        for late in (True, False):
+            rounds.START_LATE_ON_CPU = late
+            last, out, g = None, [], []
+            for step in engine.generate(GenerationRequest(prompt_ids=prompt, sampling=params, spec=spec)):
+                now = time.perf_counter()
+                if step.token_ids and last is not None:  # a batch of n tokens: n gaps of gap / n
+                    g += [(now - last) * 1e3 / len(step.token_ids)] * len(step.token_ids)
+                if step.token_ids:
+                    last = now
+                out += step.token_ids
+                if step.stats is not None:
+                    stats = step.stats
+            if rep:
+                tps[late].append(stats.decode_tps)
+                gaps[late] += g
+                grams.append(distinct_8grams(out))
+    print(f"{a.method}, distinct 8-grams {statistics.median(grams):.2f}")
+    for late in (True, False):
+        g = sorted(gaps[late])
+        print(f"late start {'on ' if late else 'off'}: {statistics.median(tps[late]):.1f} tok/s, gaps p50 "
+              f"{g[len(g) // 2]:.1f} / p99 {g[int(0.99 * (len(g) - 1))]:.1f} / max {g[-1]:.1f} ms")
+
+
+if __name__ == "__main__":
+    main()
