@@ -92,6 +92,10 @@ class SpecConfig:
     tree: str = "ddtree"  # tree builder of methods 'mtp' and 'dflash' (SPEC_TREES)
     dflash_model: str | None = None  # DFlash checkpoint dir (default: the bundled one for the bundled target)
     weaver_model: str | None = None  # Weaver adapter dir (default: DFLASH_DIR/weaver)
+    # tokens the one-pass drafters (mtp, dflash) may propose: the first N of the checkpoint's
+    # frequency ranking (engine/drafters/draft_vocab.py); None: the checkpoint's default size where
+    # it ships a ranking, else the whole vocabulary; 0: the whole vocabulary
+    draft_vocab: int | None = None
     # size each round's tree by measured tokens per second, the root alone included
     # (engine/spec_control.py); False: every round gets the full budget
     adaptive: bool = True
@@ -105,6 +109,8 @@ class SpecConfig:
             raise ValueError(f"spec budget must be >= 1, got {self.budget}")
         if self.max_depth < 1:
             raise ValueError(f"spec max_depth must be >= 1, got {self.max_depth}")
+        if self.draft_vocab is not None and self.draft_vocab < 0:
+            raise ValueError(f"draft vocabulary size must be >= 0, got {self.draft_vocab}")
 
 
 @dataclass(frozen=True)

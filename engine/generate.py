@@ -16,6 +16,7 @@ from engine.cache import LayerCache
 from engine.config import EngineConfig, SamplingParams, SpecConfig
 from engine.drafters import make_drafter
 from engine.drafters.base import Drafter, ReadsTarget
+from engine.drafters.draft_vocab import DraftVocab
 from engine.drafters.weaver import WeaverTrees
 from engine.embedding import embed_step
 from engine.feature_cache import FeatureCache, FeatureTaps
@@ -50,6 +51,7 @@ class Engine:
         self._draft_models: dict[str, CausalLM] = {}
         self._draft_bytes = 0
         self._dflash_models: dict[str, dflash.DFlashModel] = {}
+        self._draft_vocabs: dict[int | None, DraftVocab | None] = {}
         self._mtp_head = None
         self._weavers: dict[str, WeaverTrees] = {}
         # Hidden states every pass records for the drafters that read them (DFlash, MTP): decided
@@ -135,6 +137,16 @@ class Engine:
         if self._mtp_head is None:
             self._mtp_head = load_mtp(self.config.model_path, self.model.args, self.dtype)
         return self._mtp_head
+
+    def draft_vocab(self, size: int | None) -> DraftVocab | None:
+        """The one-pass drafters' reduced vocabulary of `size` tokens (SpecConfig.draft_vocab), loaded
+        once per size; None: the whole vocabulary."""
+        if size not in self._draft_vocabs:
+            try:
+                self._draft_vocabs[size] = DraftVocab.load(self.config.model_path, size)
+            except (OSError, ValueError) as e:
+                raise RequestError(f"draft vocabulary: {e}") from None
+        return self._draft_vocabs[size]
 
     def missing_drafter(self, method: str, tree: str) -> str | None:
         """Why a spec method / tree cannot run on this engine, or None. Reads no weights (the

@@ -45,6 +45,7 @@ class Tokenizer:
         self.eos_token = _token_text(config.get("eos_token"))
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
         self.eos_token_ids = self._collect_eos_ids(generation_config or {})
+        self.added_token_ids = tuple(sorted(tok.get_added_tokens_decoder()))  # chat, FIM and end markers
         added = tok.get_added_tokens_decoder().values()
         # longest first, so that a regex alternation prefers "<|im_end|>" over a shorter prefix
         self.special_tokens = tuple(sorted({a.content for a in added if a.special}, key=lambda t: (-len(t), t)))

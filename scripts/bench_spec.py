@@ -127,12 +127,14 @@ def percentile(xs: list[float], q: float) -> float:
 def parse_methods(text: str, budgets: list[int], depth: int, a) -> dict[str, SpecConfig]:
     specs = {}
     for item in text.split(","):
-        method, _, tree = item.partition(":")
+        # METHOD[:TREE][/vN]: /vN a draft vocabulary of N tokens (v0 the whole vocabulary)
+        head, _, vocab = item.partition("/")
+        method, _, tree = head.partition(":")
         for budget in ([16] if method == "none" else budgets):
             name = method if method == "none" else f"{item}@{budget}"
             specs[name] = SpecConfig(method=method, tree=tree or "ddtree", budget=budget, max_depth=depth,
                                      draft_model=a.draft_model, dflash_model=a.dflash_model,
-                                     adaptive=a.adaptive)
+                                     adaptive=a.adaptive, draft_vocab=int(vocab[1:]) if vocab else None)
     return specs
 
 

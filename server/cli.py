@@ -63,6 +63,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                                           "(default: the bundled one with the bundled model)")
     p.add_argument("--weaver-model", help="Weaver adapter directory for --spec-tree weaver "
                                           "(default: DFLASH_DIR/weaver)")
+    p.add_argument("--draft-vocab", type=int, metavar="N",
+                   help="tokens the mtp / dflash drafters may propose: the N most frequent of the model's "
+                        "draft_vocab.safetensors ranking (default: its own size, the bundled model's 1024; "
+                        "0: the whole vocabulary); fewer rows of the lm_head to read per drafted depth")
     p.add_argument("--no-prefix-cache", action="store_true", help="turn off the prompt prefix cache")
     p.add_argument("--prefix-cache-bytes", type=int, help="prefix cache budget in bytes (default 2 GiB)")
 

@@ -67,8 +67,17 @@ def engine_settings(a: argparse.Namespace) -> Settings:
         raise SettingsError(f"--prefix-cache-bytes must be >= 0, got {prefix_bytes}")
     asked = a.max_context if a.max_context is not None else (preset.max_context if preset else None)
     max_context = _context(asked, trained_context(model.path), notes)
+    vocab_size = getattr(a, "draft_vocab", None)
+    if vocab_size:
+        from engine.drafters.draft_vocab import DraftVocab
+
+        try:
+            DraftVocab.load(model.path, vocab_size)  # 32 kB: a missing file or a bad size fails here, not per request
+        except (OSError, ValueError) as e:
+            raise SettingsError(f"--draft-vocab: {e}") from None
     try:
         spec = SpecConfig(method=method, budget=budget, max_depth=depth, draft_model=str(draft.path) if draft else None,
+                          draft_vocab=vocab_size,
                           tree=_pick(getattr(a, "spec_tree", None), None, "spec_tree"),
                           dflash_model=_drafter_dir(getattr(a, "dflash_model", None), "--dflash-model"),
                           weaver_model=_drafter_dir(getattr(a, "weaver_model", None), "--weaver-model"))

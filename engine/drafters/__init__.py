@@ -27,11 +27,13 @@ def make_drafter(engine, spec: SpecConfig) -> Drafter:
         return DraftTreeDrafter(model, fill=engine.draft_prefiller(model).fill)
     if spec.method == "dflash":
         model = engine.dflash_model(spec.dflash_model)
+        vocab = engine.draft_vocab(spec.draft_vocab)
         if spec.tree == "weaver":
-            return DFlashDrafter(engine.model, model, marginals.ddtree, weaver=engine.weaver_trees(spec))
-        return DFlashDrafter(engine.model, model, BUILDERS[spec.tree])
+            return DFlashDrafter(engine.model, model, marginals.ddtree, weaver=engine.weaver_trees(spec), vocab=vocab)
+        return DFlashDrafter(engine.model, model, BUILDERS[spec.tree], vocab=vocab)
     if spec.method == "mtp":
         if spec.tree == "weaver":
             raise ValueError("the weaver tree builder re-scores DFlash blocks: use it with spec method 'dflash'")
-        return MTPDrafter(engine.model, engine.mtp_head(), BUILDERS[spec.tree])
+        vocab = engine.draft_vocab(spec.draft_vocab)
+        return MTPDrafter(engine.model, engine.mtp_head(), BUILDERS[spec.tree], vocab=vocab)
     raise ValueError(f"unknown spec method {spec.method!r}")

@@ -13,7 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import mlx.core as mx
+import numpy as np
 
+from engine.drafters.draft_vocab import DraftVocab, sub_logits
 from engine.drafters.marginals import Marginals
 from engine.drafters.weaver import WeaverTrees
 from engine.feature_cache import FeatureCache, FeatureTaps
@@ -26,7 +28,7 @@ TreeBuilder = Callable[[int, Marginals, int, int], DraftTree]
 
 class DFlashDrafter:
     def __init__(self, target: CausalLM, model: DFlashModel, build: TreeBuilder, top_k: int = 32,
-                 weaver: WeaverTrees | None = None) -> None:
+                 weaver: WeaverTrees | None = None, vocab: DraftVocab | None = None) -> None:
         if model.config.hidden_size != target.args.hidden_size:
             raise ValueError(f"DFlash hidden size {model.config.hidden_size} differs from the target's "
                              f"{target.args.hidden_size}")
@@ -34,6 +36,9 @@ class DFlashDrafter:
             raise ValueError(f"DFlash reads target layers {model.config.target_layer_ids}; the target has "
                              f"{target.args.num_hidden_layers}")
         self.target, self.model, self.build, self.top_k, self.weaver = target, model, build, top_k, weaver
+        # the block's lm_head rows: the draft vocabulary's where there is one (logits' columns are then its ids)
+        self.vocab = vocab
+        self.logits = target.logits if vocab is None else sub_logits(target, vocab)
         # Weaver's prompt starts with the target's final-normed hidden state of the last committed position
         self.taps = FeatureTaps(tuple(set(model.config.target_layer_ids)), final=weaver is not None)
         self.features: FeatureCache | None = None
@@ -64,7 +69,8 @@ class DFlashDrafter:
 
     def draft(self, root: int | mx.array, depth: int) -> tuple[mx.array, mx.array]:
         """The block after `root` (an id, or one still on the device [1, 1]): final hidden states
-        [depth, H] and logits [depth, V] (lazy)."""
+        [depth, H] and logits [depth, V] (lazy); V columns are the draft vocabulary's ids where the
+        drafter has one."""
         c = self.model.config
         masks = [c.mask_token_id] * (c.block_size - 1)
         if isinstance(root, mx.array):
@@ -75,11 +81,14 @@ class DFlashDrafter:
         if c.input_embedding_scale != 1.0:
             embedded = embedded * c.input_embedding_scale
         h = self.model.block(embedded, self.cache)[0, 1 : 1 + depth]
-        return h, self.model.scale_logits(self.target.logits(h))
+        return h, self.model.scale_logits(self.logits(h))
 
     def marginals(self, root: int, depth: int) -> Marginals:
         """Top-k marginals of the next `depth` positions after `root`."""
-        return Marginals.from_logits(self.draft(root, depth)[1], self.top_k)
+        m = Marginals.from_logits(self.draft(root, depth)[1], self.top_k)
+        if self.vocab is None:
+            return m
+        return Marginals(np.array(self.vocab.ids).astype(np.int64)[m.ids], m.logp)
 
     def propose(self, root: int, budget: int, max_depth: int) -> DraftTree:
         committed = self._catch_up()  # even for a root-only tree: the context stays in step
@@ -93,7 +102,8 @@ class DFlashDrafter:
             final = self.features.taps.slots((), final=True)[0]
             h_target = self.features.read(committed - 1, committed)[0, final * H : (final + 1) * H]
             hidden, logits = self.draft(root, depth)
-            return self.weaver.build(root, h_target, hidden, logits, budget, max_depth)
+            return self.weaver.build(root, h_target, hidden, logits, budget, max_depth,
+                                     None if self.vocab is None else self.vocab.ids)
         return self.build(root, self.marginals(root, depth), budget, max_depth)
 
     def guess_after(self, root: mx.array) -> mx.array | None:
@@ -103,7 +113,8 @@ class DFlashDrafter:
         if self.weaver is not None or self.features is None:
             return None
         self._catch_up()
-        return mx.argmax(self.draft(root, 1)[1][0]).reshape(1, 1)
+        token = mx.argmax(self.draft(root, 1)[1][0])
+        return (token if self.vocab is None else self.vocab.full_ids(token)).reshape(1, 1)
 
     def observe(self, emitted: list[int]) -> None:
         """Nothing to do: the accepted rows reach the context through the feature cache."""

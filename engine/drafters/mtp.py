@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from engine.drafters.draft_vocab import DraftVocab, sub_logits
 from engine.drafters.marginals import Marginals
 from engine.drafters.mtp_steps import CompiledSteps, Depths, PlainDepths
 from engine.feature_cache import FeatureCache, FeatureTaps
@@ -52,15 +53,20 @@ class MTPConfig:
 
 
 class MTPDrafter:
-    def __init__(self, target: CausalLM, head: MTPHead, build: TreeBuilder, config: MTPConfig = MTPConfig()) -> None:
+    def __init__(self, target: CausalLM, head: MTPHead, build: TreeBuilder, config: MTPConfig = MTPConfig(),
+                 vocab: DraftVocab | None = None) -> None:
         self.target, self.head, self.build, self.config = target, head, build, config
+        # the lm_head pass of every depth: over the draft vocabulary's rows where there is one
+        self.vocab = None if vocab is None else vocab.ids
+        self.logits = target.logits if vocab is None else sub_logits(target, vocab)
         self.taps = FeatureTaps(final=True)
         self.features: FeatureCache | None = None
         self.slot = 0
         self.tokens: list[int] = []  # prompt + emitted; tokens[committed] is the root
         self.cache = head.make_cache()
         self.embed: Callable[[mx.array], mx.array] = target.model.embed_tokens  # type: ignore[attr-defined]
-        self.steps = CompiledSteps(target.logits, self.embed, head, config.max_steps - 1) if config.compiled else None
+        self.steps = CompiledSteps(self.logits, self.embed, head, config.max_steps - 1, self.vocab) \
+            if config.compiled else None
         self.log_min_path = math.log(config.min_path_prob) if config.min_path_prob > 0 else -math.inf
         self.last: mx.array | None = None  # the head's output at the last row it has caught up to
 
@@ -116,13 +122,14 @@ class MTPDrafter:
         known = mx.array([self.tokens[done + 1 : committed]], dtype=mx.int32)
         ids = mx.concatenate([known, root.reshape(1, 1).astype(mx.int32)], axis=1)
         self.last = self.head.append(self.embed(ids), self._hidden(done, committed), self.cache)
-        return mx.argmax(self.target.logits(self.last)[0, 0]).reshape(1, 1)
+        token = mx.argmax(self.logits(self.last)[0, 0])
+        return (token if self.vocab is None else self.vocab[token]).reshape(1, 1)
 
     def _draft(self, y: mx.array, depth: int, k: int) -> Marginals:
         """The top-k marginals of depths 1..depth (fewer where the top-1 path's probability drops
         below min_path_prob), from the head's output y [1, 1, H] of the last committed row."""
         depths: Depths = self.steps.begin(self.cache, k) if self.steps is not None else \
-            PlainDepths(self.target.logits, self.embed, self.head, self.cache, k)
+            PlainDepths(self.logits, self.embed, self.head, self.cache, k, self.vocab)
         ids, logp, path = [], [], 0.0
         for d in range(depth):
             read = depths.read(y)

@@ -35,11 +35,17 @@ class DepthRead:
     token: mx.array  # [1, 1] the argmax: the next depth's input
 
 
-def read_depth(logits: Logits, y: mx.array, k: int) -> tuple[mx.array, mx.array, mx.array]:
-    """y [1, 1, H] -> (top-k ids, their log-probabilities, the argmax [1, 1]). Pure (compilable)."""
+def read_depth(logits: Logits, y: mx.array, k: int, vocab: mx.array | None = None
+               ) -> tuple[mx.array, mx.array, mx.array]:
+    """y [1, 1, H] -> (top-k ids, their log-probabilities, the argmax [1, 1]). Pure (compilable).
+    vocab: the token ids of `logits`' columns where they are a draft vocabulary's subset
+    (engine/drafters/draft_vocab.py), None where they are the whole vocabulary."""
     row = logits(y)[0, 0]
     ids, logp = top_k_logp(row, k)
-    return ids, logp, mx.argmax(row).reshape(1, 1)
+    token = mx.argmax(row)
+    if vocab is not None:
+        ids, token = vocab[ids], vocab[token]
+    return ids, logp, token.reshape(1, 1)
 
 
 class Depths(Protocol):
@@ -55,12 +61,13 @@ class Depths(Protocol):
 
 
 class PlainDepths:
-    def __init__(self, logits: Logits, embed: Embed, head: MTPHead, cache: list[KVCache], k: int) -> None:
-        self.logits, self.embed, self.head, self.cache, self.k = logits, embed, head, cache, k
+    def __init__(self, logits: Logits, embed: Embed, head: MTPHead, cache: list[KVCache], k: int,
+                 vocab: mx.array | None = None) -> None:
+        self.logits, self.embed, self.head, self.cache, self.k, self.vocab = logits, embed, head, cache, k, vocab
         self.marks = [c.mark() for c in cache]
 
     def read(self, y: mx.array) -> DepthRead:
-        return DepthRead(*read_depth(self.logits, y, self.k))
+        return DepthRead(*read_depth(self.logits, y, self.k, self.vocab))
 
     def advance(self, token: mx.array, y: mx.array) -> mx.array:
         return self.head(self.embed(token), y, self.cache)
@@ -74,14 +81,15 @@ class CompiledSteps:
     """The compiled read and advance of one (target, head) pair, kept across a drafter's drafts: a
     trace (a few ms on the CPU) is built per top-k and per KV buffer capacity."""
 
-    def __init__(self, logits: Logits, embed: Embed, head: MTPHead, scratch_rows: int) -> None:
+    def __init__(self, logits: Logits, embed: Embed, head: MTPHead, scratch_rows: int,
+                 vocab: mx.array | None = None) -> None:
         self.head, self.scratch_rows = head, max(1, scratch_rows)
 
         def advance(token: mx.array, y: mx.array, committed: list[tuple[mx.array, mx.array]], length: mx.array,
                     scratch: list[tuple[mx.array, mx.array]], j: mx.array):
             return head.draft_row(embed(token), y, committed, length, scratch, j)
 
-        self.read = mx.compile(lambda y, k: read_depth(logits, y, k))
+        self.read = mx.compile(lambda y, k: read_depth(logits, y, k, vocab))
         self.advance = mx.compile(advance)
 
     def begin(self, cache: list[KVCache], k: int) -> CompiledDepths:

@@ -47,9 +47,10 @@ class WeaverTrees:
         return self._tables
 
     def build(self, root: int, h_target: mx.array, hidden: mx.array, logits: mx.array,
-              budget: int, max_depth: int) -> DraftTree:
+              budget: int, max_depth: int, vocab: mx.array | None = None) -> DraftTree:
         """h_target [H]: the target's final-normed hidden state at the last committed position;
-        hidden [D, H], logits [D, V]: DFlash's final hidden states and logits of depths 1..D."""
+        hidden [D, H], logits [D, V]: DFlash's final hidden states and logits of depths 1..D, whose
+        columns are the token ids `vocab` (a draft vocabulary) or, None, the whole vocabulary."""
         w = self.weaver
         depth_limit = min(hidden.shape[0], w.config.max_depth, max_depth)
         if budget < 1 or depth_limit < 1:
@@ -58,6 +59,8 @@ class WeaverTrees:
         pool = min(w.config.candidate_pool_size, logits.shape[-1])
         pool_ids = mx.argpartition(-logits[:depth_limit], pool - 1, axis=-1)[:, :pool]  # [D, P]
         pool_logits = mx.take_along_axis(logits[:depth_limit].astype(mx.float32), pool_ids, axis=-1)
+        if vocab is not None:
+            pool_ids = vocab[pool_ids]  # columns -> token ids (the score table's rows, the tree's tokens)
         prompt = w.prompt_kv(h_target, hidden[:depth_limit])
         # A Weaver call costs about the same for 1 node as for 8 (op overhead), and one call per
         # node made drafting 60 % of a round on the CPU; a quarter of the budget per call (4 calls)

@@ -334,21 +334,25 @@ def test_hidden_states_are_recorded_only_once_a_drafter_reads_them(tiny_qwen35_m
     assert started_for_it.feature_taps == FeatureTaps(final=True)
 
 
-def one_pass_drafter(engine: Engine, method: str, tree: str):
+def one_pass_drafter(engine: Engine, method: str, tree: str, vocab=None):
     if method == "mtp":
-        return MTPDrafter(engine.model, engine.mtp_head(), BUILDERS[tree])
-    return DFlashDrafter(engine.model, engine.dflash_model(None), BUILDERS[tree])
+        return MTPDrafter(engine.model, engine.mtp_head(), BUILDERS[tree], vocab=vocab)
+    return DFlashDrafter(engine.model, engine.dflash_model(None), BUILDERS[tree], vocab=vocab)
 
 
 @pytest.mark.parametrize("method", ["mtp", "dflash"])
 def test_guess_after_is_the_guess_a_one_guess_propose_makes(engine, method):
     """guess_after (the drafter's guess while the round before is still on the device) gives the
     token a one-guess propose after that round's landing puts in its tree, round after round."""
+    check_guess_after(engine, method)
+
+
+def check_guess_after(engine: Engine, method: str, vocab=None) -> None:
     engine.widen_taps(FeatureTaps(final=True))
     prompt = PROMPTS[0]
     cache = engine.make_cache()
     forward.extend(engine.model, cache, prompt[:-1])
-    landed, ahead = (one_pass_drafter(engine, method, b) for b in ("chain", "ddtree"))
+    landed, ahead = (one_pass_drafter(engine, method, b, vocab) for b in ("chain", "ddtree"))
     for drafter in (landed, ahead):
         drafter.attach(cache[-1])
         drafter.begin(prompt)
