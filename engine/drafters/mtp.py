@@ -29,6 +29,7 @@ from engine.drafters.draft_vocab import DraftVocab, sub_logits
 from engine.drafters.marginals import Marginals
 from engine.drafters.mtp_steps import CompiledSteps, Depths, PlainDepths
 from engine.feature_cache import FeatureCache, FeatureTaps
+from engine.kernels import gpu_backend
 from engine.models.base import CausalLM
 from engine.models.mtp import MTPHead
 from engine.tree import DraftTree
@@ -50,6 +51,14 @@ class MTPConfig:
     # next to a verify (a large target on a GPU), a lower bound keeps more depth.
     min_path_prob: float = 0.3
     compiled: bool = True  # the compiled per-depth steps; False: the plain twin (tests hold them equal)
+    # Where the stop rule is applied. True: every depth is read on the host before the next is
+    # drafted, so the depths past the stop are never computed (the CPU, where a depth is ~1 ms of
+    # compute and a sync costs little). False: all depths are queued as one graph and evaluated
+    # once, the rule cutting the marginals afterwards (GPUs, where a depth's compute is a few
+    # launches and each host round trip costs more: the bundled pair on the H200 spent 40-50 % of a
+    # round drafting, depth by depth). The same marginals either way (tests/engine/test_mtp_steps.py).
+    # None: True on the CPU, False on a GPU.
+    sync_each_depth: bool | None = None
 
 
 class MTPDrafter:
@@ -69,6 +78,7 @@ class MTPDrafter:
             if config.compiled else None
         self.log_min_path = math.log(config.min_path_prob) if config.min_path_prob > 0 else -math.inf
         self.last: mx.array | None = None  # the head's output at the last row it has caught up to
+        self.sync_each_depth = gpu_backend() is None if config.sync_each_depth is None else config.sync_each_depth
 
     def attach(self, features: FeatureCache) -> None:
         self.features = features
@@ -130,19 +140,38 @@ class MTPDrafter:
         below min_path_prob), from the head's output y [1, 1, H] of the last committed row."""
         depths: Depths = self.steps.begin(self.cache, k) if self.steps is not None else \
             PlainDepths(self.logits, self.embed, self.head, self.cache, k, self.vocab)
-        ids, logp, path = [], [], 0.0
+        committed = [a for c in self.cache for a in c.arrays()]
+        if not self.sync_each_depth:
+            reads = [depths.read(y)]
+            while len(reads) < depth:
+                y = depths.advance(reads[-1].token, y)  # the argmax stays on the device
+                reads.append(depths.read(y))
+            mx.eval([r.ids for r in reads], [r.logp for r in reads], committed)  # one sync for all depths
+            depths.close()
+            ids, logp = np.stack([np.array(r.ids) for r in reads]), np.stack([np.array(r.logp) for r in reads])
+            kept = self._kept(logp[:, 0])
+            return Marginals(ids[:kept].astype(np.int64), logp[:kept].astype(np.float64))
+        ids_rows, logp_rows, path = [], [], 0.0
         for d in range(depth):
             read = depths.read(y)
             # one small sync a depth (k ids and values): the stop rule needs them on the host
-            mx.eval(read.ids, read.logp, [a for c in self.cache for a in c.arrays()] if d == 0 else [])
-            ids.append(np.array(read.ids))
-            logp.append(np.array(read.logp))
-            path += float(logp[-1][0])
+            mx.eval(read.ids, read.logp, committed if d == 0 else [])
+            ids_rows.append(np.array(read.ids))
+            logp_rows.append(np.array(read.logp))
+            path += float(logp_rows[-1][0])
             if d + 1 == depth or path < self.log_min_path:
                 break
             y = depths.advance(read.token, y)  # the argmax stays on the device
         depths.close()
-        return Marginals(np.stack(ids).astype(np.int64), np.stack(logp).astype(np.float64))
+        return Marginals(np.stack(ids_rows).astype(np.int64), np.stack(logp_rows).astype(np.float64))
+
+    def _kept(self, top1: np.ndarray) -> int:
+        """How many depths the stop rule keeps of these top-1 log-probabilities: through the first
+        depth where the top-1 path's log-probability falls below the bound (all if it never does),
+        where the depth-by-depth loop above stops."""
+        path = np.cumsum(top1.astype(np.float64))
+        below = np.nonzero(path < self.log_min_path)[0]
+        return int(below[0]) + 1 if below.size else len(top1)
 
     def observe(self, emitted: list[int]) -> None:
         self.tokens += emitted

@@ -83,12 +83,13 @@ class Lockstep(MTPDrafter):
 
     def _draft(self, y: mx.array, depth: int, k: int) -> Marginals:
         m = super()._draft(y, depth, k)
-        own = self.steps, self.log_min_path
-        self.steps, self.log_min_path = self.twin.steps, self.twin.log_min_path
+        own = self.steps, self.log_min_path, self.sync_each_depth
+        self.steps, self.log_min_path, self.sync_each_depth = (self.twin.steps, self.twin.log_min_path,
+                                                               self.twin.sync_each_depth)
         try:
             self.rounds.append((m, super()._draft(y, depth, k)))
         finally:
-            self.steps, self.log_min_path = own
+            self.steps, self.log_min_path, self.sync_each_depth = own
         return m
 
 
@@ -126,3 +127,18 @@ def test_compiled_and_plain_steps_draft_the_same(engine, tree):
     for fast, plain in lockstep(engine, tree, config, MTPConfig(min_path_prob=0.05, compiled=False), SAMPLED):
         np.testing.assert_array_equal(fast.ids, plain.ids)
         np.testing.assert_allclose(fast.logp, plain.logp, atol=1e-5)
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "plain"])
+@pytest.mark.parametrize("tree", ["chain", "ddtree"])
+def test_one_eval_and_a_sync_each_depth_draft_the_same(engine, tree, compiled):
+    """All depths queued as one graph and cut by the stop rule afterwards (GPUs) give the marginals
+    the depth-by-depth draft gives (the CPU), cut where it stopped."""
+    each = MTPConfig(min_path_prob=1e-5, compiled=compiled, sync_each_depth=True)
+    once = MTPConfig(min_path_prob=1e-5, compiled=compiled, sync_each_depth=False)
+    depths = []
+    for a, b in lockstep(engine, tree, each, once, SAMPLED):
+        np.testing.assert_array_equal(a.ids, b.ids)
+        np.testing.assert_allclose(a.logp, b.logp, atol=1e-6)
+        depths.append(a.depth)
+    assert len(set(depths)) > 1, depths  # the rule cut drafts at different depths
