@@ -2,7 +2,8 @@
 
     python scripts/bench_context.py [--model DIR] [--lengths 64,2048,4000,8000] [--tokens 96] [--runs 3]
                                     [--temperature 1.0 --seed 0]
-                                    [--methods none,ngram,ngram-fixed]   (also: draft, mtp, dflash, each -fixed)
+                                    [--methods none,ngram,ngram-fixed]   (also: draft, mtp, dflash, each -fixed;
+                                                                          mtp-v0, dflash-v0: no draft vocabulary)
 
 The engine is called directly (no server), greedy, after a prompt of random token ids (guesses
 mostly miss there: the honest case for speculation). Runs interleave methods and lengths; medians.
@@ -40,7 +41,10 @@ METHODS = {"none": SpecConfig(), "ngram": SpecConfig(method="ngram"),
            "mtp": SpecConfig(method="mtp", tree="ddtree"),
            "mtp-fixed": SpecConfig(method="mtp", tree="ddtree", adaptive=False),
            "dflash": SpecConfig(method="dflash", tree="ddtree"),
-           "dflash-fixed": SpecConfig(method="dflash", tree="ddtree", adaptive=False)}
+           "dflash-fixed": SpecConfig(method="dflash", tree="ddtree", adaptive=False),
+           # the one-pass drafters over the whole vocabulary (the others: the checkpoint's draft vocabulary)
+           "mtp-v0": SpecConfig(method="mtp", tree="ddtree", draft_vocab=0),
+           "dflash-v0": SpecConfig(method="dflash", tree="ddtree", draft_vocab=0)}
 
 
 def distinct_8grams(tokens: list[int]) -> float:

@@ -8,7 +8,12 @@ first whatever their count; metadata `default_size`, the size the engine uses un
 otherwise. Prints the share of the corpus's and the held-out text's tokens the first N cover.
 
     python scripts/build_corpus.py build/bundled_data
-    python scripts/draft_vocab.py --corpus build/bundled_data --checkpoint engine/bundled/target --default-size 2048
+    python scripts/draft_vocab.py --corpus build/bundled_data --checkpoint engine/bundled/target --default-size 1024
+
+Without a corpus in the model's own domain, `--order id` ranks by token id (added tokens first):
+a byte-level BPE vocabulary numbers its merges in the order its training learnt them, most frequent
+pairs first, so low ids are roughly the frequent ones. A corpus given with it is only counted for
+the coverage report (the bundled tokenizer on its own corpus: see the target's card).
 """
 
 from __future__ import annotations
@@ -52,16 +57,22 @@ def coverage(ranked: np.ndarray, count: np.ndarray, size: int) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--corpus", required=True, help="a build_corpus.py output directory (train.jsonl, heldout.jsonl)")
+    p.add_argument("--corpus", help="a build_corpus.py output directory (train.jsonl, heldout.jsonl)")
+    p.add_argument("--order", choices=("count", "id"), default="count",
+                   help="count: by frequency in the corpus; id: by token id (no corpus needed)")
     p.add_argument("--checkpoint", required=True, help="the checkpoint directory (its tokenizer; the file goes there)")
     p.add_argument("--default-size", type=int, required=True, help="the draft vocabulary's default size")
     args = p.parse_args(argv)
+    if args.order == "count" and not args.corpus:
+        raise SystemExit("--order count needs --corpus")
     tok = Tokenizer.from_dir(args.checkpoint)
-    corpus = Path(args.corpus)
-    train = counts(tok, corpus / "train.jsonl", tok.vocab_size)
-    ranked = rank(train, list(tok.added_token_ids))  # chat and FIM markers: few, and they end answers
-    heldout = counts(tok, corpus / "heldout.jsonl", tok.vocab_size) if (corpus / "heldout.jsonl").exists() else None
-    for size in SIZES:
+    corpus = Path(args.corpus) if args.corpus else None
+    train = counts(tok, corpus / "train.jsonl", tok.vocab_size) if corpus else np.zeros(tok.vocab_size, np.int64)
+    # chat and FIM markers first: few, and they end answers
+    ranked = rank(train if args.order == "count" else -np.arange(tok.vocab_size), list(tok.added_token_ids))
+    heldout = counts(tok, corpus / "heldout.jsonl", tok.vocab_size) \
+        if corpus and (corpus / "heldout.jsonl").exists() else None
+    for size in SIZES if corpus else ():
         line = f"first {size:5d}: {coverage(ranked, train, size):.4f} of the training text's tokens"
         if heldout is not None:
             line += f", {coverage(ranked, heldout, size):.4f} of the held-out text's"
@@ -69,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     if not 0 < args.default_size <= ranked.size:
         raise SystemExit(f"--default-size must be in 1..{ranked.size}, got {args.default_size}")
     out = Path(args.checkpoint) / "draft_vocab.safetensors"
-    save_file({"ranked_ids": ranked}, str(out), metadata={"default_size": str(args.default_size),
+    save_file({"ranked_ids": ranked}, str(out), metadata={"default_size": str(args.default_size), "order": args.order,
                                                           "tokens_counted": str(int(train.sum()))})
     print(f"wrote {out} ({ranked.size} ids, default size {args.default_size})")
 
