@@ -39,6 +39,7 @@ class DFlashDrafter:
         # the block's lm_head rows: the draft vocabulary's where there is one (logits' columns are then its ids)
         self.vocab = vocab
         self.logits = target.logits if vocab is None else sub_logits(target, vocab)
+        self.host_ids = None if vocab is None else np.array(vocab.ids).astype(np.int64)  # columns -> ids, on the host
         # Weaver's prompt starts with the target's final-normed hidden state of the last committed position
         self.taps = FeatureTaps(tuple(set(model.config.target_layer_ids)), final=weaver is not None)
         self.features: FeatureCache | None = None
@@ -86,9 +87,7 @@ class DFlashDrafter:
     def marginals(self, root: int, depth: int) -> Marginals:
         """Top-k marginals of the next `depth` positions after `root`."""
         m = Marginals.from_logits(self.draft(root, depth)[1], self.top_k)
-        if self.vocab is None:
-            return m
-        return Marginals(np.array(self.vocab.ids).astype(np.int64)[m.ids], m.logp)
+        return m if self.host_ids is None else Marginals(self.host_ids[m.ids], m.logp)
 
     def propose(self, root: int, budget: int, max_depth: int) -> DraftTree:
         committed = self._catch_up()  # even for a root-only tree: the context stays in step

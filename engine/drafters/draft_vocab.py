@@ -3,12 +3,13 @@ score only the most frequent tokens of the target's vocabulary, through those ro
 lm_head, so a depth of drafting reads a fraction of it.
 
 Why: an MTP depth is a head pass plus an lm_head pass, and the lm_head pass is a read of the whole
-output projection (the bundled target's 8192 x 384 fp32 rows: 2.0 ms a depth on the dev CPU with
-the weights out of cache, 0.70 ms for the first 2048 rows; a real Qwen3.5 vocabulary of 248,320 rows
-is a 1 GB read in bf16 at hidden 2048+). A drafter restricted this way can only propose tokens of
-the subset; the target's accept walk is unchanged, so the output is too (lossless). What it costs
+output projection (the bundled target's 8192 x 384 fp32 rows: 1.9 ms a depth on the dev CPU with
+the weights out of cache, 0.54 ms for the first 1024 rows; the 9B Qwen3.5 shape's 248,320 x 4096
+rows in 4 bits on the H200: 0.49 ms, 0.26 ms for 32,768; scripts/bench_draft_vocab.py). A drafter
+restricted this way can only propose tokens of the subset; the target's accept walk is unchanged,
+so the output is too (lossless). What it costs
 is acceptance where the target's next token is outside the subset (the bundled corpus: the first
-2048 ranked ids cover 89 % of the tokens, 4096 cover 95 %: scripts/draft_vocab.py).
+1024 ranked ids cover 82 % of the tokens, 4096 cover 95 %: scripts/draft_vocab.py).
 
 The ranking lives beside the checkpoint (`draft_vocab.safetensors`: `ranked_ids`, every id, most
 frequent first; metadata `default_size`). Log-probabilities are normalised over the subset, so

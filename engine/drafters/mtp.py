@@ -66,7 +66,7 @@ class MTPDrafter:
                  vocab: DraftVocab | None = None) -> None:
         self.target, self.head, self.build, self.config = target, head, build, config
         # the lm_head pass of every depth: over the draft vocabulary's rows where there is one
-        self.vocab = None if vocab is None else vocab.ids
+        self.vocab_ids = None if vocab is None else vocab.ids
         self.logits = target.logits if vocab is None else sub_logits(target, vocab)
         self.taps = FeatureTaps(final=True)
         self.features: FeatureCache | None = None
@@ -74,7 +74,7 @@ class MTPDrafter:
         self.tokens: list[int] = []  # prompt + emitted; tokens[committed] is the root
         self.cache = head.make_cache()
         self.embed: Callable[[mx.array], mx.array] = target.model.embed_tokens  # type: ignore[attr-defined]
-        self.steps = CompiledSteps(self.logits, self.embed, head, config.max_steps - 1, self.vocab) \
+        self.steps = CompiledSteps(self.logits, self.embed, head, config.max_steps - 1, self.vocab_ids) \
             if config.compiled else None
         self.log_min_path = math.log(config.min_path_prob) if config.min_path_prob > 0 else -math.inf
         self.last: mx.array | None = None  # the head's output at the last row it has caught up to
@@ -133,13 +133,13 @@ class MTPDrafter:
         ids = mx.concatenate([known, root.reshape(1, 1).astype(mx.int32)], axis=1)
         self.last = self.head.append(self.embed(ids), self._hidden(done, committed), self.cache)
         token = mx.argmax(self.logits(self.last)[0, 0])
-        return (token if self.vocab is None else self.vocab[token]).reshape(1, 1)
+        return (token if self.vocab_ids is None else self.vocab_ids[token]).reshape(1, 1)
 
     def _draft(self, y: mx.array, depth: int, k: int) -> Marginals:
         """The top-k marginals of depths 1..depth (fewer where the top-1 path's probability drops
         below min_path_prob), from the head's output y [1, 1, H] of the last committed row."""
         depths: Depths = self.steps.begin(self.cache, k) if self.steps is not None else \
-            PlainDepths(self.logits, self.embed, self.head, self.cache, k, self.vocab)
+            PlainDepths(self.logits, self.embed, self.head, self.cache, k, self.vocab_ids)
         committed = [a for c in self.cache for a in c.arrays()]
         if not self.sync_each_depth:
             reads = [depths.read(y)]
