@@ -140,10 +140,11 @@ class Engine:
 
     def draft_vocab(self, size: int | None) -> DraftVocab | None:
         """The one-pass drafters' reduced vocabulary of `size` tokens (SpecConfig.draft_vocab), loaded
-        once per size; None: the whole vocabulary."""
+        and its lm_head rows gathered once per size; None: the whole vocabulary."""
         if size not in self._draft_vocabs:
             try:
-                self._draft_vocabs[size] = DraftVocab.load(self.config.model_path, size)
+                vocab = DraftVocab.load(self.config.model_path, size)
+                self._draft_vocabs[size] = None if vocab is None else vocab.bound(self.model)
             except (OSError, ValueError) as e:
                 raise RequestError(f"draft vocabulary: {e}") from None
         return self._draft_vocabs[size]

@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     corpus = Path(args.corpus) if args.corpus else None
     train = counts(tok, corpus / "train.jsonl", tok.vocab_size) if corpus else np.zeros(tok.vocab_size, np.int64)
     # chat and FIM markers first: few, and they end answers
+    # --order id: a "count" that falls with the id ranks by id
     ranked = rank(train if args.order == "count" else -np.arange(tok.vocab_size), list(tok.added_token_ids))
     heldout = counts(tok, corpus / "heldout.jsonl", tok.vocab_size) \
         if corpus and (corpus / "heldout.jsonl").exists() else None

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import mlx.core as mx
 import numpy as np
 
-from engine.drafters.draft_vocab import DraftVocab, sub_logits
+from engine.drafters.draft_vocab import DraftVocab
 from engine.drafters.marginals import Marginals
 from engine.drafters.weaver import WeaverTrees
 from engine.feature_cache import FeatureCache, FeatureTaps
@@ -38,7 +38,7 @@ class DFlashDrafter:
         self.target, self.model, self.build, self.top_k, self.weaver = target, model, build, top_k, weaver
         # the block's lm_head rows: the draft vocabulary's where there is one (logits' columns are then its ids)
         self.vocab = vocab
-        self.logits = target.logits if vocab is None else sub_logits(target, vocab)
+        self.logits = target.logits if vocab is None else vocab.logits_for(target)
         self.host_ids = None if vocab is None else np.array(vocab.ids).astype(np.int64)  # columns -> ids, on the host
         # Weaver's prompt starts with the target's final-normed hidden state of the last committed position
         self.taps = FeatureTaps(tuple(set(model.config.target_layer_ids)), final=weaver is not None)

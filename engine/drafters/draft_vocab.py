@@ -19,7 +19,7 @@ the trees' path scores are those of the drafter's distribution renormalised to i
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -37,10 +37,15 @@ Logits = Callable[[mx.array], mx.array]
 @dataclass(frozen=True)
 class DraftVocab:
     ids: mx.array  # int32 [N]: the token ids a drafter may propose, most frequent first
+    # the target's lm_head over these ids (`bound`), gathered once per engine rather than per
+    # request's drafter; None: a drafter gathers its own (sub_logits)
+    logits: Logits | None = None
 
-    @property
-    def size(self) -> int:
-        return self.ids.shape[0]
+    def bound(self, target: CausalLM) -> DraftVocab:
+        return replace(self, logits=sub_logits(target, self))
+
+    def logits_for(self, target: CausalLM) -> Logits:
+        return self.logits if self.logits is not None else sub_logits(target, self)
 
     @classmethod
     def load(cls, checkpoint: str | Path, size: int | None = None) -> DraftVocab | None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from engine.drafters.draft_vocab import DraftVocab, sub_logits
+from engine.drafters.draft_vocab import DraftVocab
 from engine.drafters.marginals import Marginals
 from engine.drafters.mtp_steps import CompiledSteps, Depths, PlainDepths
 from engine.feature_cache import FeatureCache, FeatureTaps
@@ -67,7 +67,7 @@ class MTPDrafter:
         self.target, self.head, self.build, self.config = target, head, build, config
         # the lm_head pass of every depth: over the draft vocabulary's rows where there is one
         self.vocab_ids = None if vocab is None else vocab.ids
-        self.logits = target.logits if vocab is None else sub_logits(target, vocab)
+        self.logits = target.logits if vocab is None else vocab.logits_for(target)
         self.taps = FeatureTaps(final=True)
         self.features: FeatureCache | None = None
         self.slot = 0

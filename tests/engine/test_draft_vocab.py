@@ -106,6 +106,10 @@ def test_engine_and_cli_errors(tiny_qwen35_mtp, tmp_path):
     settings = engine_settings(parser.parse_args(["run", "--model", str(path), "--spec", "mtp", "--draft-vocab",
                                                   "40", "-m", "hi"]))
     assert settings.config.spec.draft_vocab == 40
+    ranked_engine = Engine(EngineConfig(model_path=str(path)))
+    bound = ranked_engine.draft_vocab(None)  # the checkpoint's default, its lm_head rows gathered once
+    assert bound is not None and bound.logits is not None and ranked_engine.draft_vocab(None) is bound
+    assert bound.ids.shape == (50,)
     with pytest.raises(SettingsError, match="--draft-vocab: draft vocabulary size"):
         engine_settings(parser.parse_args(["run", "--model", str(path), "--draft-vocab", str(V + 5), "-m", "hi"]))
 
