@@ -77,3 +77,91 @@ SPR_FN uint spr_dequant_pair4(uint w, int i, uint scale2, uint bias2);
 SPR_DEQUANT_PAIR4_FOR(__nv_bfloat16, __nv_bfloat162, 0x43004300u)
 SPR_DEQUANT_PAIR4_FOR(__half, __half2, 0x64006400u)
 #undef SPR_DEQUANT_PAIR4_FOR
+
+// Deferred scales (DQ = 2 in qmm_mma.kernel). Nibbles i and i + 4 (i = 0..3) of a word of eight
+// 4-bit weights as a pair of the activation type worth OFFSET + q each, exact: the mask-and-or
+// of the paired form without its subtraction and FMA (the scale is applied to the group's sum).
+// off2: spr_offset2 in a register the compiler cannot fold (see the kernel), so that the
+// mask-and-or is one LOP3: with both constants as immediates ptxas splits it in two (a LOP3 takes
+// one immediate).
+SPR_FN uint spr_raw_pair4(uint w, int i, uint off2) { return ((w >> (4 * i)) & 0x000F000Fu) | off2; }
+
+// the offset spr_raw_pair4 adds (a float of the type whose last mantissa bit is worth 1), the
+// same in both halves of a pair, and a pair of ones (the A of the MMA that sums a group's activations)
+template <typename T>
+SPR_FN float spr_pair_offset();
+template <>
+SPR_FN float spr_pair_offset<__nv_bfloat16>() { return 128.0f; }
+template <>
+SPR_FN float spr_pair_offset<__half>() { return 1024.0f; }
+template <typename T>
+SPR_FN uint spr_offset2();
+template <>
+SPR_FN uint spr_offset2<__nv_bfloat16>() { return 0x43004300u; }
+template <>
+SPR_FN uint spr_offset2<__half>() { return 0x64006400u; }
+template <typename T>
+SPR_FN uint spr_one2();
+template <>
+SPR_FN uint spr_one2<__nv_bfloat16>() { return 0x3F803F80u; }
+template <>
+SPR_FN uint spr_one2<__half>() { return 0x3C003C00u; }
+
+// A lane's share of one step (16 words = 128 4-bit inputs) of a weight row: WPL words of each of
+// the step's 4 / WPL groups, those of lane t, group by group. WPL = 4 is one 16-byte load.
+template <int WPL>
+SPR_FN uint4 spr_lane_words(const uint* step, uint t);
+template <>
+SPR_FN uint4 spr_lane_words<4>(const uint* step, uint t) { return *reinterpret_cast<const uint4*>(step + 4 * t); }
+template <>
+SPR_FN uint4 spr_lane_words<2>(const uint* step, uint t) {
+  const uint2 a = *reinterpret_cast<const uint2*>(step + 2 * t);
+  const uint2 b = *reinterpret_cast<const uint2*>(step + 8 + 2 * t);
+  return make_uint4(a.x, a.y, b.x, b.y);
+}
+template <>
+SPR_FN uint4 spr_lane_words<1>(const uint* step, uint t) {
+  return make_uint4(step[t], step[4 + t], step[8 + t], step[12 + t]);
+}
+
+// N (1, 2 or 4) consecutive 16-bit values, packed low half first: one register for up to two (a
+// register a row saved keeps the one-row build at 64 registers, two blocks of 512 threads an SM)
+template <int N>
+struct spr_halves {
+  using type = uint;
+};
+template <>
+struct spr_halves<4> {
+  using type = uint2;
+};
+
+// one load of N values from p (aligned to N values: the step's groups of a row start at a
+// multiple of N)
+template <int N, typename T>
+SPR_FN typename spr_halves<N>::type spr_load_halves(const T* p);
+template <>
+SPR_FN uint spr_load_halves<1, __nv_bfloat16>(const __nv_bfloat16* p) {
+  return uint(*reinterpret_cast<const unsigned short*>(p));
+}
+template <>
+SPR_FN uint spr_load_halves<1, __half>(const __half* p) { return uint(*reinterpret_cast<const unsigned short*>(p)); }
+template <>
+SPR_FN uint spr_load_halves<2, __nv_bfloat16>(const __nv_bfloat16* p) { return *reinterpret_cast<const uint*>(p); }
+template <>
+SPR_FN uint spr_load_halves<2, __half>(const __half* p) { return *reinterpret_cast<const uint*>(p); }
+template <>
+SPR_FN uint2 spr_load_halves<4, __nv_bfloat16>(const __nv_bfloat16* p) { return *reinterpret_cast<const uint2*>(p); }
+template <>
+SPR_FN uint2 spr_load_halves<4, __half>(const __half* p) { return *reinterpret_cast<const uint2*>(p); }
+
+// value i of spr_load_halves' result as a float
+template <typename T>
+SPR_FN float spr_half_to_float(uint v, int i);
+template <>
+SPR_FN float spr_half_to_float<__nv_bfloat16>(uint v, int i) { return __uint_as_float(i % 2 ? v & 0xFFFF0000u : v << 16); }
+template <>
+SPR_FN float spr_half_to_float<__half>(uint v, int i) {
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(i % 2 ? v >> 16 : v & 0xFFFFu)));
+}
+template <typename T>
+SPR_FN float spr_half_to_float(uint2 v, int i) { return spr_half_to_float<T>(i < 2 ? v.x : v.y, i % 2); }
