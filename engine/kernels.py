@@ -233,19 +233,16 @@ def quantized_matmul_rows(x: mx.array, w: mx.array, scales: mx.array, biases: mx
         output_shapes=[(m, o)], output_dtypes=[x.dtype])[0]
 
 
-def mma_config(o: int, i: int, bits: int, dequant: int = 1) -> tuple[int, int]:
+def mma_config(o: int, i: int, bits: int) -> tuple[int, int]:
     """(RT, KW) of qmm_mma for a weight [o x i]: 16-row tiles per warp and warps splitting the
     reduction. From the weight's shape only, never from the row count: a row's result must not
     depend on M. Measured on the H200 (scripts/bench_qmm.py --configs, 9B shapes, M = 1 and 17):
     one tile a warp and four warps a block were best or within 5 % of it on every shape; two
     tiles (fewer blocks) lost 20-35 % at M = 1. Long reductions (MMA_LONG_STEPS steps or more,
-    the 9B down_proj's 12288 inputs) take MMA_LONG_KW warps: one warp walks fewer dependent steps.
-    With deferred scales (dequant 2) at most 8: its 17-32-row builds take 134-140 registers a
-    thread, more than a block of 16 warps may hold (65,536), and the launch would fail."""
+    the 9B down_proj's 12288 inputs) take MMA_LONG_KW warps: one warp walks fewer dependent steps."""
     steps = i // (16 * (32 // bits))
     if steps >= MMA_LONG_STEPS:
-        kw = MMA_LONG_KW if dequant != 2 or bits != 4 else min(MMA_LONG_KW, 8)
-        return 1, max(4, min(kw, steps // 6))
+        return 1, max(4, min(MMA_LONG_KW, steps // 6))
     return 1, max(1, min(4, steps))
 
 
@@ -266,29 +263,24 @@ def mma_covers(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | No
             and i % (16 * (32 // bits)) == 0 and w.shape[1] * (32 // bits) == i)
 
 
-# How qmm_mma dequantizes 4-bit weights (DQ in metal/qmm_mma.kernel); 8-bit weights always take 0.
-# 0: one by one in fp32 (six instructions a weight); 1: paired, two weights a mask-and-or, a
-# subtraction and an FMA in the activation type (one bf16 rounding of scale * q + bias); 2: deferred
-# scales, the MMAs take OFF + q exactly (a mask-and-or a pair) and each group's fp32 sums are scaled
-# after its MMAs, with one more MMA for the activations' group sums. Rows stay bitwise equal
-# whatever M is in every mode; the modes round differently from each other.
-MMA_DEQUANT = 1
-MMA_DEQUANT_MODES = (0, 1, 2)
+# Paired dequantization in qmm_mma (DQ in metal/qmm_mma.kernel), for 4-bit weights: two weights
+# a mask-and-or, a subtraction and an FMA in the activation type, instead of six fp32 instructions
+# a weight. Rows stay bitwise equal whatever M is; the rounding differs from DQ = 0 (one bf16
+# rounding of scale * q + bias instead of fp32 then bf16), within the twin's tolerance.
+MMA_PAIRED_DEQUANT = True
 
 
 def quantized_matmul_mma(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
-                         bits: int, config: tuple[int, int] | None = None, dequant: int | None = None) -> mx.array:
+                         bits: int, config: tuple[int, int] | None = None, paired: bool | None = None) -> mx.array:
     """x [M, I] @ dequantize(w)^T on CUDA tensor cores (metal/qmm_mma.kernel), batch-invariant;
-    the caller checks mma_covers. config: (RT, KW), for the micro-benchmark's sweep; dequant: the
-    4-bit dequantization (MMA_DEQUANT unless given; ignored for 8-bit weights)."""
+    the caller checks mma_covers. config: (RT, KW), for the micro-benchmark's sweep; paired:
+    MMA_PAIRED_DEQUANT unless given (4-bit weights only)."""
     m, i = x.shape
     o = w.shape[0]
-    dq = (MMA_DEQUANT if dequant is None else dequant) if bits == 4 else 0
-    if dq not in MMA_DEQUANT_MODES:
-        raise ValueError(f"qmm_mma dequantization mode {dq}: not one of {MMA_DEQUANT_MODES}")
-    rt, kw = config or mma_config(o, i, bits, dq)
+    rt, kw = config or mma_config(o, i, bits)
     nt = -(-m // 8)
     blocks = -(-o // (16 * rt))
+    dq = int(bits == 4 and (MMA_PAIRED_DEQUANT if paired is None else paired))
     template = [("OutT", x.dtype), ("GS", group_size), ("BITS", bits), ("NT", nt), ("RT", rt), ("KW", kw),
                 ("DQ", dq)]
     return compiled_kernel(QMM_MMA, "cuda")(

@@ -7,7 +7,7 @@ with mlx-lm's own model code (a Qwen3.5-9B-shaped 4-bit g64 target, a 0.8B-shape
 and uses the bundled model as shipped; then prints and writes (DIR/results.json, DIR/results.md):
 - plain decode tok/s: Spruce with the GDN kernels, Spruce with the plain-ops core, mlx-lm (and any
   variant --cores names: "-mlxqmm" MLX's quantized matmul, "-kwN" N warps on long reductions,
-  "-dqN" qmm_mma's 4-bit dequantization mode N, "-evN" a verify handed to the device every N
+  "-dq0" qmm_mma without paired dequantization, "-evN" a verify handed to the device every N
   layers),
   the runs interleaved (one of each setup in turn) after a warm-up of each;
 - greedy tokens equal or not, and the max |logit| difference on a 128-token prompt (parity);
@@ -69,22 +69,22 @@ def section(name: str) -> Iterator[None]:
 @contextlib.contextmanager
 def variant_setting(core: str) -> Iterator[None]:
     """What a variant sets around each of its engine's calls: "-kwN" runs qmm_mma's long
-    reductions with N warps a block (engine.kernels.MMA_LONG_KW), "-dqN" sets its 4-bit
-    dequantization mode (engine.kernels.MMA_DEQUANT: 0 one by one, 1 paired, 2 deferred scales),
-    "-evN" hands a multi-node verify to the device every N layers (engine.forward.VERIFY_EVAL_EVERY;
-    0 = at the end). Compiled layer graphs are per model instance and trace on first use, so each
-    engine's graphs carry its own setting."""
+    reductions with N warps a block (engine.kernels.MMA_LONG_KW), "-dq0" / "-dq1" turns its paired
+    dequantization off / on (engine.kernels.MMA_PAIRED_DEQUANT), "-evN" hands a multi-node verify
+    to the device every N layers (engine.forward.VERIFY_EVAL_EVERY; 0 = at the end). Compiled
+    layer graphs are per model instance and trace on first use, so each engine's graphs carry its
+    own setting."""
     from engine import forward, kernels
 
-    saved = kernels.MMA_LONG_KW, kernels.MMA_DEQUANT, forward.VERIFY_EVAL_EVERY
+    saved = kernels.MMA_LONG_KW, kernels.MMA_PAIRED_DEQUANT, forward.VERIFY_EVAL_EVERY
     suffix = core.rpartition("-")[2]
     kernels.MMA_LONG_KW = int(suffix[2:]) if suffix.startswith("kw") else saved[0]
-    kernels.MMA_DEQUANT = int(suffix[2:]) if suffix.startswith("dq") else saved[1]
+    kernels.MMA_PAIRED_DEQUANT = suffix[2:] == "1" if suffix.startswith("dq") else saved[1]
     forward.VERIFY_EVAL_EVERY = int(suffix[2:]) if suffix.startswith("ev") else saved[2]
     try:
         yield
     finally:
-        kernels.MMA_LONG_KW, kernels.MMA_DEQUANT, forward.VERIFY_EVAL_EVERY = saved
+        kernels.MMA_LONG_KW, kernels.MMA_PAIRED_DEQUANT, forward.VERIFY_EVAL_EVERY = saved
 
 
 def spruce_engine(path: Path, dtype: str, core: str) -> Any:

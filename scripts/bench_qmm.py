@@ -5,7 +5,7 @@ streaming rate, metal/read_stream.kernel; on Metal in qmm_rows' launch shape), s
 shapes of the 9B, 4B, 0.8B and bundled Qwen3.5 layouts (fused projections included).
 
     python scripts/bench_qmm.py [--rows 1,2,4,8,16,17,32] [--mode throughput|latency] [--launches 40]
-                                [--configs 1x8,2x8] [--dq 1,2] [--shapes "9b mlp down,..."] [--dequant]
+                                [--configs 1x8,2x8] [--paired 1,0] [--shapes "9b mlp down,..."] [--dequant]
 
     e.g. prefill-sized rows: --rows 512,2048 --dequant --no-rows-kernel (qmm_mma covers <= 32 rows)
 
@@ -37,7 +37,6 @@ if __name__ == "__main__":  # a BLAS preload works only from process start: befo
 import mlx.core as mx
 
 from engine.kernels import (  # noqa: E402
-    MMA_DEQUANT,
     gpu_backend,
     mma_config,
     mma_covers,
@@ -92,9 +91,8 @@ def main() -> None:
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--configs", default="", help="qmm_mma (RT x KW) settings to sweep, e.g. 1x8,2x8,1x4")
-    ap.add_argument("--dq", default="", help="qmm_mma's 4-bit dequantization modes (DQ: 0 one by one, 1 paired, "
-                                             "2 deferred scales), each in turn: e.g. 1,2 (default: the engine's, "
-                                             "engine.kernels.MMA_DEQUANT)")
+    ap.add_argument("--paired", default="", help="qmm_mma's paired dequantization (DQ), each setting in turn: "
+                                                 "e.g. 1,0 (default: the engine's, engine.kernels.MMA_PAIRED_DEQUANT)")
     ap.add_argument("--shapes", default="", help="comma-separated names of SHAPES (default: all)")
     ap.add_argument("--no-rows-kernel", action="store_true", help="leave out the scalar qmm_rows kernel")
     ap.add_argument("--dequant", action="store_true",
@@ -107,7 +105,7 @@ def main() -> None:
         sys.exit("bench_qmm needs a GPU backend")
     rows = [int(r) for r in a.rows.split(",")]
     configs = [tuple(int(v) for v in c.split("x")) for c in a.configs.split(",") if c]
-    a.dq_modes = [int(v) for v in a.dq.split(",") if v] or [None]
+    a.paired_settings = [bool(int(v)) for v in a.paired.split(",") if v] or [None]
     names = [s.strip() for s in a.shapes.split(",") if s.strip()] or list(SHAPES)
     kernels = ("built-in" + ("" if a.no_rows_kernel else " / qmm_rows") + (" / dequant+matmul" if a.dequant else "")
                + (" / qmm_mma" if backend == "cuda" else ""))
@@ -141,15 +139,15 @@ def row(name: str, out: int, inp: int, rows: list[int], a: argparse.Namespace, b
         if a.dequant:
             times.append(timed(partial(dequant_matmul, x, wq, scales, biases, a.group_size, a.bits), a.launches))
         if backend == "cuda" and mma_covers(x, wq, scales, biases, a.group_size, a.bits):
-            for config in configs or [None]:
-                for dq in a.dq_modes:
+            for config in configs or [mma_config(out, inp, a.bits)]:
+                for paired in a.paired_settings:
                     times.append(timed(partial(quantized_matmul_mma, x, wq, scales, biases, a.group_size, a.bits,
-                                               config and tuple(config), dq), a.launches))
+                                               tuple(config), paired), a.launches))
         cells.append(" / ".join(f"{t:.1f}" for t in times))
-    used = configs or [mma_config(out, inp, a.bits, MMA_DEQUANT if dq is None else dq) for dq in a.dq_modes]
-    label = f"{name} {out}x{inp} ({'configs' if configs else 'mma'} {', '.join('x'.join(map(str, c)) for c in used)})"
-    if a.dq:
-        label += f" (dequantization modes {a.dq})"
+    label = f"{name} {out}x{inp}" + (f" (configs {', '.join('x'.join(map(str, c)) for c in configs)})"
+                                     if configs else f" (mma {'x'.join(map(str, mma_config(out, inp, a.bits)))})")
+    if a.paired:
+        label += f" (paired dequantization {a.paired})"
     return f"| {label} | {floor:.1f} us ({nbytes / floor / 1e6:.2f} TB/s) | " + " | ".join(cells) + " |"
 
 

@@ -1,6 +1,6 @@
 """Registers, spills and shared memory of qmm_mma's builds, as nvcc's assembler reports them.
 
-    python scripts/kernel_registers.py [--nt 1,3,4] [--kw 4,16] [--dq 0,1,2] [--rt 1] [--gs 64]
+    python scripts/kernel_registers.py [--nt 1,3,4] [--kw 4,16] [--dq 0,1] [--rt 1]
 
 Where nvcc is (the GPU machine). Renders the exact text MLX hands NVRTC (tests/kernels/render.py)
 for each template and compiles it for sm_90 with `-Xptxas -v`: a build that spills or needs more
@@ -43,16 +43,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nt", default="1,3,4", help="8-row activation tiles (M = 1..8, 17..24, 25..32)")
     ap.add_argument("--kw", default="4,16", help="warps a block")
-    ap.add_argument("--dq", default="0,1,2", help="4-bit dequantization: one by one, paired, deferred scales")
+    ap.add_argument("--dq", default="0,1", help="paired dequantization off / on")
     ap.add_argument("--rt", default="1", help="16-row output tiles a warp")
-    ap.add_argument("--gs", default="64", help="group sizes")
     a = ap.parse_args()
     if shutil.which("nvcc") is None:
         sys.exit("kernel_registers needs nvcc (CUDA's compiler)")
     with tempfile.TemporaryDirectory() as tmp:
-        for nt, kw, dq, rt, gs in itertools.product(*(map(int, v.split(",")) for v in (a.nt, a.kw, a.dq, a.rt, a.gs))):
-            template = dict(OutT="bfloat16", GS=gs, BITS=4, NT=nt, RT=rt, KW=kw, DQ=dq)
-            print(f"NT={nt} KW={kw} DQ={dq} RT={rt} GS={gs}: {ptxas_report(template, Path(tmp))}", flush=True)
+        for nt, kw, dq, rt in itertools.product(*(map(int, v.split(",")) for v in (a.nt, a.kw, a.dq, a.rt))):
+            template = dict(OutT="bfloat16", GS=64, BITS=4, NT=nt, RT=rt, KW=kw, DQ=dq)
+            print(f"NT={nt} KW={kw} DQ={dq} RT={rt}: {ptxas_report(template, Path(tmp))}", flush=True)
 
 
 if __name__ == "__main__":

@@ -19,10 +19,6 @@ struct uint4 {
   unsigned x, y, z, w;
 };
 inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return uint4{x, y, z, w}; }
-struct uint2 {
-  unsigned x, y;
-};
-inline uint2 make_uint2(unsigned x, unsigned y) { return uint2{x, y}; }
 inline float __uint_as_float(unsigned x) { return static_cast<float>(x); }
 inline void __syncthreads() {}
 inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) { return x ^ y ^ s; }

@@ -111,26 +111,3 @@ def test_a_typo_in_a_body_fails_the_check(tmp_path, monkeypatch):
     cuda = render_cuda(spec, dtypes_for(spec, "float32"), template_for(spec, "bundled"), stub=True)
     assert compile_cxx(metal, tmp_path, [STUB]).returncode != 0
     assert compile_cxx(cuda, tmp_path, [STUB, STUB / "cuda"]).returncode != 0
-
-
-QMM_MMA_MODES = [(dq, gs) for dq in (0, 1, 2) for gs in ((32, 64, 128) if dq == 2 else (64,))]
-
-
-@needs_gxx
-@pytest.mark.parametrize(("dq", "gs"), QMM_MMA_MODES, ids=[f"dq{d}-g{g}" for d, g in QMM_MMA_MODES])
-def test_qmm_mma_every_dequantization_mode_compiles(dq, gs, tmp_path):
-    """qmm_mma's 4-bit modes (DQ) each take their own branch of the body; the deferred scales' one
-    also has a load per group size (metal/qmm_mma_cuda.h, spr_lane_words)."""
-    spec = next(s for s in KERNELS if s.name.endswith("qmm_mma"))
-    template = dict(OutT="bfloat16", GS=gs, BITS=4, NT=3, RT=1, KW=4, DQ=dq)
-    for activations in ("bfloat16", "float16"):
-        template["OutT"] = activations
-        source = render_cuda(spec, dtypes_for(spec, activations), template, stub=True)
-        p = compile_cxx(source, tmp_path, [STUB, STUB / "cuda"])
-        assert p.returncode == 0, p.stderr[-3000:]
-        if shutil.which("nvcc"):
-            src = tmp_path / "kernel.cu"
-            src.write_text(render_cuda(spec, dtypes_for(spec, activations), template, stub=False))
-            p = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-w", "-c", "-o", str(tmp_path / "k.o"), str(src)],
-                               capture_output=True, text=True)
-            assert p.returncode == 0, p.stderr[-3000:]

@@ -92,39 +92,13 @@ def test_mma_long_reductions_with_sixteen_warps(bits, group_size, rng, monkeypat
 
 @needs_cuda
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
-@pytest.mark.parametrize("dequant", [0, 1, 2])
-@pytest.mark.parametrize(("group_size", "out", "inp"), [(64, 1030, 4096), (64, 4096, 12288), (32, 528, 384),
-                                                        (128, 1030, 4096)])
-def test_mma_kernel_every_dequantization_mode(dtype, dequant, group_size, out, inp, rng):
-    """4-bit weights in each mode: one by one in fp32 (0, the form 8-bit weights always take),
-    paired (1), deferred scales (2)."""
-    check_mma_against_twin(dtype, 4, group_size, out, inp, rng, dequant=dequant)
+@pytest.mark.parametrize(("out", "inp"), [(1030, 4096), (4096, 12288)])
+def test_mma_kernel_without_paired_dequantization(dtype, out, inp, rng):
+    """4-bit weights dequantized one by one in fp32 (DQ = 0, the form 8-bit weights always take)."""
+    check_mma_against_twin(dtype, 4, 64, out, inp, rng, paired=False)
 
 
-@needs_cuda
-@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
-@pytest.mark.parametrize("group_size", [32, 64, 128])
-def test_mma_deferred_scales_round_only_the_sums(dtype, group_size, rng):
-    """With deferred scales the MMAs multiply the activations by the exact integers and only the
-    fp32 sums round, so the kernel stays close to the fp32 product of the same bf16 / fp16
-    activations: far closer than the 2e-2 every mode is held to (the paired mode rounds each
-    weight to the activations' type, an error of ~2^-9 a weight in bf16)."""
-    from engine.kernels import quantized_matmul_mma
-
-    w = mx.array(rng.normal(size=(1030, 4096)).astype(np.float32) * 0.05)
-    wq, scales, biases = mx.quantize(w, group_size=group_size, bits=4)
-    scales, biases = scales.astype(dtype), biases.astype(dtype)
-    x = mx.array(rng.normal(size=(17, 4096)).astype(np.float32)).astype(dtype)
-    got = quantized_matmul_mma(x, wq, scales, biases, group_size, 4, dequant=2).astype(mx.float32)
-    with mx.stream(mx.cpu):
-        twin = mx.quantized_matmul(x.astype(mx.float32), wq, scales.astype(mx.float32), biases.astype(mx.float32),
-                                   transpose=True, group_size=group_size, bits=4)
-    # the output's own rounding to bf16 (fp16) is 2^-9 (2^-12) of its size; allow that and a little
-    ulp = 2.0 ** (-8 if dtype == mx.bfloat16 else -11)
-    assert float(mx.max(mx.abs(got - twin) / (mx.abs(twin) * ulp + 1e-3))) <= 1.0
-
-
-def check_mma_against_twin(dtype, bits, group_size, out, inp, rng, dequant=None):
+def check_mma_against_twin(dtype, bits, group_size, out, inp, rng, paired=None):
     from engine.kernels import mma_covers, quantized_matmul_mma
 
     w = mx.array(rng.normal(size=(out, inp)).astype(np.float32) * 0.05)
@@ -132,7 +106,7 @@ def check_mma_against_twin(dtype, bits, group_size, out, inp, rng, dequant=None)
     scales, biases = scales.astype(dtype), biases.astype(dtype)
     x = mx.array(rng.normal(size=(32, inp)).astype(np.float32)).astype(dtype)
     assert mma_covers(x, wq, scales, biases, group_size, bits)
-    full = quantized_matmul_mma(x, wq, scales, biases, group_size, bits, dequant=dequant)
+    full = quantized_matmul_mma(x, wq, scales, biases, group_size, bits, paired=paired)
     with mx.stream(mx.cpu):
         twin = mx.quantized_matmul(x.astype(mx.float32), wq, scales.astype(mx.float32), biases.astype(mx.float32),
                                    transpose=True, group_size=group_size, bits=bits)
@@ -140,7 +114,7 @@ def check_mma_against_twin(dtype, bits, group_size, out, inp, rng, dequant=None)
     err = float(mx.abs(full.astype(mx.float32) - twin).max())
     assert err <= 2e-2 * max(1.0, scale), (err, scale)
     for m in (1, 2, 3, 4, 7, 8, 9, 16, 17, 24, 31):
-        part = quantized_matmul_mma(x[:m], wq, scales, biases, group_size, bits, dequant=dequant)
+        part = quantized_matmul_mma(x[:m], wq, scales, biases, group_size, bits, paired=paired)
         assert mx.array_equal(part, full[:m]), m  # bitwise: a verify row equals the one-row step
 
 

@@ -6,7 +6,6 @@ struct __half {
   __half(float f) : bits(static_cast<unsigned short>(f)) {}
 };
 inline float __half2float(__half x) { return float(x.bits); }
-inline __half __ushort_as_half(unsigned short b) { __half h; h.bits = b; return h; }
 struct __half2 {
   __half x, y;
 };
