@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.config import DTYPE_NAMES, SPEC_METHODS
+from engine.config import DTYPE_NAMES, SPEC_METHODS, SPEC_TREES
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -36,6 +36,7 @@ class SpecEntry:
     method: str
     budget: int = 16
     depth: int = 8
+    tree: str | None = None  # tree builder of the one-pass drafters (mtp, dflash); None = the CLI's default
     draft_model: str | None = None  # None = the preset's draft_model
     measured: bool = False
     speedup: float | None = None  # median decode tok/s ratio to plain decoding, measured side by side
@@ -72,6 +73,7 @@ class SpecChoice:
     depth: int
     draft_model: str | None
     reason: str
+    tree: str | None = None  # None: the CLI's default (--spec-tree)
 
 
 def configs_dir() -> Path:
@@ -140,8 +142,10 @@ def choose_spec(preset: Preset | None, hardware: str) -> SpecChoice:
         return SpecChoice("none", entry.budget, entry.depth, None,
                           f"{entry.method} was measured at {entry.speedup:.2f}x on {hardware} for preset "
                           f"{preset.name!r}, no faster than plain decoding: plain decoding")
+    trees = f" with {entry.tree} trees" if entry.tree else ""
     return SpecChoice(entry.method, entry.budget, entry.depth, entry.draft_model or preset.draft_model,
-                      f"measured {entry.speedup:.2f}x plain decoding on {hardware} for preset {preset.name!r}")
+                      f"measured {entry.speedup:.2f}x plain decoding{trees} on {hardware} for preset {preset.name!r}",
+                      entry.tree)
 
 
 def hardware_class() -> str:
@@ -157,7 +161,7 @@ def hardware_class() -> str:
 
 PRESET_KEYS = {"name": str, "description": str, "model": str, "draft_model": str, "source_model": str,
                "max_context": int, "dtype": str, "prefix_cache_bytes": int, "spec": dict}
-SPEC_KEYS = {"method": str, "budget": int, "depth": int, "draft_model": str, "measured": bool,
+SPEC_KEYS = {"method": str, "budget": int, "depth": int, "tree": str, "draft_model": str, "measured": bool,
              "speedup": (int, float), "tokens_per_forward": (int, float), "distinct_8grams": (int, float),
              "source": str, "note": str}
 
@@ -191,6 +195,9 @@ def _spec_entry(raw: Any, where: str) -> SpecEntry:
     _check_keys(raw, SPEC_KEYS, where)
     if raw.get("method") not in SPEC_METHODS:
         raise PresetError(f"{where}: method must be one of {', '.join(SPEC_METHODS)}, got {raw.get('method')!r}")
+    if "tree" in raw and (raw["tree"] not in SPEC_TREES or raw.get("method") not in ("mtp", "dflash")):
+        raise PresetError(f"{where}: tree must be one of {', '.join(SPEC_TREES)}, for method mtp or dflash "
+                          f"(got tree {raw['tree']!r} with method {raw.get('method')!r})")
     if raw.get("measured", False):
         missing = [k for k in ("speedup", "tokens_per_forward", "source") if k not in raw]
         if missing:

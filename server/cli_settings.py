@@ -45,12 +45,14 @@ def engine_settings(a: argparse.Namespace) -> Settings:
     notes: list[str] = []
     method = a.spec or "auto"
     budget, depth, draft_arg = a.spec_budget, a.spec_depth, a.draft_model
+    auto_tree = None  # the tree builder --spec auto's entry was measured with
     if method == "auto":
         choice = presets.choose_spec(preset or presets.for_model(model_arg), presets.hardware_class())
         method = choice.method
         budget = budget if budget is not None else choice.budget
         depth = depth if depth is not None else choice.depth
         draft_arg = draft_arg or choice.draft_model
+        auto_tree = choice.tree
         notes.append(f"speculation: {method} (--spec auto: {choice.reason})")
     elif preset is not None and method in DRAFT_METHODS:
         draft_arg = draft_arg or preset.draft_model
@@ -78,7 +80,7 @@ def engine_settings(a: argparse.Namespace) -> Settings:
     try:
         spec = SpecConfig(method=method, budget=budget, max_depth=depth, draft_model=str(draft.path) if draft else None,
                           draft_vocab=vocab_size,
-                          tree=_pick(getattr(a, "spec_tree", None), None, "spec_tree"),
+                          tree=_pick(getattr(a, "spec_tree", None), auto_tree, "spec_tree"),
                           dflash_model=_drafter_dir(getattr(a, "dflash_model", None), "--dflash-model"),
                           weaver_model=_drafter_dir(getattr(a, "weaver_model", None), "--weaver-model"))
         config = EngineConfig(

@@ -63,6 +63,14 @@ def test_auto_never_picks_what_was_not_measured_to_pay():
     assert choose_spec(_preset(cpu=faster), "nvidia-gpu").method == "none"
     picked = choose_spec(_preset(cpu=faster), "cpu")
     assert (picked.method, picked.budget, picked.depth, picked.draft_model) == ("draft", 8, 4, "org/draft")
+    assert picked.tree is None  # the CLI's default builder
+
+
+def test_auto_carries_the_tree_builder_it_was_measured_with():
+    chain = SpecEntry(method="mtp", tree="chain", measured=True, speedup=1.1, tokens_per_forward=1.5, source="s")
+    picked = choose_spec(_preset(cpu=chain), "cpu")
+    assert (picked.method, picked.tree) == ("mtp", "chain")
+    assert "measured 1.10x plain decoding with chain trees" in picked.reason
 
 
 @pytest.mark.parametrize("body, problem", [
@@ -78,9 +86,29 @@ def test_auto_never_picks_what_was_not_measured_to_pay():
      "'speedup' given but measured = false"),
     ('name = "n"\ndescription = "d"\nmodel = "m"\n[spec.cpu]\nmethod = "ngram"\nbudget = 0\n', "budget must be >= 1"),
     ('name = "n"\ndescription = "d"\nmodel = "m"\n[spec.cpu\n', "not valid TOML"),
+    ('name = "n"\ndescription = "d"\nmodel = "m"\n[spec.cpu]\nmethod = "mtp"\ntree = "bush"\n', "tree must be one of"),
+    ('name = "n"\ndescription = "d"\nmodel = "m"\n[spec.cpu]\nmethod = "ngram"\ntree = "chain"\n',
+     "for method mtp or dflash"),
 ])
 def test_bad_files_name_the_problem(tmp_path, body, problem):
     f = tmp_path / "bad.toml"
     f.write_text(body)
     with pytest.raises(PresetError, match=problem):
         presets.load_file(f)
+
+
+def test_the_cli_takes_the_tree_of_the_entry_auto_picked_unless_a_flag_names_one(tmp_path, monkeypatch):
+    from server.cli import build_parser, engine_config
+
+    preset = tmp_path / "mine.toml"
+    preset.write_text('name = "mine"\ndescription = "d"\nmodel = "bundled:target"\n[spec.cpu]\nmethod = "mtp"\n'
+                      'tree = "chain"\nmeasured = true\nspeedup = 1.2\ntokens_per_forward = 1.6\nsource = "a test"\n')
+    monkeypatch.setattr(presets, "hardware_class", lambda: "cpu")
+    parse = build_parser().parse_args
+    spec = engine_config(parse(["run", "--config", str(preset), "-m", "x"])).config.spec
+    assert (spec.method, spec.tree) == ("mtp", "chain")
+    spec = engine_config(parse(["run", "--config", str(preset), "--spec-tree", "ddtree", "-m", "x"])).config.spec
+    assert (spec.method, spec.tree) == ("mtp", "ddtree")
+    # --spec named on the command line: the preset's tree is not consulted
+    spec = engine_config(parse(["run", "--config", str(preset), "--spec", "dflash", "-m", "x"])).config.spec
+    assert (spec.method, spec.tree) == ("dflash", "ddtree")
