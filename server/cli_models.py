@@ -92,7 +92,8 @@ def _spec_summary(preset, hardware: str) -> str:
     entry = preset.spec.get(hardware)
     choice = choose_spec(preset, hardware)
     if choice.method != "none":
-        return f"{choice.method} (budget {choice.budget}, depth {choice.depth}): measured {entry.speedup:.2f}x"
+        trees = f", {choice.tree} trees" if choice.tree else ""
+        return f"{choice.method} (budget {choice.budget}, depth {choice.depth}{trees}): measured {entry.speedup:.2f}x"
     if entry is not None and not entry.measured:
         return f"none ({entry.method} not measured yet)"
     return "none" + (f" ({entry.method} measured {entry.speedup:.2f}x)" if entry is not None else " (no entry)")
