@@ -4,6 +4,10 @@ sampled at temperature 1 after random ids (guesses miss), with the distinct 8-gr
 output.
 
     python scripts/bench_start_late.py [--method mtp|ngram|none] [--reps 7] [--tokens 96]
+    python scripts/bench_start_late.py --method mtp --ahead-layers 0,2 --reps 30
+
+The second form compares settings of engine.round.START_AHEAD_LAYERS (late start on) with plain
+decoding, each repetition's tok/s divided by plain decoding's of the same repetition.
 """
 
 from __future__ import annotations
@@ -37,19 +41,29 @@ def main() -> None:
     ap.add_argument("--method", default="mtp")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--ahead-layers", default="",
+                    help="instead of late start on / off: late start with each of these settings of "
+                         "engine.round.START_AHEAD_LAYERS (e.g. 0,2), and plain decoding as the reference")
     a = ap.parse_args()
     engine = Engine(EngineConfig(model_path=str(BUNDLED / "target"), prefix_cache=False))
     prompt = [int(t) for t in np.random.RandomState(64).randint(0, 8000, size=64)]
     params = SamplingParams(max_tokens=a.tokens, ignore_eos=True, temperature=1.0, seed=0)
     spec = SpecConfig(method=a.method, tree="ddtree") if a.method != "none" else SpecConfig()
-    tps: dict[bool, list[float]] = {True: [], False: []}
-    gaps: dict[bool, list[float]] = {True: [], False: []}
+    # (label, spec, START_LATE_ON_CPU, START_AHEAD_LAYERS)
+    if a.ahead_layers:
+        setups = [("plain decoding", SpecConfig(), True, 0)] + [
+            (f"{a.method}, {n} layers ahead", spec, True, n) for n in map(int, a.ahead_layers.split(","))]
+    else:
+        setups = [(f"{a.method}, late start {'on ' if late else 'off'}", spec, late, rounds.START_AHEAD_LAYERS)
+                  for late in (True, False)]
+    tps: dict[str, list[float]] = {s[0]: [] for s in setups}
+    gaps: dict[str, list[float]] = {s[0]: [] for s in setups}
     grams: list[float] = []
     for rep in range(a.reps + 1):  # the first of each is a warm-up
-        for late in (True, False):
-            rounds.START_LATE_ON_CPU = late
+        for label, run_spec, late, ahead in setups:
+            rounds.START_LATE_ON_CPU, rounds.START_AHEAD_LAYERS = late, ahead
             last, out, g = None, [], []
-            for step in engine.generate(GenerationRequest(prompt_ids=prompt, sampling=params, spec=spec)):
+            for step in engine.generate(GenerationRequest(prompt_ids=prompt, sampling=params, spec=run_spec)):
                 now = time.perf_counter()
                 if step.token_ids and last is not None:  # a batch of n tokens: n gaps of gap / n
                     g += [(now - last) * 1e3 / len(step.token_ids)] * len(step.token_ids)
@@ -59,14 +73,16 @@ def main() -> None:
                 if step.stats is not None:
                     stats = step.stats
             if rep:
-                tps[late].append(stats.decode_tps)
-                gaps[late] += g
+                tps[label].append(stats.decode_tps)
+                gaps[label] += g
                 grams.append(distinct_8grams(out))
     print(f"{a.method}, distinct 8-grams {statistics.median(grams):.2f}")
-    for late in (True, False):
-        g = sorted(gaps[late])
-        print(f"late start {'on ' if late else 'off'}: {statistics.median(tps[late]):.1f} tok/s, gaps p50 "
-              f"{g[len(g) // 2]:.1f} / p99 {g[int(0.99 * (len(g) - 1))]:.1f} / max {g[-1]:.1f} ms")
+    ref = setups[0][0]
+    for label, *_ in setups:
+        g = sorted(gaps[label])
+        paired = statistics.median(t / r for t, r in zip(tps[label], tps[ref]))  # each rep against its own reference
+        print(f"{label}: {statistics.median(tps[label]):.1f} tok/s ({paired:.3f}x {ref}, paired by rep), gaps "
+              f"p50 {g[len(g) // 2]:.1f} / p99 {g[int(0.99 * (len(g) - 1))]:.1f} / max {g[-1]:.1f} ms")
 
 
 if __name__ == "__main__":
