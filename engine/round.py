@@ -95,15 +95,16 @@ DRAW_VISITED_ON_CPU = True
 # compute). Plain decoding keeps starting at once (no gap to shorten), and so do GPUs, so that the
 # device never waits for the host.
 START_LATE_ON_CPU = True
-# ...but its first layers are handed over before the previous round lands. Started late, a round
-# reached the device only after the previous one had finished and the host had landed it, emitted
-# its token and walked the new round's graph (MLX's evaluation call), so the device idled between
-# rounds (~1 ms a round on the dev CPU: a plain round in an engine with the MTP drafter cost 12.7
-# against 11.6 ms without one). The first layers' new state is a small graph: its evaluation call
-# returns once the previous round's last tasks run, and the device goes on with those layers while
-# the host lands the previous round. Bundled target, MTP, 96 tokens sampled after 64 random ids,
-# in-process A/Bs paired with plain decoding (scripts/bench_start_late.py --ahead-layers 0,2), three
-# runs: 0.875-0.946x -> 0.907-0.986x of plain decoding (BENCHMARKS.md, issue 17, twelfth session).
+# A late-started round's first layers are still handed over before the previous round lands.
+# Started late as a whole, a round reached the device only after the previous one had finished
+# and the host had landed it, emitted its token and walked the new round's graph (MLX's evaluation
+# call), so the device idled between rounds (~1 ms a round on the dev CPU: a plain round in an
+# engine with the MTP drafter cost 12.7 against 11.6 ms without one). The first layers' new state
+# is a small graph: its evaluation call returns once the previous round's last tasks run, and the
+# device goes on with those layers while the host lands the previous round. Bundled target, MTP, 96
+# tokens sampled after 64 random ids, in-process A/Bs paired with plain decoding
+# (scripts/bench_start_late.py --ahead-layers 0,2), three runs: 0.875-0.946x -> 0.907-0.986x of
+# plain decoding (BENCHMARKS.md, issue 17, twelfth session).
 START_AHEAD_LAYERS = 2
 
 
