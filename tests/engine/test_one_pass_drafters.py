@@ -421,3 +421,27 @@ def test_one_guess_rounds_are_queued_before_the_round_before_lands(engine, monke
     assert drafter.tries >= 5 and len(queued) >= 20, (drafter.tries, len(queued))
     assert out.stats.accepted >= 2 and out.stats.drafted >= drafter.tries
     assert_drafter_equals_replay(engine, drafter.inner, prompt + out.tokens)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("ahead", [0, 2, 99])
+def test_layers_handed_over_ahead_change_no_token(engine, monkeypatch, ahead, sampling):
+    """On the CPU with a drafter on, a pipelined plain round starts late but its first
+    START_AHEAD_LAYERS layers are evaluated before the previous round lands (99: all of them). The
+    output is plain decoding's whatever the setting, through plain rounds and the one-guess tries
+    queued between them."""
+    from engine import round as round_mod
+    from engine import spec_control
+    from engine.round import Rounds
+
+    monkeypatch.setattr(round_mod, "START_AHEAD_LAYERS", ahead)
+    monkeypatch.setattr(spec_control.SpecController, "budget", lambda self: 1 if self.rounds % 5 == 4 else 0)
+    late: list[bool] = []
+    real = Rounds.launch_after
+    monkeypatch.setattr(Rounds, "launch_after", lambda self, f: late.append(self.start_late) or real(self, f))
+    prompt = PROMPTS[1]
+    plain = generate(engine, prompt, sampling).tokens
+    late.clear()  # plain decoding's own pipelined rounds start at once
+    out = generate(engine, prompt, sampling, SpecConfig(method="mtp", tree="ddtree", budget=10, max_depth=6))
+    assert out.tokens == plain
+    assert len(late) >= 10 and all(late) == (mx.default_device() == mx.cpu)
