@@ -28,9 +28,10 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 
-from engine.gdn.core import GDNCore, GDNShape, TreeRows
+from engine.gdn.core import Fold, GDNCore, GDNShape, TreeRows
 
 KV_STEP = 256  # grow the KV buffer in steps, like mlx-lm, to avoid a copy per token
+PADDED_PATH_MIN = 4  # the shortest padded path (AcceptedPath.padded_index)
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,14 @@ class AcceptedPath:
     @cached_property
     def index(self) -> mx.array:
         return mx.array(self.nodes, dtype=mx.int32)
+
+    @cached_property
+    def padded_index(self) -> mx.array:
+        """The nodes padded with -1 to a power of two of at least PADDED_PATH_MIN entries: what
+        the folding kernels take (engine/kernels.py), so that the layers' compiled functions trace
+        once per length class. Built once a commit, shared by every layer."""
+        n = max(PADDED_PATH_MIN, 1 << (len(self.nodes) - 1).bit_length())
+        return mx.array([*self.nodes, *([-1] * (n - len(self.nodes)))], dtype=mx.int32)
 
     def __len__(self) -> int:
         return len(self.nodes)
@@ -218,9 +227,15 @@ def commit_function(core: GDNCore, compiled: bool) -> Callable[..., Any]:
 
 class GDNCache:
     """Gated DeltaNet layer state: conv state [K-1, C] (the compute dtype) and recurrent state
-    [Hv, Dv, Dk] (float32). A verify defers its result here until `commit(path)`."""
+    [Hv, Dv, Dk] (float32). A verify defers its result here until `commit(path)`.
+
+    Where the core folds commits into the next verify (`folds_commit`: the GPU kernels), a
+    multi-node commit only records the accepted path (`unfolded`): the next tree verify folds it
+    in and hands back the states after it (`settle_with`); anything else that reads the states
+    (a step, a chain, a snapshot, a mark) runs the commit first (`settle`)."""
 
     compile_commit = True  # class-wide switch: tests hold the compiled commit to the plain one
+    fold_commits: bool | None = None  # class-wide: None = as the core says; tests force it either way
 
     def __init__(self, core: GDNCore, shape: GDNShape) -> None:
         self.core, self.shape = core, shape
@@ -228,18 +243,49 @@ class GDNCache:
         self.state: mx.array | None = None
         # a verify's result: a one-node tree's states directly, a larger tree's rows to fold
         self.pending: tuple[mx.array, mx.array] | TreeRows | None = None
-        self.length = 0  # tokens the committed state has consumed
+        # a commit recorded, not run: the next verify folds it in (the real path, to settle with)
+        self.unfolded: tuple[Fold, AcceptedPath] | None = None
+        self.length = 0  # tokens the committed state has consumed (an unfolded path included)
+
+    @property
+    def folds(self) -> bool:
+        fold = self.fold_commits
+        return bool(getattr(self.core, "folds_commit", False)) if fold is None else fold
 
     def states(self, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
         """(conv state, state) to read; zeros before the first token."""
+        self.settle()
         if self.conv_state is None or self.state is None:
             s = self.shape
             self.conv_state = mx.zeros((s.K - 1, s.conv_dim), dtype)
             self.state = mx.zeros((s.Hv, s.Dv, s.Dk), mx.float32)
         return self.conv_state, self.state
 
+    def fold_states(self, dtype: mx.Dtype) -> tuple[mx.array, mx.array, Fold | None]:
+        """For a tree verify: the states before the unfolded commit, and that commit (or None)."""
+        if self.unfolded is None:
+            return (*self.states(dtype), None)
+        assert self.conv_state is not None and self.state is not None
+        return self.conv_state, self.state, self.unfolded[0]
+
+    def settle_with(self, conv_state: mx.array, state: mx.array) -> None:
+        """A verify folded the unfolded commit in: its states after it are the committed ones."""
+        self.conv_state, self.state, self.unfolded = conv_state, state, None
+
+    def settle(self) -> None:
+        """Run the unfolded commit, if any (lazily, like every write)."""
+        if self.unfolded is None:
+            return
+        fold, path = self.unfolded
+        assert self.conv_state is not None and self.state is not None
+        r = fold.rows
+        self.conv_state, self.state = commit_function(self.core, self.compile_commit)(
+            r.x, r.k, r.u, r.g, path.index, self.conv_state, self.state)
+        self.unfolded = None
+
     def write(self, conv_state: mx.array, state: mx.array, tokens: int) -> None:
         """A chain of `tokens` tokens was consumed: its states replace the committed ones."""
+        assert self.unfolded is None, "a chain read settled states"
         self.conv_state, self.state = conv_state, state
         self.length += tokens
 
@@ -249,6 +295,12 @@ class GDNCache:
     def commit(self, path: AcceptedPath) -> None:
         if self.pending is None or self.conv_state is None or self.state is None:
             raise RuntimeError("commit without a pending verify")
+        assert self.unfolded is None, "a verify read settled states"
+        if isinstance(self.pending, TreeRows) and self.folds:
+            self.unfolded = (Fold(self.pending, self.core.fold_path(path)), path)
+            self.pending = None
+            self.length += len(path)
+            return
         if isinstance(self.pending, TreeRows):
             rows = self.pending
             conv, S = commit_function(self.core, self.compile_commit)(rows.x, rows.k, rows.u, rows.g, path.index,
@@ -261,9 +313,11 @@ class GDNCache:
         self.write(conv, S, len(path))
 
     def arrays(self) -> list[mx.array]:
-        return [a for a in (self.conv_state, self.state) if a is not None]
+        unfolded = [] if self.unfolded is None else list(self.unfolded[0].arrays())
+        return [a for a in (self.conv_state, self.state) if a is not None] + unfolded
 
     def snapshot(self, length: int) -> GDNSnapshot:
+        self.settle()
         if self.length != length or self.conv_state is None or self.state is None:
             raise ValueError(f"GDN state has consumed {self.length} tokens, the snapshot is for {length}")
         return GDNSnapshot(self.conv_state, self.state, length)
@@ -273,14 +327,17 @@ class GDNCache:
         if not isinstance(snap, GDNSnapshot) or snap.length != length:
             raise ValueError(f"cannot restore {snap!r} into a GDN cache at {length} tokens")
         self.conv_state, self.state, self.length = snap.conv_state, snap.state, length
+        self.unfolded = None
 
     def mark(self) -> tuple[mx.array | None, mx.array | None, int]:
+        self.settle()
         return self.conv_state, self.state, self.length
 
     def rewind(self, mark: object) -> None:
         assert isinstance(mark, tuple) and len(mark) == 3
         self.conv_state, self.state, self.length = mark
         self.pending = None
+        self.unfolded = None
 
     @property
     def nbytes(self) -> int:

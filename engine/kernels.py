@@ -50,6 +50,7 @@ class KernelSpec:
     outputs: tuple[str, ...]
     header: tuple[str, ...] = ("gdn_common.h",)
     backends: tuple[str, ...] = BACKENDS  # qmm_mma is CUDA only (PTX tensor-core MMA)
+    defines: tuple[str, ...] = ()  # macros set to 1 before the body: builds of one body with more inputs
 
 
 GDN_STEP = KernelSpec("spruce_gdn_step", "gdn_step.kernel",
@@ -60,6 +61,13 @@ GDN_TREE_FRONT = KernelSpec("spruce_gdn_tree_front", "gdn_tree_front.kernel",
                             ("q", "k", "v", "g", "beta"))
 GDN_TREE = KernelSpec("spruce_gdn_tree", "gdn_tree.kernel", ("q", "k", "v", "g", "beta", "state", "order", "depth"),
                       ("o", "u"))
+# the same two bodies with the last round's commit folded in (SPR_FOLD): see KernelCore.tree_after
+GDN_TREE_FRONT_FOLD = KernelSpec("spruce_gdn_tree_front_fold", "gdn_tree_front.kernel",
+                                 (*GDN_TREE_FRONT.inputs, "x_prev", "path"), (*GDN_TREE_FRONT.outputs, "conv_out"),
+                                 defines=("SPR_FOLD",))
+GDN_TREE_FOLD = KernelSpec("spruce_gdn_tree_fold", "gdn_tree.kernel",
+                           (*GDN_TREE.inputs, "k_prev", "u_prev", "g_prev", "path"), (*GDN_TREE.outputs, "state_out"),
+                           defines=("SPR_FOLD",))
 GDN_CHAIN = KernelSpec("spruce_gdn_chain", "gdn_chain.kernel", ("q", "k", "v", "g", "beta", "state"),
                        ("o", "state_out"))
 GDN_COMMIT = KernelSpec("spruce_gdn_commit", "gdn_commit.kernel",
@@ -71,7 +79,8 @@ READ_STREAM = KernelSpec("spruce_read_stream", "read_stream.kernel", ("w", "scal
                          backends=("cuda",))
 QMM_MMA = KernelSpec("spruce_qmm_mma", "qmm_mma.kernel", ("x", "w", "scales", "biases"), ("y",),
                      header=("qmm_mma_cuda.h",), backends=("cuda",))
-KERNELS = (GDN_STEP, GDN_CHAIN, GDN_TREE_FRONT, GDN_TREE, GDN_COMMIT, QMM_ROWS, READ_FLOOR, READ_STREAM, QMM_MMA)
+KERNELS = (GDN_STEP, GDN_CHAIN, GDN_TREE_FRONT, GDN_TREE, GDN_TREE_FRONT_FOLD, GDN_TREE_FOLD, GDN_COMMIT, QMM_ROWS,
+           READ_FLOOR, READ_STREAM, QMM_MMA)
 QMM_MAX_ROWS = 32
 MMA_DTYPES = (mx.bfloat16, mx.float16)
 
@@ -83,7 +92,8 @@ def read_source(file: str) -> str:
 def kernel_text(spec: KernelSpec, backend: str) -> tuple[str, str]:
     """(header, body) of a kernel for a backend, as handed to MLX."""
     header = "".join(read_source(f) for f in (f"prelude_{backend}.h", *spec.header))
-    return header, INDEX_NAMES[backend] + read_source(spec.file)
+    defines = "".join(f"#define {name} 1\n" for name in spec.defines)
+    return header, INDEX_NAMES[backend] + defines + read_source(spec.file)
 
 
 @functools.cache
@@ -190,6 +200,36 @@ class KernelCore(OpsCore):
         o, u = self._launch(GDN_TREE, shape, [q, k, v, g, beta, S0, tree.dfs_order, tree.depths],
                             [((n, s.Hv, s.Dv), mx.float32), ((n, s.Hv, s.Dv), mx.float32)], rpg, MAXD=levels)
         return o, TreeRows(x=x, k=k, u=u, g=g)
+
+    # the commit runs inside the next verify's two kernels (SPR_FOLD builds): a round then builds
+    # and launches no commit of its own, which on the H200 was ~0.7 ms a 17-node round, most of it
+    # the host building and encoding 24 small launches (BENCHMARKS.md, issue 10)
+    folds_commit = True
+
+    def fold_path(self, path):
+        # padded with -1 to a length class: the layers' compiled functions trace once per class,
+        # not once per accepted length
+        return path.padded_index
+
+    def tree_after(self, shape, w, qkv, a, b, conv_state, S0, tree, fold):
+        r = fold.rows
+        if (not self.covers(shape) or tree.levels * shape.Dk > SHARED_FLOATS or qkv.dtype != conv_state.dtype
+                or r.x.dtype != conv_state.dtype):
+            return super().tree_after(shape, w, qkv, a, b, conv_state, S0, tree, fold)
+        x = mx.contiguous(qkv)
+        n, s = qkv.shape[0], shape
+        q, k, v, g, beta, conv = self._launch(
+            GDN_TREE_FRONT_FOLD, shape,
+            [x, a, b, conv_state, w.conv, w.A_log, w.dt_bias, tree.conv_taps, r.x, fold.path],
+            [((n, s.Hv, s.Dk), mx.float32), ((n, s.Hv, s.Dk), mx.float32), ((n, s.Hv, s.Dv), mx.float32),
+             ((n, s.Hv), mx.float32), ((n, s.Hv), mx.float32), (tuple(conv_state.shape), conv_state.dtype)],
+            4, rows=n * s.Hv)
+        rpg = self._rows_per_group(shape, max(1, min(4, SHARED_FLOATS // (tree.levels * shape.Dk))))
+        o, u, S = self._launch(
+            GDN_TREE_FOLD, shape, [q, k, v, g, beta, S0, tree.dfs_order, tree.depths, r.k, r.u, r.g, fold.path],
+            [((n, s.Hv, s.Dv), mx.float32), ((n, s.Hv, s.Dv), mx.float32), (tuple(S0.shape), mx.float32)],
+            rpg, MAXD=tree.levels)
+        return o, TreeRows(x=x, k=k, u=u, g=g), conv, S
 
     def commit(self, rows, path, conv_state, S0):
         if rows.x.dtype != conv_state.dtype or rows.k.shape[-1] % 32 or rows.k.shape[-1] > 256:

@@ -6,10 +6,10 @@ runs in a process. Measured on the H200 (9B shape, 4-bit): the first decode of a
 small-M matmul, whose template takes ceil(rows / 8)) while other new sizes cost ~13 ms once. A
 server that compiles during its first requests stalls them, so `spruce serve` calls `warm_up` on
 GPU backends after loading: a short request through the real path (prefill, decode, the configured
-drafter's rounds), then one verify + commit of a tree for each row class and each depth class of
-the GDN tree kernel (forward.tree_batch rounds its levels up to a power of two) that the
-configured budget and depth can produce, on a scratch cache. Nothing it does stays: the prefix
-cache is emptied after it.
+drafter's rounds), then two verifies + commits of a tree (the second with the first's commit
+folded in) for each row class and each depth class of the GDN tree kernel (forward.tree_batch
+rounds its levels up to a power of two) that the configured budget and depth can produce, on a
+scratch cache. Nothing it does stays: the prefix cache is emptied after it.
 """
 
 from __future__ import annotations
@@ -81,8 +81,11 @@ def warm_up(engine: Engine, new_tokens: int = 8) -> WarmupReport:
     for nodes, depth in shapes:
         marks = [c.mark() for c in cache]
         tree = chain_with_siblings(ids[-1], nodes, depth, vocab)
-        mx.eval(forward.verify(model, cache, tree, committed))
-        forward.commit(cache, tree.path_to(depth))
+        # twice: where commits fold into the next verify (GDNCache), the second verify is that
+        # build of the kernels, and a round after another runs it
+        for position in (committed, committed + depth + 1):
+            mx.eval(forward.verify(model, cache, tree, position))
+            forward.commit(cache, tree.path_to(depth))
         for c, m in zip(cache, marks, strict=True):
             c.rewind(m)
     engine.prefix.clear()

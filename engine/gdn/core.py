@@ -9,6 +9,9 @@ gates, the q/k normalisation and the delta rule:
 - `tree`   every node of a draft tree from the committed states, which it never writes
            (rollback-free); returns what `commit` needs for any root-to-node path.
 - `commit` the states after an accepted path.
+- `tree_after` a tree verify from the states after the last verify's accepted path, which it
+           returns as the new committed states: the commit folded into the next verify, so a round
+           builds and launches no commit of its own (cores with `folds_commit`; see GDNCache).
 
 State passed in is never written in place: every core returns fresh arrays. Cache marks and
 prefix-cache snapshots hold references to old states and rely on that; a kernel that updated
@@ -21,11 +24,14 @@ engine/kernels.py adds the Metal / CUDA ones and picks one per backend.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import mlx.core as mx
 
 from engine.gdn import ops
+
+if TYPE_CHECKING:
+    from engine.cache import AcceptedPath
 
 
 @dataclass(frozen=True)
@@ -93,8 +99,27 @@ class TreeRows:
     g: mx.array  # [N, Hv] log-decays
 
 
+@dataclass(frozen=True)
+class Fold:
+    """A commit not run yet: the last verify's rows and its accepted path, for the next verify to
+    fold in before its own tree (GDNCore.tree_after)."""
+
+    rows: TreeRows
+    path: mx.array  # int32 [P]: node indices root..leaf, padded with -1 where the core asks (fold_path)
+
+    def arrays(self) -> tuple[mx.array, ...]:
+        r = self.rows
+        return (r.x, r.k, r.u, r.g, self.path)
+
+    @classmethod
+    def from_arrays(cls, arrays: tuple[mx.array, ...]) -> Fold:
+        x, k, u, g, path = arrays
+        return cls(TreeRows(x, k, u, g), path)
+
+
 class GDNCore(Protocol):
     name: str
+    folds_commit: bool  # tree_after is cheaper than commit + tree: the caches defer commits to it
 
     def step(self, shape: GDNShape, w: GDNWeights, qkv: mx.array, a: mx.array, b: mx.array,
              conv_state: mx.array, S: mx.array) -> tuple[mx.array, mx.array, mx.array]:
@@ -114,6 +139,17 @@ class GDNCore(Protocol):
     def commit(self, rows: TreeRows, path: mx.array, conv_state: mx.array,
                S0: mx.array) -> tuple[mx.array, mx.array]:
         """path: int32 node indices root..leaf -> (conv state, S) after the path."""
+        ...
+
+    def fold_path(self, path: AcceptedPath) -> mx.array:
+        """An accepted path as Fold.path (its index, or padded where the core's kernels take it so)."""
+        ...
+
+    def tree_after(self, shape: GDNShape, w: GDNWeights, qkv: mx.array, a: mx.array, b: mx.array,
+                   conv_state: mx.array, S0: mx.array, tree: TreeInputs,
+                   fold: Fold) -> tuple[mx.array, TreeRows, mx.array, mx.array]:
+        """`tree` from the states after `fold` (conv_state, S0: before it) -> (o, rows to commit,
+        conv state, S after the fold: the new committed states)."""
         ...
 
 
@@ -136,6 +172,9 @@ class OpsCore:
     """The core in plain MLX ops: the CPU path and the kernels' twin."""
 
     name = "ops"
+    # the fold costs the CPU the same ops whether it runs alone or inside the next verify, so the
+    # caches commit at once here; tests turn it on to hold the deferred path to the direct one
+    folds_commit = False
 
     def step(self, shape, w, qkv, a, b, conv_state, S):
         g, beta = ops.gates(a, b, w.A_log, w.dt_bias)
@@ -162,3 +201,13 @@ class OpsCore:
         S = ops.commit_fold(rows.k, rows.u, rows.g, path, S0)
         conv = ops.conv_state_after(rows.x, path, conv_state).astype(conv_state.dtype)
         return conv, S
+
+    def fold_path(self, path):
+        return path.index
+
+    def tree_after(self, shape, w, qkv, a, b, conv_state, S0, tree, fold):
+        r = fold.rows
+        S = ops.commit_fold_padded(r.k, r.u, r.g, fold.path, S0)
+        conv = ops.conv_state_after_padded(r.x, fold.path, conv_state).astype(conv_state.dtype)
+        o, rows = self.tree(shape, w, qkv, a, b, conv, S, tree)
+        return o, rows, conv, S

@@ -113,6 +113,14 @@ def conv_state_after(x: mx.array, path: mx.array, conv_state: mx.array) -> mx.ar
     return rows[rows.shape[0] - conv_state.shape[0] :]
 
 
+def conv_state_after_padded(x: mx.array, path: mx.array, conv_state: mx.array) -> mx.array:
+    """conv_state_after for a path padded with -1 (its length is counted on the device)."""
+    valid = path >= 0
+    rows = mx.concatenate([f32(conv_state), f32(x)[mx.maximum(path, 0)]])
+    length = valid.astype(mx.int32).sum()
+    return mx.take(rows, length + mx.arange(conv_state.shape[0]), axis=0)
+
+
 # ---------------------------------------------------------------- the recurrence
 
 
@@ -196,6 +204,16 @@ def commit_fold(k: mx.array, u: mx.array, g: mx.array, path: mx.array | Sequence
     if not isinstance(path, mx.array):
         path = mx.array(check_path(path, k.shape[0]))
     return fold(f32(k)[path], f32(u)[path], f32(g)[path], f32(S0))
+
+
+def commit_fold_padded(k: mx.array, u: mx.array, g: mx.array, path: mx.array, S0: mx.array) -> mx.array:
+    """commit_fold for a path padded with -1: a padding entry is a step with decay 1 and no
+    innovation, which leaves the state exactly as it is."""
+    valid = path >= 0
+    rows = mx.maximum(path, 0)
+    g_p = mx.where(valid[:, None], f32(g)[rows], 0.0)
+    u_p = mx.where(valid[:, None, None], f32(u)[rows], 0.0)
+    return fold(f32(k)[rows], u_p, g_p, f32(S0))
 
 
 def chunked(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, S0: mx.array,

@@ -15,7 +15,7 @@ import mlx.nn as nn
 
 from engine.cache import GDNCache, KVCache, LayerCache
 from engine.feature_cache import FeatureCache
-from engine.gdn.core import GDNCore, GDNShape, GDNWeights, TreeInputs, TreeRows
+from engine.gdn.core import Fold, GDNCore, GDNShape, GDNWeights, TreeInputs, TreeRows
 from engine.kernels import select_gdn_core
 from engine.models.base import ModelArgs, decoder_fields
 from engine.models.fused import fuse_into
@@ -87,9 +87,10 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(s.value_dim, H, bias=False)
 
     def forward(self, mode: Mode, x: mx.array, conv_state: mx.array, S: mx.array, tree: tuple[mx.array, ...],
-                levels: int) -> tuple[mx.array, tuple[mx.array, ...]]:
+                levels: int, fold: tuple[mx.array, ...] = ()) -> tuple[mx.array, tuple[mx.array, ...]]:
         """Pure (compilable): x [1, T, H] -> (out [1, T, H], what the cache keeps: the new
-        (conv state, state) for a token or a chain, the TreeRows fields for a tree)."""
+        (conv state, state) for a token or a chain, the TreeRows fields for a tree, followed by
+        the states after `fold` (Fold's arrays: the last commit, run inside this verify) if given)."""
         s, T = self.shape, x.shape[1]
         if "fused" in self:
             qkv, z, b, a = (y.squeeze(0) for y in self.fused(x))
@@ -98,7 +99,11 @@ class GatedDeltaNet(nn.Module):
                                                             self.in_proj_a))
         w = GDNWeights(self.conv1d.weight, self.A_log, self.dt_bias)
         result: tuple[mx.array, ...]
-        if mode == "tree":
+        if mode == "tree" and fold:
+            o, rows, conv_state, S = self.core.tree_after(s, w, qkv, a, b, conv_state, S,
+                                                          TreeInputs.from_arrays(tree, levels), Fold.from_arrays(fold))
+            result = (rows.x, rows.k, rows.u, rows.g, conv_state, S)
+        elif mode == "tree":
             o, rows = self.core.tree(s, w, qkv, a, b, conv_state, S, TreeInputs.from_arrays(tree, levels))
             result = (rows.x, rows.k, rows.u, rows.g)
         else:
@@ -113,9 +118,12 @@ class GatedDeltaNet(nn.Module):
 
     @staticmethod
     def store(cache: GDNCache, batch: Batch, mode: Mode, result: tuple[mx.array, ...], rows: int) -> None:
-        """A chain's states replace the committed ones; a verify's wait for the commit."""
+        """A chain's states replace the committed ones; a verify's wait for the commit (and a verify
+        that folded the last commit in leaves the states after it)."""
         if mode == "tree":
-            cache.defer(TreeRows(*result))
+            if len(result) == 6:
+                cache.settle_with(result[4], result[5])
+            cache.defer(TreeRows(*result[:4]))
         elif batch.deferred:
             conv_state, S = result
             cache.defer((conv_state, S))
@@ -133,7 +141,7 @@ class _Phases:
     """A layer's functions per mode, built once (compiled for decoding)."""
 
     def __init__(self) -> None:
-        self.by_mode: dict[tuple[Mode, bool], tuple[Callable[..., Any], Callable[..., Any]]] = {}
+        self.by_mode: dict[tuple[Mode, bool, bool], tuple[Callable[..., Any], Callable[..., Any]]] = {}
 
 
 class DecoderLayer(nn.Module):
@@ -171,13 +179,21 @@ class DecoderLayer(nn.Module):
             return after(x, self.self_attn.attend(q, k, v, cache, batch), *gate)
         assert isinstance(cache, GDNCache)
         levels = 0 if batch.gdn is None else batch.gdn.levels
-        h, result = before(x, *cache.states(x.dtype), tree_arrays(batch), levels)
+        if mode == "tree":
+            conv_state, S, fold = cache.fold_states(x.dtype)
+        else:
+            (conv_state, S), fold = cache.states(x.dtype), None
+        if fold is not None:
+            before, _ = self._functions(mode, folding=True)
+            h, result = before(x, conv_state, S, tree_arrays(batch), levels, fold.arrays())
+        else:
+            h, result = before(x, conv_state, S, tree_arrays(batch), levels)
         self.linear_attn.store(cache, batch, mode, result, x.shape[1])
         return after(h)
 
-    def _functions(self, mode: Mode) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    def _functions(self, mode: Mode, folding: bool = False) -> tuple[Callable[..., Any], Callable[..., Any]]:
         compiled = self.compile_decode and mode != "chain"
-        key = (mode, compiled)
+        key = (mode, compiled, folding)
         if key not in self._phases.by_mode:
             before, after = self._pure_functions(mode)
             if compiled:
@@ -201,8 +217,9 @@ class DecoderLayer(nn.Module):
             return project, output
         gdn = self.linear_attn
 
-        def layer(x: mx.array, conv_state: mx.array, S: mx.array, tree: tuple[mx.array, ...], levels: int):
-            out, result = gdn.forward(mode, self.input_layernorm(x), conv_state, S, tree, levels)
+        def layer(x: mx.array, conv_state: mx.array, S: mx.array, tree: tuple[mx.array, ...], levels: int,
+                  fold: tuple[mx.array, ...] = ()):
+            out, result = gdn.forward(mode, self.input_layernorm(x), conv_state, S, tree, levels, fold)
             return finish(x + out), result
 
         return layer, _identity

@@ -49,12 +49,17 @@ def assert_same_state(a, b, upto: int) -> None:
             np.testing.assert_allclose(np.array(x), np.array(y), atol=1e-5)
 
 
-@pytest.mark.parametrize(("compiled", "eval_every"), [(True, 0), (False, 0), (True, 1)],
-                         ids=["compiled-commit", "plain-commit", "verify-handed-over-every-layer"])
-def test_commit_equals_replay(tiny_qwen35, compiled, eval_every, monkeypatch):
+@pytest.mark.parametrize(("compiled", "eval_every", "folded"),
+                         [(True, 0, False), (False, 0, False), (True, 1, False), (True, 0, True)],
+                         ids=["compiled-commit", "plain-commit", "verify-handed-over-every-layer",
+                              "commit-folded-into-the-next-verify"])
+def test_commit_equals_replay(tiny_qwen35, compiled, eval_every, folded, monkeypatch):
     """Both commits (the compiled one the engine runs and its plain twin) equal the replay; so does
-    a verify handed to the device layer by layer while it is built (the GPU's way, forced here)."""
+    a verify handed to the device layer by layer while it is built (the GPU's way, forced here),
+    and a commit folded into the next verify (the GPU's way too): there the state is compared
+    every third round only, since a comparison runs the commit itself (a snapshot settles it)."""
     monkeypatch.setattr(GDNCache, "compile_commit", compiled)
+    monkeypatch.setattr(GDNCache, "fold_commits", folded)
     monkeypatch.setattr(forward, "verify_eval_every", lambda: eval_every)
     model = load_model(tiny_qwen35, "float32").model
     rng = np.random.default_rng(7)
@@ -64,21 +69,27 @@ def test_commit_equals_replay(tiny_qwen35, compiled, eval_every, monkeypatch):
     params = SamplingParams(temperature=1.0, seed=3)
     truth = plain_run(model, prompt, params, 60)
     seq, committed, root = list(prompt), len(prompt) - 1, prompt[-1]
-    accepted = 0
-    for _ in range(12):
+    accepted, folds = 0, 0
+    for i in range(12):
         done = len(seq) - len(prompt)
         tree = random_tree(rng, root, int(rng.integers(0, 12)), 512, truth[done : done + 6])
+        unfolded = sum(isinstance(c, GDNCache) and c.unfolded is not None for c in cache)
         logits = np.array(forward.verify(model, cache, tree, committed))
+        if tree.size > 1:
+            folds += unfolded
         acc = accept(tree, logits, params, 3, committed)
         forward.commit(cache, list(acc.path))
         committed += len(acc.path)
         seq += list(acc.tokens)
         root = acc.tokens[-1]
+        accepted += len(acc.path) - 1
+        if folded and i % 3 != 2:
+            continue
         replay = model.make_cache()
         model.hidden(mx.array([seq[:committed]]), replay)
         assert_same_state(cache, replay, committed)
-        accepted += len(acc.path) - 1
     assert seq[len(prompt):] == truth[: len(seq) - len(prompt)]
+    assert (folds > 0) == folded
     assert accepted >= 10  # the rounds really committed multi-token paths
 
 

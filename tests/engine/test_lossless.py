@@ -101,6 +101,25 @@ def test_spec_equals_plain(engine, sampling, kind):
         assert generate(engine, prompt, sampling, spec, drafter).tokens == plain
 
 
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("kind", ["fan", "random"])
+def test_commits_folded_into_the_next_verify_change_no_token(engine, sampling, kind, monkeypatch):
+    """The GPU's way of committing (the accepted path recorded, folded in by the next verify; see
+    GDNCache), forced on the CPU's ops core: plain decoding's tokens, and the fold really ran."""
+    from engine.cache import GDNCache
+
+    folds = []
+    settle_with = GDNCache.settle_with  # called when a verify hands back the states after its fold
+    monkeypatch.setattr(GDNCache, "fold_commits", True)
+    monkeypatch.setattr(GDNCache, "settle_with", lambda self, *a: folds.append(1) or settle_with(self, *a))
+    spec = SpecConfig(method="none", budget=12, max_depth=6, adaptive=False)
+    for i, prompt in enumerate(PROMPTS):
+        plain = generate(engine, prompt, sampling).tokens
+        drafter = OracleDrafter(plain, len(prompt), fan=4) if kind == "fan" else RandomTreeDrafter(i, 512, plain)
+        assert generate(engine, prompt, sampling, spec, drafter).tokens == plain
+    assert folds
+
+
 def test_right_drafter_needs_fewer_forwards(engine):
     prompt = PROMPTS[0]
     plain = generate(engine, prompt, GREEDY).tokens

@@ -8,7 +8,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.gdn.core import GDNShape, GDNWeights, OpsCore, TreeInputs, split_heads
+from engine.cache import AcceptedPath
+from engine.gdn.core import Fold, GDNShape, GDNWeights, OpsCore, TreeInputs, split_heads
 from engine.gdn.ops import causal_conv, gates, tree_conv
 from engine.gdn.reference import sequential, tree_sequential
 from engine.kernels import KernelCore, gpu_backend
@@ -151,6 +152,39 @@ def test_commit_equals_twin(shape, dtype, rng):
             conv_o, S_o = OpsCore().commit(rows, path, conv, S)
         assert conv_k.dtype == conv.dtype and mx.array_equal(conv_k, conv_o)
         close(S_k, S_o, 1e-4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize(("tree_shape", "n"), [("chain", 2), ("chain+siblings", 17), ("random", 33)])
+def test_tree_after_equals_twins(shape, dtype, tree_shape, n, rng):
+    """The verify with the last round's commit folded in (two kernels) against OpsCore.tree_after
+    and against the commit kernel followed by the tree kernels; the states it is given unchanged."""
+    s = SHAPES[shape]
+    prev_tree = tree_of("chain+siblings", 17, rng)
+    qkv0, a0, b0, conv, w, S = inputs(rng, s, 17, DTYPES[dtype])
+    _, prev = kernels().tree(s, w, qkv0, a0, b0, conv, S, tree_inputs(prev_tree, s.K))
+    tree = tree_of(tree_shape, n, rng)
+    qkv, a, b, *_ = inputs(rng, s, n, DTYPES[dtype])
+    gdn = tree_inputs(tree, s.K)
+    S_before, conv_before = np.array(S), np.array(conv.astype(mx.float32))
+    for leaf in (0, 2, 9, 16):
+        nodes = tuple(prev_tree.path_to(leaf))
+        fold = Fold(prev, kernels().fold_path(AcceptedPath(nodes)))
+        o, rows, conv_k, S_k = kernels().tree_after(s, w, qkv, a, b, conv, S, gdn, fold)
+        conv_c, S_c = kernels().commit(prev, mx.array(nodes, dtype=mx.int32), conv, S)
+        o_c, rows_c = kernels().tree(s, w, qkv, a, b, conv_c, S_c, gdn)
+        with mx.stream(mx.cpu):
+            o_ref, rows_ref, conv_ref, S_ref = OpsCore().tree_after(s, w, qkv, a, b, conv, S, gdn, fold)
+        assert conv_k.dtype == conv.dtype and mx.array_equal(conv_k, conv_ref) and mx.array_equal(conv_k, conv_c)
+        close(S_k, S_ref, 1e-4)
+        close(S_k, S_c, 1e-5)  # the same arithmetic as the commit kernel
+        close(o, o_ref, 2e-4)
+        close(rows.u, rows_ref.u, 2e-4)
+        close(o, o_c, 1e-5)
+        close(rows.u, rows_c.u, 1e-5)
+        close(rows.k, rows_ref.k, 1e-5)
+    assert np.array_equal(S_before, np.array(S)) and np.array_equal(conv_before, np.array(conv.astype(mx.float32)))
 
 
 def test_the_model_picks_the_kernels_on_cuda(tiny_qwen35):

@@ -10,11 +10,21 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from engine.cache import AcceptedPath
 from engine.forward import tree_batch
 from engine.gdn import ops
-from engine.gdn.core import GDNShape, GDNWeights, OpsCore, TreeInputs, split_heads
+from engine.gdn.core import Fold, GDNShape, GDNWeights, OpsCore, TreeInputs, split_heads
 from engine.gdn.reference import sequential
-from engine.kernels import GDN_CHAIN, GDN_COMMIT, GDN_STEP, GDN_TREE, GDN_TREE_FRONT
+from engine.kernels import (
+    GDN_CHAIN,
+    GDN_COMMIT,
+    GDN_STEP,
+    GDN_TREE,
+    GDN_TREE_FOLD,
+    GDN_TREE_FRONT,
+    GDN_TREE_FRONT_FOLD,
+    KernelCore,
+)
 from engine.tree import DraftTree
 from tests.kernels.emulate import emulate
 
@@ -158,3 +168,45 @@ def test_commit_body_equals_twin(shape, rng, tmp_path):
         conv, S = OpsCore().commit(rows, mx.array(path), mx.array(x["conv_state"]), mx.array(x["state"]))
         assert maxdiff(out["conv_out"], conv) == 0.0
         assert maxdiff(out["state_out"], S) <= 1e-5
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize(("kind", "n", "leaf"), [("chain", 6, 0), ("random", 12, 5), ("star", 7, 8), ("random", 30, 8)])
+def test_fold_bodies_equal_twin(shape, kind, n, leaf, rng, tmp_path):
+    """The verify builds with the last round's commit folded in (a path of `leaf`'s length in a
+    9-node tree, padded with -1 as the kernel core pads it) against OpsCore.tree_after and against
+    the commit then the tree, which is what they replace."""
+    s = SHAPES[shape]
+    prev_tree, prev = a_tree(rng, "random", 9), random_layer(rng, s, 9)
+    _, prev_rows = OpsCore().tree(s, *twin_args(prev), tree_batch(prev_tree, 5, s.K).gdn)
+    nodes = tuple(prev_tree.path_to(leaf))
+    path = KernelCore("cuda").fold_path(AcceptedPath(nodes))
+    assert path.shape[0] >= len(nodes) and all(int(i) == -1 for i in np.array(path)[len(nodes):])
+    tree, x = a_tree(rng, kind, n), random_layer(rng, s, n)
+    gdn = tree_batch(tree, 5 + len(nodes), s.K).gdn
+    r = {"x_prev": prev["qkv"], "k_prev": np.array(prev_rows.k), "u_prev": np.array(prev_rows.u),
+         "g_prev": np.array(prev_rows.g), "path": np.array(path)}
+    front = emulate(GDN_TREE_FRONT_FOLD, {**x, "conv_state": prev["conv_state"], "taps": np.array(gdn.conv_taps),
+                                          "x_prev": r["x_prev"], "path": r["path"]},
+                    {"q": ((n, s.Hv, s.Dk), F32), "k": ((n, s.Hv, s.Dk), F32), "v": ((n, s.Hv, s.Dv), F32),
+                     "g": ((n, s.Hv), F32), "beta": ((n, s.Hv), F32), "conv_out": ((s.K - 1, s.conv_dim), F32)},
+                    template(s), groups=-(-(n * s.Hv) // 2), threads=2, tmp=tmp_path)
+    inputs = {**{k: front[k] for k in ("q", "k", "v", "g", "beta")}, "state": prev["state"],
+              "order": np.array(gdn.dfs_order), "depth": np.array(gdn.depths), **r}
+    out = emulate(GDN_TREE_FOLD, inputs, {"o": ((n, s.Hv, s.Dv), F32), "u": ((n, s.Hv, s.Dv), F32),
+                                          "state_out": ((s.Hv, s.Dv, s.Dk), F32)},
+                  template(s, MAXD=gdn.levels), **launch(s), tmp=tmp_path)
+    w, qkv, a, b, _, _ = twin_args(x)
+    conv0, S0 = mx.array(prev["conv_state"]), mx.array(prev["state"])
+    o, rows, conv, S = OpsCore().tree_after(s, w, qkv, a, b, conv0, S0, gdn, Fold(prev_rows, path))
+    conv_c, S_c = OpsCore().commit(prev_rows, mx.array(nodes, dtype=mx.int32), conv0, S0)
+    o_c, rows_c = OpsCore().tree(s, w, qkv, a, b, conv_c, S_c, gdn)
+    # the padding's steps add exact zeros (a BLAS may still sum a longer product in another order)
+    assert maxdiff(conv, conv_c) == 0.0 and maxdiff(S, S_c) <= 1e-6
+    assert maxdiff(o, o_c) <= 1e-6 and maxdiff(rows.u, rows_c.u) <= 1e-6
+    assert maxdiff(front["conv_out"], conv) == 0.0
+    for name, twin in (("k", rows.k), ("g", rows.g)):
+        assert maxdiff(front[name], twin) <= 1e-5 * max(1.0, float(np.abs(np.asarray(twin)).max())), name
+    assert maxdiff(out["state_out"], S) <= 1e-5
+    assert maxdiff(out["o"], o) <= 1e-4
+    assert maxdiff(out["u"], rows.u) <= 1e-4
