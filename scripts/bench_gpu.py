@@ -8,7 +8,7 @@ and uses the bundled model as shipped; then prints and writes (DIR/results.json,
 - plain decode tok/s: Spruce with the GDN kernels, Spruce with the plain-ops core, mlx-lm (and any
   variant --cores names: "-mlxqmm" MLX's quantized matmul, "-kwN" N warps on long reductions,
   "-dq0" qmm_mma without paired dequantization, "-evN" a verify handed to the device every N
-  layers),
+  layers, "-fold0" each commit run on its own instead of folded into the next verify),
   the runs interleaved (one of each setup in turn) after a warm-up of each;
 - greedy tokens equal or not, and the max |logit| difference on a 128-token prompt (parity);
 - the cost of one speculation round for trees of N nodes, split into verify / accept / commit,
@@ -71,20 +71,23 @@ def variant_setting(core: str) -> Iterator[None]:
     """What a variant sets around each of its engine's calls: "-kwN" runs qmm_mma's long
     reductions with N warps a block (engine.kernels.MMA_LONG_KW), "-dq0" / "-dq1" turns its paired
     dequantization off / on (engine.kernels.MMA_PAIRED_DEQUANT), "-evN" hands a multi-node verify
-    to the device every N layers (engine.forward.VERIFY_EVAL_EVERY; 0 = at the end). Compiled
-    layer graphs are per model instance and trace on first use, so each engine's graphs carry its
-    own setting."""
+    to the device every N layers (engine.forward.VERIFY_EVAL_EVERY; 0 = at the end), "-fold0" /
+    "-fold1" runs each commit on its own / folds it into the next verify (GDNCache.fold_commits).
+    Compiled layer graphs are per model instance and trace on first use, so each engine's graphs
+    carry its own setting."""
     from engine import forward, kernels
+    from engine.cache import GDNCache
 
-    saved = kernels.MMA_LONG_KW, kernels.MMA_PAIRED_DEQUANT, forward.VERIFY_EVAL_EVERY
+    saved = kernels.MMA_LONG_KW, kernels.MMA_PAIRED_DEQUANT, forward.VERIFY_EVAL_EVERY, GDNCache.fold_commits
     suffix = core.rpartition("-")[2]
     kernels.MMA_LONG_KW = int(suffix[2:]) if suffix.startswith("kw") else saved[0]
     kernels.MMA_PAIRED_DEQUANT = suffix[2:] == "1" if suffix.startswith("dq") else saved[1]
     forward.VERIFY_EVAL_EVERY = int(suffix[2:]) if suffix.startswith("ev") else saved[2]
+    GDNCache.fold_commits = suffix[4:] == "1" if suffix.startswith("fold") else saved[3]
     try:
         yield
     finally:
-        kernels.MMA_LONG_KW, kernels.MMA_PAIRED_DEQUANT, forward.VERIFY_EVAL_EVERY = saved
+        kernels.MMA_LONG_KW, kernels.MMA_PAIRED_DEQUANT, forward.VERIFY_EVAL_EVERY, GDNCache.fold_commits = saved
 
 
 def spruce_engine(path: Path, dtype: str, core: str) -> Any:
@@ -349,7 +352,8 @@ def markdown(r: dict) -> str:
         lines += ["", "Rounds as the engine runs them (commit queued, the next verify waits for it), median ms:"
                   " the round with its commit; without (each verify from the same state); what the commit adds"
                   " (of it, the host's part and its building); the round as a multiple of the plain step"
-                  " (1 / plain tok/s):", "",
+                  " (1 / plain tok/s); where commits fold into the next verify, the same rounds with each"
+                  " commit run on its own, interleaved:", "",
                   "| checkpoint | core | " + " | ".join(f"N={n}" for n in TREE_SIZES) + " |",
                   "|---|---|" + "---|" * len(TREE_SIZES)]
         for x in rows:
@@ -357,6 +361,8 @@ def markdown(r: dict) -> str:
                 cells = [f"{c['queued_round']:.2f} / {c['queued_no_commit']:.2f}; c {c['commit_queued']:.2f}"
                          f" (host {c['commit_host']:.2f}, building {c['commit_build']:.2f});"
                          f" {c['queued_round'] / x['plain_step_ms']:.2f}x"
+                         + (f"; unfolded {c['queued_round_unfolded']:.2f}, c {c['commit_unfolded']:.2f}"
+                            f" (host {c['commit_host_unfolded']:.2f})" if "commit_unfolded" in c else "")
                          if c and "queued_round" in c else "" for c in (costs.get(str(n)) for n in TREE_SIZES)]
                 lines.append(f"| {x['checkpoint']} {x['dtype']} | {core} | " + " | ".join(cells) + " |")
         lines += ["", "| checkpoint | prefill tokens | Spruce tok/s | mlx-lm tok/s |", "|---|---|---|---|"]

@@ -68,18 +68,30 @@ def queued_rounds(model: Any, cache: list, tree: Any, path: list[int], committed
     and without it, each verify from the same state ("queued_no_commit"); their difference is what
     the commit adds to a round, host and device. "commit_host" is the host's part: building it
     ("commit_build": the layers' commit calls) and handing it to the device (the rest: MLX's
-    evaluation call, which encodes the launches)."""
+    evaluation call, which encodes the launches). Where the GDN caches fold commits into the next
+    verify (engine/cache.py, the GPU kernels), a third kind of round runs interleaved with the
+    other two: each commit run on its own ("queued_round_unfolded", "commit_unfolded"), so the two
+    ways are compared round by round on one lease."""
     from engine import forward, sampler
+    from engine.cache import GDNCache
 
-    def one(commit: bool) -> tuple[float, float, float]:
+    folding = any(isinstance(c, GDNCache) and c.folds for c in cache)
+    kinds = ("commit", "unfolded", "none") if folding else ("commit", "none")
+
+    def one(kind: str) -> tuple[float, float, float]:
         t0 = time.perf_counter()
-        marks = None if commit else [c.mark() for c in cache]
+        marks = None if kind != "none" else [c.mark() for c in cache]
         choices = mx.argmax(forward.verify(model, cache, tree, committed), axis=-1)
         sampler.accept_walk(tree, np.array(choices).__getitem__)
         t1 = time.perf_counter()
         built = t1
-        if commit:
-            forward.commit(cache, path, evaluate=False)
+        if kind != "none":
+            saved = GDNCache.fold_commits
+            GDNCache.fold_commits = False if kind == "unfolded" else saved
+            try:
+                forward.commit(cache, path, evaluate=False)
+            finally:
+                GDNCache.fold_commits = saved
             built = time.perf_counter()
             mx.async_eval(forward.state_arrays(cache))
         else:
@@ -88,18 +100,25 @@ def queued_rounds(model: Any, cache: list, tree: Any, path: list[int], committed
         end = time.perf_counter()
         return end - t0, end - t1, built - t1
 
-    got: dict[str, list[float]] = {"queued_round": [], "queued_no_commit": [], "commit_host": [], "commit_build": []}
-    for r in range(2 * rounds + 4):  # the two kinds alternate, each after one of its own kind
-        commit = r % 4 < 2
-        ms, host, build = one(commit)
-        if commit:
+    names = {"commit": "queued_round", "unfolded": "queued_round_unfolded", "none": "queued_no_commit"}
+    got: dict[str, list[float]] = {k: [] for k in (*names.values(), "commit_host", "commit_build",
+                                                   "commit_host_unfolded")}
+    # each kind runs two rounds in turn and the second is kept: it follows one of its own kind
+    for r in range(len(kinds) * (rounds + 2)):
+        kind = kinds[(r // 2) % len(kinds)]
+        ms, host, build = one(kind)
+        if kind != "none":
             committed += len(path)
-        if r >= 4 and r % 2 == 1:
-            got["queued_round" if commit else "queued_no_commit"].append(ms * 1e3)
-            if commit:
+        if r >= 2 * len(kinds) and r % 2 == 1:
+            got[names[kind]].append(ms * 1e3)
+            if kind == "commit":
                 got["commit_host"].append(host * 1e3)
                 got["commit_build"].append(build * 1e3)
+            elif kind == "unfolded":
+                got["commit_host_unfolded"].append(host * 1e3)
     mx.eval(forward.state_arrays(cache))
-    out = {k: statistics.median(v) for k, v in got.items()}
+    out = {k: statistics.median(v) for k, v in got.items() if v}
     out["commit_queued"] = out["queued_round"] - out["queued_no_commit"]
+    if folding:
+        out["commit_unfolded"] = out["queued_round_unfolded"] - out["queued_no_commit"]
     return out, committed
