@@ -243,8 +243,8 @@ class GDNCache:
         self.state: mx.array | None = None
         # a verify's result: a one-node tree's states directly, a larger tree's rows to fold
         self.pending: tuple[mx.array, mx.array] | TreeRows | None = None
-        # a commit recorded, not run: the next verify folds it in (the real path, to settle with)
-        self.unfolded: tuple[Fold, AcceptedPath] | None = None
+        # a commit recorded, not run: the last verify's rows and the path the next verify folds in
+        self.unfolded: tuple[TreeRows, AcceptedPath] | None = None
         self.length = 0  # tokens the committed state has consumed (an unfolded path included)
 
     @property
@@ -266,7 +266,8 @@ class GDNCache:
         if self.unfolded is None:
             return (*self.states(dtype), None)
         assert self.conv_state is not None and self.state is not None
-        return self.conv_state, self.state, self.unfolded[0]
+        rows, path = self.unfolded
+        return self.conv_state, self.state, Fold(rows, path.padded_index)
 
     def settle_with(self, conv_state: mx.array, state: mx.array) -> None:
         """A verify folded the unfolded commit in: its states after it are the committed ones."""
@@ -276,9 +277,8 @@ class GDNCache:
         """Run the unfolded commit, if any (lazily, like every write)."""
         if self.unfolded is None:
             return
-        fold, path = self.unfolded
+        r, path = self.unfolded
         assert self.conv_state is not None and self.state is not None
-        r = fold.rows
         self.conv_state, self.state = commit_function(self.core, self.compile_commit)(
             r.x, r.k, r.u, r.g, path.index, self.conv_state, self.state)
         self.unfolded = None
@@ -297,7 +297,7 @@ class GDNCache:
             raise RuntimeError("commit without a pending verify")
         assert self.unfolded is None, "a verify read settled states"
         if isinstance(self.pending, TreeRows) and self.folds:
-            self.unfolded = (Fold(self.pending, self.core.fold_path(path)), path)
+            self.unfolded = (self.pending, path)
             self.pending = None
             self.length += len(path)
             return
@@ -313,7 +313,7 @@ class GDNCache:
         self.write(conv, S, len(path))
 
     def arrays(self) -> list[mx.array]:
-        unfolded = [] if self.unfolded is None else list(self.unfolded[0].arrays())
+        unfolded = [] if self.unfolded is None else list(Fold(self.unfolded[0], self.unfolded[1].padded_index).arrays())
         return [a for a in (self.conv_state, self.state) if a is not None] + unfolded
 
     def snapshot(self, length: int) -> GDNSnapshot:

@@ -206,11 +206,6 @@ class KernelCore(OpsCore):
     # the host building and encoding 24 small launches (BENCHMARKS.md, issue 10)
     folds_commit = True
 
-    def fold_path(self, path):
-        # padded with -1 to a length class: the layers' compiled functions trace once per class,
-        # not once per accepted length
-        return path.padded_index
-
     def tree_after(self, shape, w, qkv, a, b, conv_state, S0, tree, fold):
         r = fold.rows
         if (not self.covers(shape) or tree.levels * shape.Dk > SHARED_FLOATS or qkv.dtype != conv_state.dtype

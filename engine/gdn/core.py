@@ -24,14 +24,11 @@ engine/kernels.py adds the Metal / CUDA ones and picks one per backend.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import mlx.core as mx
 
 from engine.gdn import ops
-
-if TYPE_CHECKING:
-    from engine.cache import AcceptedPath
 
 
 @dataclass(frozen=True)
@@ -105,7 +102,7 @@ class Fold:
     fold in before its own tree (GDNCore.tree_after)."""
 
     rows: TreeRows
-    path: mx.array  # int32 [P]: node indices root..leaf, padded with -1 where the core asks (fold_path)
+    path: mx.array  # int32 [P]: node indices root..leaf, padded with -1 (AcceptedPath.padded_index)
 
     def arrays(self) -> tuple[mx.array, ...]:
         r = self.rows
@@ -139,10 +136,6 @@ class GDNCore(Protocol):
     def commit(self, rows: TreeRows, path: mx.array, conv_state: mx.array,
                S0: mx.array) -> tuple[mx.array, mx.array]:
         """path: int32 node indices root..leaf -> (conv state, S) after the path."""
-        ...
-
-    def fold_path(self, path: AcceptedPath) -> mx.array:
-        """An accepted path as Fold.path (its index, or padded where the core's kernels take it so)."""
         ...
 
     def tree_after(self, shape: GDNShape, w: GDNWeights, qkv: mx.array, a: mx.array, b: mx.array,
@@ -201,9 +194,6 @@ class OpsCore:
         S = ops.commit_fold(rows.k, rows.u, rows.g, path, S0)
         conv = ops.conv_state_after(rows.x, path, conv_state).astype(conv_state.dtype)
         return conv, S
-
-    def fold_path(self, path):
-        return path.index
 
     def tree_after(self, shape, w, qkv, a, b, conv_state, S0, tree, fold):
         r = fold.rows

@@ -121,7 +121,7 @@ class GatedDeltaNet(nn.Module):
         """A chain's states replace the committed ones; a verify's wait for the commit (and a verify
         that folded the last commit in leaves the states after it)."""
         if mode == "tree":
-            if len(result) == 6:
+            if len(result) > 4:  # (conv state, state) after the last commit, which this verify folded in
                 cache.settle_with(result[4], result[5])
             cache.defer(TreeRows(*result[:4]))
         elif batch.deferred:
@@ -184,10 +184,8 @@ class DecoderLayer(nn.Module):
         else:
             (conv_state, S), fold = cache.states(x.dtype), None
         if fold is not None:
-            before, _ = self._functions(mode, folding=True)
-            h, result = before(x, conv_state, S, tree_arrays(batch), levels, fold.arrays())
-        else:
-            h, result = before(x, conv_state, S, tree_arrays(batch), levels)
+            before, after = self._functions(mode, folding=True)
+        h, result = before(x, conv_state, S, tree_arrays(batch), levels, *(() if fold is None else (fold.arrays(),)))
         self.linear_attn.store(cache, batch, mode, result, x.shape[1])
         return after(h)
 

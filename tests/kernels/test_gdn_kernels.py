@@ -170,7 +170,7 @@ def test_tree_after_equals_twins(shape, dtype, tree_shape, n, rng):
     S_before, conv_before = np.array(S), np.array(conv.astype(mx.float32))
     for leaf in (0, 2, 9, 16):
         nodes = tuple(prev_tree.path_to(leaf))
-        fold = Fold(prev, kernels().fold_path(AcceptedPath(nodes)))
+        fold = Fold(prev, AcceptedPath(nodes).padded_index)
         o, rows, conv_k, S_k = kernels().tree_after(s, w, qkv, a, b, conv, S, gdn, fold)
         conv_c, S_c = kernels().commit(prev, mx.array(nodes, dtype=mx.int32), conv, S)
         o_c, rows_c = kernels().tree(s, w, qkv, a, b, conv_c, S_c, gdn)
