@@ -175,16 +175,39 @@ def forward_ms(model: qwen3_5.Model, cache: list, committed: int, n: int, runs: 
             "eval_ms": statistics.median(e), "commit_ms": statistics.median(c), "queued_verify_ms": min(queued)}
 
 
-def ncu_capture(model: qwen3_5.Model, cache: list, committed: int, rows: list[int]) -> None:
+def ncu_capture(model: qwen3_5.Model, cache: list, committed: int, rows: list[int], fold: bool = False) -> None:
     """One verify per row count between cudaProfilerStart / Stop, for
-    `ncu --profile-from-start off` (kernel names and durations of exactly these passes)."""
+    `ncu --profile-from-start off` (kernel names and durations of exactly these passes). With
+    `fold`, each row count's verify is captured a second time right after a commit of its chain
+    (up to 9 nodes), so that where the GDN caches fold commits into the next verify (the CUDA
+    kernels) that verify runs the folding builds: the two passes side by side are what the fold
+    costs each kernel."""
     import ctypes
     import ctypes.util
 
     lib = ctypes.CDLL(ctypes.util.find_library("cudart") or "libcudart.so")
+
+    def after_commit(n: int, profiled: bool) -> None:
+        tree = chain_with_siblings(n)
+        marks = [c.mark() for c in cache]
+        mx.eval(mx.argmax(forward.verify(model, cache, tree, committed), axis=-1))
+        path = tree.path_to(min(n - 1, 8))
+        forward.commit(cache, path)  # folding caches only record it: the next verify runs it
+        mx.synchronize()
+        if profiled:
+            lib.cudaProfilerStart()
+        mx.eval(mx.argmax(forward.verify(model, cache, tree, committed + len(path)), axis=-1))
+        mx.synchronize()
+        if profiled:
+            lib.cudaProfilerStop()
+        for c, m in zip(cache, marks, strict=True):
+            c.rewind(m)
+
     for n in rows:  # warm: compiled, kernels built
         for _ in range(2):
             forward_ms(model, cache, committed, n, runs=1)
+            if fold and n > 1:
+                after_commit(n, profiled=False)
     for n in rows:
         tree = chain_with_siblings(n)
         mx.synchronize()
@@ -192,6 +215,8 @@ def ncu_capture(model: qwen3_5.Model, cache: list, committed: int, rows: list[in
         mx.eval(mx.argmax(forward.verify(model, cache, tree, committed), axis=-1))
         mx.synchronize()
         lib.cudaProfilerStop()
+        if fold and n > 1:
+            after_commit(n, profiled=True)
 
 
 def prefill_profile(model: qwen3_5.Model, chunk: int, calls: int, dtype: mx.Dtype) -> dict[str, float]:
@@ -255,6 +280,8 @@ def main() -> None:
     ap.add_argument("--no-fuse", action="store_true", help="keep the same-input projections separate")
     ap.add_argument("--no-qmm", action="store_true", help="MLX's quantized matmul, not the small-M kernel")
     ap.add_argument("--ncu", action="store_true", help="only mark one verify per row count for ncu")
+    ap.add_argument("--ncu-fold", action="store_true",
+                    help="with --ncu: also mark each tree's verify after a commit (the folding kernels)")
     ap.add_argument("--full-layers", type=int, default=0, help="layers of the full model (default: the shape's)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -274,7 +301,7 @@ def main() -> None:
                              layers_built=args.layers, dtype=args.dtype, bits=args.bits, calls=args.calls,
                              date=time.strftime("%Y-%m-%d"), rows=args.rows, layers={}, estimate_ms={})
     if args.ncu:
-        ncu_capture(model, cache, len(prompt), args.rows)
+        ncu_capture(model, cache, len(prompt), args.rows, args.ncu_fold)
         return
     for n in args.rows:
         prof = layer_profile(model, cache, len(prompt), n, args.calls, dtype)
