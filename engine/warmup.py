@@ -7,8 +7,8 @@ small-M matmul, whose template takes ceil(rows / 8)) while other new sizes cost 
 server that compiles during its first requests stalls them, so `spruce serve` calls `warm_up` on
 GPU backends after loading: a short request through the real path (prefill, decode, the configured
 drafter's rounds), then two verifies + commits of a tree (the second with the first's commit
-folded in) for each row class and each depth class of the GDN tree kernel (forward.tree_batch
-rounds its levels up to a power of two) that the configured budget and depth can produce, on a
+folded in) for each row class and each level class of the GDN tree kernel (forward.tree_levels)
+that the configured budget and depth can produce, on a
 scratch cache. Nothing it does stays: the prefix cache is emptied after it.
 """
 
@@ -38,14 +38,14 @@ class WarmupReport:
 
 
 def tree_shapes(budget: int, max_depth: int) -> list[tuple[int, int]]:
-    """(nodes, depth) of the trees to verify: chains of depth 1, 2, 4, 8, ... (the kernel's level
-    classes) and, at full depth, one tree per row class up to budget + 1 nodes (the root too)."""
+    """(nodes, depth) of the trees to verify: a chain for each of the kernel's level classes (the
+    deepest the budget and depth allow in it) and, at full depth, one tree per row class up to
+    budget + 1 nodes (the root too)."""
     nodes_max = budget + 1
-    shapes: list[tuple[int, int]] = []
-    depth = 1
-    while depth <= min(max_depth, nodes_max - 1):
-        shapes.append((depth + 1, depth))
-        depth *= 2
+    deepest: dict[int, int] = {}
+    for depth in range(1, min(max_depth, nodes_max - 1) + 1):
+        deepest[forward.tree_levels(depth)] = depth
+    shapes: list[tuple[int, int]] = [(depth + 1, depth) for depth in deepest.values()]
     for tiles in range(1, -(-nodes_max // ROW_CLASS) + 1):
         nodes = min(tiles * ROW_CLASS, nodes_max)  # ceil(nodes / 8) == tiles
         shape = (nodes, min(max_depth, nodes - 1))

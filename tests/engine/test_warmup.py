@@ -9,7 +9,7 @@ import math
 import pytest
 
 from engine.config import EngineConfig, SamplingParams, SpecConfig
-from engine.forward import tree_batch
+from engine.forward import LEVEL_STEP, tree_batch, tree_levels
 from engine.generate import Engine
 from engine.types import GenerationRequest
 from engine.warmup import chain_with_siblings, tree_shapes, warm_up
@@ -18,20 +18,21 @@ from engine.warmup import chain_with_siblings, tree_shapes, warm_up
 @pytest.mark.parametrize(("budget", "depth"), [(16, 8), (32, 8), (1, 8), (4, 2), (31, 16), (7, 3)])
 def test_tree_shapes_cover_every_row_and_level_class(budget, depth):
     """Every tree the engine can verify (root + up to `budget` nodes, depth up to `depth`) falls
-    in a row class (ceil(rows / 8)) and a level class (forward.tree_batch's power of two) that one
-    of the warm-up's trees has."""
+    in a row class (ceil(rows / 8)) and a level class (forward.tree_levels) that one of the
+    warm-up's trees has."""
     shapes = tree_shapes(budget, depth)
     rows = {math.ceil(n / 8) for n, _ in shapes}
-    levels = {1 << d.bit_length() for _, d in shapes}
+    levels = {tree_levels(d) for _, d in shapes}
     for n in range(2, budget + 2):
         assert math.ceil(n / 8) in rows, n
     for d in range(1, min(depth, budget) + 1):
-        assert 1 << d.bit_length() in levels, d
+        assert tree_levels(d) in levels, d
     for n, d in shapes:
         assert 1 <= d <= min(depth, n - 1) and n <= budget + 1
         tree = chain_with_siblings(5, n, d, 1000)
         assert len(tree.tokens) == n and tree.max_depth == d
-        assert tree_batch(tree, 10, 4).gdn.levels == 1 << d.bit_length()
+        assert tree_batch(tree, 10, 4).gdn.levels == tree_levels(d)
+        assert tree_levels(d) % LEVEL_STEP == 0 and d + 1 <= tree_levels(d) < d + 1 + LEVEL_STEP
 
 
 @pytest.mark.parametrize("method", ["ngram", "mtp", "dflash", "none"])
