@@ -170,13 +170,17 @@ def test_commit_body_equals_twin(shape, rng, tmp_path):
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize(("kind", "n", "leaf"), [("chain", 6, 0), ("random", 12, 5), ("star", 7, 8), ("random", 30, 8)])
-def test_fold_bodies_equal_twin(shape, kind, n, leaf, rng, tmp_path):
-    """The verify builds with the last round's commit folded in (a path of `leaf`'s length in a
-    9-node tree, padded with -1 as the kernel core pads it) against OpsCore.tree_after and against
-    the commit then the tree, which is what they replace."""
+@pytest.mark.parametrize(("kind", "n", "prev_kind", "leaf"),
+                         [("chain", 6, "random", 0), ("random", 12, "random", 5), ("star", 7, "random", 8),
+                          ("random", 30, "random", 8), ("chain", 9, "chain", 7), ("random", 12, "chain", 11)])
+def test_fold_bodies_equal_twin(shape, kind, n, prev_kind, leaf, rng, tmp_path):
+    """The verify builds with the last round's commit folded in (the path to `leaf` in a tree of
+    at least 9 nodes, padded with -1 as the kernel core pads it: chains of 8 and 12 nodes fill one
+    batch of the fold's loads and start a second) against OpsCore.tree_after and against the
+    commit then the tree, which is what they replace."""
     s = SHAPES[shape]
-    prev_tree, prev = a_tree(rng, "random", 9), random_layer(rng, s, 9)
+    prev_n = max(9, leaf + 1)
+    prev_tree, prev = a_tree(rng, prev_kind, prev_n), random_layer(rng, s, prev_n)
     _, prev_rows = OpsCore().tree(s, *twin_args(prev), tree_batch(prev_tree, 5, s.K).gdn)
     nodes = tuple(prev_tree.path_to(leaf))
     path = AcceptedPath(nodes).padded_index
