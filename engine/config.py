@@ -99,6 +99,9 @@ class SpecConfig:
     # size each round's tree by measured tokens per second, the root alone included
     # (engine/spec_control.py); False: every round gets the full budget
     adaptive: bool = True
+    # with `adaptive`: the longest round the controller keeps, in plain rounds (a round's tokens
+    # reach a streaming client together, so this bounds its gaps); None: no cap
+    max_stall: float | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -111,6 +114,8 @@ class SpecConfig:
             raise ValueError(f"spec max_depth must be >= 1, got {self.max_depth}")
         if self.draft_vocab is not None and self.draft_vocab < 0:
             raise ValueError(f"draft vocabulary size must be >= 0, got {self.draft_vocab}")
+        if self.max_stall is not None and not self.max_stall > 1.0:
+            raise ValueError(f"spec max stall must be > 1 (plain rounds), got {self.max_stall}")
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,13 @@ smallest tree is tried first (its two tries a plain round apart), a bigger one o
 below it accepts (a round emits at least CLIMB tokens), and the root alone after that; later
 re-tries go to a neighbour of the best arm only, and back off (twice as far apart each time) while
 they keep losing.
+
+A cap on the stall (`max_stall`, off by default): a round's tokens reach a streaming client
+together, after the whole round, so a round that takes X plain rounds is a gap X times a plain
+step's. With the cap, an arm whose rounds take longer than max_stall plain rounds is neither kept
+nor re-tried, and a bigger tree is not tried where the per-node cost of the biggest one measured
+below it predicts that it would be: the tail stays near the cap (plain decoding's p99 times it) at
+the price of the bigger trees' speed.
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ class Arm:
     budget: int  # draft nodes besides the root; 0 = plain decoding
     tokens: float = 0.0  # EWMA of tokens emitted per round
     ms: float = 0.0  # EWMA of a round's wall time, drafting included
+    last_ms: float = 0.0  # the last round's wall time
     rounds: int = 0
 
     @property
@@ -60,6 +68,7 @@ class Arm:
         w = DECAY if self.rounds else 0.0
         self.tokens = w * self.tokens + (1 - w) * tokens
         self.ms = w * self.ms + (1 - w) * ms
+        self.last_ms = ms
         self.rounds += 1
 
 
@@ -68,6 +77,7 @@ class SpecController:
     """Chooses the budget of each round among 0, FIRST, powers of four below `max_budget`, and it."""
 
     max_budget: int
+    max_stall: float | None = None  # the longest round kept, in plain rounds (None: no cap)
     arms: list[Arm] = field(default_factory=list)  # ascending budgets, arms[0] = the root alone
     rounds: int = 0
     interval: int = REVISIT  # rounds between re-tries, doubled while they lose
@@ -83,11 +93,35 @@ class SpecController:
             b *= 4
         self.arms = [Arm(b) for b in sorted(budgets)]
 
+    def allowed(self, arm: Arm) -> bool:
+        """Whether `arm`'s rounds stay within max_stall plain rounds: measured where it ran, else
+        predicted from the per-node cost of the biggest tree measured below it. Before a plain
+        round was measured, only the smallest tree is allowed (it is tried first)."""
+        if self.max_stall is None or arm.budget == 0:
+            return True
+        plain = self.arms[0]
+        if not plain.rounds:
+            return arm.budget <= FIRST
+        limit = self.max_stall * plain.ms
+        if arm.rounds:
+            # the last round as well as the average: one slow round (a first use, a busy machine)
+            # weighs on the average for several rounds, and an arm ruled out is not re-tried
+            return min(arm.ms, arm.last_ms) <= limit
+        below = [a for a in self.arms if 0 < a.budget < arm.budget and a.rounds]
+        if not below:
+            return True
+        per_node = max(0.0, below[-1].ms - plain.ms) / below[-1].budget
+        return plain.ms + per_node * arm.budget <= limit
+
     def _climbing(self) -> Arm | None:
         """The arm still owed its tries: the smallest tree first, each bigger one only while the
-        one below accepts, then the root alone. A tree bigger than one guess that accepted nothing
-        on its first try is owed no second one."""
+        one below accepts (and the stall cap allows it), then the root alone. A tree bigger than
+        one guess that accepted nothing on its first try is owed no second one."""
         for arm in self.arms[1:]:
+            # the smallest tree gets both its tries whatever the first cost (one slow round, e.g.
+            # the first of a request, must not rule speculation out); a bigger one is judged on one
+            if not self.allowed(arm) and not (arm.budget == FIRST and arm.rounds < TRIES):
+                break
             if arm.rounds < TRIES and not (arm.rounds and arm.tokens <= 1.0 and arm.budget != FIRST):
                 return arm
             if arm.tokens < (CLIMB_FIRST if arm.budget == FIRST else CLIMB):
@@ -99,9 +133,11 @@ class SpecController:
         root alone (it accepts nothing) is not a candidate once the root was tried: it costs more
         for the same tokens, and only a slow outlier among the root's rounds could make it look
         faster (one did in a test, and trees stayed on until the next re-try)."""
-        tried = [a for a in self.arms if a.rounds]
+        tried = [a for a in self.arms if a.rounds and self.allowed(a)]
         if self.arms[0].rounds:
             tried = [a for a in tried if a.budget == 0 or a.tokens > 1.0]
+        if not tried:  # the stall cap ruled out every tree tried before a plain round ran
+            return self.arms[0]
         top = max(a.rate for a in tried)
         return min((a for a in tried if a.rate >= top * (1 - MARGIN)), key=lambda a: a.budget)
 
@@ -123,9 +159,14 @@ class SpecController:
         return self._neighbour(best).budget if self._due() else best.budget
 
     def _neighbour(self, best: Arm) -> Arm:
+        """The arm to re-try beside `best`: this time's side, else the other one, else `best`
+        itself (where the stall cap rules out both)."""
         i = self.arms.index(best)
         side = self.revisit_side if 0 < i < len(self.arms) - 1 else (1 if i == 0 else -1)
-        return self.arms[i + side]
+        for j in (i + side, i - side):
+            if 0 <= j < len(self.arms) and self.allowed(self.arms[j]):
+                return self.arms[j]
+        return best
 
     def record(self, budget: int, tokens: int, ms: float) -> None:
         """A round ran with `budget` (the arm it was given), emitted `tokens` in `ms`."""

@@ -67,6 +67,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="tokens the mtp / dflash drafters may propose: the N most frequent of the model's "
                         "draft_vocab.safetensors ranking (default: its own size, the bundled model's 1024; "
                         "0: the whole vocabulary); fewer rows of the lm_head to read per drafted depth")
+    p.add_argument("--spec-max-stall", type=float, metavar="X",
+                   help="keep no draft tree whose round takes longer than X plain decoding steps (a round's "
+                        "tokens arrive together, so this bounds the pauses a streaming client sees, at the "
+                        "cost of the bigger trees' speed); default: no cap")
     p.add_argument("--no-prefix-cache", action="store_true", help="turn off the prompt prefix cache")
     p.add_argument("--prefix-cache-bytes", type=int, help="prefix cache budget in bytes (default 2 GiB)")
 

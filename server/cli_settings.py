@@ -64,6 +64,9 @@ def engine_settings(a: argparse.Namespace) -> Settings:
         raise SettingsError(f"--spec-budget must be in [1, {MAX_SPEC_BUDGET}], got {budget}")
     if not 1 <= depth <= MAX_SPEC_DEPTH:
         raise SettingsError(f"--spec-depth must be in [1, {MAX_SPEC_DEPTH}], got {depth}")
+    max_stall = getattr(a, "spec_max_stall", None)
+    if max_stall is not None and not max_stall > 1.0:
+        raise SettingsError(f"--spec-max-stall must be > 1 (plain decoding steps), got {max_stall}")
     prefix_bytes = _pick(a.prefix_cache_bytes, preset and preset.prefix_cache_bytes, "prefix_cache_bytes")
     if prefix_bytes < 0:
         raise SettingsError(f"--prefix-cache-bytes must be >= 0, got {prefix_bytes}")
@@ -79,7 +82,7 @@ def engine_settings(a: argparse.Namespace) -> Settings:
             raise SettingsError(f"--draft-vocab: {e}") from None
     try:
         spec = SpecConfig(method=method, budget=budget, max_depth=depth, draft_model=str(draft.path) if draft else None,
-                          draft_vocab=vocab_size,
+                          draft_vocab=vocab_size, max_stall=max_stall,
                           tree=_pick(getattr(a, "spec_tree", None), auto_tree, "spec_tree"),
                           dflash_model=_drafter_dir(getattr(a, "dflash_model", None), "--dflash-model"),
                           weaver_model=_drafter_dir(getattr(a, "weaver_model", None), "--weaver-model"))

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
+from engine.config import SpecConfig
 from engine.spec_control import FIRST, MAX_REVISIT, REVISIT, TRIES, SpecController
+from server.cli import build_parser
+from server.cli_settings import SettingsError, engine_settings
 
 
 def drive(c: SpecController, outcome, rounds: int) -> list[int]:
@@ -105,3 +110,60 @@ def test_a_slow_outlier_of_plain_rounds_does_not_keep_a_tree_that_accepts_nothin
     chosen = drive(SpecController(16), outcome, 40)
     assert chosen[: 2 * TRIES] == [FIRST, 0, FIRST, 0]
     assert chosen[2 * TRIES : REVISIT].count(0) == REVISIT - 2 * TRIES
+
+
+def costly_hits(b: int) -> tuple[int, float]:
+    """Guesses hit (half a tree's budget accepted) and every draft node costs 2 ms on a 10 ms step:
+    bigger trees are faster (16 nodes: 9 tokens in 42 ms) and stall longer."""
+    return 1 + (b + 1) // 2, 10.0 + 2.0 * b
+
+
+def test_without_a_stall_cap_the_big_tree_wins():
+    chosen = drive(SpecController(16), costly_hits, 100)
+    assert chosen[-40:].count(16) >= 35
+
+
+def test_a_stall_cap_keeps_every_round_within_it():
+    # 1.5 plain rounds = 15 ms: the one-guess tree (12 ms) fits, four nodes (18 ms, predicted from
+    # the one guess's 2 ms a node) do not and are never tried, nor is the full budget
+    c = SpecController(16, max_stall=1.5)
+    chosen = drive(c, costly_hits, 300)
+    assert set(chosen) == {0, FIRST}
+    assert chosen[-40:].count(FIRST) >= 35  # 1 token / 10 ms < 2 tokens / 12 ms
+    assert all(a.rounds == 0 for a in c.arms if a.budget > FIRST)
+
+
+def test_a_stall_cap_that_a_tree_fits_keeps_it():
+    # 2 ms a node again and a cap of 2 plain rounds: four nodes (18 ms) fit and are the fastest
+    # that fit (4 tokens / 18 ms against 2 / 12 and 1 / 10); sixteen (42 ms) are never tried
+    outcome = {0: (1, 10.0), 1: (2, 12.0), 4: (4, 18.0), 16: (9, 42.0)}
+    chosen = drive(SpecController(16, max_stall=2.0), outcome.__getitem__, 300)
+    assert 16 not in chosen and chosen[-40:].count(4) >= 35
+
+
+def test_a_slow_first_try_does_not_rule_the_smallest_tree_out():
+    # the request's first round is slow (compilation, a cold cache): the one guess still gets its
+    # second try and its re-tries (their cost, not the outlier's, decides the cap)
+    first = iter([40.0])
+    chosen = drive(SpecController(16, max_stall=1.5),
+                   lambda b: (2, next(first, 12.0)) if b == FIRST else costly_hits(b), 80)
+    assert chosen[:3] == [FIRST, 0, FIRST] and FIRST in chosen[2 * TRIES :]
+
+
+def test_a_tree_measured_over_the_cap_is_not_retried():
+    # four nodes are predicted to fit (one guess: 11 ms) but take 30 ms when tried: dropped for good
+    c = SpecController(4, max_stall=2.0)
+    chosen = drive(c, lambda b: (1 + b, {0: 10.0, 1: 11.0, 4: 30.0}[b]), 400)
+    assert chosen.count(4) == 1
+
+
+def test_the_cap_is_a_flag_and_a_checked_setting(tiny_checkpoint):
+    parser = build_parser()
+    args = ["run", "--model", str(tiny_checkpoint), "--spec", "ngram", "-m", "hi"]
+    assert engine_settings(parser.parse_args(args)).config.spec.max_stall is None
+    assert engine_settings(parser.parse_args([*args, "--spec-max-stall", "1.5"])).config.spec.max_stall == 1.5
+    for bad in ("1", "0.5", "nan"):
+        with pytest.raises(SettingsError, match="--spec-max-stall must be > 1"):
+            engine_settings(parser.parse_args([*args, "--spec-max-stall", bad]))
+    with pytest.raises(ValueError, match="max stall"):
+        SpecConfig(method="ngram", max_stall=1.0)
