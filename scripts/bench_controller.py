@@ -1,8 +1,9 @@
 """Two tree-size controllers side by side: the working tree's engine/spec_control.py and the round
-timing that feeds it (engine/round.py) against the ones at a git revision, on text where guesses
-miss and on text where they hit.
+timing that feeds it (engine/round.py) against the ones at a git revision, or against the working
+tree's with a stall cap (SpecConfig.max_stall), on text where guesses miss and on text where they hit.
 
     python scripts/bench_controller.py --against REV [--runs 3] [--tokens 96] [--lengths 64,2048]
+    python scripts/bench_controller.py --max-stall 1.5 [--runs 3] ...
 
 - misses: seeded sampling (temperature 1) after random-id prompts of each length, like
   scripts/bench_context.py: decode tok/s as a ratio to plain decoding, tokens per forward, and the
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
 
@@ -90,18 +92,19 @@ def generate(engine: Engine, prompt: list[int], params: SamplingParams, spec: Sp
     return {"tps": stats.decode_tps, "tpf": stats.tokens_per_forward, "gaps": gaps, "tokens": out}
 
 
-def compare(engine: Engine, prompt: list[int], params: SamplingParams, controllers: dict[str, ModuleType],
-            runs: int) -> dict[str, list[dict]]:
-    """Plain decoding and every (method, controller), interleaved; the first round is a warm-up."""
+def compare(engine: Engine, prompt: list[int], params: SamplingParams,
+            controllers: dict[str, tuple[ModuleType, float | None]], runs: int) -> dict[str, list[dict]]:
+    """Plain decoding and every (method, controller), interleaved; the first round is a warm-up.
+    A controller is engine/round.py's module and the stall cap it runs with."""
     results: dict[str, list[dict]] = {}
     for r in range(runs + 1):
         plain = generate(engine, prompt, params, SpecConfig())
         if r:
             results.setdefault("none", []).append(plain)
         for method, spec in METHODS.items():
-            for name, module in controllers.items():
+            for name, (module, cap) in controllers.items():
                 generation.Rounds = module.Rounds  # type: ignore[attr-defined]
-                out = generate(engine, prompt, params, spec)
+                out = generate(engine, prompt, params, replace(spec, max_stall=cap))
                 if r:
                     results.setdefault(f"{method}:{name}", []).append(out)
     generation.Rounds = current.Rounds
@@ -126,12 +129,19 @@ def summary(results: dict[str, list[dict]]) -> dict[str, str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--against", required=True, help="git revision of the other controller")
+    ap.add_argument("--against", help="git revision of the other controller")
+    ap.add_argument("--max-stall", type=float, help="instead: the working tree's controller with this stall cap")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--lengths", default="64,2048")
     a = ap.parse_args()
-    controllers = {"now": current, a.against: controller_at(a.against)}
+    if (a.against is None) == (a.max_stall is None):
+        ap.error("give one of --against and --max-stall")
+    controllers: dict[str, tuple[ModuleType, float | None]] = {"now": (current, None)}
+    if a.against:
+        controllers[a.against] = (controller_at(a.against), None)
+    else:
+        controllers[f"cap {a.max_stall:g}"] = (current, a.max_stall)
     lengths = [int(n) for n in a.lengths.split(",")]
     engine = Engine(EngineConfig(model_path=str(BUNDLED / "target"), prefix_cache=False,
                                  max_context=max(lengths) + a.tokens + 1))
