@@ -8,8 +8,8 @@ server that compiles during its first requests stalls them, so `spruce serve` ca
 GPU backends after loading: a short request through the real path (prefill, decode, the configured
 drafter's rounds), then two verifies + commits of a tree (the second with the first's commit
 folded in) for each row class and each level class of the GDN tree kernel (forward.tree_levels)
-that the configured budget and depth can produce, on a
-scratch cache. Nothing it does stays: the prefix cache is emptied after it.
+that the configured budget and depth can produce, on a scratch cache. Nothing it does stays: the
+prefix cache is emptied after it.
 """
 
 from __future__ import annotations
