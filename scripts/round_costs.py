@@ -65,8 +65,9 @@ def queued_rounds(model: Any, cache: list, tree: Any, path: list[int], committed
                   rounds: int) -> tuple[dict[str, float], int]:
     """Rounds as the engine runs them: the commit queued, not waited for (the next verify waits
     for it). Median ms a round over `rounds` back-to-back rounds, with the commit ("queued_round")
-    and without it, each verify from the same state ("queued_no_commit"); their difference is what
-    the commit adds to a round, host and device. "commit_host" is the host's part: building it
+    and without it, each verify from the same state ("queued_no_commit"); their difference, taken
+    cycle by cycle ("commit_queued", the median of the paired differences), is what the commit adds
+    to a round, host and device. "commit_host" is the host's part: building it
     ("commit_build": the layers' commit calls) and handing it to the device (the rest: MLX's
     evaluation call, which encodes the launches). Where the GDN caches fold commits into the next
     verify (engine/cache.py, the GPU kernels), a third kind of round runs interleaved with the
@@ -118,7 +119,15 @@ def queued_rounds(model: Any, cache: list, tree: Any, path: list[int], committed
                 got["commit_host_unfolded"].append(host * 1e3)
     mx.eval(forward.state_arrays(cache))
     out = {k: statistics.median(v) for k, v in got.items() if v}
-    out["commit_queued"] = out["queued_round"] - out["queued_no_commit"]
+    # what a commit adds: the median of the differences cycle by cycle (one round of each kind a
+    # cycle), not the difference of the medians, which a lease whose speed drifts during the
+    # measurement made negative (an H200 call: 8.00 ms with the commit, 8.83 without)
+    out["commit_queued"] = paired_median(got["queued_round"], got["queued_no_commit"])
     if folding:
-        out["commit_unfolded"] = out["queued_round_unfolded"] - out["queued_no_commit"]
+        out["commit_unfolded"] = paired_median(got["queued_round_unfolded"], got["queued_no_commit"])
     return out, committed
+
+
+def paired_median(a: list[float], b: list[float]) -> float:
+    """Median of a[i] - b[i] over the cycles both ran."""
+    return statistics.median(x - y for x, y in zip(a, b, strict=True))
