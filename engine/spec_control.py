@@ -93,7 +93,7 @@ class SpecController:
             b *= 4
         self.arms = [Arm(b) for b in sorted(budgets)]
 
-    def allowed(self, arm: Arm) -> bool:
+    def _allowed(self, arm: Arm) -> bool:
         """Whether `arm`'s rounds stay within max_stall plain rounds: measured where it ran, else
         predicted from the per-node cost of the biggest tree measured below it. Before a plain
         round was measured, only the smallest tree is allowed (it is tried first)."""
@@ -120,7 +120,7 @@ class SpecController:
         for arm in self.arms[1:]:
             # the smallest tree gets both its tries whatever the first cost (one slow round, e.g.
             # the first of a request, must not rule speculation out); a bigger one is judged on one
-            if not self.allowed(arm) and not (arm.budget == FIRST and arm.rounds < TRIES):
+            if not self._allowed(arm) and not (arm.budget == FIRST and arm.rounds < TRIES):
                 break
             if arm.rounds < TRIES and not (arm.rounds and arm.tokens <= 1.0 and arm.budget != FIRST):
                 return arm
@@ -133,11 +133,9 @@ class SpecController:
         root alone (it accepts nothing) is not a candidate once the root was tried: it costs more
         for the same tokens, and only a slow outlier among the root's rounds could make it look
         faster (one did in a test, and trees stayed on until the next re-try)."""
-        tried = [a for a in self.arms if a.rounds and self.allowed(a)]
+        tried = [a for a in self.arms if a.rounds and self._allowed(a)]
         if self.arms[0].rounds:
             tried = [a for a in tried if a.budget == 0 or a.tokens > 1.0]
-        if not tried:  # the stall cap ruled out every tree tried before a plain round ran
-            return self.arms[0]
         top = max(a.rate for a in tried)
         return min((a for a in tried if a.rate >= top * (1 - MARGIN)), key=lambda a: a.budget)
 
@@ -164,7 +162,7 @@ class SpecController:
         i = self.arms.index(best)
         side = self.revisit_side if 0 < i < len(self.arms) - 1 else (1 if i == 0 else -1)
         for j in (i + side, i - side):
-            if 0 <= j < len(self.arms) and self.allowed(self.arms[j]):
+            if 0 <= j < len(self.arms) and self._allowed(self.arms[j]):
                 return self.arms[j]
         return best
 
