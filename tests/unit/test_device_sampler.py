@@ -57,7 +57,17 @@ def straddles_a_cut(row: np.ndarray, params: SamplingParams) -> bool:
     if kept.all():
         return False
     before = process_logits(row, dataclasses.replace(params, top_k=0, top_p=1.0, min_p=0.0))
-    return bool(np.isclose(before[~kept], before[kept].min(), rtol=1e-6, atol=0.0).any())
+    if np.isclose(before[~kept], before[kept].min(), rtol=1e-6, atol=0.0).any():
+        return True
+    # or the top_p threshold itself: the kept tokens' mass within float32 rounding of top_p (seen at
+    # vocab 512, top_p 0.9: 288 tokens summed to 0.90000010 on the host, at most 0.9 on the device,
+    # which kept a 289th)
+    if params.top_p < 1.0:
+        mass = np.cumsum(np.sort(process_logits(row, dataclasses.replace(params, top_p=1.0)))[::-1])
+        below = mass[max(0, int(kept.sum()) - 2)]  # the mass without the last token the host keeps
+        return bool(min(abs(mass[int(kept.sum()) - 1] - params.top_p), abs(below - params.top_p))
+                    < row.size * float(np.finfo(np.float32).eps))
+    return False
 
 
 def test_a_cut_straddled_in_float32_is_recognised_and_nothing_else():
