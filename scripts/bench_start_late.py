@@ -57,6 +57,7 @@ def main() -> None:
         setups = [(f"{a.method}, late start {'on ' if late else 'off'}", spec, late, rounds.START_AHEAD_LAYERS)
                   for late in (True, False)]
     tps: dict[str, list[float]] = {s[0]: [] for s in setups}
+    tpf: dict[str, list[float]] = {s[0]: [] for s in setups}  # tokens per forward pass
     gaps: dict[str, list[float]] = {s[0]: [] for s in setups}
     grams: list[float] = []
     for rep in range(a.reps + 1):  # the first of each is a warm-up
@@ -74,6 +75,7 @@ def main() -> None:
                     stats = step.stats
             if rep:
                 tps[label].append(stats.decode_tps)
+                tpf[label].append(stats.tokens_per_forward)
                 gaps[label] += g
                 grams.append(distinct_8grams(out))
     print(f"{a.method}, distinct 8-grams {statistics.median(grams):.2f}")
@@ -81,7 +83,8 @@ def main() -> None:
     for label, *_ in setups:
         g = sorted(gaps[label])
         paired = statistics.median(t / r for t, r in zip(tps[label], tps[ref]))  # each rep against its own reference
-        print(f"{label}: {statistics.median(tps[label]):.1f} tok/s ({paired:.3f}x {ref}, paired by rep), gaps "
+        print(f"{label}: {statistics.median(tps[label]):.1f} tok/s ({paired:.3f}x {ref}, paired by rep), "
+              f"{statistics.median(tpf[label]):.2f} tokens per forward, gaps "
               f"p50 {g[len(g) // 2]:.1f} / p99 {g[int(0.99 * (len(g) - 1))]:.1f} / max {g[-1]:.1f} ms")
 
 
