@@ -16,7 +16,7 @@ inter-token gaps where guesses miss (BENCHMARKS.md, issue 17). So the controller
 smallest tree is tried first (its two tries a plain round apart), a bigger one only once the one
 below it accepts (a round emits at least CLIMB tokens), and the root alone after that; later
 re-tries go to a neighbour of the best arm only, and back off (twice as far apart each time) while
-they keep losing.
+they keep losing, further still where a losing try costs much (RETRY_SHARE).
 
 A cap on the stall (`max_stall`, off by default): a round's tokens reach a streaming client
 together, after the whole round, so a round that takes X plain rounds is a gap X times a plain
@@ -28,6 +28,7 @@ the price of the bigger trees' speed.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 DECAY = 0.8  # weight of the history in each arm's estimates (a few rounds of memory)
@@ -36,6 +37,14 @@ DECAY = 0.8  # weight of the history in each arm's estimates (a few rounds of me
 TRIES = 2
 REVISIT = 16  # rounds before the first re-try of a neighbouring arm
 MAX_REVISIT = 128  # re-tries that keep losing back off up to this many rounds apart
+# where plain rounds are best, a re-try that loses costs the time its round took beyond what plain
+# rounds needed for the same tokens; such re-tries are spaced so that this stays within
+# RETRY_SHARE of the time (and at least REVISIT rounds apart). A cheap try (MTP's one-guess tree,
+# queued like a plain round, ~0.2 plain rounds lost) keeps REVISIT's spacing; one that costs a
+# plain round more (DFlash's, whose block pass is ~5 ms of a ~11 ms step on the dev CPU) gets ~50
+# rounds: with REVISIT alone its re-tries cost 1-2 % of the time where guesses miss, the margin
+# issue 17's 0.95x of plain decoding is decided by.
+RETRY_SHARE = 0.02
 # tokens a round of the arm below must emit on average before a bigger tree is worth a try: where
 # the small tree accepts nothing, a bigger one from the same guesses rarely does
 CLIMB = 1.5
@@ -179,6 +188,19 @@ class SpecController:
             self.revisit_side = -self.revisit_side
             # a re-try that changed the choice resets the spacing; one that lost widens it
             self.interval = REVISIT if self.best() is not best_before else min(2 * self.interval, MAX_REVISIT)
-            self.next_revisit = self.rounds + self.interval
+            self.next_revisit = self.rounds + self._spacing()
         elif not self.next_revisit and self._climbing() is None:  # the climb just ended
-            self.next_revisit = self.rounds + self.interval
+            self.next_revisit = self.rounds + self._spacing()
+
+    def _spacing(self) -> int:
+        """Rounds until the next re-try: the back-off interval, or, where plain rounds are best,
+        more (up to MAX_REVISIT) if the tree it will try lost more than RETRY_SHARE of that many
+        plain rounds when it last ran."""
+        best = self.best()
+        arm = self._neighbour(best)
+        # only while plain rounds are best: among trees a re-try is how a better tree is found
+        # again after the text changes, and one slow round of it must not put that off
+        if best.budget != 0 or arm is best or not arm.rounds or best.rate <= 0.0:
+            return self.interval
+        lost = max(0.0, arm.ms - arm.tokens / best.rate)
+        return max(self.interval, min(MAX_REVISIT, math.ceil(lost / (RETRY_SHARE * best.ms))))

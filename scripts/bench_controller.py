@@ -4,15 +4,18 @@ tree's with a stall cap (SpecConfig.max_stall), on text where guesses miss and o
 
     python scripts/bench_controller.py --against REV [--runs 3] [--tokens 96] [--lengths 64,2048]
     python scripts/bench_controller.py --max-stall 1.5 [--runs 3] ...
+        [--methods ngram,mtp,dflash,draft] [--kinds code,chat | none]
 
 - misses: seeded sampling (temperature 1) after random-id prompts of each length, like
-  scripts/bench_context.py: decode tok/s as a ratio to plain decoding, tokens per forward, and the
-  p99 inter-token gap over all runs pooled, as a ratio to plain's;
-- hits: greedy on scripts/bench_spec.py's prompts (code, code-edit, math, chat, long).
-Methods ngram and mtp (ddtree), each with both controllers, interleaved with plain decoding in one
-process on the bundled target; medians over runs after a warm-up. Outputs are compared with plain
-decoding's: greedy must be identical; seeded sampling may flip only where the uniform falls within
-rounding of a CDF step (checked elsewhere: tests/unit/test_device_sampler.py), so it is reported.
+  scripts/bench_context.py: decode tok/s as a ratio to plain decoding (each run's to the plain run
+  of its repetition, median over runs), tokens per forward, and the p99 inter-token gap over all
+  runs pooled, as a ratio to plain's;
+- hits: greedy on scripts/bench_spec.py's prompts (code, code-edit, math, chat, long; --kinds).
+Methods (--methods; default ngram, and mtp with DDTree trees; also dflash with DDTree, and draft),
+each with both controllers, interleaved with plain decoding in one process on the bundled target;
+medians over runs after a warm-up. Outputs are compared with plain decoding's: greedy must be
+identical; seeded sampling may flip only where the uniform falls within rounding of a CDF step
+(checked elsewhere: tests/unit/test_device_sampler.py), so it is reported.
 """
 
 from __future__ import annotations
@@ -48,7 +51,8 @@ from engine.config import EngineConfig, SamplingParams, SpecConfig  # noqa: E402
 from engine.generate import BUNDLED, Engine  # noqa: E402
 from engine.types import GenerationRequest  # noqa: E402
 
-METHODS = {"ngram": SpecConfig(method="ngram"), "mtp": SpecConfig(method="mtp", tree="ddtree")}
+METHODS = {"ngram": SpecConfig(method="ngram"), "mtp": SpecConfig(method="mtp", tree="ddtree"),
+           "dflash": SpecConfig(method="dflash", tree="ddtree"), "draft": SpecConfig(method="draft")}
 
 
 def module_at(rev: str, path: str, name: str) -> ModuleType:
@@ -92,7 +96,7 @@ def generate(engine: Engine, prompt: list[int], params: SamplingParams, spec: Sp
     return {"tps": stats.decode_tps, "tpf": stats.tokens_per_forward, "gaps": gaps, "tokens": out}
 
 
-def compare(engine: Engine, prompt: list[int], params: SamplingParams,
+def compare(engine: Engine, prompt: list[int], params: SamplingParams, methods: list[str],
             controllers: dict[str, tuple[ModuleType, float | None]], runs: int) -> dict[str, list[dict]]:
     """Plain decoding and every (method, controller), interleaved; the first round is a warm-up.
     A controller is engine/round.py's module and the stall cap it runs with."""
@@ -101,7 +105,8 @@ def compare(engine: Engine, prompt: list[int], params: SamplingParams,
         plain = generate(engine, prompt, params, SpecConfig())
         if r:
             results.setdefault("none", []).append(plain)
-        for method, spec in METHODS.items():
+        for method in methods:
+            spec = METHODS[method]
             for name, (module, cap) in controllers.items():
                 generation.Rounds = module.Rounds  # type: ignore[attr-defined]
                 out = generate(engine, prompt, params, replace(spec, max_stall=cap))
@@ -112,17 +117,17 @@ def compare(engine: Engine, prompt: list[int], params: SamplingParams,
 
 
 def summary(results: dict[str, list[dict]]) -> dict[str, str]:
-    plain_tps = statistics.median(x["tps"] for x in results["none"])
     plain_p99 = pooled_p99([x["gaps"] for x in results["none"]])
     ref = [x["tokens"] for x in results["none"]]
     cells = {"8-grams": f"{statistics.median(distinct_8grams(t) for t in ref):.2f}"}
     for key, runs in results.items():
         if key == "none":
             continue
-        tps = statistics.median(x["tps"] for x in runs)
+        # each run against the plain run of its own repetition: a shared machine drifts between them
+        ratio = statistics.median(x["tps"] / p["tps"] for x, p in zip(runs, results["none"], strict=True))
         p99 = pooled_p99([x["gaps"] for x in runs])
         same = sum(x["tokens"] == t for x, t in zip(runs, ref, strict=True))
-        cells[key] = (f"{tps / plain_tps:.2f}x, {statistics.median(x['tpf'] for x in runs):.2f}, "
+        cells[key] = (f"{ratio:.2f}x, {statistics.median(x['tpf'] for x in runs):.2f}, "
                       f"{p99 / plain_p99:.2f}x" + ("" if same == len(runs) else f", {same}/{len(runs)} equal"))
     return cells
 
@@ -134,31 +139,41 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--lengths", default="64,2048")
+    ap.add_argument("--methods", default="ngram,mtp", help=f"comma-separated, of {', '.join(METHODS)}")
+    ap.add_argument("--kinds", default=",".join(PROMPTS), help="prompt kinds of the hits (none: misses only)")
     a = ap.parse_args()
     if (a.against is None) == (a.max_stall is None):
         ap.error("give one of --against and --max-stall")
+    methods = [m for m in a.methods.split(",") if m]
+    if not methods or any(m not in METHODS for m in methods):
+        ap.error(f"--methods takes some of {', '.join(METHODS)}, got {a.methods!r}")
+    kinds = [k for k in a.kinds.split(",") if k and k != "none"]
+    if any(k not in PROMPTS for k in kinds):
+        ap.error(f"--kinds takes some of {', '.join(PROMPTS)} (or none), got {a.kinds!r}")
     controllers: dict[str, tuple[ModuleType, float | None]] = {"now": (current, None)}
     if a.against:
         controllers[a.against] = (controller_at(a.against), None)
     else:
         controllers[f"cap {a.max_stall:g}"] = (current, a.max_stall)
-    lengths = [int(n) for n in a.lengths.split(",")]
+    lengths = [int(n) for n in a.lengths.split(",") if n]  # "": no misses
+    # room for the longest random prompt, and at least the engine's default for the hits' prompts
     engine = Engine(EngineConfig(model_path=str(BUNDLED / "target"), prefix_cache=False,
-                                 max_context=max(lengths) + a.tokens + 1))
-    keys = ["8-grams"] + [f"{m}:{c}" for m in METHODS for c in controllers]
-    print("cells: decode tok/s vs plain, tokens per forward, pooled p99 gap vs plain's; 8-grams: the distinct "
-          "share of plain decoding's output")
+                                 max_context=max(max(lengths, default=0) + a.tokens + 1, EngineConfig.max_context)))
+    keys = ["8-grams"] + [f"{m}:{c}" for m in methods for c in controllers]
+    print("cells: decode tok/s vs plain (median of the runs' ratios to the plain run beside each), tokens per "
+          "forward, pooled p99 gap vs plain's; 8-grams: the distinct share of plain decoding's output")
     print("| text | " + " | ".join(keys) + " |")
     print("|---|" + "---|" * len(keys))
     sampled = SamplingParams(max_tokens=a.tokens, ignore_eos=True, temperature=1.0, seed=0)
     for n in lengths:
         prompt = [int(t) for t in np.random.RandomState(n).randint(0, engine.vocab_size, size=n)]
-        cells = summary(compare(engine, prompt, sampled, controllers, a.runs))
+        cells = summary(compare(engine, prompt, sampled, methods, controllers, a.runs))
         print(f"| misses, {n} random ids | " + " | ".join(cells[k] for k in keys) + " |", flush=True)
     greedy = SamplingParams(max_tokens=a.tokens)
-    for kind, texts in PROMPTS.items():
+    for kind in kinds:
+        texts = PROMPTS[kind]
         for p, text in enumerate(texts):
-            cells = summary(compare(engine, render(engine, text), greedy, controllers, a.runs))
+            cells = summary(compare(engine, render(engine, text), greedy, methods, controllers, a.runs))
             label = kind if len(texts) == 1 else f"{kind}{p + 1}"
             print(f"| hits? {label} | " + " | ".join(cells[k] for k in keys) + " |", flush=True)
 

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from engine.config import SpecConfig
-from engine.spec_control import FIRST, MAX_REVISIT, REVISIT, TRIES, SpecController
+from engine.spec_control import FIRST, MAX_REVISIT, RETRY_SHARE, REVISIT, TRIES, SpecController
 from server.cli import build_parser
 from server.cli_settings import SettingsError, engine_settings
 
@@ -47,6 +47,37 @@ def test_losing_retries_back_off():
     gaps = [b - a for a, b in zip(retries, retries[1:])]
     assert gaps == sorted(gaps) and gaps[-1] >= MAX_REVISIT  # ever further apart, up to the cap
     assert len(retries) <= 8
+
+
+def retry_rounds(try_ms: float, rounds: int = 400) -> list[int]:
+    """Where every guess misses and a plain round takes 10 ms: the rounds of the re-tries after
+    the climb, when a one-guess try takes `try_ms`."""
+    chosen = drive(SpecController(16), lambda b: (1, 10.0 if b == 0 else try_ms), rounds)
+    return [i for i, b in enumerate(chosen) if b and i >= 2 * TRIES]
+
+
+def test_costly_retries_are_spaced_by_what_they_lose():
+    cheap = retry_rounds(11.0)  # a try loses a tenth of a plain round: the back-off's spacing
+    assert cheap[0] - 2 * TRIES <= REVISIT
+    # a try that takes two plain rounds loses one: spaced so that re-tries lose RETRY_SHARE of the time
+    costly = retry_rounds(20.0)
+    spacing = round(1 / RETRY_SHARE)
+    assert costly[0] - 2 * TRIES >= spacing - 1
+    assert all(b - a >= spacing for a, b in zip(costly, costly[1:]))
+    assert len(costly) < len(cheap)
+    # however costly, a re-try comes within MAX_REVISIT rounds (the text may change)
+    ruinous = retry_rounds(1000.0, 600)
+    assert ruinous and all(b - a <= MAX_REVISIT + 1 for a, b in zip(ruinous, ruinous[1:]))
+
+
+def test_among_trees_retries_keep_the_back_off_spacing():
+    # four guesses are best; the full budget costs far more for nothing: its re-tries are how a
+    # better tree would be found after the text changes, so they are not put off for their cost
+    outcome = {0: (1, 10.0), 1: (2, 12.0), 4: (3, 14.0), 16: (3, 60.0)}
+    chosen = drive(SpecController(16), lambda b: outcome[b], 200)
+    assert chosen[:8] == [FIRST, 0, FIRST, 4, 4, 16, 16, 0]  # the climb, then the root's second try
+    first_retry = next(i for i in range(8, len(chosen)) if chosen[i] != 4)
+    assert first_retry - 8 <= REVISIT
 
 
 def hits(b: int) -> tuple[int, float]:
