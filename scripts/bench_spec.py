@@ -76,6 +76,9 @@ class Run:
     draft_share: float
     gaps_ms: list[float]  # per emitted token after the first: time since the previous token
     per_round: list[int]  # tokens emitted by each round
+    verify_share: float = 0.0  # the rest of the decode time, as the engine splits it (Stats)
+    commit_share: float = 0.0
+    round_ms: float = 0.0  # decode time per target forward pass
 
 
 @dataclass
@@ -108,8 +111,9 @@ def one(engine: Engine, prompt: list[int], spec: SpecConfig, n: int, base: Sampl
     stats = step.stats
     dt = (t_last or 0) - (t_first or 0)
     tps = (len(tokens) - first_n) / dt if dt > 0 else 0.0
-    share = stats.draft_ms / stats.decode_ms if stats.decode_ms > 0 else 0.0
-    return Run(tokens, tps, stats.tokens_per_forward, share, gaps, per_round)
+    ms = stats.decode_ms if stats.decode_ms > 0 else float("inf")
+    return Run(tokens, tps, stats.tokens_per_forward, stats.draft_ms / ms, gaps, per_round,
+               stats.verify_ms / ms, stats.commit_ms / ms, stats.decode_ms / max(1, stats.forward_passes))
 
 
 def distinct_8grams(tokens: list[int]) -> float:
@@ -231,6 +235,9 @@ def main() -> None:
                 row = {"prompt": label, "method": name, "tok_s": round(tps, 1), "vs_none": round(tps / plain_tps, 3),
                        "tok_fwd": round(statistics.median(r.tpf for r in runs), 3),
                        "draft_share": round(statistics.median(r.draft_share for r in runs), 3),
+                       "verify_share": round(statistics.median(r.verify_share for r in runs), 3),
+                       "commit_share": round(statistics.median(r.commit_share for r in runs), 3),
+                       "ms_per_round": round(statistics.median(r.round_ms for r in runs), 3),
                        "itl_p50_ms": round(percentile([g for r in runs for g in r.gaps_ms], 0.5), 2),
                        "itl_p99_ms": round(percentile([g for r in runs for g in r.gaps_ms], 0.99), 2),
                        "distinct_8grams": round(distinct_8grams(runs[0].tokens), 3),
