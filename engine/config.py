@@ -76,8 +76,9 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether logits change before sampling (bias, penalties, a grammar's mask): then tokens are
-        chosen on the host."""
+        """Whether logits change before sampling (bias, penalties, a grammar's mask). Bias and
+        penalties are applied on the device too (engine/device_penalties.py); a grammar's mask only
+        on the host."""
         return self.penalized or bool(self.logit_bias) or self.repetition_penalty != 1.0 or self.grammar is not None
 
 

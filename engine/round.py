@@ -29,6 +29,7 @@ import numpy as np
 from engine import device_sampler, forward, sampler
 from engine.cache import LayerCache
 from engine.config import SamplingParams, SpecConfig
+from engine.device_penalties import DevicePenalties, adjusts_on_device
 from engine.drafters.base import Drafter, GuessesAhead, NoDrafter, Skips, skips
 from engine.logits_extras import token_logprobs
 from engine.models.base import CausalLM
@@ -120,8 +121,10 @@ class Rounds:
         # the repetition penalty also looks at the prompt's tokens
         self.prompt_seen = frozenset(seq.tokens[: seq.prompt_len]) if params.repetition_penalty != 1.0 \
             else frozenset()
-        # without host-side logit work every node's choice is made on the device
-        self.on_device = not params.adjusts_logits and params.logprobs is None
+        # every node's choice is made on the device, the request's bias and penalties applied there
+        # too (engine/device_penalties.py), unless it asks for logprobs or a grammar masks tokens
+        self.on_device = params.grammar is None and params.logprobs is None
+        self.penalties: DevicePenalties | None = None  # made at the first round (its vocabulary)
         # On the CPU a sampled tree's nodes are drawn one by one as the accept walk visits them
         # (the same function on one row, so the same tokens as plain decoding's one-row draws):
         # drawing all 17 nodes of a tree cost 3.9 ms on the dev CPU against ~0.37 ms a node, and
@@ -216,10 +219,13 @@ class Rounds:
         if self.on_device and not (self.draw_visited and tree.size > 1):
             positions = committed_len + tree.depths + 1  # the index each node's token will take
             uniforms = None if self.params.greedy else device_sampler.node_uniforms(self.seed, positions)
-            choices = device_sampler.choose(logits, self.params, uniforms)
+            device_tokens = root if root is not None and tree.size > 1 else None
+            choices = device_sampler.choose(self._adjusted(logits, tree, device_tokens), self.params, uniforms)
         committed = tree.size == 1 and choices is not None
         flight = InFlight(tree, committed_len, logits, choices, committed, t0, draft_ms)
         if choices is not None and committed:  # the root is accepted whatever the choice: commit now
+            if self.penalties is not None:  # emitted whatever lands: the round queued behind sees it
+                self.penalties.add(choices[:1])
             forward.commit(self.cache, [0], evaluate=False)
             self.seq.covered += 1
             flight.unstarted = [choices]
@@ -242,6 +248,8 @@ class Rounds:
             acc = sampler.accept(tree, host_logits, params, self.seed, flight.committed_len, self.seq.generated,
                                  self.constraint, self.prompt_seen)
         t2 = time.perf_counter()
+        if not flight.committed and self.penalties is not None:
+            self.penalties.add(acc.tokens)
         if not flight.committed:
             # queued, not waited for: the next verify depends on the new state, so the commit runs on
             # the device while the host lets the drafter observe and drafts the next tree
@@ -266,7 +274,18 @@ class Rounds:
         """Node `node`'s token, drawn as a one-row device draw at its position's uniform."""
         position = flight.committed_len + int(flight.tree.depths[node]) + 1
         uniforms = device_sampler.node_uniforms(self.seed, [position])
-        return int(device_sampler.choose(flight.logits[node : node + 1], self.params, uniforms)[0])
+        row = self._adjusted(flight.logits[node : node + 1], flight.tree, None, [node])
+        return int(device_sampler.choose(row, self.params, uniforms)[0])
+
+    def _adjusted(self, logits: mx.array, tree: DraftTree, tokens: mx.array | None,
+                  rows: list[int] | None = None) -> mx.array:
+        """Tree rows' logits with the request's bias and penalties (as they are, without any)."""
+        if not adjusts_on_device(self.params):
+            return logits
+        if self.penalties is None:
+            self.penalties = DevicePenalties(self.params, logits.shape[-1], self.seq.tokens[: self.seq.prompt_len],
+                                             self.seq.generated)
+        return self.penalties.apply(logits, tree, tokens, rows)
 
     def _count(self, flight: InFlight, accepted: int, emitted: int, t2: float, t3: float) -> None:
         s = self.stats

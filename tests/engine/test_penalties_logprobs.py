@@ -3,6 +3,8 @@ unchanged, and logprobs are the model's own log-softmax."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -44,7 +46,10 @@ PROMPT = [int(t) for t in np.random.RandomState(11).randint(0, 500, size=6)] * 4
 @pytest.mark.parametrize("sampling", [
     SamplingParams(max_tokens=40, ignore_eos=True, frequency_penalty=1.5, presence_penalty=0.5),
     SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.7, seed=5, frequency_penalty=0.8),
-], ids=["greedy", "seeded"])
+    SamplingParams(max_tokens=40, ignore_eos=True, repetition_penalty=1.3),
+    SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.7, top_k=20, top_p=0.8, seed=5,
+                   repetition_penalty=1.1),
+], ids=["greedy", "seeded", "greedy-repetition", "seeded-repetition"])
 def test_penalties_are_lossless_and_matter(engine, sampling):
     plain, _ = run(engine, PROMPT, sampling)
     spec, _ = run(engine, PROMPT, sampling, SpecConfig(method="ngram", budget=8, max_depth=4, adaptive=False))
@@ -53,6 +58,20 @@ def test_penalties_are_lossless_and_matter(engine, sampling):
     unpenalized, _ = run(engine, PROMPT, SamplingParams(max_tokens=40, ignore_eos=True,
                                                          temperature=sampling.temperature, seed=sampling.seed))
     assert unpenalized != plain
+
+
+@pytest.mark.parametrize("sampling", [
+    SamplingParams(max_tokens=40, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.4),
+    SamplingParams(max_tokens=40, ignore_eos=True, logit_bias=((77, 3.0),), presence_penalty=0.6),
+], ids=["repetition-frequency", "bias-presence"])
+def test_penalties_on_the_device_choose_what_the_host_does(engine, sampling):
+    # a request for logprobs takes the host's path (its logits reach the host); without, the bias
+    # and penalties are applied on the device (engine/device_penalties.py): greedy, in float32 on
+    # the test model, the same tokens, with and without speculation
+    host, _ = run(engine, PROMPT, dataclasses.replace(sampling, logprobs=1))
+    device, _ = run(engine, PROMPT, sampling)
+    assert device == host
+    assert run(engine, PROMPT, sampling, SpecConfig(method="ngram", budget=8, max_depth=4, adaptive=False))[0] == host
 
 
 def test_logprobs_are_the_models_log_softmax(engine):
