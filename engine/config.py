@@ -75,11 +75,15 @@ class SamplingParams:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
+    def reweights(self) -> bool:
+        """Whether logits change token by token before sampling (bias, presence / frequency /
+        repetition penalties): on the device or the host alike (engine/device_penalties.py)."""
+        return self.penalized or bool(self.logit_bias) or self.repetition_penalty != 1.0
+
+    @property
     def adjusts_logits(self) -> bool:
-        """Whether logits change before sampling (bias, penalties, a grammar's mask). Bias and
-        penalties are applied on the device too (engine/device_penalties.py); a grammar's mask only
-        on the host."""
-        return self.penalized or bool(self.logit_bias) or self.repetition_penalty != 1.0 or self.grammar is not None
+        """Whether logits change before sampling: reweighted, or masked by a grammar (on the host only)."""
+        return self.reweights or self.grammar is not None
 
 
 @dataclass(frozen=True)

@@ -31,17 +31,12 @@ from engine.config import SamplingParams
 from engine.tree import DraftTree
 
 
-def adjusts_on_device(params: SamplingParams) -> bool:
-    """Whether the request has adjustments this module applies (bias, presence / frequency /
-    repetition penalties)."""
-    return params.penalized or bool(params.logit_bias) or params.repetition_penalty != 1.0
-
-
 class DevicePenalties:
-    """One request's adjustment state: bias [V], counts of generated tokens [V], prompt tokens [V]."""
+    """One request's adjustment state (SamplingParams.reweights): bias [V], counts of generated
+    tokens [V], prompt tokens [V]."""
 
     def __init__(self, params: SamplingParams, vocab: int, prompt: Sequence[int], generated: Sequence[int]) -> None:
-        self.params, self.vocab = params, vocab
+        self.params = params
         self.bias: mx.array | None = None
         if params.logit_bias:
             bias = np.zeros(vocab, dtype=np.float32)

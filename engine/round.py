@@ -29,7 +29,7 @@ import numpy as np
 from engine import device_sampler, forward, sampler
 from engine.cache import LayerCache
 from engine.config import SamplingParams, SpecConfig
-from engine.device_penalties import DevicePenalties, adjusts_on_device
+from engine.device_penalties import DevicePenalties
 from engine.drafters.base import Drafter, GuessesAhead, NoDrafter, Skips, skips
 from engine.logits_extras import token_logprobs
 from engine.models.base import CausalLM
@@ -248,9 +248,9 @@ class Rounds:
             acc = sampler.accept(tree, host_logits, params, self.seed, flight.committed_len, self.seq.generated,
                                  self.constraint, self.prompt_seen)
         t2 = time.perf_counter()
-        if not flight.committed and self.penalties is not None:
-            self.penalties.add(acc.tokens)
         if not flight.committed:
+            if self.penalties is not None:
+                self.penalties.add(acc.tokens)
             # queued, not waited for: the next verify depends on the new state, so the commit runs on
             # the device while the host lets the drafter observe and drafts the next tree
             forward.commit(self.cache, acc.path, evaluate=False)
@@ -280,7 +280,7 @@ class Rounds:
     def _adjusted(self, logits: mx.array, tree: DraftTree, tokens: mx.array | None,
                   rows: list[int] | None = None) -> mx.array:
         """Tree rows' logits with the request's bias and penalties (as they are, without any)."""
-        if not adjusts_on_device(self.params):
+        if not self.params.reweights:
             return logits
         if self.penalties is None:
             self.penalties = DevicePenalties(self.params, logits.shape[-1], self.seq.tokens[: self.seq.prompt_len],

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from engine.config import SamplingParams
-from engine.device_penalties import DevicePenalties, adjusts_on_device
+from engine.device_penalties import DevicePenalties
 from engine.logits_extras import adjust_logits
 from engine.tree import DraftTree
 
@@ -68,5 +68,5 @@ def test_one_guess_tree_with_its_tokens_on_the_device(rng):
 
 
 def test_without_adjustments_nothing_is_applied():
-    assert not adjusts_on_device(SamplingParams(temperature=0.7, top_p=0.9, seed=1))
-    assert all(adjusts_on_device(p) for p in PARAMS)
+    assert not SamplingParams(temperature=0.7, top_p=0.9, seed=1).reweights
+    assert all(p.reweights for p in PARAMS)
