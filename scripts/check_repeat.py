@@ -31,7 +31,7 @@ from engine.blas import reexec_with_openblas  # noqa: E402
 if __name__ == "__main__":  # a BLAS preload works only from process start: before mlx is imported
     reexec_with_openblas(sys.orig_argv[1:])
 
-from bench_spec import PROMPTS, render  # noqa: E402
+from bench_spec import PROMPTS, parse_methods, render  # noqa: E402
 
 from engine.config import EngineConfig, SamplingParams, SpecConfig  # noqa: E402
 from engine.generate import BUNDLED, Engine  # noqa: E402
@@ -46,13 +46,6 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def spec_for(method: str) -> SpecConfig:
-    if method == "none":
-        return SpecConfig()
-    name, _, tree = method.partition(":")
-    return SpecConfig(method=name, tree=tree or "chain")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=str(BUNDLED / "target"))
@@ -61,7 +54,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--lengths", default="64,2048", help="random-id prompts of these lengths ('' = none)")
     ap.add_argument("--kinds", default="", help="bench_spec.py prompt kinds, e.g. long,code ('' = none)")
-    ap.add_argument("--methods", default="none", help="none and METHOD[:TREE] items, e.g. none,mtp:ddtree")
+    ap.add_argument("--methods", default="none",
+                    help="as bench_spec.py's (none, METHOD[:TREE]; the engine's default budget and depth)")
     ap.add_argument("--defaults", action="store_true", help="sample with the checkpoint's generation_config.json")
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--top-p", type=float, default=0.8)
@@ -71,7 +65,10 @@ def main() -> None:
     a = ap.parse_args()
     lengths = [int(n) for n in a.lengths.split(",") if n]
     kinds = [k for k in a.kinds.split(",") if k]
-    methods = [m for m in a.methods.split(",") if m]
+    defaults = SpecConfig()  # the engine's budget and depth; adaptive trees, as a request gets them
+    specs = parse_methods(a.methods, [defaults.budget], defaults.max_depth,
+                          argparse.Namespace(draft_model=None, dflash_model=None, adaptive=defaults.adaptive))
+    methods = list(specs)
     engines = {cache: Engine(EngineConfig(model_path=a.model, dtype=a.dtype, prefix_cache=cache,
                                           max_context=max([*lengths, 4096]) + a.tokens + 1))
                for cache in (True, False)}
@@ -95,7 +92,7 @@ def main() -> None:
     for label, prompt in prompts.items():
         firsts: dict[tuple[str, bool], list[int]] = {}
         for method in methods:
-            spec = spec_for(method)
+            spec = specs[method]
             for cache, engine in engines.items():
                 if (why := engine.missing_drafter(spec.method, spec.tree)) is not None:
                     print(f"| {label} | {method} | - | skipped: {why} | |")
