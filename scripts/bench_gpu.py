@@ -1,10 +1,11 @@
 """GPU benchmark: Spruce against mlx-lm in the same run, on checkpoints it writes itself.
 
-    python scripts/bench_gpu.py --out DIR [--targets 9b,bundled] [--tokens 128] [--runs 3]
+    python scripts/bench_gpu.py --out DIR [--targets 9b,bundled,0.8b] [--tokens 128] [--runs 3]
 
 On the machine with the GPU (MLX CUDA or Metal). Writes random-weight checkpoints in MLX layout
 with mlx-lm's own model code (a Qwen3.5-9B-shaped 4-bit g64 target, a 0.8B-shaped 4-bit draft)
-and uses the bundled model as shipped; then prints and writes (DIR/results.json, DIR/results.md):
+and uses the bundled model as shipped (`--targets 0.8b`: the draft's shape as a target); then prints
+and writes (DIR/results.json, DIR/results.md):
 - plain decode tok/s: Spruce with the GDN kernels, Spruce with the plain-ops core, mlx-lm (and any
   variant --cores names: "-mlxqmm" MLX's quantized matmul, "-kwN" N warps on long reductions,
   "-dq0" qmm_mma without paired dequantization, "-evN" a verify handed to the device every N
@@ -409,17 +410,17 @@ def main() -> None:
                                    else make_checkpoint(Path(tmp) / "bundled-shape", "bundled", bits=0))
             if "9b" in targets:
                 ckpt["9b"] = make_checkpoint(Path(tmp) / "qwen35-9b-shape-4bit", "9b")
-                if not args.skip_draft:
-                    ckpt["0.8b"] = make_checkpoint(Path(tmp) / "qwen35-0.8b-shape-4bit", "0.8b")
+            if "0.8b" in targets or ("9b" in targets and not args.skip_draft):  # a target, or the 9b's draft
+                ckpt["0.8b"] = make_checkpoint(Path(tmp) / "qwen35-0.8b-shape-4bit", "0.8b")
         for name in targets:
-            for dtype in (("bfloat16",) if name == "9b" else ("float32", "bfloat16")):
+            for dtype in (("float32", "bfloat16") if name == "bundled" else ("bfloat16",)):
                 with section(f"decode {name} {dtype}"):
                     row = decode_section(name, ckpt[name], dtype, args, prompt)
                     RESULTS["decode"].append(row)
                     save(args.out)
                     log(json.dumps(row, indent=1))
                 mx.clear_cache()
-        if "0.8b" in ckpt:
+        if "9b" in targets and not args.skip_draft:
             with section("draft model round"):
                 RESULTS["draft"] = draft_section(ckpt["0.8b"], prompt)
                 save(args.out)

@@ -1,0 +1,235 @@
+"""Where a speculation round's wall time goes, phase by phase, as the engine runs it.
+
+    python scripts/profile_rounds.py [--methods none,dflash:ddtree,mtp:ddtree] [--budget 16]
+        [--tokens 128] [--runs 2] [--kinds code] [--dtype float32] [--adaptive] [--json OUT.json]
+
+bench_spec.py says how much of a round is drafting, verifying and committing; this script splits
+those further by wrapping the engine's functions with wall-clock timers (nothing is synchronised
+that the engine does not synchronise itself, so the phases add up to what a request sees):
+
+- `propose`   the drafter's whole proposal (its catch-up, the draft pass, the tree);
+- `marginals` inside it, the draft pass's top-k reaching the host (its evaluation: the device's
+              draft time and the round trip, for DFlash and the MTP head);
+- `build`     inside it, the tree builder on the host (chain, DDTree, Weaver's);
+- `verify`    building the verify's lazy graph (forward.verify: positions, masks, every layer);
+- `queue`     the rest of queueing the round (the device choice's graph, handing it over);
+- `land`      the landing: waiting for the node choices, the accept walk, the commit, observe;
+- `walk`, `commit`  inside it, the accept walk and building the commit;
+- `round`     a round's wall time from its launch to the end of its landing (pipelined plain rounds
+              overlap, so theirs is read from the gaps between landings).
+
+Runs the bundled target and drafters on bench_spec.py's prompts, greedy, one warm-up generation of
+each prompt and method, then `--runs` measured ones; prints ms a round (mean over the measured
+rounds) per phase and method. For the H200, where the bundled target's rounds are bound by the host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.blas import reexec_with_openblas  # noqa: E402
+
+if __name__ == "__main__":  # a BLAS preload works only from process start: before mlx is imported
+    reexec_with_openblas(sys.orig_argv[1:])
+
+import engine.drafters.dflash as dflash_drafter  # noqa: E402
+import engine.drafters.marginals as marginals  # noqa: E402
+import engine.forward as forward  # noqa: E402
+import engine.round as rounds  # noqa: E402
+import engine.sampler as sampler  # noqa: E402
+from engine.config import EngineConfig, SamplingParams  # noqa: E402
+from engine.generate import BUNDLED, Engine  # noqa: E402
+from engine.types import GenerationRequest  # noqa: E402
+from scripts.bench_spec import PROMPTS, parse_methods, render  # noqa: E402
+
+TOTALS: dict[str, float] = defaultdict(float)
+ROUNDS: list[float] = []  # wall ms of each landed round (launch or previous landing -> its landing)
+LAST = {"landed": 0.0}
+
+
+def timed(owner: Any, name: str, label: str) -> None:
+    """Replace owner.name by a wrapper adding its wall time to TOTALS[label]."""
+    inner: Callable[..., Any] = getattr(owner, name)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            TOTALS[label] += (time.perf_counter() - t) * 1e3
+
+    setattr(owner, name, wrapper)
+
+
+def instrument() -> None:
+    land, queue = rounds.Rounds.land, rounds.Rounds._queue
+
+    def timed_land(self: rounds.Rounds, flight: rounds.InFlight) -> rounds.RoundResult:
+        t = time.perf_counter()
+        r = land(self, flight)
+        end = time.perf_counter()
+        TOTALS["land"] += (end - t) * 1e3
+        start = max(flight.t_start, LAST["landed"])
+        ROUNDS.append((end - start) * 1e3)
+        LAST["landed"] = end
+        return r
+
+    def timed_queue(self: rounds.Rounds, *args: Any) -> rounds.InFlight:
+        t = time.perf_counter()
+        before = TOTALS["verify"]
+        f = queue(self, *args)
+        TOTALS["queue"] += (time.perf_counter() - t) * 1e3 - (TOTALS["verify"] - before)
+        return f
+
+    rounds.Rounds.land, rounds.Rounds._queue = timed_land, timed_queue
+    timed(forward, "verify", "verify")
+    timed(forward, "commit", "commit")
+    timed(sampler, "accept_walk", "walk")
+    timed(marginals.Marginals, "from_logits", "marginals")
+    import engine.drafters as drafters
+
+    for name in ("chain", "ddtree"):
+        timed(marginals, name, "build")
+        drafters.BUILDERS[name] = getattr(marginals, name)  # the table holds the functions themselves
+    for cls in _drafter_classes():
+        timed(cls, "propose", "propose")
+
+
+def _drafter_classes() -> list[type]:
+    from engine.drafters.mtp import MTPDrafter
+    from engine.drafters.ngram import NgramDrafter
+
+    return [dflash_drafter.DFlashDrafter, MTPDrafter, NgramDrafter]
+
+
+PROFILING = {"on": False}
+ENGINE_EVAL_EVERY = forward.VERIFY_EVAL_EVERY, forward.VERIFY_EVAL_MIN_LAYER_BYTES
+
+
+def apply_variant(variant: str) -> None:
+    """Set the engine's switches for one variant (see --variants)."""
+    from engine.cache import GDNCache
+
+    (forward.VERIFY_EVAL_EVERY, forward.VERIFY_EVAL_MIN_LAYER_BYTES), GDNCache.fold_commits = ENGINE_EVAL_EVERY, None
+    for part in variant.split("+"):
+        if part.startswith("every"):  # whatever the model's layer size
+            forward.VERIFY_EVAL_EVERY, forward.VERIFY_EVAL_MIN_LAYER_BYTES = int(part[len("every"):]), 0
+        elif part in ("nofold", "fold"):
+            GDNCache.fold_commits = part == "fold"
+        elif part != "engine":
+            raise SystemExit(f"unknown variant {part!r}")
+
+
+def profiled_verify() -> cProfile.Profile:
+    """A profiler switched on around every multi-node verify's graph building while measuring (the
+    first variant's runs)."""
+    profiler, inner = cProfile.Profile(), forward.verify
+
+    def verify(model: Any, cache: Any, tree: Any, *args: Any, **kwargs: Any) -> Any:
+        if not (PROFILING["on"] and tree.size > 1):
+            return inner(model, cache, tree, *args, **kwargs)
+        profiler.enable()
+        try:
+            return inner(model, cache, tree, *args, **kwargs)
+        finally:
+            profiler.disable()
+
+    forward.verify = verify
+    return profiler
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--methods", default="none,dflash:chain,dflash:ddtree,mtp:ddtree")
+    ap.add_argument("--budget", type=int, default=16)
+    ap.add_argument("--depth", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--kinds", default="code")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--adaptive", action="store_true")
+    ap.add_argument("--variants", default="engine",
+                    help="engine settings to compare, interleaved run by run: engine (as it is), everyN (a "
+                         "verify handed to the device every N layers, 0 = once), nofold (each GDN commit run on "
+                         "its own), fold; joined with +, e.g. engine,every0,every0+nofold")
+    ap.add_argument("--cprofile", type=Path, help="write a cProfile of the measured verifies' graph building here")
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+    a.draft_model = a.dflash_model = None
+    instrument()
+    variants = a.variants.split(",")
+    profiler = profiled_verify() if a.cprofile else None
+    engine = Engine(EngineConfig(model_path=str(BUNDLED / "target"), dtype=a.dtype))
+    specs = parse_methods(a.methods, [a.budget], a.depth, a)
+    # the tree builders are looked up when a drafter is made: the wrappers above are already in place
+    base = SamplingParams(temperature=0.0, max_tokens=a.tokens)
+    report: dict[str, Any] = {"args": {k: str(v) for k, v in vars(a).items()}, "rows": []}
+    print(f"ms a round (mean over measured rounds), {a.tokens} tokens greedy, budget {a.budget}, dtype {a.dtype}")
+    print(f"{'prompt':8} {'method':18} {'variant':14} {'rounds':>6} {'tok/fwd':>7} {'tok/s':>7} {'round':>6} "
+          f"{'med':>6} {'propose':>7} "
+          f"{'margin':>7} {'build':>6} {'verify':>6} {'queue':>6} {'land':>6} {'walk':>6} {'commit':>6}")
+    for kind in a.kinds.split(","):
+        for p, text in enumerate(PROMPTS[kind]):
+            prompt = render(engine, text)
+            label = kind if len(PROMPTS[kind]) == 1 else f"{kind}{p + 1}"
+            for name, spec in specs.items():
+                req = GenerationRequest(prompt_ids=prompt, sampling=base, spec=spec)
+                for variant in variants:  # warm-up: compiles this prompt's tree shapes in every variant
+                    apply_variant(variant)
+                    list(engine.generate(req))
+                seen: dict[str, dict[str, Any]] = {v: {"totals": defaultdict(float), "rounds": [], "tokens": 0,
+                                                       "tps": []} for v in variants}
+                for _ in range(a.runs):
+                    for variant in variants:  # interleaved, so that a drifting machine hits them alike
+                        apply_variant(variant)
+                        TOTALS.clear()
+                        ROUNDS.clear()
+                        LAST["landed"] = 0.0
+                        PROFILING["on"] = variant == variants[0]
+                        record = seen[variant]
+                        for step in engine.generate(req):
+                            record["tokens"] += len(step.token_ids)
+                            if step.stats is not None:
+                                record["tps"].append(step.stats.decode_tps)
+                        PROFILING["on"] = False
+                        record["rounds"] += ROUNDS[1:]  # the first round's start includes the prefill's
+                        for k, v in TOTALS.items():
+                            record["totals"][k] += v
+                for variant, record in seen.items():
+                    n = len(record["rounds"])
+                    per = {k: v / n for k, v in record["totals"].items()}
+                    row = {"prompt": label, "method": name, "variant": variant, "rounds": n,
+                           "tok_fwd": record["tokens"] / (n + a.runs), "tok_s": statistics.median(record["tps"]),
+                           "round_ms": statistics.mean(record["rounds"]),
+                           "round_median_ms": statistics.median(record["rounds"]),
+                           **{f"{k}_ms": round(v, 3) for k, v in per.items()}}
+                    report["rows"].append(row)
+                    print(f"{label:8} {name:18} {variant:14} {n:6d} {row['tok_fwd']:7.2f} {row['tok_s']:7.1f} "
+                          f"{row['round_ms']:6.2f} {row['round_median_ms']:6.2f} " + " ".join(
+                              f"{per.get(k, 0.0):{w}.2f}" for k, w in
+                              (("propose", 7), ("marginals", 7), ("build", 6), ("verify", 6), ("queue", 6),
+                               ("land", 6), ("walk", 6), ("commit", 6))), flush=True)
+                if a.json:
+                    a.json.write_text(json.dumps(report, indent=1))
+    if profiler is not None:
+        out = io.StringIO()
+        pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(40)
+        pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(60)
+        a.cprofile.write_text(out.getvalue())
+
+
+if __name__ == "__main__":
+    main()
