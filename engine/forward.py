@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 
 from engine.cache import AcceptedPath, LayerCache, commit_all
 from engine.gdn import ops
@@ -29,6 +30,17 @@ from engine.tree import DraftTree
 # host's own cores, did not gain from it, and on Metal it is unmeasured, so both leave it off.
 VERIFY_EVAL_EVERY = 2
 
+# ... where a layer's device work outlasts what a hand-over costs the host (each mid-build
+# evaluation call encodes and hands over what is built so far): on a model whose layers hold less
+# than this many bytes of weights the verify is handed over once. The bundled target (5.7 MiB a
+# layer in fp32) on the H200, profiled round by round (scripts/profile_rounds.py, variants
+# interleaved, DFlash and MTP DDTree@16 on four prompts): the verify's graph building took 2.7-3.7
+# ms handed over every 2 layers against 0.8-1.1 ms once, and the round 0.2-0.7 ms longer in 7 of 8
+# pairs; the 9B shape (~140 MiB a layer) gains from every 2 (BENCHMARKS.md, issue 10, ninth
+# session). Shapes in between (the 0.8B's ~11 MiB) keep every 2: their one measurement was on an
+# erratic lease (BENCHMARKS.md, issue 12, sixteenth session).
+VERIFY_EVAL_MIN_LAYER_BYTES = 8 << 20
+
 
 # The GDN tree kernel keeps a stack of states on chip, one level a depth (metal/gdn_tree.kernel),
 # and its compiled variants and the layers' traced functions are per level count: trees are put in
@@ -45,8 +57,9 @@ def tree_levels(max_depth: int) -> int:
     return -(-(max_depth + 1) // LEVEL_STEP) * LEVEL_STEP
 
 
-def tree_batch(tree: DraftTree, committed_len: int, conv_kernel: int) -> Batch:
-    """The verify Batch of a tree whose root sits at position committed_len.
+def tree_batch(tree: DraftTree, committed_len: int, conv_kernel: int, eval_every: int = 0) -> Batch:
+    """The verify Batch of a tree whose root sits at position committed_len (eval_every: see
+    verify_eval_every).
 
     Every host-to-device copy costs (about 0.1 ms each on the H200 machine, where building this
     Batch from eight arrays took 0.5 ms of a 17-node verify): the integer inputs travel as one
@@ -61,12 +74,33 @@ def tree_batch(tree: DraftTree, committed_len: int, conv_kernel: int) -> Batch:
     levels = tree_levels(tree.max_depth)
     gdn = TreeInputs(ints[3 * n :].reshape(n, conv_kernel), ops.device_tree_masks(ancestors), ints[n : 2 * n],
                      ints[2 * n : 3 * n], levels)
-    return Batch(deferred=True, positions=ints[:n], tree_mask=ancestors, gdn=gdn, eval_every=verify_eval_every())
+    return Batch(deferred=True, positions=ints[:n], tree_mask=ancestors, gdn=gdn, eval_every=eval_every)
 
 
-def verify_eval_every() -> int:
-    """Batch.eval_every of a multi-node verify: VERIFY_EVAL_EVERY on CUDA, 0 elsewhere."""
-    return VERIFY_EVAL_EVERY if gpu_backend() == "cuda" else 0
+def verify_eval_every(model: CausalLM) -> int:
+    """Batch.eval_every of a multi-node verify of `model`: VERIFY_EVAL_EVERY on CUDA where its
+    layers are large enough (VERIFY_EVAL_MIN_LAYER_BYTES), 0 elsewhere."""
+    if gpu_backend() != "cuda":
+        return 0
+    return VERIFY_EVAL_EVERY if layer_nbytes(model) >= VERIFY_EVAL_MIN_LAYER_BYTES else 0
+
+
+def layer_nbytes(model: CausalLM) -> int:
+    """The mean bytes of weights of one decoder layer (`*.layers.<i>.*` parameters), computed once
+    a model and kept on it."""
+    cached = getattr(model, "spruce_layer_nbytes", None)
+    if cached is None:
+        sizes: dict[str, int] = {}
+        params: list[tuple[str, mx.array]] = tree_flatten(model.parameters())  # type: ignore[attr-defined,assignment]
+        for name, value in params:
+            parts = name.split(".")
+            if "layers" in parts[:-1]:
+                at = parts.index("layers")
+                layer = ".".join(parts[: at + 2])
+                sizes[layer] = sizes.get(layer, 0) + value.nbytes
+        cached = sum(sizes.values()) // max(1, len(sizes))
+        object.__setattr__(model, "spruce_layer_nbytes", cached)
+    return int(cached)
 
 
 def verify(model: CausalLM, cache: list[LayerCache], tree: DraftTree, committed_len: int,
@@ -75,7 +109,7 @@ def verify(model: CausalLM, cache: list[LayerCache], tree: DraftTree, committed_
     [1, N], when they are not on the host yet (a pipelined root)."""
     if tokens is None:
         tokens = mx.array([list(tree.tokens)])
-    batch = tree_batch(tree, committed_len, model.args.linear_conv_kernel_dim)
+    batch = tree_batch(tree, committed_len, model.args.linear_conv_kernel_dim, verify_eval_every(model))
     return model(tokens, cache, batch).squeeze(0)
 
 

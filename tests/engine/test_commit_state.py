@@ -60,7 +60,7 @@ def test_commit_equals_replay(tiny_qwen35, compiled, eval_every, folded, monkeyp
     every third round only, since a comparison runs the commit itself (a snapshot settles it)."""
     monkeypatch.setattr(GDNCache, "compile_commit", compiled)
     monkeypatch.setattr(GDNCache, "fold_commits", folded)
-    monkeypatch.setattr(forward, "verify_eval_every", lambda: eval_every)
+    monkeypatch.setattr(forward, "verify_eval_every", lambda model: eval_every)
     model = load_model(tiny_qwen35, "float32").model
     rng = np.random.default_rng(7)
     prompt = [int(t) for t in rng.integers(0, 500, size=12)]
