@@ -111,4 +111,10 @@ def test_top_p_cut_from_the_top_k_values_equals_the_cut_from_the_whole_sort(rng,
         cum = mx.cumsum(ranked, axis=-1)
         cut = mx.where((cum - ranked) < params.top_p * cum[..., -1:], ranked, mx.inf).min(axis=-1, keepdims=True)
         want = np.array(mx.where(p >= cut, p, 0.0) > 0)
-        np.testing.assert_array_equal(np.array(probabilities(x, params) > 0), want)
+        got = np.array(probabilities(x, params) > 0)
+        # the device sums the row's mass in vocabulary order, the reference in sorted order: a row
+        # may differ only where the mass before some rank is within float32 rounding of top_p of
+        # it (~1 row in 10,000 here; it failed this test ~1 run in 100 before it was allowed)
+        margin = np.array((mx.abs((cum - ranked) - params.top_p * cum[..., -1:]) / cum[..., -1:]).min(axis=-1))
+        differ = (got != want).any(axis=-1)
+        assert (margin[differ] < 1e-5).all(), (np.nonzero(differ)[0], margin[differ])
