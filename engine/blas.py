@@ -1,16 +1,20 @@
-"""Use a fast BLAS with MLX's Linux CPU wheel.
+"""Use a fast BLAS with MLX's Linux CPU wheel, with as many threads as the moment allows.
 
 The `mlx-cpu` wheel bundles reference netlib BLAS: fp32 matmuls run ~40x slower than with
 OpenBLAS. libmlx.so resolves cblas_sgemm dynamically, so preloading Debian's OpenBLAS
 (`apt-get install libopenblas0-pthread`) takes it over. A preload only works from process
 start, hence a re-exec. Must run before mlx is imported. Never imports mlx itself.
+
+OpenBLAS's threads are set round by round (`pace`, and the measurement above ADAPT_THREADS).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
 import sys
+from typing import Any
 
 CANDIDATES = (
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3",
@@ -46,3 +50,55 @@ def reexec_with_openblas(argv: list[str]) -> str | None:
     env[OPT_OUT] = "1"  # at most one re-exec, whatever happens
     os.execve(sys.executable, [sys.executable, *argv], env)
     return None  # not reached
+
+
+# OpenBLAS's threads, by what the host does meanwhile. MLX runs its CPU work on a thread of its
+# own, and plain rounds are pipelined: the host builds the next round's graph while that thread
+# computes this one. With OpenBLAS on every core, a matmul then waits for the worker whose core
+# the host holds. Measured on the dev CPU (2 cores, bundled target, fp32, 96 tokens sampled after
+# random ids; one process switching at run time, 6 paired runs): plain decoding 1.16x faster at 64
+# prompt tokens and 1.12x at 4000 with one thread than with two, while MTP rounds with 16-node trees,
+# which the host waits for, ran 0.88x (BENCHMARKS.md, issue 17, sixteenth session). So a round the
+# host pipelines past gets all threads but one, everything it waits for (a tree, drafting,
+# prefill) all of them. Results do not depend on the count (OpenBLAS splits a matmul's rows and
+# columns, not its sums: checked bitwise on the engine's shapes). Where OPENBLAS_NUM_THREADS or
+# OMP_NUM_THREADS is set, that count is kept.
+ADAPT_THREADS = True  # module switch (benchmarks compare; tests force it)
+_THREADS: dict[str, Any] = {}  # the library handle ("lib", None where there is none), "all", "now"
+
+
+def _openblas() -> Any:
+    """The OpenBLAS this process has loaded (by the preload), or None. Never loads a library."""
+    if "lib" not in _THREADS:
+        lib = None
+        fixed = os.environ.get("OPENBLAS_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS")
+        if preloaded() and not fixed:
+            for path in os.environ.get("LD_PRELOAD", "").split(":"):
+                if "openblas" not in path:
+                    continue
+                for candidate in (path, os.path.join(os.path.dirname(path), "libopenblas.so.0")):
+                    try:
+                        handle = ctypes.CDLL(candidate, mode=os.RTLD_NOLOAD | os.RTLD_NOW)
+                    except OSError:
+                        continue
+                    if hasattr(handle, "openblas_set_num_threads") and hasattr(handle, "openblas_get_num_threads"):
+                        lib = handle
+                        break
+                if lib is not None:
+                    break
+        _THREADS["lib"] = lib
+        if lib is not None:
+            _THREADS["all"] = _THREADS["now"] = int(lib.openblas_get_num_threads())
+    return _THREADS["lib"]
+
+
+def pace(host_busy: bool) -> None:
+    """Set OpenBLAS's threads for the work queued next: all but one when the host goes on building
+    graphs meanwhile (a pipelined one-node round), all otherwise. A no-op without OpenBLAS."""
+    lib = _openblas() if ADAPT_THREADS else None
+    if lib is None:
+        return
+    want = max(1, _THREADS["all"] - 1) if host_busy else _THREADS["all"]
+    if want != _THREADS["now"]:
+        lib.openblas_set_num_threads(want)
+        _THREADS["now"] = want

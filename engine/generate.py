@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from engine import blas
 from engine.cache import LayerCache
 from engine.config import EngineConfig, SamplingParams, SpecConfig
 from engine.drafters import make_drafter
@@ -202,6 +203,7 @@ class Engine:
         """Run one request; `drafter` overrides the one the spec settings pick (tests, benchmarks).
         Checks and drafter set-up happen here, eagerly; decoding when the iterator is consumed."""
         self.check_request(req)
+        blas.pace(host_busy=False)  # a prefill: the host waits for it
         if req.embed:
             return iter([embed_step(self.model, req.prompt_ids, self.prefill_chunk)])
         spec = req.spec or self.config.spec
@@ -229,6 +231,7 @@ class Engine:
              drafter: Drafter, grammar: GrammarState | None = None) -> Iterator[Step]:
         stats = Stats(prompt_tokens=len(req.prompt_ids))
         t_start = time.perf_counter()
+        blas.pace(host_busy=False)  # the prefill (another request may have run since generate())
         cache, stats.cached_tokens = self._prefill(req.prompt_ids[:-1])
         if isinstance(drafter, ReadsTarget):
             features = cache[-1]

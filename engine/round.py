@@ -26,7 +26,7 @@ from typing import cast
 import mlx.core as mx
 import numpy as np
 
-from engine import device_sampler, forward, sampler
+from engine import blas, device_sampler, forward, sampler
 from engine.cache import LayerCache
 from engine.config import SamplingParams, SpecConfig
 from engine.device_penalties import DevicePenalties
@@ -148,12 +148,14 @@ class Rounds:
         proposed = drafted or not skips(self.drafter)
         tree = DraftTree.single(root)
         if drafted:
+            blas.pace(host_busy=False)  # the host waits for the drafter's passes
             tree = self.drafter.propose(root, budget, self.spec.max_depth)
         elif proposed:  # no budget, and no skip: a root-only proposal keeps the drafter's pairing
             self.drafter.propose(root, 0, self.spec.max_depth)
         t1 = time.perf_counter()
         flight = self._queue(tree, None, t0, (t1 - t0) * 1e3)
         flight.proposed, flight.arm = proposed, arm if budget == arm else -1
+        blas.pace(host_busy=self.can_pipeline(flight))  # the host builds the next round meanwhile
         self.start(flight)
         return flight
 
@@ -196,6 +198,7 @@ class Rounds:
             ahead = self._queue(DraftTree.chain(0, [0]), tokens, t0, (time.perf_counter() - t0) * 1e3)
             ahead.arm, ahead.tokens = 1, tokens
             ahead.unstarted = [ahead.choices if ahead.choices is not None else ahead.logits]
+        blas.pace(host_busy=self.can_pipeline(ahead))
         if not self.start_late:
             self.start(ahead)
         elif START_AHEAD_LAYERS and ahead.committed:  # a plain round: its layers' states are its own graph
