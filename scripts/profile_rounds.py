@@ -2,6 +2,7 @@
 
     python scripts/profile_rounds.py [--methods none,dflash:ddtree,mtp:ddtree] [--budget 16]
         [--tokens 128] [--runs 2] [--kinds code] [--dtype float32] [--adaptive] [--json OUT.json]
+        [--variants engine,every0,every2,nofold] [--cprofile OUT.txt]
 
 bench_spec.py says how much of a round is drafting, verifying and committing; this script splits
 those further by wrapping the engine's functions with wall-clock timers (nothing is synchronised
@@ -19,8 +20,13 @@ that the engine does not synchronise itself, so the phases add up to what a requ
               overlap, so theirs is read from the gaps between landings).
 
 Runs the bundled target and drafters on bench_spec.py's prompts, greedy, one warm-up generation of
-each prompt and method, then `--runs` measured ones; prints ms a round (mean over the measured
-rounds) per phase and method. For the H200, where the bundled target's rounds are bound by the host.
+each prompt, method and variant, then `--runs` measured ones; prints ms a round (mean over the
+measured rounds) per phase, method and variant. `--variants` compares engine settings in one
+process, interleaved run by run: `everyN` hands a multi-node verify to the device every N layers
+whatever the model's size (0 = once), `nofold` / `fold` run each GDN commit on its own / folded into
+the next verify; `engine` is the engine as it is. `--cprofile` profiles the first variant's
+multi-node verifies' graph building. Made for the H200, where the bundled target's rounds are
+bound by small launches and the host, not by reading weights.
 """
 
 from __future__ import annotations
