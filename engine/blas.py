@@ -52,17 +52,18 @@ def reexec_with_openblas(argv: list[str]) -> str | None:
     return None  # not reached
 
 
-# OpenBLAS's threads, by what the host does meanwhile. MLX runs its CPU work on a thread of its
-# own, and plain rounds are pipelined: the host builds the next round's graph while that thread
-# computes this one. With OpenBLAS on every core, a matmul then waits for the worker whose core
-# the host holds. Measured on the dev CPU (2 cores, bundled target, fp32, 96 tokens sampled after
-# random ids; one process switching at run time, 6 paired runs): plain decoding 1.16x faster at 64
-# prompt tokens and 1.12x at 4000 with one thread than with two, while MTP rounds with 16-node trees,
-# which the host waits for, ran 0.88x (BENCHMARKS.md, issue 17, sixteenth session). So a round the
-# host pipelines past gets all threads but one, everything it waits for (a tree, drafting,
-# prefill) all of them. Results do not depend on the count (OpenBLAS splits a matmul's rows and
-# columns, not its sums: checked bitwise on the engine's shapes). Where OPENBLAS_NUM_THREADS or
-# OMP_NUM_THREADS is set, that count is kept.
+# OpenBLAS's threads, by what the host does meanwhile. Plain rounds are pipelined: the host builds
+# the next round's graph and lands the last one while MLX computes this one, and with OpenBLAS on
+# every core those compete for the cores (the host's Python, MLX's CPU thread, OpenBLAS's workers,
+# which also spin a while after each call; which of these costs most was not isolated). Measured
+# on the dev CPU (2 cores, bundled target, fp32, 96 tokens sampled after random ids; one process
+# switching at run time, 6 paired runs): plain decoding 1.16x faster at 64 prompt tokens and 1.12x
+# at 4000 with one thread than with two, while MTP rounds with 16-node trees, which the host waits
+# for, ran 0.88x (BENCHMARKS.md, issue 17, sixteenth session). So a round the host pipelines past
+# gets all threads but one, everything it waits for (a tree, drafting, prefill) all of them.
+# Results do not depend on the count (OpenBLAS splits a matmul's rows and columns, not its sums:
+# checked bitwise on the engine's shapes). Where OPENBLAS_NUM_THREADS or OMP_NUM_THREADS is set,
+# that count is kept.
 ADAPT_THREADS = True  # module switch (benchmarks compare; tests force it)
 _THREADS: dict[str, Any] = {}  # the library handle ("lib", None where there is none), "all", "now"
 
