@@ -69,26 +69,33 @@ def section(name: str) -> Iterator[None]:
 
 @contextlib.contextmanager
 def variant_setting(core: str) -> Iterator[None]:
-    """What a variant sets around each of its engine's calls: "-kwN" runs qmm_mma's long
-    reductions with N warps a block (engine.kernels.MMA_LONG_KW), "-dq0" / "-dq1" turns its paired
-    dequantization off / on (engine.kernels.MMA_PAIRED_DEQUANT), "-evN" hands a multi-node verify
-    to the device every N layers (engine.forward.VERIFY_EVAL_EVERY; 0 = at the end), "-fold0" /
-    "-fold1" runs each commit on its own / folds it into the next verify (GDNCache.fold_commits).
-    Compiled layer graphs are per model instance and trace on first use, so each engine's graphs
-    carry its own setting."""
+    """What a variant sets around each of its engine's calls, one "-" suffix each (others, such as
+    "-mlxqmm", are spruce_engine's): "-kwN" runs qmm_mma's long reductions with N warps a block
+    (engine.kernels.MMA_LONG_KW), "-dq0" / "-dq1" turns its paired dequantization off / on
+    (engine.kernels.MMA_PAIRED_DEQUANT), "-evN" hands a multi-node verify to the device every N
+    layers whatever the model's layer size (engine.forward.VERIFY_EVAL_EVERY; 0 = at the end),
+    "-fold0" / "-fold1" runs each commit on its own / folds it into the next verify
+    (GDNCache.fold_commits). Compiled layer graphs are per model instance and trace on first use,
+    so each engine's graphs carry its own setting."""
     from engine import forward, kernels
     from engine.cache import GDNCache
 
-    saved = kernels.MMA_LONG_KW, kernels.MMA_PAIRED_DEQUANT, forward.VERIFY_EVAL_EVERY, GDNCache.fold_commits
-    suffix = core.rpartition("-")[2]
-    kernels.MMA_LONG_KW = int(suffix[2:]) if suffix.startswith("kw") else saved[0]
-    kernels.MMA_PAIRED_DEQUANT = suffix[2:] == "1" if suffix.startswith("dq") else saved[1]
-    forward.VERIFY_EVAL_EVERY = int(suffix[2:]) if suffix.startswith("ev") else saved[2]
-    GDNCache.fold_commits = suffix[4:] == "1" if suffix.startswith("fold") else saved[3]
+    saved = (kernels.MMA_LONG_KW, kernels.MMA_PAIRED_DEQUANT, forward.VERIFY_EVAL_EVERY,
+             forward.VERIFY_EVAL_MIN_LAYER_BYTES, GDNCache.fold_commits)
+    for suffix in core.split("-")[1:]:
+        if suffix.startswith("kw"):
+            kernels.MMA_LONG_KW = int(suffix[2:])
+        elif suffix.startswith("dq"):
+            kernels.MMA_PAIRED_DEQUANT = suffix[2:] == "1"
+        elif suffix.startswith("ev"):
+            forward.VERIFY_EVAL_EVERY, forward.VERIFY_EVAL_MIN_LAYER_BYTES = int(suffix[2:]), 0
+        elif suffix.startswith("fold"):
+            GDNCache.fold_commits = suffix[4:] == "1"
     try:
         yield
     finally:
-        kernels.MMA_LONG_KW, kernels.MMA_PAIRED_DEQUANT, forward.VERIFY_EVAL_EVERY, GDNCache.fold_commits = saved
+        (kernels.MMA_LONG_KW, kernels.MMA_PAIRED_DEQUANT, forward.VERIFY_EVAL_EVERY,
+         forward.VERIFY_EVAL_MIN_LAYER_BYTES, GDNCache.fold_commits) = saved
 
 
 def spruce_engine(path: Path, dtype: str, core: str) -> Any:

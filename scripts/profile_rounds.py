@@ -2,7 +2,7 @@
 
     python scripts/profile_rounds.py [--methods none,dflash:ddtree,mtp:ddtree] [--budget 16]
         [--tokens 128] [--runs 2] [--kinds code] [--dtype float32] [--adaptive] [--json OUT.json]
-        [--variants engine,every0,every2,nofold] [--cprofile OUT.txt]
+        [--variants engine,ev0,ev2,fold0,ev0-fold0] [--cprofile OUT.txt]
 
 bench_spec.py says how much of a round is drafting, verifying and committing; this script splits
 those further by wrapping the engine's functions with wall-clock timers (nothing is synchronised
@@ -22,9 +22,10 @@ that the engine does not synchronise itself, so the phases add up to what a requ
 Runs the bundled target and drafters on bench_spec.py's prompts, greedy, one warm-up generation of
 each prompt, method and variant, then `--runs` measured ones; prints ms a round (mean over the
 measured rounds) per phase, method and variant. `--variants` compares engine settings in one
-process, interleaved run by run: `everyN` hands a multi-node verify to the device every N layers
-whatever the model's size (0 = once), `nofold` / `fold` run each GDN commit on its own / folded into
-the next verify; `engine` is the engine as it is. `--cprofile` profiles the first variant's
+process, interleaved run by run, named by scripts/bench_gpu.py's variant suffixes (`variant_setting`):
+`evN` hands a multi-node verify to the device every N layers whatever the model's size (0 = once),
+`fold0` / `fold1` run each GDN commit on its own / folded into the next verify, joined with `-`;
+`engine` is the engine as it is. `--cprofile` profiles the first variant's
 multi-node verifies' graph building. Made for the H200, where the bundled target's rounds are
 bound by small launches and the host, not by reading weights.
 """
@@ -59,6 +60,7 @@ import engine.sampler as sampler  # noqa: E402
 from engine.config import EngineConfig, SamplingParams  # noqa: E402
 from engine.generate import BUNDLED, Engine  # noqa: E402
 from engine.types import GenerationRequest  # noqa: E402
+from scripts.bench_gpu import variant_setting  # noqa: E402
 from scripts.bench_spec import PROMPTS, parse_methods, render  # noqa: E402
 
 TOTALS: dict[str, float] = defaultdict(float)
@@ -122,21 +124,6 @@ def _drafter_classes() -> list[type]:
 
 
 PROFILING = {"on": False}
-ENGINE_EVAL_EVERY = forward.VERIFY_EVAL_EVERY, forward.VERIFY_EVAL_MIN_LAYER_BYTES
-
-
-def apply_variant(variant: str) -> None:
-    """Set the engine's switches for one variant (see --variants)."""
-    from engine.cache import GDNCache
-
-    (forward.VERIFY_EVAL_EVERY, forward.VERIFY_EVAL_MIN_LAYER_BYTES), GDNCache.fold_commits = ENGINE_EVAL_EVERY, None
-    for part in variant.split("+"):
-        if part.startswith("every"):  # whatever the model's layer size
-            forward.VERIFY_EVAL_EVERY, forward.VERIFY_EVAL_MIN_LAYER_BYTES = int(part[len("every"):]), 0
-        elif part in ("nofold", "fold"):
-            GDNCache.fold_commits = part == "fold"
-        elif part != "engine":
-            raise SystemExit(f"unknown variant {part!r}")
 
 
 def profiled_verify() -> cProfile.Profile:
@@ -168,9 +155,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--adaptive", action="store_true")
     ap.add_argument("--variants", default="engine",
-                    help="engine settings to compare, interleaved run by run: engine (as it is), everyN (a "
-                         "verify handed to the device every N layers, 0 = once), nofold (each GDN commit run on "
-                         "its own), fold; joined with +, e.g. engine,every0,every0+nofold")
+                    help="engine settings to compare, interleaved run by run: engine (as it is), or "
+                         "scripts/bench_gpu.py's variant suffixes joined with -, e.g. engine,ev0,fold0,ev0-fold0")
     ap.add_argument("--cprofile", type=Path, help="write a cProfile of the measured verifies' graph building here")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
@@ -194,22 +180,22 @@ def main() -> None:
             for name, spec in specs.items():
                 req = GenerationRequest(prompt_ids=prompt, sampling=base, spec=spec)
                 for variant in variants:  # warm-up: compiles this prompt's tree shapes in every variant
-                    apply_variant(variant)
-                    list(engine.generate(req))
+                    with variant_setting(f"engine-{variant}"):
+                        list(engine.generate(req))
                 seen: dict[str, dict[str, Any]] = {v: {"totals": defaultdict(float), "rounds": [], "tokens": 0,
                                                        "tps": []} for v in variants}
                 for _ in range(a.runs):
                     for variant in variants:  # interleaved, so that a drifting machine hits them alike
-                        apply_variant(variant)
                         TOTALS.clear()
                         ROUNDS.clear()
                         LAST["landed"] = 0.0
                         PROFILING["on"] = variant == variants[0]
                         record = seen[variant]
-                        for step in engine.generate(req):
-                            record["tokens"] += len(step.token_ids)
-                            if step.stats is not None:
-                                record["tps"].append(step.stats.decode_tps)
+                        with variant_setting(f"engine-{variant}"):
+                            for step in engine.generate(req):
+                                record["tokens"] += len(step.token_ids)
+                                if step.stats is not None:
+                                    record["tps"].append(step.stats.decode_tps)
                         PROFILING["on"] = False
                         record["rounds"] += ROUNDS[1:]  # the first round's start includes the prefill's
                         for k, v in TOTALS.items():
