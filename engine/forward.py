@@ -109,7 +109,8 @@ def verify(model: CausalLM, cache: list[LayerCache], tree: DraftTree, committed_
     [1, N], when they are not on the host yet (a pipelined root)."""
     if tokens is None:
         tokens = mx.array([list(tree.tokens)])
-    batch = tree_batch(tree, committed_len, model.args.linear_conv_kernel_dim, verify_eval_every(model))
+    eval_every = verify_eval_every(model) if tree.size > 1 else 0  # a one-node round is handed over whole
+    batch = tree_batch(tree, committed_len, model.args.linear_conv_kernel_dim, eval_every)
     return model(tokens, cache, batch).squeeze(0)
 
 

@@ -203,8 +203,8 @@ class Engine:
         """Run one request; `drafter` overrides the one the spec settings pick (tests, benchmarks).
         Checks and drafter set-up happen here, eagerly; decoding when the iterator is consumed."""
         self.check_request(req)
-        blas.pace(host_busy=False)  # a prefill: the host waits for it
         if req.embed:
+            blas.pace(host_busy=False)  # a prefill: the host waits for it
             return iter([embed_step(self.model, req.prompt_ids, self.prefill_chunk)])
         spec = req.spec or self.config.spec
         eos = () if req.sampling.ignore_eos else self.tokenizer.eos_token_ids
@@ -231,7 +231,7 @@ class Engine:
              drafter: Drafter, grammar: GrammarState | None = None) -> Iterator[Step]:
         stats = Stats(prompt_tokens=len(req.prompt_ids))
         t_start = time.perf_counter()
-        blas.pace(host_busy=False)  # the prefill (another request may have run since generate())
+        blas.pace(host_busy=False)  # the prefill: the host waits for it
         cache, stats.cached_tokens = self._prefill(req.prompt_ids[:-1])
         if isinstance(drafter, ReadsTarget):
             features = cache[-1]
