@@ -18,6 +18,8 @@ that the engine does not synchronise itself, so the phases add up to what a requ
 - `walk`, `commit`  inside it, the accept walk and building the commit;
 - `round`     a round's wall time from its launch to the end of its landing (pipelined plain rounds
               overlap, so theirs is read from the gaps between landings).
+Each row also gives tokens per forward pass and the distinct 8-gram share of the output (tokens
+per forward are honest only on output that does not loop).
 
 Runs the bundled target and drafters on bench_spec.py's prompts, greedy, one warm-up generation of
 each prompt, method and variant, then `--runs` measured ones; prints ms a round (mean over the
@@ -61,7 +63,7 @@ from engine.config import EngineConfig, SamplingParams  # noqa: E402
 from engine.generate import BUNDLED, Engine  # noqa: E402
 from engine.types import GenerationRequest  # noqa: E402
 from scripts.bench_gpu import variant_setting  # noqa: E402
-from scripts.bench_spec import PROMPTS, parse_methods, render  # noqa: E402
+from scripts.bench_spec import PROMPTS, distinct_8grams, parse_methods, render  # noqa: E402
 
 TOTALS: dict[str, float] = defaultdict(float)
 ROUNDS: list[float] = []  # wall ms of each landed round (launch or previous landing -> its landing)
@@ -170,8 +172,8 @@ def main() -> None:
     base = SamplingParams(temperature=0.0, max_tokens=a.tokens)
     report: dict[str, Any] = {"args": {k: str(v) for k, v in vars(a).items()}, "rows": []}
     print(f"ms a round (mean over measured rounds), {a.tokens} tokens greedy, budget {a.budget}, dtype {a.dtype}")
-    print(f"{'prompt':8} {'method':18} {'variant':14} {'rounds':>6} {'tok/fwd':>7} {'tok/s':>7} {'round':>6} "
-          f"{'med':>6} {'propose':>7} "
+    print(f"{'prompt':8} {'method':18} {'variant':14} {'rounds':>6} {'tok/fwd':>7} {'8-gram':>6} {'tok/s':>7} "
+          f"{'round':>6} {'med':>6} {'propose':>7} "
           f"{'margin':>7} {'build':>6} {'verify':>6} {'queue':>6} {'land':>6} {'walk':>6} {'commit':>6}")
     for kind in a.kinds.split(","):
         for p, text in enumerate(PROMPTS[kind]):
@@ -183,7 +185,7 @@ def main() -> None:
                     with variant_setting(f"engine-{variant}"):
                         list(engine.generate(req))
                 seen: dict[str, dict[str, Any]] = {v: {"totals": defaultdict(float), "rounds": [], "tokens": 0,
-                                                       "tps": []} for v in variants}
+                                                       "output": [], "tps": []} for v in variants}
                 for _ in range(a.runs):
                     for variant in variants:  # interleaved, so that a drifting machine hits them alike
                         TOTALS.clear()
@@ -191,12 +193,15 @@ def main() -> None:
                         LAST["landed"] = 0.0
                         PROFILING["on"] = variant == variants[0]
                         record = seen[variant]
+                        output = []
                         with variant_setting(f"engine-{variant}"):
                             for step in engine.generate(req):
-                                record["tokens"] += len(step.token_ids)
+                                output += step.token_ids
                                 if step.stats is not None:
                                     record["tps"].append(step.stats.decode_tps)
                         PROFILING["on"] = False
+                        record["tokens"] += len(output)
+                        record["output"] = output
                         record["rounds"] += ROUNDS[1:]  # the first round's start includes the prefill's
                         for k, v in TOTALS.items():
                             record["totals"][k] += v
@@ -207,10 +212,12 @@ def main() -> None:
                            "tok_fwd": record["tokens"] / (n + a.runs), "tok_s": statistics.median(record["tps"]),
                            "round_ms": statistics.mean(record["rounds"]),
                            "round_median_ms": statistics.median(record["rounds"]),
+                           "distinct_8grams": round(distinct_8grams(record["output"]), 3),
                            **{f"{k}_ms": round(v, 3) for k, v in per.items()}}
                     report["rows"].append(row)
-                    print(f"{label:8} {name:18} {variant:14} {n:6d} {row['tok_fwd']:7.2f} {row['tok_s']:7.1f} "
-                          f"{row['round_ms']:6.2f} {row['round_median_ms']:6.2f} " + " ".join(
+                    print(f"{label:8} {name:18} {variant:14} {n:6d} {row['tok_fwd']:7.2f} "
+                          f"{row['distinct_8grams']:6.2f} {row['tok_s']:7.1f} {row['round_ms']:6.2f} "
+                          f"{row['round_median_ms']:6.2f} " + " ".join(
                               f"{per.get(k, 0.0):{w}.2f}" for k, w in
                               (("propose", 7), ("marginals", 7), ("build", 6), ("verify", 6), ("queue", 6),
                                ("land", 6), ("walk", 6), ("commit", 6))), flush=True)
