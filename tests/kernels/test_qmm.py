@@ -162,3 +162,57 @@ def test_mma_config_depends_on_the_weight_only():
     assert kernels.mma_config(528, 384, 4) == (1, 3)
     assert kernels.mma_config(4096, 12288, 4)[1] == max(4, min(kernels.MMA_LONG_KW, 96 // 6))
     assert kernels.mma_config(4096, 12288, 8)[1] == max(4, min(kernels.MMA_LONG_KW, 192 // 6))
+
+
+@pytest.mark.parametrize(("bits", "group_size", "out", "inp"), [(4, 64, 48, 512), (4, 32, 32, 256), (8, 128, 16, 256)])
+def test_tiled_layout_puts_each_value_where_the_kernel_reads_it(bits, group_size, out, inp, rng):
+    """tile_weights against the tiled kernel's index rule, element by element (metal/qmm_mma.kernel,
+    SPR_TILED), and untile_weights undoes it."""
+    from engine.kernels import MMA_TILE_WORDS, tile_weights, untile_weights
+
+    wq, scales, biases = quantized(rng, out, inp, group_size, bits)
+    scales, biases = scales.astype(mx.bfloat16), biases.astype(mx.bfloat16)
+    w_t, sb = tile_weights(wq, scales, biases)
+    w, ws, wt = np.array(wq), np.array(w_t).reshape(-1), np.array(sb.astype(mx.float32)).reshape(-1)
+    s, b = np.array(scales.astype(mx.float32)), np.array(biases.astype(mx.float32))
+    steps, groups = w.shape[1] // MMA_TILE_WORDS, s.shape[1]
+    per = 32 // bits
+    for tile in range(out // 16):
+        for step in range(steps):
+            for h in range(2):
+                for lane in range(32):
+                    g, t = lane // 4, lane % 4
+                    row = 16 * tile + g + 8 * h
+                    for j in range(4):  # the kernel's uint4 at word ((tile * STEPS + s) * 2 + h) * 128 + 4 lane
+                        assert ws[((tile * steps + step) * 2 + h) * 128 + lane * 4 + j] == w[row, 16 * step + 4 * t + j]
+                    k = (16 * step + 4 * t) * per  # the lane's first input of the step
+                    pair = (tile * groups + k // group_size) * 16 + g + 8 * h  # the kernel's sb index (pairs)
+                    assert (wt[2 * pair], wt[2 * pair + 1]) == (s[row, k // group_size], b[row, k // group_size])
+    back = untile_weights(w_t, sb)
+    assert all(mx.array_equal(a, c) for a, c in zip(back, (wq, scales, biases), strict=True))
+
+
+def test_tiled_layout_refuses_partial_tiles():
+    from engine.kernels import tile_weights
+
+    wq, scales, biases = mx.quantize(mx.zeros((40, 256)), group_size=64, bits=4)
+    with pytest.raises(ValueError, match="16"):
+        tile_weights(wq, scales, biases)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+@pytest.mark.parametrize(("bits", "group_size"), [(4, 32), (4, 64), (4, 128), (8, 64), (8, 128)])
+@pytest.mark.parametrize(("out", "inp"), [(1024, 4096), (4096, 12288)])
+def test_tiled_kernel_is_bitwise_the_plain_one(dtype, bits, group_size, out, inp, rng):
+    """The tiled layout changes where each lane's values come from, not which values or in what
+    order they are summed: every row count gives bitwise the plain layout's result."""
+    from engine.kernels import quantized_matmul_mma, quantized_matmul_mma_tiled, tile_weights
+
+    wq, scales, biases = quantized(rng, out, inp, group_size, bits)
+    scales, biases = scales.astype(dtype), biases.astype(dtype)
+    w_t, sb = tile_weights(wq, scales, biases)
+    x = mx.array(rng.normal(size=(32, inp)).astype(np.float32)).astype(dtype)
+    for m in (1, 2, 8, 9, 17, 32):
+        plain = quantized_matmul_mma(x[:m], wq, scales, biases, group_size, bits)
+        assert mx.array_equal(quantized_matmul_mma_tiled(x[:m], w_t, sb, group_size, bits), plain), m
