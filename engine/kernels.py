@@ -79,11 +79,8 @@ READ_STREAM = KernelSpec("spruce_read_stream", "read_stream.kernel", ("w", "scal
                          backends=("cuda",))
 QMM_MMA = KernelSpec("spruce_qmm_mma", "qmm_mma.kernel", ("x", "w", "scales", "biases"), ("y",),
                      header=("qmm_mma_cuda.h",), backends=("cuda",))
-# the same body over weights in the tiled layout (tile_weights)
-QMM_MMA_TILED = KernelSpec("spruce_qmm_mma_tiled", "qmm_mma.kernel", ("x", "w", "sb"), ("y",),
-                           header=("qmm_mma_cuda.h",), backends=("cuda",), defines=("SPR_TILED",))
 KERNELS = (GDN_STEP, GDN_CHAIN, GDN_TREE_FRONT, GDN_TREE, GDN_TREE_FRONT_FOLD, GDN_TREE_FOLD, GDN_COMMIT, QMM_ROWS,
-           READ_FLOOR, READ_STREAM, QMM_MMA, QMM_MMA_TILED)
+           READ_FLOOR, READ_STREAM, QMM_MMA)
 QMM_MAX_ROWS = 32
 MMA_DTYPES = (mx.bfloat16, mx.float16)
 
@@ -323,52 +320,6 @@ def quantized_matmul_mma(x: mx.array, w: mx.array, scales: mx.array, biases: mx.
                 ("DQ", dq)]
     return compiled_kernel(QMM_MMA, "cuda")(
         inputs=[x, w, scales, biases], template=template, grid=(blocks * kw * 32, 1, 1), threadgroup=(kw * 32, 1, 1),
-        output_shapes=[(m, o)], output_dtypes=[x.dtype])[0]
-
-
-MMA_TILE_WORDS = 16  # uint32 words of one row in one qmm_mma step (64 bytes, for 4 and 8 bits alike)
-
-
-def tile_weights(w: mx.array, scales: mx.array, biases: mx.array) -> tuple[mx.array, mx.array]:
-    """MLX's packed layout -> qmm_mma's tiled one (SPR_TILED in metal/qmm_mma.kernel): the same
-    values, placed so that each warp's loads of a step are contiguous.
-
-    w [O, W] uint32 -> [O, W], per 16-row tile and step s (16 words of each row), ordered
-    (half h, lane = 4 g + t, word j) = row 16 tile + g + 8 h, word 16 s + 4 t + j; scales and
-    biases [O, G] -> sb [O, 2 G] of their dtype, per tile and group, 16 (scale, bias) pairs in row
-    order. O must be a multiple of 16 and W of 16 (mma_covers' input rule)."""
-    o, words = w.shape
-    if o % 16 or words % MMA_TILE_WORDS:
-        raise ValueError(f"the tiled layout needs 16 | O and 16 | W, got a weight [{o}, {words}]")
-    tiles, steps, groups = o // 16, words // MMA_TILE_WORDS, scales.shape[1]
-    # [tile, h, g, s, t, j] -> [tile, s, h, g, t, j]
-    w_t = w.reshape(tiles, 2, 8, steps, 4, 4).transpose(0, 3, 1, 2, 4, 5).reshape(o, words)
-    sb = mx.stack([scales.reshape(tiles, 16, groups), biases.reshape(tiles, 16, groups)], axis=-1)
-    return w_t, sb.transpose(0, 2, 1, 3).reshape(o, 2 * groups)
-
-
-def untile_weights(w_t: mx.array, sb: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-    """The inverse of tile_weights: (w, scales, biases) in MLX's layout."""
-    o, words = w_t.shape
-    tiles, steps, groups = o // 16, words // MMA_TILE_WORDS, sb.shape[1] // 2
-    w = w_t.reshape(tiles, steps, 2, 8, 4, 4).transpose(0, 2, 3, 1, 4, 5).reshape(o, words)
-    pairs = sb.reshape(tiles, groups, 16, 2).transpose(0, 2, 1, 3).reshape(o, groups, 2)
-    return w, pairs[..., 0], pairs[..., 1]
-
-
-def quantized_matmul_mma_tiled(x: mx.array, w_t: mx.array, sb: mx.array, group_size: int, bits: int,
-                               paired: bool | None = None) -> mx.array:
-    """quantized_matmul_mma over tile_weights' layout: bitwise the same result."""
-    m, i = x.shape
-    o = w_t.shape[0]
-    rt, kw = mma_config(o, i, bits)
-    if o % (16 * rt):
-        raise ValueError(f"the tiled kernel needs whole blocks of {16 * rt} rows, got {o}")
-    dq = int(bits == 4 and (MMA_PAIRED_DEQUANT if paired is None else paired))
-    template = [("OutT", x.dtype), ("GS", group_size), ("BITS", bits), ("NT", -(-m // 8)), ("RT", rt), ("KW", kw),
-                ("DQ", dq)]
-    return compiled_kernel(QMM_MMA_TILED, "cuda")(
-        inputs=[x, w_t, sb], template=template, grid=(o // (16 * rt) * kw * 32, 1, 1), threadgroup=(kw * 32, 1, 1),
         output_shapes=[(m, o)], output_dtypes=[x.dtype])[0]
 
 

@@ -18,20 +18,6 @@ SPR_FN uint spr_pack2<__half>(float lo, float hi) {
   return *reinterpret_cast<uint*>(&v);
 }
 
-// a value of the activation type from its 16 bits (the tiled layout's scale-and-bias pairs)
-template <typename T>
-SPR_FN T spr_from_bits(uint bits);
-
-template <>
-SPR_FN __nv_bfloat16 spr_from_bits<__nv_bfloat16>(uint bits) {
-  return __ushort_as_bfloat16(static_cast<unsigned short>(bits));
-}
-
-template <>
-SPR_FN __half spr_from_bits<__half>(uint bits) {
-  return __ushort_as_half(static_cast<unsigned short>(bits));
-}
-
 // d += A [16 x 16] (a0..a3) x B [16 x 8] (b0, b1), fragments as in PTX's mma.m16n8k16 with .row.col
 template <typename T>
 SPR_FN void spr_mma(float* d, uint a0, uint a1, uint a2, uint a3, uint b0, uint b1);

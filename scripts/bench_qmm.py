@@ -6,7 +6,6 @@ shapes of the 9B, 4B, 0.8B and bundled Qwen3.5 layouts (fused projections includ
 
     python scripts/bench_qmm.py [--rows 1,2,4,8,16,17,32] [--mode throughput|latency] [--launches 40]
                                 [--configs 1x8,2x8] [--paired 1,0] [--shapes "9b mlp down,..."] [--dequant]
-                                [--tiled]
 
     e.g. prefill-sized rows: --rows 512,2048 --dequant --no-rows-kernel (qmm_mma covers <= 32 rows)
 
@@ -42,11 +41,9 @@ from engine.kernels import (  # noqa: E402
     mma_config,
     mma_covers,
     quantized_matmul_mma,
-    quantized_matmul_mma_tiled,
     quantized_matmul_rows,
     read_floor,
     read_stream,
-    tile_weights,
 )
 
 SHAPES = {  # [out x in] of the matmuls a decode step runs; "fused" = the loader's stacked projections
@@ -98,8 +95,6 @@ def main() -> None:
                                                  "e.g. 1,0 (default: the engine's, engine.kernels.MMA_PAIRED_DEQUANT)")
     ap.add_argument("--shapes", default="", help="comma-separated names of SHAPES (default: all)")
     ap.add_argument("--no-rows-kernel", action="store_true", help="leave out the scalar qmm_rows kernel")
-    ap.add_argument("--tiled", action="store_true",
-                    help="add qmm_mma over the tiled weight layout (engine.kernels.tile_weights) after qmm_mma")
     ap.add_argument("--dequant", action="store_true",
                     help="add dequantize-then-matmul (bf16 GEMM over weights dequantized per call): the "
                          "candidate for prefill-sized row counts, where MLX's quantized kernel is far from "
@@ -113,7 +108,7 @@ def main() -> None:
     a.paired_settings = [bool(int(v)) for v in a.paired.split(",") if v] or [None]
     names = [s.strip() for s in a.shapes.split(",") if s.strip()] or list(SHAPES)
     kernels = ("built-in" + ("" if a.no_rows_kernel else " / qmm_rows") + (" / dequant+matmul" if a.dequant else "")
-               + (" / qmm_mma" if backend == "cuda" else "") + (" / qmm_mma tiled" if a.tiled else ""))
+               + (" / qmm_mma" if backend == "cuda" else ""))
     print(f"{mx.default_device()}, {a.bits}-bit g{a.group_size}, bf16 activations, {a.mode}; us per launch "
           f"({kernels}); read floor and its TB/s")
     print("| weight | read floor | " + " | ".join(f"M={m}" for m in rows) + " |")
@@ -130,9 +125,6 @@ def row(name: str, out: int, inp: int, rows: list[int], a: argparse.Namespace, b
     wq, scales, biases = mx.quantize(w, group_size=a.group_size, bits=a.bits)
     mx.eval(wq, scales, biases)
     nbytes = wq.nbytes + scales.nbytes + biases.nbytes
-    if a.tiled:
-        w_t, sb = tile_weights(wq, scales, biases)
-        mx.eval(w_t, sb)
     floor_fn = (partial(read_stream, wq, scales, biases) if backend == "cuda"
                 else partial(read_floor, wq, scales, biases, a.group_size, a.bits, backend))
     floor = timed(floor_fn, a.launches)
@@ -151,8 +143,6 @@ def row(name: str, out: int, inp: int, rows: list[int], a: argparse.Namespace, b
                 for paired in a.paired_settings:
                     times.append(timed(partial(quantized_matmul_mma, x, wq, scales, biases, a.group_size, a.bits,
                                                tuple(config), paired), a.launches))
-            if a.tiled:
-                times.append(timed(partial(quantized_matmul_mma_tiled, x, w_t, sb, a.group_size, a.bits), a.launches))
         cells.append(" / ".join(f"{t:.1f}" for t in times))
     label = f"{name} {out}x{inp}" + (f" (configs {', '.join('x'.join(map(str, c)) for c in configs)})"
                                      if configs else f" (mma {'x'.join(map(str, mma_config(out, inp, a.bits)))})")

@@ -26,7 +26,7 @@ SHAPES = {"bundled": dict(Hk=6, Hv=12, Dk=32, Dv=32, K=4), "9b": dict(Hk=16, Hv=
 def dtypes_for(spec: KernelSpec, activations: str) -> dict[str, str]:
     out = {}
     for n in (*spec.inputs, *spec.outputs):
-        if spec.name.endswith(("qmm_rows", "read_floor", "read_stream", "qmm_mma", "qmm_mma_tiled")):
+        if spec.name.endswith(("qmm_rows", "read_floor", "read_stream", "qmm_mma")):
             out[n] = ("uint32" if n == "w" or (n == "y" and spec.name.endswith("stream"))
                       else "float32" if n == "y" and spec.name.endswith("floor") else activations)
         else:
@@ -37,7 +37,7 @@ def dtypes_for(spec: KernelSpec, activations: str) -> dict[str, str]:
 def template_for(spec: KernelSpec, shape: str, activations: str = "float32") -> dict[str, int | str]:
     if spec.name.endswith("qmm_rows"):
         return dict(OutT=activations, I=4096 if shape == "9b" else 384, O=256, GS=64, BITS=4, MAXM=8, R=4, RPG=4)
-    if spec.name.endswith(("qmm_mma", "qmm_mma_tiled")):
+    if spec.name.endswith("qmm_mma"):
         return dict(OutT=activations, GS=64, BITS=4, NT=3 if shape == "9b" else 1, RT=2, KW=8,
                     DQ=1 if shape == "9b" else 0)
     if spec.name.endswith("read_stream"):
@@ -67,8 +67,7 @@ def ids(cases: list) -> list[str]:
 
 # qmm_mma is CUDA only and takes bf16 / fp16 activations (tensor-core MMA)
 METAL_CASES = [c for c in CASES if "metal" in c[0].backends]
-CUDA_CASES = [c for c in CASES if "cuda" in c[0].backends
-              and not ("qmm_mma" in c[0].name and c[1] == "float32")]
+CUDA_CASES = [c for c in CASES if "cuda" in c[0].backends and not (c[0].name.endswith("mma") and c[1] == "float32")]
 
 
 @needs_gxx

@@ -12,8 +12,3 @@ struct __nv_bfloat162 {
 inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) { return __nv_bfloat162{__nv_bfloat16(a), __nv_bfloat16(b)}; }
 inline __nv_bfloat162 __hsub2(__nv_bfloat162 a, __nv_bfloat162) { return a; }
 inline __nv_bfloat162 __hfma2(__nv_bfloat162 a, __nv_bfloat162, __nv_bfloat162) { return a; }
-inline __nv_bfloat16 __ushort_as_bfloat16(unsigned short b) {
-  __nv_bfloat16 x;
-  x.bits = b;
-  return x;
-}

@@ -12,8 +12,3 @@ struct __half2 {
 inline __half2 __floats2half2_rn(float a, float b) { return __half2{__half(a), __half(b)}; }
 inline __half2 __hsub2(__half2 a, __half2) { return a; }
 inline __half2 __hfma2(__half2 a, __half2, __half2) { return a; }
-inline __half __ushort_as_half(unsigned short b) {
-  __half x;
-  x.bits = b;
-  return x;
-}
