@@ -133,11 +133,7 @@ class Rounds:
         self.draw_visited = DRAW_VISITED_ON_CPU and self.on_device and not params.greedy \
             and mx.default_device() == mx.cpu
         drafts = not isinstance(drafter, NoDrafter)
-        # plain rounds pipeline where their tokens are chosen on the device and the drafter catches
-        # up by itself (can_pipeline): there the round after a tree pays its restart
-        self.controller = SpecController(spec.budget, spec.max_stall,
-                                         restart_charged=self.on_device and skips(drafter)) \
-            if spec.adaptive and drafts else None
+        self.controller = SpecController(spec.budget, spec.max_stall) if spec.adaptive and drafts else None
         self.start_late = START_LATE_ON_CPU and drafts and mx.default_device() == mx.cpu
         self._last_landed = 0.0
         self._ahead_ms = 0.0  # spent since the last landing queueing the round after the one landing next

@@ -18,14 +18,6 @@ below it accepts (a round emits at least CLIMB tokens), and the root alone after
 re-tries go to a neighbour of the best arm only, and back off (twice as far apart each time) while
 they keep losing, further still where a losing try costs much (RETRY_SHARE).
 
-That restart is charged to the tree. The plain round right after a tree is launched afresh (its
-graph built while the device waits) where plain rounds otherwise follow each other pipelined: on
-the dev CPU ~13 ms against ~9.5. Recorded as a plain round, it raised the plain arm's estimate
-after every try, so a tree that had stopped accepting (MTP, guesses missing: 1.5 tokens in 21.6 ms
-against a plain round's 1 in 10.8) became the choice again and again (BENCHMARKS.md, issue 17,
-seventeenth session). So where plain rounds pipeline (`restart_charged`), such a round counts for
-the plain arm at most at its estimate, and the rest is added to the tree's last round.
-
 A cap on the stall (`max_stall`, off by default): a round's tokens reach a streaming client
 together, after the whole round, so a round that takes X plain rounds is a gap X times a plain
 step's. With the cap, an arm whose rounds take longer than max_stall plain rounds is neither kept
@@ -101,8 +93,6 @@ class SpecController:
     next_revisit: int = 0  # the round of the next re-try (0: climbing, none scheduled yet)
     revisit_side: int = 1  # +1: the neighbour above the best arm, -1: below (alternating)
     last: int = 0  # the budget of the last round recorded (0 before the first)
-    # plain rounds are pipelined in this request, so one right after a tree pays that tree's restart
-    restart_charged: bool = False
 
     def __post_init__(self) -> None:
         budgets = {0, min(FIRST, self.max_budget), self.max_budget}
@@ -189,16 +179,10 @@ class SpecController:
         """A round ran with `budget` (the arm it was given), emitted `tokens` in `ms`."""
         arm = next((a for a in self.arms if a.budget == budget), None)
         best_before = self.best() if self._due() and arm is not None else None
-        tree = next((a for a in self.arms if a.budget == self.last and a.budget > 0 and a.rounds), None)
         self.rounds += 1
         self.last = budget
         if arm is None:  # a budget cut by the room left is no arm's measurement
             return
-        if self.restart_charged and budget == 0 and tree is not None and arm.rounds:
-            excess = max(0.0, ms - arm.ms)  # the restart after `tree`: its cost, not a plain round's
-            tree.ms += excess * ((1 - DECAY) if tree.rounds > 1 else 1.0)  # as if its last round took it
-            tree.last_ms += excess
-            ms -= excess
         arm.record(tokens, ms)
         if best_before is not None and arm is not best_before:  # a re-try was recorded
             self.revisit_side = -self.revisit_side
