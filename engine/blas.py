@@ -71,26 +71,29 @@ _THREADS: dict[str, Any] = {}  # the library handle ("lib", None where there is 
 def _openblas() -> Any:
     """The OpenBLAS this process has loaded (by the preload), or None. Never loads a library."""
     if "lib" not in _THREADS:
-        lib = None
         fixed = os.environ.get("OPENBLAS_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS")
-        if preloaded() and not fixed:
-            for path in os.environ.get("LD_PRELOAD", "").split(":"):
-                if "openblas" not in path:
-                    continue
-                for candidate in (path, os.path.join(os.path.dirname(path), "libopenblas.so.0")):
-                    try:
-                        handle = ctypes.CDLL(candidate, mode=os.RTLD_NOLOAD | os.RTLD_NOW)
-                    except OSError:
-                        continue
-                    if hasattr(handle, "openblas_set_num_threads") and hasattr(handle, "openblas_get_num_threads"):
-                        lib = handle
-                        break
-                if lib is not None:
-                    break
+        lib = None if fixed or not preloaded() else next(filter(None, map(_loaded, _preloaded_openblas())), None)
         _THREADS["lib"] = lib
         if lib is not None:
             _THREADS["all"] = _THREADS["now"] = int(lib.openblas_get_num_threads())
     return _THREADS["lib"]
+
+
+def _preloaded_openblas() -> list[str]:
+    """Where the preloaded OpenBLAS may be: each preloaded path naming it, then the libopenblas.so.0
+    beside it, for a preloaded name that does not export the thread calls itself."""
+    paths = [p for p in os.environ.get("LD_PRELOAD", "").split(":") if "openblas" in p]
+    return [c for p in paths for c in (p, os.path.join(os.path.dirname(p), "libopenblas.so.0"))]
+
+
+def _loaded(path: str) -> Any:
+    """The library at `path` if this process has it loaded and it sets OpenBLAS's threads, else None."""
+    try:
+        handle = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_NOW)
+    except OSError:
+        return None
+    ok = hasattr(handle, "openblas_set_num_threads") and hasattr(handle, "openblas_get_num_threads")
+    return handle if ok else None
 
 
 def pace(host_busy: bool) -> None:
