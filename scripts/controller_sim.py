@@ -1,0 +1,258 @@
+"""Tree-size controllers compared without the machine's noise: replayed over measured acceptance and
+measured round times.
+
+    python scripts/controller_sim.py record FILE [--methods mtp,draft] [--kinds code,chat] [--lengths 64] [--runs 4]
+    python scripts/controller_sim.py replay FILE [--revs now,HEAD,variant.py] [--seeds 200]
+
+On the dev CPU the same controller reads 0.82x and 0.92x of plain decoding in two runs of one
+process (BENCHMARKS.md, issue 17), more than the differences between controllers that issue 17 is
+decided by; and a controller's choices depend on the timing noise itself, so one run of a request
+is one draw of its choices. Here the engine is run once to measure, and controllers are compared on
+the same measurements:
+
+- `record` (bundled target): for each request (seeded sampling at temperature 1 after random ids,
+  where guesses miss, and greedy decoding of scripts/bench_spec.py's prompts of each kind) and each
+  method, the tokens a round of each of the controller's budgets emits from every position of plain
+  decoding's output (a request whose prompt is the prompt and the output so far, its first round at
+  that budget; the prefix cache makes that a short prefill), and the wall times of rounds, by budget
+  and by whether the round before was plain (pipelined) or a tree, from runs of the working tree's
+  controller and from fixed budgets; plain decoding's own rounds are the denominator.
+- `replay`: each controller (engine/spec_control.py at a git revision, or `now`, the working tree's)
+  decides every round's budget; the round emits the recorded tokens for that budget and position and
+  takes a time drawn from the recorded ones for its budget and the kind of round before it. Over many
+  seeds: tok/s as a ratio to plain decoding's (medians, 10th percentile) and the tree rounds a request.
+
+What the replay leaves out: times are drawn independently (a busy stretch of the machine is not
+modelled), and a round's time does not depend on how many tokens it accepted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import random
+import statistics
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+from engine.blas import reexec_with_openblas  # noqa: E402
+
+if __name__ == "__main__" and sys.argv[1:2] == ["record"]:  # a BLAS preload works only from process start
+    reexec_with_openblas(sys.orig_argv[1:])
+
+from bench_controller import METHODS, module_at  # noqa: E402
+
+import engine.spec_control as spec_control  # noqa: E402
+
+BUDGETS = (1, 4, 16)  # the controller's trees at the default budget (16): SpecController(16).arms
+
+
+def record(path: Path, methods: list[str], kinds: list[str], lengths: list[int], runs: int, tokens: int) -> None:
+    from dataclasses import replace
+
+    from bench_spec import PROMPTS, render
+
+    from engine.config import EngineConfig, SamplingParams, SpecConfig
+    from engine.generate import BUNDLED, Engine
+    from engine.types import GenerationRequest
+
+    # the tables' requests share their prefixes (the prefix cache makes each a short prefill); the
+    # timed requests run without one, as the benchmarks do, interleaved with plain decoding's
+    context = max(max(lengths, default=0) + tokens + 1, EngineConfig.max_context)
+    engine = Engine(EngineConfig(model_path=str(BUNDLED / "target"), max_context=context))
+    timing = Engine(EngineConfig(model_path=str(BUNDLED / "target"), prefix_cache=False, max_context=context))
+    requests: list[tuple[str, list[int], SamplingParams]] = []
+    for n in lengths:  # as scripts/bench_controller.py's misses: the same prompts and seed
+        prompt = [int(t) for t in np.random.RandomState(n).randint(0, engine.vocab_size, size=n)]
+        requests.append((f"misses {n}", prompt,
+                         SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=1.0, seed=0)))
+    for kind in kinds:
+        for p, text in enumerate(PROMPTS[kind]):
+            label = kind if len(PROMPTS[kind]) == 1 else f"{kind}{p + 1}"
+            requests.append((label, render(engine, text), SamplingParams(max_tokens=tokens)))
+
+    def output(prompt: list[int], params: SamplingParams, spec: SpecConfig) -> list[int]:
+        out: list[int] = []
+        for step in engine.generate(GenerationRequest(prompt_ids=prompt, sampling=params, spec=spec)):
+            out += step.token_ids
+        return out
+
+    def first_round(prompt: list[int], params: SamplingParams, spec: SpecConfig) -> list[int]:
+        for step in engine.generate(GenerationRequest(prompt_ids=prompt, sampling=params, spec=spec)):
+            return list(step.token_ids)  # the generator closes: the request ends here
+        return []
+
+    result: dict = {"tokens": tokens, "requests": {}}
+    for label, prompt, params in requests:
+        reference = output(prompt, params, SpecConfig())
+        plain_ms: list[float] = []
+        entry: dict = {"length": len(reference), "plain_ms": plain_ms, "methods": {}}
+        for method in methods:
+            spec = METHODS[method]
+            accepted: dict[str, list[int]] = {}
+            for b in BUDGETS:
+                fixed = replace(spec, budget=b, adaptive=False)
+                row = []
+                for i in range(len(reference)):
+                    got = first_round(prompt + reference[:i], replace(params, max_tokens=len(reference) - i), fixed)
+                    # the tokens that agree with plain decoding's (a rounding flip ends the agreement)
+                    n = next((k for k, t in enumerate(got) if i + k >= len(reference) or t != reference[i + k]),
+                             len(got))
+                    row.append(max(1, n))
+                accepted[str(b)] = row
+            times: dict[str, list[float]] = {}
+            for _ in range(runs):
+                plain_ms += [ms for _, _, ms in timed_rounds(timing, prompt, params, SpecConfig())]
+                for timed_spec in [spec] + [replace(spec, budget=b, adaptive=False) for b in BUDGETS]:
+                    prev = None
+                    for budget, _, ms in timed_rounds(timing, prompt, params, timed_spec):
+                        kind = "start" if prev is None else ("plain" if prev == 0 else "tree")
+                        times.setdefault(f"{budget}:{kind}", []).append(ms)
+                        prev = budget
+            entry["methods"][method] = {"accepted": accepted, "ms": times}
+            print(f"{label} {method}: tokens a round at budgets {BUDGETS}: "
+                  + ", ".join(f"{statistics.mean(r):.2f}" for r in accepted.values()), flush=True)
+        result["requests"][label] = entry
+    path.write_text(json.dumps(result))
+
+
+def timed_rounds(engine, prompt, params, spec) -> list[tuple[int, int, float]]:  # noqa: ANN001
+    """Every round of one request: its budget (the controller's arm, else the tree's nodes besides
+    the root), the tokens it emitted and its time as engine/round.py hands it to the controller."""
+    import engine.round as rounds_module
+    from engine.types import GenerationRequest
+
+    out: list[tuple[int, int, float]] = []
+    count = rounds_module.Rounds._count
+
+    def timed(self, flight, accepted, emitted, t2, t3) -> None:  # noqa: ANN001
+        before, ahead = self._last_landed, self._ahead_ms
+        count(self, flight, accepted, emitted, t2, t3)
+        budget = flight.arm if self.controller is not None and flight.arm >= 0 else flight.tree.size - 1
+        out.append((budget, emitted, (self._last_landed - max(flight.t_start, before)) * 1e3 - ahead + flight.ahead_ms))
+
+    rounds_module.Rounds._count = timed  # type: ignore[method-assign]
+    try:
+        for _ in engine.generate(GenerationRequest(prompt_ids=prompt, sampling=params, spec=spec)):
+            pass
+    finally:
+        rounds_module.Rounds._count = count  # type: ignore[method-assign]
+    return out
+
+
+def replay_one(controller_class: type, accepted: dict[str, list[int]], times: dict[str, list[float]],
+               length: int, rng: random.Random) -> tuple[float, int]:
+    """One request under `controller_class`: its total ms and its tree rounds."""
+    controller = controller_class(max(BUDGETS))
+    i, total, trees, prev = 0, 0.0, 0, None
+    while i < length:
+        arm = controller.budget()
+        room = length - i
+        budget = max(0, min(arm, room - 1))
+        if budget and str(budget) not in accepted:  # a budget cut by the room: the nearest tree below
+            budget = max(b for b in BUDGETS if b <= budget)
+        emitted = min(room, accepted[str(budget)][i] if budget else 1)
+        kind = "start" if prev is None else ("plain" if prev == 0 else "tree")
+        pool = times.get(f"{budget}:{kind}") or [ms for k, v in times.items() if k.startswith(f"{budget}:") for ms in v]
+        ms = rng.choice(pool)
+        controller.record(arm if budget == arm else -1, emitted, ms)
+        total += ms
+        trees += budget > 0
+        i += emitted
+        prev = budget
+    return total, trees
+
+
+class FixedBudget:
+    """No controller: every round gets the full budget (SpecConfig.adaptive off)."""
+
+    def __init__(self, max_budget: int) -> None:
+        self.max_budget = max_budget
+
+    def budget(self) -> int:
+        return self.max_budget
+
+    def record(self, budget: int, tokens: int, ms: float) -> None:
+        pass
+
+
+def controller_class(rev: str) -> type:
+    """engine/spec_control.py's SpecController at git revision `rev`, the working tree's (`now`), that
+    of a file (a variant being tried), or none (`fixed`)."""
+    if rev == "now":
+        return spec_control.SpecController
+    if rev == "fixed":
+        return FixedBudget
+    name = f"spec_control_{len(sys.modules)}"
+    if rev.endswith(".py"):
+        spec = importlib.util.spec_from_file_location(name, rev)
+        assert spec is not None and spec.loader is not None
+        module: ModuleType = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up
+        spec.loader.exec_module(module)
+    else:
+        module = module_at(rev, "engine/spec_control.py", name)
+    return module.SpecController
+
+
+def replay(path: Path, revs: list[str], seeds: int) -> None:
+    data = json.loads(path.read_text())
+    classes = {rev: controller_class(rev) for rev in revs}
+    print(f"cells: tok/s vs plain decoding, median over {seeds} seeds (10th percentile), tree rounds a request")
+    header = ["request", "method"] + revs
+    print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+    for label, entry in data["requests"].items():
+        length, plain = entry["length"], entry["plain_ms"]
+        for method, m in entry["methods"].items():
+            cells = []
+            for cls in classes.values():
+                ratios, trees = [], []
+                for seed in range(seeds):
+                    rng = random.Random(seed)
+                    total, n = replay_one(cls, m["accepted"], m["ms"], length, rng)
+                    plain_total = sum(rng.choice(plain) for _ in range(length))
+                    ratios.append(plain_total / total)
+                    trees.append(n)
+                ratios.sort()
+                cells.append(f"{statistics.median(ratios):.3f}x ({ratios[len(ratios) // 10]:.3f}), "
+                             f"{statistics.mean(trees):.1f}")
+            print(f"| {label} | {method} | " + " | ".join(cells) + " |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    rec = sub.add_parser("record", help="measure acceptance and round times on the bundled target")
+    rec.add_argument("file", type=Path)
+    rec.add_argument("--methods", default="mtp,draft", help=f"of {', '.join(METHODS)}")
+    rec.add_argument("--kinds", default="code,chat", help="scripts/bench_spec.py prompt kinds (none: misses only)")
+    rec.add_argument("--lengths", default="64", help="random-id prompt lengths of the misses (\"\": none)")
+    rec.add_argument("--runs", type=int, default=4, help="requests of each kind timed per method and budget")
+    rec.add_argument("--tokens", type=int, default=96)
+    rep = sub.add_parser("replay", help="compare controllers over a recording")
+    rep.add_argument("file", type=Path)
+    rep.add_argument("--revs", default="now,HEAD",
+                     help="git revisions of engine/spec_control.py, `now` (the working tree's), "
+                     "`fixed` (the full budget every round) or files")
+    rep.add_argument("--seeds", type=int, default=200)
+    a = ap.parse_args()
+    if a.command == "record":
+        methods = [m for m in a.methods.split(",") if m]
+        if not methods or any(m not in METHODS for m in methods):
+            ap.error(f"--methods takes some of {', '.join(METHODS)}, got {a.methods!r}")
+        kinds = [k for k in a.kinds.split(",") if k and k != "none"]
+        record(a.file, methods, kinds, [int(n) for n in a.lengths.split(",") if n], a.runs, a.tokens)
+    else:
+        replay(a.file, [r for r in a.revs.split(",") if r], a.seeds)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""scripts/controller_sim.py's replay: a controller's rounds over a table of accepted tokens and
+round times, without the engine."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def sim():
+    sys.path.insert(0, str(REPO / "scripts"))
+    spec = importlib.util.spec_from_file_location("controller_sim", REPO / "scripts" / "controller_sim.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def table(length: int, tokens: dict[int, int]) -> dict[str, list[int]]:
+    return {str(b): [tokens[b]] * length for b in (1, 4, 16)}
+
+
+def times(plain_ms: float, tree_ms: float) -> dict[str, list[float]]:
+    kinds = ("start", "plain", "tree")
+    return {f"{b}:{kind}": [plain_ms if b == 0 else tree_ms] for b in (0, 1, 4, 16) for kind in kinds}
+
+
+def test_a_fixed_budget_replays_every_round_as_a_tree(sim):
+    # every tree emits 9 tokens (the last round's, cut by the room to 8 nodes, too): 9 rounds
+    total, trees = sim.replay_one(sim.FixedBudget, table(81, {1: 9, 4: 9, 16: 9}), times(10.0, 30.0), 81,
+                                  random.Random(0))
+    assert (total, trees) == (270.0, 9)
+
+
+def test_rounds_cut_by_the_room_left_take_the_tree_below(sim):
+    # 9 tokens, then room for 11: a 10-node tree, replayed as the 4-node one (5 tokens), then room
+    # for 6: again, then room for one token: a plain round
+    total, trees = sim.replay_one(sim.FixedBudget, table(20, {1: 2, 4: 5, 16: 9}), times(10.0, 30.0), 20,
+                                  random.Random(0))
+    assert (total, trees) == (100.0, 3)
+
+
+def test_the_controller_stops_drafting_where_every_guess_misses(sim):
+    # a plain round 10 ms, a tree 20 ms, one token whatever the budget
+    accepted = table(96, {1: 1, 4: 1, 16: 1})
+    fixed, _ = sim.replay_one(sim.FixedBudget, accepted, times(10.0, 20.0), 96, random.Random(0))
+    adaptive, trees = sim.replay_one(sim.controller_class("now"), accepted, times(10.0, 20.0), 96, random.Random(0))
+    assert fixed == 95 * 20.0 + 10.0  # the last round has room for the root alone
+    assert trees <= 6 and adaptive <= 96 * 10.0 * 1.07
