@@ -3,6 +3,7 @@
 its median time, beside plain decoding's rounds, on the bundled target.
 
     python scripts/controller_arms.py [--length 64] [--tokens 96] [--runs 6] [--methods ngram,mtp,dflash,draft]
+        [--against REV]
 
 Seeded sampling (temperature 1) after a prompt of random ids, as in scripts/bench_controller.py's
 misses; every method is run after plain decoding in each repetition (one warm-up first). Per method:
@@ -10,7 +11,9 @@ the decode tok/s ratio to the plain run beside it (median), and per arm (budget;
 budget the room left cut) the rounds a run, tokens a round, the median round in ms and the ms a run
 spent in that arm. A plain round of speculation costs what a plain round of plain decoding does
 only if the drafter's bookkeeping is free; the arms above 0 are the tries, and what they cost
-beyond the tokens they emit is the loss against plain decoding.
+beyond the tokens they emit is the loss against plain decoding. With --against, the controller
+(engine/spec_control.py and engine/round.py) at git revision REV runs beside the working tree's,
+interleaved in the same process: the arms each chose are less noisy than the two tok/s ratios.
 """
 
 from __future__ import annotations
@@ -30,9 +33,10 @@ from engine.blas import reexec_with_openblas  # noqa: E402
 if __name__ == "__main__":  # a BLAS preload works only from process start: before mlx is imported
     reexec_with_openblas(sys.orig_argv[1:])
 
-from bench_controller import METHODS  # noqa: E402
+from bench_controller import METHODS, controller_at  # noqa: E402
 
-import engine.spec_control as spec_control  # noqa: E402
+import engine.generate as generation  # noqa: E402
+import engine.round as current  # noqa: E402
 from engine.config import EngineConfig, SamplingParams, SpecConfig  # noqa: E402
 from engine.generate import BUNDLED, Engine  # noqa: E402
 from engine.types import GenerationRequest, Stats  # noqa: E402
@@ -41,20 +45,19 @@ Record = tuple[int, int, float]  # (budget, tokens, ms) of one round
 
 
 class ArmLog:
-    """Every SpecController.record call while installed (the controller's own inputs)."""
+    """Every record call of the given controller classes while installed (their own inputs)."""
 
     def __init__(self) -> None:
         self.rounds: list[Record] = []
-        self._record = spec_control.SpecController.record
 
-    def install(self) -> None:
-        log, record = self.rounds, self._record
+    def install(self, controller_class: type) -> None:
+        log, record = self.rounds, controller_class.record
 
-        def logged(controller: spec_control.SpecController, budget: int, tokens: int, ms: float) -> None:
+        def logged(controller: object, budget: int, tokens: int, ms: float) -> None:
             log.append((budget, tokens, ms))
             record(controller, budget, tokens, ms)
 
-        spec_control.SpecController.record = logged  # type: ignore[method-assign]
+        controller_class.record = logged  # type: ignore[attr-defined]
 
 
 def run(engine: Engine, prompt: list[int], params: SamplingParams, spec: SpecConfig) -> Stats:
@@ -83,27 +86,36 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--runs", type=int, default=6)
     ap.add_argument("--methods", default="ngram,mtp,dflash,draft", help=f"of {', '.join(METHODS)}")
+    ap.add_argument("--against", help="git revision of a second controller, run beside the working tree's")
     a = ap.parse_args()
     methods = [m for m in a.methods.split(",") if m]
     if not methods or any(m not in METHODS for m in methods):
         ap.error(f"--methods takes some of {', '.join(METHODS)}, got {a.methods!r}")
+    rounds_modules = {"now": current}
+    if a.against:
+        rounds_modules[a.against] = controller_at(a.against)
     engine = Engine(EngineConfig(model_path=str(BUNDLED / "target"), prefix_cache=False,
                                  max_context=max(a.length + a.tokens + 1, EngineConfig.max_context)))
     prompt = [int(t) for t in np.random.RandomState(a.length).randint(0, engine.vocab_size, size=a.length)]
     params = SamplingParams(max_tokens=a.tokens, ignore_eos=True, temperature=1.0, seed=0)
     log = ArmLog()
-    log.install()
+    for module in rounds_modules.values():
+        log.install(module.SpecController)
     plain: list[Stats] = []
-    results: dict[str, list[tuple[Stats, list[Record]]]] = {m: [] for m in methods}
+    keys = [m if len(rounds_modules) == 1 else f"{m}:{c}" for m in methods for c in rounds_modules]
+    results: dict[str, list[tuple[Stats, list[Record]]]] = {k: [] for k in keys}
     for r in range(a.runs + 1):  # the first repetition warms up
         stats = run(engine, prompt, params, SpecConfig())
         if r:
             plain.append(stats)
         for m in methods:
-            log.rounds.clear()
-            stats = run(engine, prompt, params, METHODS[m])
-            if r:
-                results[m].append((stats, list(log.rounds)))
+            for c, module in rounds_modules.items():
+                generation.Rounds = module.Rounds  # type: ignore[attr-defined]
+                log.rounds.clear()
+                stats = run(engine, prompt, params, METHODS[m])
+                if r:
+                    results[m if len(rounds_modules) == 1 else f"{m}:{c}"].append((stats, list(log.rounds)))
+        generation.Rounds = current.Rounds
     ms = statistics.median(s.verify_ms / s.forward_passes for s in plain)
     print(f"{a.length} random ids, {a.tokens} tokens sampled, {a.runs} runs; plain decoding: "
           f"{statistics.median(s.decode_tps for s in plain):.1f} tok/s, {ms:.1f} ms a round (its wait, median)")
