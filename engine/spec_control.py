@@ -16,7 +16,15 @@ inter-token gaps where guesses miss (BENCHMARKS.md, issue 17). So the controller
 smallest tree is tried first (its two tries a plain round apart), a bigger one only once the one
 below it accepts (a round emits at least CLIMB tokens), and the root alone after that; later
 re-tries go to a neighbour of the best arm only, and back off (twice as far apart each time) while
-they keep losing, further still where a losing try costs much (RETRY_SHARE).
+they keep losing, further still where a losing try costs much (RETRY_SHARE); a re-try upward that
+goes deep is followed at once by the tree above it (a re-climb: RECLIMB).
+
+One round is a noisy sample (a 5-node tree emits 1 to 5 tokens from one round to the next), and a
+few samples decide. So the averages weigh an arm's first rounds alike (a plain moving average kept
+four fifths of the first round after the second), and a tree is judged against plain rounds as if
+it had also had PRIOR rounds that accepted nothing: one lucky round does not make a losing tree the
+choice. scripts/controller_sim.py replays controllers over measured acceptance and round times, so
+that such changes are compared without the machine's noise.
 
 A cap on the stall (`max_stall`, off by default): a round's tokens reach a streaming client
 together, after the whole round, so a round that takes X plain rounds is a gap X times a plain
@@ -32,6 +40,12 @@ import math
 from dataclasses import dataclass, field
 
 DECAY = 0.8  # weight of the history in each arm's estimates (a few rounds of memory)
+# against plain rounds, a tree's tokens a round are read as if PRIOR rounds more had emitted one
+# token each (accepted nothing): where guesses miss, one lucky round (3 tokens of a 5-node tree)
+# would otherwise make the tree look faster than plain rounds for the several rounds it takes the
+# average to come back down. Trees are ranked among themselves without it: a tree tried twice
+# would lose to one run for many rounds, and it is re-tried only if it is a neighbour of the best
+PRIOR = 1.0
 # rounds of each arm before choosing; a tree whose first try accepts nothing is not tried again
 # (each try where guesses miss costs a slow round and, after it, the restart of pipelined rounds)
 TRIES = 2
@@ -59,24 +73,43 @@ MARGIN = 0.10
 # and one guess right in them (1.2 tokens a round or more in the estimate) is enough to climb.
 FIRST = 1
 CLIMB_FIRST = 1.2
+# a re-try of the tree above the best arm that emits this many tokens (or accepts its every guess:
+# the one-guess tree's 2) is followed at once by a try of the tree above it, and so on up: a
+# re-climb. Where plain rounds are best, re-tries go to the one-guess tree only, which seldom beats
+# plain rounds by itself (on the dev CPU 2 tokens in ~12.7 ms against 1 in ~7.1), so a text that
+# turned predictable after a miss-heavy start was decoded plain to its end (code3 of
+# scripts/bench_spec.py, MTP: 1.02 tokens per forward against 3.84 with every round a 17-node tree)
+RECLIMB = 3
 
 
 @dataclass
 class Arm:
     budget: int  # draft nodes besides the root; 0 = plain decoding
-    tokens: float = 0.0  # EWMA of tokens emitted per round
-    ms: float = 0.0  # EWMA of a round's wall time, drafting included
+    tokens: float = 0.0  # moving average of tokens emitted per round
+    ms: float = 0.0  # moving average of a round's wall time, drafting included
     last_ms: float = 0.0  # the last round's wall time
     rounds: int = 0
+    weight: float = 0.0  # the rounds behind the averages, each discounted by DECAY a round since
 
     @property
     def rate(self) -> float:
         return self.tokens / self.ms if self.ms > 0 else 0.0
 
+    @property
+    def cautious_rate(self) -> float:
+        """Tokens per ms with the tokens shrunk toward one a round by PRIOR rounds' worth: what a
+        tree is judged by against plain rounds."""
+        if self.ms <= 0:
+            return 0.0
+        return (self.tokens * self.weight + PRIOR) / (self.weight + PRIOR) / self.ms
+
     def record(self, tokens: int, ms: float) -> None:
-        w = DECAY if self.rounds else 0.0
-        self.tokens = w * self.tokens + (1 - w) * tokens
-        self.ms = w * self.ms + (1 - w) * ms
+        # averages weighted DECAY^age, divided by their total weight: the first rounds weigh
+        # alike (a plain EWMA would keep 0.8 of the first round after the second), later ones
+        # converge to an EWMA of 1 - DECAY
+        self.weight = DECAY * self.weight + 1.0
+        self.tokens += (tokens - self.tokens) / self.weight
+        self.ms += (ms - self.ms) / self.weight
         self.last_ms = ms
         self.rounds += 1
 
@@ -93,6 +126,7 @@ class SpecController:
     next_revisit: int = 0  # the round of the next re-try (0: climbing, none scheduled yet)
     revisit_side: int = 1  # +1: the neighbour above the best arm, -1: below (alternating)
     last: int = 0  # the budget of the last round recorded (0 before the first)
+    reclimb: int = 0  # the budget of a re-climb's next try (0: none under way)
 
     def __post_init__(self) -> None:
         budgets = {0, min(FIRST, self.max_budget), self.max_budget}
@@ -138,15 +172,19 @@ class SpecController:
         return self.arms[0] if self.arms[0].rounds < TRIES else None
 
     def best(self) -> Arm:
-        """The smallest tried arm within MARGIN of the fastest. A tree that emits no more than the
-        root alone (it accepts nothing) is not a candidate once the root was tried: it costs more
-        for the same tokens, and only a slow outlier among the root's rounds could make it look
-        faster (one did in a test, and trees stayed on until the next re-try)."""
-        tried = [a for a in self.arms if a.rounds and self._allowed(a)]
-        if self.arms[0].rounds:
-            tried = [a for a in tried if a.budget == 0 or a.tokens > 1.0]
-        top = max(a.rate for a in tried)
-        return min((a for a in tried if a.rate >= top * (1 - MARGIN)), key=lambda a: a.budget)
+        """Plain rounds, unless a tree's cautious rate beats theirs by more than MARGIN; then the
+        smallest tried tree within MARGIN of the fastest. A tree that emits no more than the root
+        alone (it accepts nothing) is not a candidate once the root was tried: it costs more for
+        the same tokens, and only a slow outlier among the root's rounds could make it look faster
+        (one did in a test, and trees stayed on until the next re-try)."""
+        plain = self.arms[0]
+        trees = [a for a in self.arms[1:] if a.rounds and self._allowed(a)]
+        if plain.rounds:
+            trees = [a for a in trees if a.tokens > 1.0]
+            if not trees or plain.rate >= max(a.cautious_rate for a in trees) * (1 - MARGIN):
+                return plain
+        top = max(a.rate for a in trees)
+        return min((a for a in trees if a.rate >= top * (1 - MARGIN)), key=lambda a: a.budget)
 
     def _due(self) -> bool:
         """Whether this round re-tries a neighbour (scheduled once the climb is over)."""
@@ -162,8 +200,18 @@ class SpecController:
             if climbing.budget == FIRST and climbing.rounds and self.last != 0:
                 return 0
             return climbing.budget
+        if self.reclimb:
+            return self.reclimb
         best = self.best()
         return self._neighbour(best).budget if self._due() else best.budget
+
+    def _above(self, arm: Arm, tokens: int) -> int:
+        """The budget a re-climb tries after a round of `arm` that emitted `tokens`: the tree above
+        it, where the round went deep enough (RECLIMB) and the stall cap allows it; else 0."""
+        i = self.arms.index(arm)
+        if tokens < min(1 + arm.budget, RECLIMB) or i + 1 == len(self.arms) or not self._allowed(self.arms[i + 1]):
+            return 0
+        return self.arms[i + 1].budget
 
     def _neighbour(self, best: Arm) -> Arm:
         """The arm to re-try beside `best`: this time's side, else the other one, else `best`
@@ -184,11 +232,18 @@ class SpecController:
         if arm is None:  # a budget cut by the room left is no arm's measurement
             return
         arm.record(tokens, ms)
-        if best_before is not None and arm is not best_before:  # a re-try was recorded
+        if self.reclimb and budget == self.reclimb:  # a re-climb's try: up again while it goes deep
+            self.reclimb = self._above(arm, tokens)
+            if self.best() is arm:  # it changed the choice: re-tries from there at the first spacing
+                self.interval = REVISIT
+                self.next_revisit = self.rounds + REVISIT
+        elif best_before is not None and arm is not best_before:  # a re-try was recorded
             self.revisit_side = -self.revisit_side
             # a re-try that changed the choice resets the spacing; one that lost widens it
             self.interval = REVISIT if self.best() is not best_before else min(2 * self.interval, MAX_REVISIT)
             self.next_revisit = self.rounds + self._spacing()
+            if arm.budget > best_before.budget:
+                self.reclimb = self._above(arm, tokens)
         elif not self.next_revisit and self._climbing() is None:  # the climb just ended
             self.next_revisit = self.rounds + self._spacing()
 
