@@ -137,6 +137,7 @@ class Rounds:
         self.start_late = START_LATE_ON_CPU and drafts and mx.default_device() == mx.cpu
         self._last_landed = 0.0
         self._ahead_ms = 0.0  # spent since the last landing queueing the round after the one landing next
+        self.last_round_ms = 0.0  # the last landed round's time as the controller is handed it
 
     def launch(self, room: int) -> InFlight:
         """Draft a tree of at most `room` emitted tokens from the last token and queue its verify."""
@@ -312,7 +313,8 @@ class Rounds:
         # queueing to this one made the first plain round after a tree look twice as slow as it is
         # (on the CPU, queueing runs most of the compute): the controller then kept 1-node rounds
         # that asked for drafts the drafter did not have, which cannot be pipelined
-        round_ms = (end - max(flight.t_start, self._last_landed)) * 1e3 - self._ahead_ms + flight.ahead_ms
+        round_ms = self.last_round_ms = \
+            (end - max(flight.t_start, self._last_landed)) * 1e3 - self._ahead_ms + flight.ahead_ms
         self._last_landed = end
         self._ahead_ms = 0.0
         if self.controller is not None:

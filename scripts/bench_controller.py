@@ -61,6 +61,11 @@ def module_at(rev: str, path: str, name: str) -> ModuleType:
                             capture_output=True, text=True).stdout
     file = Path(tempfile.mkdtemp()) / f"{name}.py"
     file.write_text(source)
+    return module_from_file(file, name)
+
+
+def module_from_file(file: Path, name: str) -> ModuleType:
+    """The Python file `file`, loaded as its own module `name`."""
     spec = importlib.util.spec_from_file_location(name, file)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -29,13 +29,11 @@ modelled), and a round's time does not depend on how many tokens it accepted.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import random
 import statistics
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 
@@ -48,7 +46,7 @@ from engine.blas import reexec_with_openblas  # noqa: E402
 if __name__ == "__main__" and sys.argv[1:2] == ["record"]:  # a BLAS preload works only from process start
     reexec_with_openblas(sys.orig_argv[1:])
 
-from bench_controller import METHODS, module_at  # noqa: E402
+from bench_controller import METHODS, module_at, module_from_file  # noqa: E402
 
 import engine.spec_control as spec_control  # noqa: E402
 
@@ -134,10 +132,9 @@ def timed_rounds(engine, prompt, params, spec) -> list[tuple[int, int, float]]: 
     count = rounds_module.Rounds._count
 
     def timed(self, flight, accepted, emitted, t2, t3) -> None:  # noqa: ANN001
-        before, ahead = self._last_landed, self._ahead_ms
         count(self, flight, accepted, emitted, t2, t3)
         budget = flight.arm if self.controller is not None and flight.arm >= 0 else flight.tree.size - 1
-        out.append((budget, emitted, (self._last_landed - max(flight.t_start, before)) * 1e3 - ahead + flight.ahead_ms))
+        out.append((budget, emitted, self.last_round_ms))
 
     rounds_module.Rounds._count = timed  # type: ignore[method-assign]
     try:
@@ -192,14 +189,8 @@ def controller_class(rev: str) -> type:
     if rev == "fixed":
         return FixedBudget
     name = f"spec_control_{len(sys.modules)}"
-    if rev.endswith(".py"):
-        spec = importlib.util.spec_from_file_location(name, rev)
-        assert spec is not None and spec.loader is not None
-        module: ModuleType = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses look their module up
-        spec.loader.exec_module(module)
-    else:
-        module = module_at(rev, "engine/spec_control.py", name)
+    module = module_from_file(Path(rev), name) if rev.endswith(".py") else \
+        module_at(rev, "engine/spec_control.py", name)
     return module.SpecController
 
 
