@@ -13,11 +13,18 @@ Trying costs more than the try itself. A tree round ends the pipelining of plain
 round after it cannot be queued before it lands), and a big tree's verify is a stall a streaming
 client sees: measured on the dev CPU, a 17-node round and the restart after it were the p99
 inter-token gaps where guesses miss (BENCHMARKS.md, issue 17). So the controller climbs: the
-smallest tree is tried first (its two tries a plain round apart), a bigger one only once the one
-below it accepts (a round emits at least CLIMB tokens), and the root alone after that; later
-re-tries go to a neighbour of the best arm only, and back off (twice as far apart each time) while
-they keep losing, further still where a losing try costs much (RETRY_SHARE); a re-try upward that
-goes deep is followed at once by the tree above it (a re-climb: RECLIMB).
+smallest tree is tried first (its two tries a plain round apart), and the root alone; a bigger tree
+is tried once what the smaller ones accept predicts it is the fastest (SHARE, GROW), and gets a
+second round where its first accepted a guess; later re-tries go to a neighbour of the best arm
+only, and back off (twice as far apart each time) while they keep losing, further still where a
+losing try costs much (RETRY_SHARE); a re-try upward that goes deep is followed at once by the tree
+above it (a re-climb: RECLIMB).
+
+The cheapest evidence is none at all: a drafter with hindsight (engine/drafters/base.py; the
+n-gram drafter, whose lookup costs microseconds) tells after each plain round whether its one-guess
+tree would have been accepted there, and that is counted as the one-guess tree's tokens
+(`observe`). Where guesses turn right during plain rounds, the trees' predictions rise with it and
+a tree is tried without waiting for a re-try; where they keep missing, nothing is spent to learn it.
 
 One round is a noisy sample (a 5-node tree emits 1 to 5 tokens from one round to the next), and a
 few samples decide. So the averages weigh an arm's first rounds alike (a plain moving average kept
@@ -59,9 +66,6 @@ MAX_REVISIT = 128  # re-tries that keep losing back off up to this many rounds a
 # rounds: with REVISIT alone its re-tries cost 1-2 % of the time where guesses miss, the margin
 # issue 17's 0.95x of plain decoding is decided by.
 RETRY_SHARE = 0.02
-# tokens a round of the arm below must emit on average before a bigger tree is worth a try: where
-# the small tree accepts nothing, a bigger one from the same guesses rarely does
-CLIMB = 1.5
 # a bigger tree must beat a smaller one by this share of tokens per ms to be kept: round times on a
 # busy machine jitter by about that much, and where every arm emits the same tokens (all guesses
 # miss) only the jitter would otherwise decide, keeping trees that draft for nothing
@@ -69,10 +73,23 @@ MARGIN = 0.10
 # the smallest tree: the root and one guess. Climbing starts there and re-tries of a losing
 # drafter go there, so a try where guesses miss costs a plain step and one row more (on the dev
 # CPU ~0.9 ms a row against ~11.5 ms a step), not a 5-node tree's four rows; a try is not
-# pipelined, so its gap is a streaming client's tail. Being cheap, it always gets both its tries,
-# and one guess right in them (1.2 tokens a round or more in the estimate) is enough to climb.
+# pipelined, so its gap is a streaming client's tail. Being cheap, it always gets both its tries.
 FIRST = 1
-CLIMB_FIRST = 1.2
+# what a smaller tree's rounds say of a bigger one's: a tree of b draft nodes emits, beyond the
+# root's token, about ln(1 + b) / ln(1 + b') times what one of b' nodes does. Measured on the
+# bundled target (scripts/controller_sim.py's first recording, 20 drafter x prompt pairs, misses
+# and hits): 1 -> 4 nodes 1.9-3.3x (the model: 2.3x), 4 -> 16 nodes 1.2-1.9x (1.8x). Each tree's
+# estimate is its own rounds' average with the model's prediction from the smaller trees counted as
+# SHARE rounds more, fading as its own rounds come in (SHARE / (1 + rounds)): an untried tree is
+# tried when the smaller ones predict it is the fastest, a tree whose first round was unlucky is not
+# judged on that round alone where the smaller ones accept, and its own rounds soon outweigh the
+# model, which is a rough one (a strong drafter's big trees accept more than it predicts). Only
+# upward: the small trees are the cheap ones to measure, and a big tree's rounds would inflate them.
+SHARE = 2.0
+# an untried tree's round time, predicted from the biggest tried tree below it: GROW times it for
+# each fourfold of nodes (measured 1.0-1.35x from one guess to four and from four to sixteen; the
+# restart after a tree, the bulk of a small tree's time on the CPU, does not grow with it)
+GROW = 1.3
 # a re-try of the tree above the best arm that emits this many tokens (or accepts its every guess:
 # the one-guess tree's 2) is followed at once by a try of the tree above it, and so on up: a
 # re-climb. Where plain rounds are best, re-tries go to the one-guess tree only, which seldom beats
@@ -94,14 +111,6 @@ class Arm:
     @property
     def rate(self) -> float:
         return self.tokens / self.ms if self.ms > 0 else 0.0
-
-    @property
-    def cautious_rate(self) -> float:
-        """Tokens per ms with the tokens shrunk toward one a round by PRIOR rounds' worth: what a
-        tree is judged by against plain rounds."""
-        if self.ms <= 0:
-            return 0.0
-        return (self.tokens * self.weight + PRIOR) / (self.weight + PRIOR) / self.ms
 
     def record(self, tokens: int, ms: float) -> None:
         # averages weighted DECAY^age, divided by their total weight: the first rounds weigh
@@ -136,6 +145,43 @@ class SpecController:
             b *= 4
         self.arms = [Arm(b) for b in sorted(budgets)]
 
+    def tokens(self, arm: Arm) -> tuple[float, float]:
+        """A tree's tokens a round and the weight behind it: its own rounds' average, with what
+        the smaller trees' rounds predict of it (the ln(1 + budget) model, weighted by their
+        weights) counted as up to SHARE / (1 + its rounds) rounds more."""
+        scale = math.log1p(arm.budget)
+        predicted, weight = 0.0, 0.0
+        for other in self.arms[1:]:
+            if other.budget < arm.budget and other.rounds:
+                predicted += (1.0 + (other.tokens - 1.0) * scale / math.log1p(other.budget)) * other.weight
+                weight += other.weight
+        if weight == 0.0:
+            return arm.tokens, arm.weight
+        share = min(weight, SHARE / (1 + arm.rounds))
+        return (arm.tokens * arm.weight + predicted / weight * share) / (arm.weight + share), arm.weight + share
+
+    def ms(self, arm: Arm) -> float:
+        """A round's time: measured, else predicted from the biggest tried tree below (GROW); 0
+        where neither is known."""
+        if arm.rounds:
+            return arm.ms
+        below = [a for a in self.arms[1:] if a.rounds and a.budget < arm.budget]
+        if not below:
+            return 0.0
+        return below[-1].ms * GROW ** math.log(arm.budget / below[-1].budget, 4)
+
+    def rate(self, arm: Arm, cautious: bool = False) -> float:
+        """A tree's tokens per ms (`cautious`: with its tokens shrunk toward one a round by PRIOR
+        rounds' worth, as it is judged against plain rounds; an untried tree is not shrunk: it
+        is judged on the others' rounds, and its try is how it is measured)."""
+        ms = self.ms(arm)
+        if ms <= 0:
+            return 0.0
+        tokens, weight = self.tokens(arm)
+        if cautious and arm.rounds:
+            tokens = (tokens * weight + PRIOR) / (weight + PRIOR)
+        return tokens / ms
+
     def _allowed(self, arm: Arm) -> bool:
         """Whether `arm`'s rounds stay within max_stall plain rounds: measured where it ran, else
         predicted from the per-node cost of the biggest tree measured below it. Before a plain
@@ -157,34 +203,34 @@ class SpecController:
         return plain.ms + per_node * arm.budget <= limit
 
     def _climbing(self) -> Arm | None:
-        """The arm still owed its tries: the smallest tree first, each bigger one only while the
-        one below accepts (and the stall cap allows it), then the root alone. A tree bigger than
-        one guess that accepted nothing on its first try is owed no second one."""
-        for arm in self.arms[1:]:
-            # the smallest tree gets both its tries whatever the first cost (one slow round, e.g.
-            # the first of a request, must not rule speculation out); a bigger one is judged on one
-            if not self._allowed(arm) and not (arm.budget == FIRST and arm.rounds < TRIES):
-                break
-            if arm.rounds < TRIES and not (arm.rounds and arm.tokens <= 1.0 and arm.budget != FIRST):
+        """The arm still owed its tries: the smallest tree (both tries, whatever the first cost:
+        one slow round, e.g. the first of a request, must not rule speculation out), a bigger tree
+        whose first try accepted a guess, then the root alone. A bigger tree's first try comes when
+        the smaller ones predict it is the fastest (`best`)."""
+        first = self.arms[1]
+        if first.rounds < TRIES:
+            return first
+        for arm in self.arms[2:]:  # a bigger tree's try goes on to its second round where it accepted
+            if 0 < arm.rounds < TRIES and arm.tokens > 1.0 and self._allowed(arm):
                 return arm
-            if arm.tokens < (CLIMB_FIRST if arm.budget == FIRST else CLIMB):
-                break
         return self.arms[0] if self.arms[0].rounds < TRIES else None
 
     def best(self) -> Arm:
         """Plain rounds, unless a tree's cautious rate beats theirs by more than MARGIN; then the
-        smallest tried tree within MARGIN of the fastest. A tree that emits no more than the root
-        alone (it accepts nothing) is not a candidate once the root was tried: it costs more for
-        the same tokens, and only a slow outlier among the root's rounds could make it look faster
-        (one did in a test, and trees stayed on until the next re-try)."""
+        smallest of those trees within MARGIN of the fastest. Trees whose time is neither measured
+        nor predictable are not candidates, nor, once the root was tried, is a tree whose own rounds
+        emit no more than the root alone (it accepts nothing, whatever the smaller trees predict):
+        it costs more for the same tokens, and only a slow outlier among the root's rounds could
+        make it look faster (one did in a test, and trees stayed on until the next re-try)."""
         plain = self.arms[0]
-        trees = [a for a in self.arms[1:] if a.rounds and self._allowed(a)]
+        trees = [a for a in self.arms[1:] if self.ms(a) > 0 and self._allowed(a)]
         if plain.rounds:
-            trees = [a for a in trees if a.tokens > 1.0]
-            if not trees or plain.rate >= max(a.cautious_rate for a in trees) * (1 - MARGIN):
-                return plain
-        top = max(a.rate for a in trees)
-        return min((a for a in trees if a.rate >= top * (1 - MARGIN)), key=lambda a: a.budget)
+            trees = [a for a in trees if (a.tokens if a.rounds else self.tokens(a)[0]) > 1.0
+                     and self.rate(a, cautious=True) * (1 - MARGIN) > plain.rate]
+        if not trees:
+            return plain
+        top = max(self.rate(a) for a in trees)
+        return min((a for a in trees if self.rate(a) >= top * (1 - MARGIN)), key=lambda a: a.budget)
 
     def _due(self) -> bool:
         """Whether this round re-tries a neighbour (scheduled once the climb is over)."""
@@ -222,6 +268,19 @@ class SpecController:
             if 0 <= j < len(self.arms) and self._allowed(self.arms[j]):
                 return self.arms[j]
         return best
+
+    def observe(self, hits: int, checked: int) -> None:
+        """Hindsight from the drafter (engine/drafters/base.py `Hindsight`): of `checked` rounds
+        without a tree, the one-guess tree would have emitted two tokens in `hits`. Counted as
+        rounds of that tree's tokens (not of its time), once it has a measured time: a drafter whose
+        guesses turn right during plain rounds makes the trees' predictions climb without a re-try."""
+        first = self.arms[1]
+        if not first.rounds:
+            return
+        tokens = 1.0 + hits / checked if checked else 0.0  # the count comes without an order
+        for _ in range(checked):
+            first.weight = DECAY * first.weight + 1.0
+            first.tokens += (tokens - first.tokens) / first.weight
 
     def record(self, budget: int, tokens: int, ms: float) -> None:
         """A round ran with `budget` (the arm it was given), emitted `tokens` in `ms`."""
