@@ -30,7 +30,7 @@ from engine import blas, device_sampler, forward, sampler
 from engine.cache import LayerCache
 from engine.config import SamplingParams, SpecConfig
 from engine.device_penalties import DevicePenalties
-from engine.drafters.base import Drafter, GuessesAhead, NoDrafter, Skips, skips
+from engine.drafters.base import Drafter, GuessesAhead, Hindsight, NoDrafter, Skips, skips
 from engine.logits_extras import token_logprobs
 from engine.models.base import CausalLM
 from engine.sampler import TokenConstraint
@@ -319,3 +319,5 @@ class Rounds:
         self._ahead_ms = 0.0
         if self.controller is not None:
             self.controller.record(flight.arm, emitted, round_ms)
+            if isinstance(self.drafter, Hindsight):  # what its guesses would have done in plain rounds
+                self.controller.observe(*self.drafter.hindsight())

@@ -53,6 +53,19 @@ class GuessesAhead(Protocol):
 
 
 @runtime_checkable
+class Hindsight(Protocol):
+    """A drafter that can tell, for free, what its guesses would have done in rounds it was told
+    with `skip`: the tree-size controller learns from it whether guesses hit while it decodes
+    without trees, instead of from re-tries that cost a round each where they miss."""
+
+    def hindsight(self) -> tuple[int, int]:
+        """Of the rounds told with `skip` since the last call: in how many the one-guess tree would
+        have gained a token (its guess was the token the round emitted), and how many were checked.
+        Resets the count."""
+        ...
+
+
+@runtime_checkable
 class ReadsTarget(Protocol):
     """A drafter fed by the target's hidden states (DFlash, MTP). Before `begin`, the engine hands
     it the target's FeatureCache of the generation, whose taps cover `taps`."""

@@ -19,11 +19,13 @@ class NgramDrafter:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram, self.min_ngram, self.max_sites = max_ngram, min_ngram, max_sites
         self.ctx: list[int] = []
+        self.hits = self.checked = 0  # hindsight of skipped rounds, since the last hindsight()
         # n -> n-gram -> end positions of its occurrences in ctx (ascending)
         self.index: dict[int, dict[tuple[int, ...], list[int]]] = {}
 
     def begin(self, prompt_ids: list[int]) -> None:
         self.ctx = []
+        self.hits = self.checked = 0
         self.index = {n: defaultdict(list) for n in range(self.min_ngram, self.max_ngram + 1)}
         for t in prompt_ids:
             self._append(t)
@@ -33,7 +35,17 @@ class NgramDrafter:
             self._append(t)
 
     def skip(self, root: int, emitted: list[int]) -> None:
+        # a dictionary lookup or four: whether the one-guess tree would have been right, for free
+        if emitted:
+            guess = self.continuations(1)
+            self.checked += 1
+            self.hits += bool(guess) and guess[0][0] == emitted[0]
         self.observe(emitted)  # the index is the context: nothing to gain by waiting
+
+    def hindsight(self) -> tuple[int, int]:
+        out = (self.hits, self.checked)
+        self.hits = self.checked = 0
+        return out
 
     def _append(self, token: int) -> None:
         self.ctx.append(token)

@@ -47,6 +47,55 @@ def test_ngram_builds_branches():
     assert d.ctx[-2:] == [4, 7]
 
 
+def test_ngram_hindsight_is_whether_the_one_guess_tree_would_have_gained():
+    # a twin drafter proposes the one-guess tree before each round; the other is told the round
+    # with skip: its hindsight counts the rounds where that tree's guess was the emitted token
+    rng = np.random.RandomState(0)
+    told, twin = NgramDrafter(), NgramDrafter()
+    context = [int(t) for t in rng.randint(0, 6, size=30)]  # six ids: guesses hit often
+    told.begin(context)
+    twin.begin(context)
+    expected = 0
+    for _ in range(200):
+        root = twin.ctx[-1]
+        tree = twin.propose(root, budget=1, max_depth=6)
+        token = int(rng.randint(0, 6))
+        expected += tree.size == 2 and tree.tokens[1] == token
+        twin.observe([token])
+        told.skip(root, [token])
+    assert 0 < expected < 200
+    assert told.hindsight() == (expected, 200)
+    assert told.hindsight() == (0, 0)  # counted since the last call
+    told.skip(told.ctx[-1], [1])
+    told.begin(context)  # a new generation starts the count again
+    assert told.hindsight() == (0, 0)
+
+
+def test_the_controller_is_told_the_hindsight_of_every_plain_round(engine, monkeypatch):
+    import engine.round as rounds
+
+    seen, plain = [], []
+    real_observe, real_record = rounds.SpecController.observe, rounds.SpecController.record
+
+    def observe(self, hits, checked):
+        seen.append((hits, checked))
+        real_observe(self, hits, checked)
+
+    def record(self, budget, tokens, ms):
+        plain.append(budget == 0)
+        real_record(self, budget, tokens, ms)
+
+    monkeypatch.setattr(rounds.SpecController, "observe", observe)
+    monkeypatch.setattr(rounds.SpecController, "record", record)
+    prompt = [int(t) for t in np.random.RandomState(5).randint(0, 500, size=24)]  # guesses miss: plain rounds
+    sampling = SamplingParams(max_tokens=40, temperature=1.0, seed=3, ignore_eos=True)
+    out = generate(engine, prompt, sampling, SpecConfig(method="ngram"))
+    assert out.tokens == generate(engine, prompt, sampling).tokens
+    assert sum(plain) >= 10
+    # one check a plain round, handed over as it lands
+    assert sum(checked for _, checked in seen) == sum(plain)
+
+
 @pytest.fixture(scope="module")
 def small_draft(tmp_path_factory):
     """An unrelated 2-layer hybrid model with the same tokenizer."""
