@@ -19,8 +19,11 @@ the same measurements:
   controller and from fixed budgets; plain decoding's own rounds are the denominator.
 - `replay`: each controller (engine/spec_control.py at a git revision, or `now`, the working tree's)
   decides every round's budget; the round emits the recorded tokens for that budget and position and
-  takes a time drawn from the recorded ones for its budget and the kind of round before it. Over many
-  seeds: tok/s as a ratio to plain decoding's (medians, 10th percentile) and the tree rounds a request.
+  takes a time drawn from the recorded ones for its budget and the kind of round before it. Where the
+  method's drafter has hindsight (engine/drafters/base.py `Hindsight`), a controller that takes it
+  (`observe`) is told after each plain round whether the one-guess tree would have been accepted
+  there (the recorded one-guess tokens at that position). Over many seeds: tok/s as a ratio to plain
+  decoding's (medians, 10th percentile) and the tree rounds a request.
 
 What the replay leaves out: times are drawn independently (a busy stretch of the machine is not
 modelled), and a round's time does not depend on how many tokens it accepted.
@@ -51,6 +54,7 @@ from bench_controller import METHODS, module_at, module_from_file  # noqa: E402
 import engine.spec_control as spec_control  # noqa: E402
 
 BUDGETS = (1, 4, 16)  # the controller's trees at the default budget (16): SpecController(16).arms
+FIRST = BUDGETS[0]  # the one-guess tree, whose tokens are the hindsight of a plain round
 
 
 def record(path: Path, methods: list[str], kinds: list[str], lengths: list[int], runs: int, tokens: int) -> None:
@@ -145,10 +149,20 @@ def timed_rounds(engine, prompt, params, spec) -> list[tuple[int, int, float]]: 
     return out
 
 
+def hindsight(method: str) -> bool:
+    """Whether the drafter of one of METHODS tells what its guesses would have done in plain rounds."""
+    from engine.drafters import DRAFTER_TYPES
+    from engine.drafters.base import Hindsight
+
+    return issubclass(DRAFTER_TYPES[METHODS[method].method], Hindsight)
+
+
 def replay_one(controller_class: type, accepted: dict[str, list[int]], times: dict[str, list[float]],
-               length: int, rng: random.Random) -> tuple[float, int]:
-    """One request under `controller_class`: its total ms and its tree rounds."""
+               length: int, rng: random.Random, hindsight: bool = False) -> tuple[float, int]:
+    """One request under `controller_class`: its total ms and its tree rounds. `hindsight`: the
+    controller is told after each plain round what the one-guess tree would have emitted there."""
     controller = controller_class(max(BUDGETS))
+    observe = getattr(controller, "observe", None) if hindsight else None
     i, total, trees, prev = 0, 0.0, 0, None
     while i < length:
         arm = controller.budget()
@@ -161,6 +175,8 @@ def replay_one(controller_class: type, accepted: dict[str, list[int]], times: di
         pool = times.get(f"{budget}:{kind}") or [ms for k, v in times.items() if k.startswith(f"{budget}:") for ms in v]
         ms = rng.choice(pool)
         controller.record(arm if budget == arm else -1, emitted, ms)
+        if observe is not None and budget == 0:
+            observe(int(accepted[str(FIRST)][i] >= 2), 1)
         total += ms
         trees += budget > 0
         i += emitted
@@ -208,7 +224,7 @@ def replay(path: Path, revs: list[str], seeds: int) -> None:
                 ratios, trees = [], []
                 for seed in range(seeds):
                     rng = random.Random(seed)
-                    total, n = replay_one(cls, m["accepted"], m["ms"], length, rng)
+                    total, n = replay_one(cls, m["accepted"], m["ms"], length, rng, hindsight(method))
                     plain_total = sum(rng.choice(plain) for _ in range(length))
                     ratios.append(plain_total / total)
                     trees.append(n)

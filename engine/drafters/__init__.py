@@ -12,6 +12,10 @@ from engine.drafters.mtp import MTPDrafter
 from engine.drafters.ngram import NgramDrafter
 
 BUILDERS: dict[str, TreeBuilder] = {"chain": marginals.chain, "ddtree": marginals.ddtree}
+# the class make_drafter builds for each spec method: what a tool may ask of a method's drafter
+# (e.g. whether it has hindsight) without loading a model
+DRAFTER_TYPES: dict[str, type] = {"none": NoDrafter, "ngram": NgramDrafter, "draft": DraftChainDrafter,
+                                  "draft-tree": DraftTreeDrafter, "dflash": DFlashDrafter, "mtp": MTPDrafter}
 
 
 def make_drafter(engine, spec: SpecConfig) -> Drafter:

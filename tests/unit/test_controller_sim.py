@@ -54,3 +54,30 @@ def test_the_controller_stops_drafting_where_every_guess_misses(sim):
     adaptive, trees = sim.replay_one(sim.controller_class("now"), accepted, times(10.0, 20.0), 96, random.Random(0))
     assert fixed == 95 * 20.0 + 10.0  # the last round has room for the root alone
     assert trees <= 6 and adaptive <= 96 * 10.0 * 1.07
+
+
+def test_hindsight_is_replayed_for_the_drafters_that_have_it(sim):
+    assert sim.hindsight("ngram") and not sim.hindsight("mtp") and not sim.hindsight("draft")
+
+    class PlainWithHindsight:
+        seen: list[tuple[int, int]] = []
+
+        def __init__(self, max_budget: int) -> None:
+            pass
+
+        def budget(self) -> int:
+            return 0
+
+        def record(self, budget: int, tokens: int, ms: float) -> None:
+            pass
+
+        def observe(self, hits: int, checked: int) -> None:
+            self.seen.append((hits, checked))
+
+    accepted = table(6, {1: 2, 4: 3, 16: 5})
+    accepted["1"][2] = 1  # the one guess would have missed at the third position
+    sim.replay_one(PlainWithHindsight, accepted, times(10.0, 20.0), 6, random.Random(0), hindsight=True)
+    assert PlainWithHindsight.seen == [(1, 1), (1, 1), (0, 1), (1, 1), (1, 1), (1, 1)]
+    PlainWithHindsight.seen.clear()
+    sim.replay_one(PlainWithHindsight, accepted, times(10.0, 20.0), 6, random.Random(0))
+    assert PlainWithHindsight.seen == []
