@@ -275,12 +275,23 @@ class SpecController:
         rounds of that tree's tokens (not of its time), once it has a measured time: a drafter whose
         guesses turn right during plain rounds makes the trees' predictions climb without a re-try."""
         first = self.arms[1]
-        if not first.rounds:
+        if not first.rounds or not checked:
             return
-        tokens = 1.0 + hits / checked if checked else 0.0  # the count comes without an order
+        before = self.best() if self._climbing() is None else None
+        tokens = 1.0 + hits / checked  # the count comes without an order
         for _ in range(checked):
             first.weight = DECAY * first.weight + 1.0
             first.tokens += (tokens - first.tokens) / first.weight
+        after = self.best()
+        if before is not None and after is not before:
+            # the choice changed: re-tries from there at the first spacing (those that lost before
+            # spaced them out for the text they lost on), and, as after a re-try that went deep,
+            # the tree above is tried at once: the bigger trees' own rounds may date from the text
+            # the guesses missed on
+            self.interval = REVISIT
+            self.next_revisit = self.rounds + REVISIT
+            if after.budget > before.budget:
+                self.reclimb = self._above(after, after.budget + 1)
 
     def record(self, budget: int, tokens: int, ms: float) -> None:
         """A round ran with `budget` (the arm it was given), emitted `tokens` in `ms`."""

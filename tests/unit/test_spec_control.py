@@ -316,3 +316,25 @@ def test_an_untried_tree_is_predicted_from_the_smaller_ones():
         c.record(16, 12, 20.0)
     assert c.tokens(sixteen)[0] > 11.0
     assert c.tokens(c.arms[1])[0] == pytest.approx(2.0)
+
+
+def test_hindsight_climbs_past_trees_whose_rounds_date_from_the_misses():
+    # n-gram on a code edit (scripts/controller_sim.py's third recording): the bigger trees were
+    # tried where guesses missed (one token each), plain rounds followed; then the text turns
+    # predictable and the hindsight says so. The one-guess tree becomes the choice, and the trees
+    # above it are tried at once, not after the re-tries' backed-off spacing: their rounds from
+    # the misses would otherwise keep them out
+    c = SpecController(16)
+    firsts = iter([2, 2])
+    early = drive(c, lambda b: (next(firsts, 1), 8.5) if b == FIRST else (1, 6.5 if b == 0 else 11.0 + 0.5 * b), 40)
+    assert 4 in early and 16 in early and early[-10:] == [0] * 10
+    hit = {0: (1, 6.5), 1: (2, 8.5), 4: (5, 11.5), 16: (9, 18.0)}
+    chosen = []
+    for _ in range(30):
+        b = c.budget()
+        chosen.append(b)
+        c.record(b, *hit[b])
+        if b == 0:
+            c.observe(1, 1)
+    assert chosen[:4] == [0, 0, 4, 16]
+    assert sum(b >= 4 for b in chosen[-20:]) >= 18
