@@ -30,8 +30,10 @@ One round is a noisy sample (a 5-node tree emits 1 to 5 tokens from one round to
 few samples decide. So the averages weigh an arm's first rounds alike (a plain moving average kept
 four fifths of the first round after the second), and a tree is judged against plain rounds as if
 it had also had PRIOR rounds that accepted nothing: one lucky round does not make a losing tree the
-choice. scripts/controller_sim.py replays controllers over measured acceptance and round times, so
-that such changes are compared without the machine's noise.
+choice. And the text changes under a request: a tree's rounds age while other arms run (STALE), so
+that rounds from a stretch where guesses missed do not outweigh fresh ones where they hit.
+scripts/controller_sim.py replays controllers over measured acceptance and round times, so that
+such changes are compared without the machine's noise.
 
 A cap on the stall (`max_stall`, off by default): a round's tokens reach a streaming client
 together, after the whole round, so a round that takes X plain rounds is a gap X times a plain
@@ -90,6 +92,17 @@ SHARE = 2.0
 # each fourfold of nodes (measured 1.0-1.35x from one guess to four and from four to sixteen; the
 # restart after a tree, the bulk of a small tree's time on the CPU, does not grow with it)
 GROW = 1.3
+# the weight of a tree's rounds shrinks by this much at every round of another arm: what a tree
+# accepted forty rounds ago says little of the text now. Real engine, n-gram on code-edit of
+# scripts/bench_spec.py: its 4- and 16-node trees were tried where guesses missed (1 token a round),
+# and when the text turned predictable (the one-guess tree right every round, a re-climbed 4-node
+# round emitting 4) those old rounds kept both out to the end of the request. Ageing lets the
+# fresh rounds decide; it is kept mild (half-weight after ~14 rounds) because the model of what
+# the smaller trees predict is rough, and an aged tree's estimate leans on it more
+STALE = 0.95
+# a tree whose own rounds' weight is below this is judged by its estimate with the prediction, not
+# ruled out by its own rounds having accepted nothing (those may date from other text)
+WMIN = 0.5
 # a re-try of the tree above the best arm that emits this many tokens (or accepts its every guess:
 # the one-guess tree's 2) is followed at once by a try of the tree above it, and so on up: a
 # re-climb. Where plain rounds are best, re-tries go to the one-guess tree only, which seldom beats
@@ -218,14 +231,15 @@ class SpecController:
     def best(self) -> Arm:
         """Plain rounds, unless a tree's cautious rate beats theirs by more than MARGIN; then the
         smallest of those trees within MARGIN of the fastest. Trees whose time is neither measured
-        nor predictable are not candidates, nor, once the root was tried, is a tree whose own rounds
-        emit no more than the root alone (it accepts nothing, whatever the smaller trees predict):
-        it costs more for the same tokens, and only a slow outlier among the root's rounds could
-        make it look faster (one did in a test, and trees stayed on until the next re-try)."""
+        nor predictable are not candidates, nor, once the root was tried, is a tree whose recent own
+        rounds emit no more than the root alone (it accepts nothing, whatever the smaller trees
+        predict; WMIN): it costs more for the same tokens, and only a slow outlier among the root's
+        rounds could make it look faster (one did in a test, and trees stayed on until the next
+        re-try)."""
         plain = self.arms[0]
         trees = [a for a in self.arms[1:] if self.ms(a) > 0 and self._allowed(a)]
         if plain.rounds:
-            trees = [a for a in trees if (a.tokens if a.rounds else self.tokens(a)[0]) > 1.0
+            trees = [a for a in trees if (a.tokens if a.weight >= WMIN else self.tokens(a)[0]) > 1.0
                      and self.rate(a, cautious=True) * (1 - MARGIN) > plain.rate]
         if not trees:
             return plain
@@ -302,6 +316,9 @@ class SpecController:
         if arm is None:  # a budget cut by the room left is no arm's measurement
             return
         arm.record(tokens, ms)
+        for other in self.arms[1:]:  # the other trees' rounds age (STALE)
+            if other is not arm:
+                other.weight *= STALE
         if self.reclimb and budget == self.reclimb:  # a re-climb's try: up again while it goes deep
             self.reclimb = self._above(arm, tokens)
             if self.best() is arm:  # it changed the choice: re-tries from there at the first spacing

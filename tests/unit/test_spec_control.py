@@ -338,3 +338,23 @@ def test_hindsight_climbs_past_trees_whose_rounds_date_from_the_misses():
             c.observe(1, 1)
     assert chosen[:4] == [0, 0, 4, 16]
     assert sum(b >= 4 for b in chosen[-20:]) >= 18
+
+
+def test_a_trees_rounds_from_other_text_age():
+    # the trees were tried where guesses missed (lucky one-guess tries made them look worth it)
+    c = SpecController(16)
+    firsts = iter([2, 2, 1, 2, 1, 1, 2])
+    early = drive(c, lambda b: (next(firsts, 1), 8.5) if b == FIRST else (1, 7.0 if b == 0 else 11.0 + 0.3 * b), 60)
+    assert 16 in early and early[-20:].count(0) >= 18
+    # then the text turns predictable: 4 nodes emit 5 tokens in 11.5 ms, 16 nodes 9 in 14 ms (after
+    # one unlucky round). The full budget's rounds from the misses no longer keep it out once a
+    # re-try measures it (without ageing, four nodes stayed the choice to the end)
+    sixteen = iter([2])
+    chosen = []
+    for _ in range(60):
+        b = c.budget()
+        chosen.append(b)
+        c.record(b, *({0: (1, 7.0), 1: (2, 8.0), 4: (5, 11.5)}.get(b) or (next(sixteen, 9), 14.0)))
+        if b == 0:
+            c.observe(1, 1)
+    assert chosen[-30:].count(16) >= 27
