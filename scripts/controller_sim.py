@@ -2,7 +2,7 @@
 measured round times.
 
     python scripts/controller_sim.py record FILE [--methods mtp,draft] [--kinds code,chat] [--lengths 64] [--runs 4]
-    python scripts/controller_sim.py replay FILE [--revs now,HEAD,variant.py] [--seeds 200]
+    python scripts/controller_sim.py replay FILE [--revs now,HEAD,variant.py] [--seeds 200] [--offsets 0,8,16]
 
 On the dev CPU the same controller reads 0.82x and 0.92x of plain decoding in two runs of one
 process (BENCHMARKS.md, issue 17), more than the differences between controllers that issue 17 is
@@ -23,7 +23,11 @@ the same measurements:
   method's drafter has hindsight (engine/drafters/base.py `Hindsight`), a controller that takes it
   (`observe`) is told after each plain round whether the one-guess tree would have been accepted
   there (the recorded one-guess tokens at that position). Over many seeds: tok/s as a ratio to plain
-  decoding's (medians, 10th percentile) and the tree rounds a request.
+  decoding's (medians, 10th percentile) and the tree rounds a request, then by method the misses and
+the geometric mean of the rest. One request is one draw of where the re-tries fall (a re-try that
+lands on a right guess climbs, one a position later may not); `--offsets` replays each request from
+later start positions too (the request whose prompt ends with the output so far), which spreads
+those draws: differences of a few percent in one cell are that luck, not the controller.
 
 What the replay leaves out: times are drawn independently (a busy stretch of the machine is not
 modelled), and a round's time does not depend on how many tokens it accepted.
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import statistics
 import sys
@@ -55,6 +60,7 @@ import engine.spec_control as spec_control  # noqa: E402
 
 BUDGETS = (1, 4, 16)  # the controller's trees at the default budget (16): SpecController(16).arms
 FIRST = BUDGETS[0]  # the one-guess tree, whose tokens are the hindsight of a plain round
+MIN_LENGTH = 16  # a request replayed from a later offset keeps at least this many tokens
 
 
 def record(path: Path, methods: list[str], kinds: list[str], lengths: list[int], runs: int, tokens: int) -> None:
@@ -210,28 +216,57 @@ def controller_class(rev: str) -> type:
     return module.SpecController
 
 
-def replay(path: Path, revs: list[str], seeds: int) -> None:
+def replay(path: Path, revs: list[str], seeds: int, offsets: list[int]) -> None:
+    """The table of every request and method, then a summary by method (see `summary`)."""
     data = json.loads(path.read_text())
     classes = {rev: controller_class(rev) for rev in revs}
-    print(f"cells: tok/s vs plain decoding, median over {seeds} seeds (10th percentile), tree rounds a request")
+    medians: dict[str, dict[tuple[str, str], float]] = {rev: {} for rev in revs}
+    print(f"cells: tok/s vs plain decoding, median over {seeds} seeds x {len(offsets)} start offsets "
+          "(10th percentile), tree rounds a request")
     header = ["request", "method"] + revs
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for label, entry in data["requests"].items():
-        length, plain = entry["length"], entry["plain_ms"]
+        plain = entry["plain_ms"]
         for method, m in entry["methods"].items():
             cells = []
-            for cls in classes.values():
+            for rev, cls in classes.items():
                 ratios, trees = [], []
-                for seed in range(seeds):
-                    rng = random.Random(seed)
-                    total, n = replay_one(cls, m["accepted"], m["ms"], length, rng, hindsight(method))
-                    plain_total = sum(rng.choice(plain) for _ in range(length))
-                    ratios.append(plain_total / total)
-                    trees.append(n)
+                # from a later offset, the request whose prompt ends with the output so far: the
+                # recorded tokens from there on are that request's, and the controller starts fresh
+                for offset in [o for o in offsets if o == 0 or o <= entry["length"] - MIN_LENGTH]:
+                    accepted = {b: row[offset:] for b, row in m["accepted"].items()}
+                    length = entry["length"] - offset
+                    for seed in range(seeds):
+                        rng = random.Random(seed)
+                        total, n = replay_one(cls, accepted, m["ms"], length, rng, hindsight(method))
+                        plain_total = sum(rng.choice(plain) for _ in range(length))
+                        ratios.append(plain_total / total)
+                        trees.append(n)
                 ratios.sort()
+                medians[rev][(label, method)] = statistics.median(ratios)
                 cells.append(f"{statistics.median(ratios):.3f}x ({ratios[len(ratios) // 10]:.3f}), "
                              f"{statistics.mean(trees):.1f}")
             print(f"| {label} | {method} | " + " | ".join(cells) + " |")
+    print()
+    print(summary(medians))
+
+
+def summary(medians: dict[str, dict[tuple[str, str], float]]) -> str:
+    """By method and controller: the misses' cells (requests labelled "misses ...") and the
+    geometric mean of the other requests' (where guesses may hit), with its ratio to the fixed
+    budget's where `fixed` was replayed too."""
+    methods = sorted({method for cells in medians.values() for _, method in cells})
+    lines = ["| method | controller | misses | hits? (geomean) | hits? vs fixed (geomean) |", "|---|---|---|---|---|"]
+    fixed = medians.get("fixed")
+    for method in methods:
+        for rev, cells in medians.items():
+            misses = [v for (label, m), v in cells.items() if m == method and label.startswith("misses")]
+            hits = {k: v for k, v in cells.items() if k[1] == method and not k[0].startswith("misses")}
+            gm = math.exp(statistics.mean(math.log(v) for v in hits.values())) if hits else float("nan")
+            vs = math.exp(statistics.mean(math.log(v / fixed[k]) for k, v in hits.items())) \
+                if fixed and hits else float("nan")
+            lines.append(f"| {method} | {rev} | {' / '.join(f'{v:.3f}' for v in misses)} | {gm:.3f} | {vs:.3f} |")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -250,6 +285,8 @@ def main() -> None:
                      help="git revisions of engine/spec_control.py, `now` (the working tree's), "
                      "`fixed` (the full budget every round) or files")
     rep.add_argument("--seeds", type=int, default=200)
+    rep.add_argument("--offsets", default="0",
+                     help="start positions each request is also replayed from (e.g. 0,6,12,18,24,30,36,42)")
     a = ap.parse_args()
     if a.command == "record":
         methods = [m for m in a.methods.split(",") if m]
@@ -258,7 +295,7 @@ def main() -> None:
         kinds = [k for k in a.kinds.split(",") if k and k != "none"]
         record(a.file, methods, kinds, [int(n) for n in a.lengths.split(",") if n], a.runs, a.tokens)
     else:
-        replay(a.file, [r for r in a.revs.split(",") if r], a.seeds)
+        replay(a.file, [r for r in a.revs.split(",") if r], a.seeds, [int(o) for o in a.offsets.split(",") if o])
 
 
 if __name__ == "__main__":

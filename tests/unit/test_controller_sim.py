@@ -4,6 +4,7 @@ round times, without the engine."""
 from __future__ import annotations
 
 import importlib.util
+import math
 import random
 import sys
 from pathlib import Path
@@ -81,3 +82,11 @@ def test_hindsight_is_replayed_for_the_drafters_that_have_it(sim):
     PlainWithHindsight.seen.clear()
     sim.replay_one(PlainWithHindsight, accepted, times(10.0, 20.0), 6, random.Random(0))
     assert PlainWithHindsight.seen == []
+
+
+def test_the_summary_splits_misses_from_the_rest_and_compares_with_the_fixed_budget(sim):
+    medians = {"fixed": {("misses 64", "mtp"): 0.5, ("code1", "mtp"): 1.2, ("chat", "mtp"): 0.8},
+               "now": {("misses 64", "mtp"): 0.97, ("code1", "mtp"): 1.2, ("chat", "mtp"): 1.0}}
+    rows = sim.summary(medians).splitlines()[2:]
+    assert rows[0] == f"| mtp | fixed | 0.500 | {math.sqrt(1.2 * 0.8):.3f} | 1.000 |"
+    assert rows[1] == f"| mtp | now | 0.970 | {math.sqrt(1.2):.3f} | {math.sqrt(1.25):.3f} |"
