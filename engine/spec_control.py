@@ -13,12 +13,14 @@ Trying costs more than the try itself. A tree round ends the pipelining of plain
 round after it cannot be queued before it lands), and a big tree's verify is a stall a streaming
 client sees: measured on the dev CPU, a 17-node round and the restart after it were the p99
 inter-token gaps where guesses miss (BENCHMARKS.md, issue 17). So the controller climbs: the
-smallest tree is tried first (its two tries a plain round apart), and the root alone; a bigger tree
-is tried once what the smaller ones accept predicts it is the fastest (SHARE, GROW), and gets a
-second round where its first accepted a guess; later re-tries go to a neighbour of the best arm
-only, and back off (twice as far apart each time) while they keep losing, further still where a
-losing try costs much (RETRY_SHARE); a re-try upward that goes deep is followed at once by the tree
-above it (a re-climb: RECLIMB).
+smallest tree is tried first (its two tries a plain round apart), a bigger one only once the one
+below it accepts (a round emits at least CLIMB tokens), and the root alone after that. Then each
+round takes the fastest arm, where a tree's tokens are its own rounds' with what the smaller trees'
+rounds predict of it (SHARE; an untried tree is predicted, its time too: GROW, and tried when that
+makes it the fastest); later re-tries go to a neighbour of the best arm only, and back off (twice
+as far apart each time) while they keep losing, further still where a losing try costs much
+(RETRY_SHARE); a re-try upward that goes deep is followed at once by the tree above it (a re-climb:
+RECLIMB).
 
 The cheapest evidence is none at all: a drafter with hindsight (engine/drafters/base.py; the
 n-gram drafter, whose lookup costs microseconds) tells after each plain round whether its one-guess
@@ -72,21 +74,27 @@ RETRY_SHARE = 0.02
 # busy machine jitter by about that much, and where every arm emits the same tokens (all guesses
 # miss) only the jitter would otherwise decide, keeping trees that draft for nothing
 MARGIN = 0.10
+# tokens a round of the arm below must emit on average before a bigger tree is worth a try: where
+# the small tree accepts nothing, a bigger one from the same guesses rarely does
+CLIMB = 1.5
 # the smallest tree: the root and one guess. Climbing starts there and re-tries of a losing
 # drafter go there, so a try where guesses miss costs a plain step and one row more (on the dev
 # CPU ~0.9 ms a row against ~11.5 ms a step), not a 5-node tree's four rows; a try is not
-# pipelined, so its gap is a streaming client's tail. Being cheap, it always gets both its tries.
+# pipelined, so its gap is a streaming client's tail. Being cheap, it always gets both its tries,
+# and one guess right in them (1.2 tokens a round or more in the estimate) is enough to climb.
 FIRST = 1
+CLIMB_FIRST = 1.2
 # what a smaller tree's rounds say of a bigger one's: a tree of b draft nodes emits, beyond the
 # root's token, about ln(1 + b) / ln(1 + b') times what one of b' nodes does. Measured on the
 # bundled target (scripts/controller_sim.py's first recording, 20 drafter x prompt pairs, misses
 # and hits): 1 -> 4 nodes 1.9-3.3x (the model: 2.3x), 4 -> 16 nodes 1.2-1.9x (1.8x). Each tree's
 # estimate is its own rounds' average with the model's prediction from the smaller trees counted as
-# SHARE rounds more, fading as its own rounds come in (SHARE / (1 + rounds)): an untried tree is
-# tried when the smaller ones predict it is the fastest, a tree whose first round was unlucky is not
-# judged on that round alone where the smaller ones accept, and its own rounds soon outweigh the
-# model, which is a rough one (a strong drafter's big trees accept more than it predicts). Only
-# upward: the small trees are the cheap ones to measure, and a big tree's rounds would inflate them.
+# SHARE rounds more, fading as its own rounds come in (SHARE / (1 + rounds)): after the climb, an
+# untried tree is tried when the smaller ones predict it is the fastest, a tree whose first round
+# was unlucky is not judged on that round alone where the smaller ones accept, and its own rounds
+# soon outweigh the model, which is a rough one (a strong drafter's big trees accept more than it
+# predicts). Only upward: the small trees are the cheap ones to measure, and a big tree's rounds
+# would inflate them.
 SHARE = 2.0
 # an untried tree's round time, predicted from the biggest tried tree below it: GROW times it for
 # each fourfold of nodes (measured 1.0-1.35x from one guess to four and from four to sixteen; the
@@ -216,16 +224,22 @@ class SpecController:
         return plain.ms + per_node * arm.budget <= limit
 
     def _climbing(self) -> Arm | None:
-        """The arm still owed its tries: the smallest tree (both tries, whatever the first cost:
-        one slow round, e.g. the first of a request, must not rule speculation out), a bigger tree
-        whose first try accepted a guess, then the root alone. A bigger tree's first try comes when
-        the smaller ones predict it is the fastest (`best`)."""
-        first = self.arms[1]
-        if first.rounds < TRIES:
-            return first
-        for arm in self.arms[2:]:  # a bigger tree's try goes on to its second round where it accepted
-            if 0 < arm.rounds < TRIES and arm.tokens > 1.0 and self._allowed(arm):
+        """The arm still owed its tries: the smallest tree first, each bigger one only while the
+        one below accepts (and the stall cap allows it), then the root alone. A tree bigger than
+        one guess that accepted nothing on its first try is owed no second one. The climb goes by
+        acceptance, not by the predicted rate: a drafter that guesses right but drafts each depth
+        at a cost (a draft model) has bigger trees whose tokens and times the ln model gets wrong,
+        and only trying them measures them (a draft model that is the target itself: 1.05 tokens
+        per forward when the climb went by the prediction, tests/server/test_spec_edges.py)."""
+        for arm in self.arms[1:]:
+            # the smallest tree gets both its tries whatever the first cost (one slow round, e.g.
+            # the first of a request, must not rule speculation out); a bigger one is judged on one
+            if not self._allowed(arm) and not (arm.budget == FIRST and arm.rounds < TRIES):
+                break
+            if arm.rounds < TRIES and not (arm.rounds and arm.tokens <= 1.0 and arm.budget != FIRST):
                 return arm
+            if arm.tokens < (CLIMB_FIRST if arm.budget == FIRST else CLIMB):
+                break
         return self.arms[0] if self.arms[0].rounds < TRIES else None
 
     def best(self) -> Arm:
