@@ -70,13 +70,13 @@ MAX_REVISIT = 128  # re-tries that keep losing back off up to this many rounds a
 # rounds: with REVISIT alone its re-tries cost 1-2 % of the time where guesses miss, the margin
 # issue 17's 0.95x of plain decoding is decided by.
 RETRY_SHARE = 0.02
+# tokens a round of the arm below must emit on average before a bigger tree is worth a try: where
+# the small tree accepts nothing, a bigger one from the same guesses rarely does
+CLIMB = 1.5
 # a bigger tree must beat a smaller one by this share of tokens per ms to be kept: round times on a
 # busy machine jitter by about that much, and where every arm emits the same tokens (all guesses
 # miss) only the jitter would otherwise decide, keeping trees that draft for nothing
 MARGIN = 0.10
-# tokens a round of the arm below must emit on average before a bigger tree is worth a try: where
-# the small tree accepts nothing, a bigger one from the same guesses rarely does
-CLIMB = 1.5
 # the smallest tree: the root and one guess. Climbing starts there and re-tries of a losing
 # drafter go there, so a try where guesses miss costs a plain step and one row more (on the dev
 # CPU ~0.9 ms a row against ~11.5 ms a step), not a 5-node tree's four rows; a try is not
@@ -127,7 +127,9 @@ class Arm:
     ms: float = 0.0  # moving average of a round's wall time, drafting included
     last_ms: float = 0.0  # the last round's wall time
     rounds: int = 0
-    weight: float = 0.0  # the rounds behind the averages, each discounted by DECAY a round since
+    # the rounds behind the averages, each discounted by DECAY for every round of this arm since
+    # and by STALE for every round of another arm (the controller ages it)
+    weight: float = 0.0
 
     @property
     def rate(self) -> float:
@@ -282,8 +284,12 @@ class SpecController:
     def _above(self, arm: Arm, tokens: int) -> int:
         """The budget a re-climb tries after a round of `arm` that emitted `tokens`: the tree above
         it, where the round went deep enough (RECLIMB) and the stall cap allows it; else 0."""
+        return self._up(arm) if tokens >= min(1 + arm.budget, RECLIMB) else 0
+
+    def _up(self, arm: Arm) -> int:
+        """The budget of the tree above `arm` where the stall cap allows it; else 0."""
         i = self.arms.index(arm)
-        if tokens < min(1 + arm.budget, RECLIMB) or i + 1 == len(self.arms) or not self._allowed(self.arms[i + 1]):
+        if i + 1 == len(self.arms) or not self._allowed(self.arms[i + 1]):
             return 0
         return self.arms[i + 1].budget
 
@@ -319,7 +325,7 @@ class SpecController:
             self.interval = REVISIT
             self.next_revisit = self.rounds + REVISIT
             if after.budget > before.budget:
-                self.reclimb = self._above(after, after.budget + 1)
+                self.reclimb = self._up(after)
 
     def record(self, budget: int, tokens: int, ms: float) -> None:
         """A round ran with `budget` (the arm it was given), emitted `tokens` in `ms`."""
