@@ -24,10 +24,10 @@ the same measurements:
   (`observe`) is told after each plain round whether the one-guess tree would have been accepted
   there (the recorded one-guess tokens at that position). Over many seeds: tok/s as a ratio to plain
   decoding's (medians, 10th percentile) and the tree rounds a request, then by method the misses and
-the geometric mean of the rest. One request is one draw of where the re-tries fall (a re-try that
-lands on a right guess climbs, one a position later may not); `--offsets` replays each request from
-later start positions too (the request whose prompt ends with the output so far), which spreads
-those draws: differences of a few percent in one cell are that luck, not the controller.
+  the geometric mean of the rest. One request is one draw of where the re-tries fall (a re-try that
+  lands on a right guess climbs, one a position later may not); `--offsets` replays each request
+  from later start positions too (the request whose prompt ends with the output so far), which
+  spreads those draws: differences of a few percent in one cell are that luck, not the controller.
 
 What the replay leaves out: times are drawn independently (a busy stretch of the machine is not
 modelled), and a round's time does not depend on how many tokens it accepted.
