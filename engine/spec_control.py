@@ -23,10 +23,11 @@ as far apart each time) while they keep losing, further still where a losing try
 RECLIMB).
 
 The cheapest evidence is none at all: a drafter with hindsight (engine/drafters/base.py; the
-n-gram drafter, whose lookup costs microseconds) tells after each plain round whether its one-guess
-tree would have been accepted there, and that is counted as the one-guess tree's tokens
-(`observe`). Where guesses turn right during plain rounds, the trees' predictions rise with it and
-a tree is tried without waiting for a re-try; where they keep missing, nothing is spent to learn it.
+n-gram drafter, whose lookup costs microseconds) tells, a round or a few after each plain round,
+what each of the controller's trees would have emitted there, and that is counted as those trees'
+tokens (`observe`). Where guesses turn right during plain rounds, the trees' estimates rise with it
+and a tree is tried without waiting for a re-try; where they keep missing, nothing is spent to
+learn it.
 
 One round is a noisy sample (a 5-node tree emits 1 to 5 tokens from one round to the next), and a
 few samples decide. So the averages weigh an arm's first rounds alike (a plain moving average kept
@@ -48,6 +49,7 @@ the price of the bigger trees' speed.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 DECAY = 0.8  # weight of the history in each arm's estimates (a few rounds of memory)
@@ -303,25 +305,25 @@ class SpecController:
                 return self.arms[j]
         return best
 
-    def observe(self, hits: int, checked: int) -> None:
-        """Hindsight from the drafter (engine/drafters/base.py `Hindsight`): of `checked` rounds
-        without a tree, the one-guess tree would have emitted two tokens in `hits`. Counted as
-        rounds of that tree's tokens (not of its time), once it has a measured time: a drafter whose
-        guesses turn right during plain rounds makes the trees' predictions climb without a re-try."""
-        first = self.arms[1]
-        if not first.rounds or not checked:
+    def observe(self, seen: Sequence[tuple[int, int]]) -> None:
+        """Hindsight from the drafter (engine/drafters/base.py `Hindsight`): for rounds without a
+        tree, (budget, the tokens a tree of that budget would have emitted). Counted as rounds of
+        that tree's tokens (not of its time), once it has a measured time: a drafter whose guesses
+        turn right during plain rounds makes the trees climb without a re-try."""
+        if not seen:
             return
         before = self.best() if self._climbing() is None else None
-        tokens = 1.0 + hits / checked  # the count comes without an order
-        for _ in range(checked):
-            first.weight = DECAY * first.weight + 1.0
-            first.tokens += (tokens - first.tokens) / first.weight
+        for budget, tokens in seen:
+            arm = next((a for a in self.arms if a.budget == budget), None)
+            if arm is not None and arm.budget and arm.rounds:
+                arm.weight = DECAY * arm.weight + 1.0
+                arm.tokens += (tokens - arm.tokens) / arm.weight
         after = self.best()
         if before is not None and after is not before:
             # the choice changed: re-tries from there at the first spacing (those that lost before
             # spaced them out for the text they lost on), and, as after a re-try that went deep,
-            # the tree above is tried at once: the bigger trees' own rounds may date from the text
-            # the guesses missed on
+            # the tree above is tried at once: its own rounds may date from the text the guesses
+            # missed on
             self.interval = REVISIT
             self.next_revisit = self.rounds + REVISIT
             if after.budget > before.budget:

@@ -21,13 +21,14 @@ the same measurements:
   decides every round's budget; the round emits the recorded tokens for that budget and position and
   takes a time drawn from the recorded ones for its budget and the kind of round before it. Where the
   method's drafter has hindsight (engine/drafters/base.py `Hindsight`), a controller that takes it
-  (`observe`) is told after each plain round whether the one-guess tree would have been accepted
-  there (the recorded one-guess tokens at that position). Over many seeds: tok/s as a ratio to plain
-  decoding's (medians, 10th percentile) and the tree rounds a request, then by method the misses and
-  the geometric mean of the rest. One request is one draw of where the re-tries fall (a re-try that
-  lands on a right guess climbs, one a position later may not); `--offsets` replays each request
-  from later start positions too (the request whose prompt ends with the output so far), which
-  spreads those draws: differences of a few percent in one cell are that luck, not the controller.
+  (`observe`) is told after each plain round what each of its trees would have emitted there (the
+  recorded tokens at that position; the engine learns them a few rounds later). Over many seeds:
+  tok/s as a ratio to plain decoding's (medians, 10th percentile) and the tree rounds a request, then
+  by method the misses and the geometric mean of the rest. One request is one draw of where the
+  re-tries fall (a re-try that lands on a right guess climbs, one a position later may not);
+  `--offsets` replays each request from later start positions too (the request whose prompt ends
+  with the output so far), which spreads those draws: differences of a few percent in one cell are
+  that luck, not the controller.
 
 What the replay leaves out: times are drawn independently (a busy stretch of the machine is not
 modelled), and a round's time does not depend on how many tokens it accepted.
@@ -59,7 +60,6 @@ from bench_controller import METHODS, module_at, module_from_file  # noqa: E402
 import engine.spec_control as spec_control  # noqa: E402
 
 BUDGETS = (1, 4, 16)  # the controller's trees at the default budget (16): SpecController(16).arms
-FIRST = BUDGETS[0]  # the one-guess tree, whose tokens are the hindsight of a plain round
 MIN_LENGTH = 16  # a request replayed from a later offset keeps at least this many tokens
 
 
@@ -166,7 +166,7 @@ def hindsight(method: str) -> bool:
 def replay_one(controller_class: type, accepted: dict[str, list[int]], times: dict[str, list[float]],
                length: int, rng: random.Random, hindsight: bool = False) -> tuple[float, int]:
     """One request under `controller_class`: its total ms and its tree rounds. `hindsight`: the
-    controller is told after each plain round what the one-guess tree would have emitted there."""
+    controller is told after each plain round what each tree would have emitted there."""
     controller = controller_class(max(BUDGETS))
     observe = getattr(controller, "observe", None) if hindsight else None
     i, total, trees, prev = 0, 0.0, 0, None
@@ -181,8 +181,8 @@ def replay_one(controller_class: type, accepted: dict[str, list[int]], times: di
         pool = times.get(f"{budget}:{kind}") or [ms for k, v in times.items() if k.startswith(f"{budget}:") for ms in v]
         ms = rng.choice(pool)
         controller.record(arm if budget == arm else -1, emitted, ms)
-        if observe is not None and budget == 0:
-            observe(int(accepted[str(FIRST)][i] >= 2), 1)
+        if observe is not None and budget == 0:  # what each tree would have emitted here
+            observe([(b, accepted[str(b)][i]) for b in BUDGETS])
         total += ms
         trees += budget > 0
         i += emitted

@@ -54,14 +54,18 @@ class GuessesAhead(Protocol):
 
 @runtime_checkable
 class Hindsight(Protocol):
-    """A drafter that can tell, for free, what its guesses would have done in rounds it was told
+    """A drafter that can tell, for free, what its trees would have done in rounds it was told
     with `skip`: the tree-size controller learns from it whether guesses hit while it decodes
     without trees, instead of from re-tries that cost a round each where they miss."""
 
-    def hindsight(self) -> tuple[int, int]:
-        """Of the rounds told with `skip` since the last call: in how many the one-guess tree would
-        have gained a token (its guess was the token the round emitted), and how many were checked.
-        Resets the count."""
+    def watch(self, budgets: Sequence[int], max_depth: int) -> None:
+        """From the next round on, check in every round told with `skip` the trees `propose` would
+        have drafted with these budgets (none: check nothing, at no cost)."""
+
+    def hindsight(self) -> list[tuple[int, int]]:
+        """(budget, tokens a round with that tree would have emitted) for each watched budget and
+        skipped round whose outcome became known since the last call (a tree's outcome is known
+        once a token after it missed it or it ran out of nodes, a round or a few later)."""
         ...
 
 

@@ -9,8 +9,19 @@ Strong on code edits and repetitive text, free when it finds nothing.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from engine.tree import DraftTree
+
+
+@dataclass
+class Watched:
+    """A tree the drafter would have proposed in a skipped round, matched against the tokens that
+    came after it: its accepted path so far (node indices, the root's excluded)."""
+
+    tree: DraftTree
+    path: list[int] = field(default_factory=list)
 
 
 class NgramDrafter:
@@ -19,33 +30,55 @@ class NgramDrafter:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram, self.min_ngram, self.max_sites = max_ngram, min_ngram, max_sites
         self.ctx: list[int] = []
-        self.hits = self.checked = 0  # hindsight of skipped rounds, since the last hindsight()
+        self.budgets: tuple[int, ...] = ()  # the trees checked in skipped rounds (watch)
+        self.max_depth = 0
+        self.watched: list[Watched] = []  # trees of skipped rounds whose outcome is not known yet
+        self.seen: list[tuple[int, int]] = []  # known outcomes since the last hindsight()
         # n -> n-gram -> end positions of its occurrences in ctx (ascending)
         self.index: dict[int, dict[tuple[int, ...], list[int]]] = {}
 
     def begin(self, prompt_ids: list[int]) -> None:
         self.ctx = []
-        self.hits = self.checked = 0
+        self.watched, self.seen = [], []
         self.index = {n: defaultdict(list) for n in range(self.min_ngram, self.max_ngram + 1)}
         for t in prompt_ids:
             self._append(t)
 
     def observe(self, emitted: list[int]) -> None:
+        self._match(emitted)
         for t in emitted:
             self._append(t)
 
     def skip(self, root: int, emitted: list[int]) -> None:
-        # a dictionary lookup or four: whether the one-guess tree would have been right, for free
-        if emitted:
-            guess = self.continuations(1)
-            self.checked += 1
-            self.hits += bool(guess) and guess[0][0] == emitted[0]
+        if self.budgets:
+            # the biggest watched tree holds the smaller ones: propose adds nodes in the same order
+            # whatever the budget, so the tree of budget b is its nodes 0..b (tens of microseconds)
+            self.watched.append(Watched(self.propose(root, max(self.budgets), self.max_depth)))
         self.observe(emitted)  # the index is the context: nothing to gain by waiting
 
-    def hindsight(self) -> tuple[int, int]:
-        out = (self.hits, self.checked)
-        self.hits = self.checked = 0
+    def watch(self, budgets: Sequence[int], max_depth: int) -> None:
+        self.budgets, self.max_depth = tuple(budgets), max_depth
+        self.watched = []
+
+    def hindsight(self) -> list[tuple[int, int]]:
+        out, self.seen = self.seen, []
         return out
+
+    def _match(self, tokens: list[int]) -> None:
+        """Walk the watched trees along the tokens that came; one that misses a token (or has no
+        node left) is done: a round with it would have emitted its matched path and that token."""
+        for t in tokens:
+            going = []
+            for w in self.watched:
+                node = w.path[-1] if w.path else 0
+                child = next((c for c in w.tree.children(node) if w.tree.tokens[c] == t), None)
+                if child is None:
+                    # node indices grow along a path: the tree of budget b matched its first nodes <= b
+                    self.seen += [(b, 1 + sum(1 for n in w.path if n <= b)) for b in self.budgets]
+                else:
+                    w.path.append(child)
+                    going.append(w)
+            self.watched = going
 
     def _append(self, token: int) -> None:
         self.ctx.append(token)

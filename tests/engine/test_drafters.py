@@ -47,28 +47,45 @@ def test_ngram_builds_branches():
     assert d.ctx[-2:] == [4, 7]
 
 
-def test_ngram_hindsight_is_whether_the_one_guess_tree_would_have_gained():
-    # a twin drafter proposes the one-guess tree before each round; the other is told the round
-    # with skip: its hindsight counts the rounds where that tree's guess was the emitted token
+def accepted_tokens(tree, future: list[int]) -> int:
+    """What a round with `tree` emits where the tokens after its root are `future`: its path
+    along them, and the token after."""
+    node, n = 0, 1
+    for t in future:
+        node = next((c for c in tree.children(node) if tree.tokens[c] == t), -1)
+        if node < 0:
+            break
+        n += 1
+    return n
+
+
+def test_ngram_hindsight_is_what_each_watched_tree_would_have_emitted():
+    # a twin drafter proposes each watched tree before each round; the other is told the rounds
+    # with skip: its hindsight is what a round with each tree would have emitted, once known
     rng = np.random.RandomState(0)
     told, twin = NgramDrafter(), NgramDrafter()
     context = [int(t) for t in rng.randint(0, 6, size=30)]  # six ids: guesses hit often
+    tokens = [int(t) for t in rng.randint(0, 6, size=200)]
     told.begin(context)
     twin.begin(context)
-    expected = 0
-    for _ in range(200):
+    told.watch([1, 4, 16], max_depth=6)
+    expected = []
+    for i, token in enumerate(tokens):
         root = twin.ctx[-1]
-        tree = twin.propose(root, budget=1, max_depth=6)
-        token = int(rng.randint(0, 6))
-        expected += tree.size == 2 and tree.tokens[1] == token
+        expected += [(b, accepted_tokens(twin.propose(root, b, 6), tokens[i:] + [-1])) for b in (1, 4, 16)]
         twin.observe([token])
         told.skip(root, [token])
-    assert 0 < expected < 200
-    assert told.hindsight() == (expected, 200)
-    assert told.hindsight() == (0, 0)  # counted since the last call
+    told.observe([-1])  # a token no tree holds: every watched tree's outcome is known now
+    seen = told.hindsight()
+    # every round's outcome for every watched budget (in the order they became known)
+    assert sorted(seen) == sorted(expected)
+    assert any(n > 2 for _, n in seen) and any(n == 1 for _, n in seen)
+    assert told.hindsight() == []  # handed over once
+    told.begin(context)  # a new generation starts again
+    assert told.hindsight() == [] and told.watched == []
+    told.watch([], max_depth=6)  # watching nothing checks nothing
     told.skip(told.ctx[-1], [1])
-    told.begin(context)  # a new generation starts the count again
-    assert told.hindsight() == (0, 0)
+    assert told.watched == [] and told.hindsight() == []
 
 
 def test_the_controller_is_told_the_hindsight_of_every_plain_round(engine, monkeypatch):
@@ -77,9 +94,9 @@ def test_the_controller_is_told_the_hindsight_of_every_plain_round(engine, monke
     seen, plain = [], []
     real_observe, real_record = rounds.SpecController.observe, rounds.SpecController.record
 
-    def observe(self, hits, checked):
-        seen.append((hits, checked))
-        real_observe(self, hits, checked)
+    def observe(self, outcomes):
+        seen.extend(outcomes)
+        real_observe(self, outcomes)
 
     def record(self, budget, tokens, ms):
         plain.append(budget == 0)
@@ -89,11 +106,14 @@ def test_the_controller_is_told_the_hindsight_of_every_plain_round(engine, monke
     monkeypatch.setattr(rounds.SpecController, "record", record)
     prompt = [int(t) for t in np.random.RandomState(5).randint(0, 500, size=24)]  # guesses miss: plain rounds
     sampling = SamplingParams(max_tokens=40, temperature=1.0, seed=3, ignore_eos=True)
-    out = generate(engine, prompt, sampling, SpecConfig(method="ngram"))
+    spec = SpecConfig(method="ngram")
+    out = generate(engine, prompt, sampling, spec)
     assert out.tokens == generate(engine, prompt, sampling).tokens
     assert sum(plain) >= 10
-    # one check a plain round, handed over as it lands
-    assert sum(checked for _, checked in seen) == sum(plain)
+    # each of the controller's trees, once a plain round, handed over as its outcome is known (the
+    # last few rounds' may still be open when the request ends)
+    for budget in (1, 4, spec.budget):
+        assert sum(plain) - (spec.max_depth + 1) <= sum(b == budget for b, _ in seen) <= sum(plain)
 
 
 @pytest.fixture(scope="module")

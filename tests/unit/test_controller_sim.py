@@ -61,7 +61,7 @@ def test_hindsight_is_replayed_for_the_drafters_that_have_it(sim):
     assert sim.hindsight("ngram") and not sim.hindsight("mtp") and not sim.hindsight("draft")
 
     class PlainWithHindsight:
-        seen: list[tuple[int, int]] = []
+        seen: list[list[tuple[int, int]]] = []
 
         def __init__(self, max_budget: int) -> None:
             pass
@@ -72,13 +72,14 @@ def test_hindsight_is_replayed_for_the_drafters_that_have_it(sim):
         def record(self, budget: int, tokens: int, ms: float) -> None:
             pass
 
-        def observe(self, hits: int, checked: int) -> None:
-            self.seen.append((hits, checked))
+        def observe(self, outcomes: list[tuple[int, int]]) -> None:
+            self.seen.append(outcomes)
 
     accepted = table(6, {1: 2, 4: 3, 16: 5})
     accepted["1"][2] = 1  # the one guess would have missed at the third position
     sim.replay_one(PlainWithHindsight, accepted, times(10.0, 20.0), 6, random.Random(0), hindsight=True)
-    assert PlainWithHindsight.seen == [(1, 1), (1, 1), (0, 1), (1, 1), (1, 1), (1, 1)]
+    hit, miss = [(1, 2), (4, 3), (16, 5)], [(1, 1), (4, 3), (16, 5)]
+    assert PlainWithHindsight.seen == [hit, hit, miss, hit, hit, hit]
     PlainWithHindsight.seen.clear()
     sim.replay_one(PlainWithHindsight, accepted, times(10.0, 20.0), 6, random.Random(0))
     assert PlainWithHindsight.seen == []

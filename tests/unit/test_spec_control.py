@@ -267,7 +267,7 @@ def test_hindsight_that_guesses_would_hit_brings_trees_back_without_a_retry():
         chosen.append(b)
         c.record(b, *({0: (1, 7.0), 1: (2, 12.0), 4: (4, 16.0), 16: (7, 22.0)}[b]))
         if b == 0:
-            c.observe(1, 1)
+            c.observe([(FIRST, 2), (4, 4), (16, 7)])  # the untried trees' have no time to go with
     assert chosen.index(16) <= 4, chosen
     assert chosen[-8:] == [16] * 8
 
@@ -280,18 +280,44 @@ def test_hindsight_of_misses_keeps_plain_rounds():
         chosen.append(b)
         c.record(b, 1, 7.0 if b == 0 else 12.0)
         if b == 0:
-            c.observe(0, 1)
+            c.observe([(FIRST, 1), (4, 1), (16, 1)])
     assert set(chosen) <= {0, FIRST} and chosen.count(0) >= 100 * (1 - 1.5 / REVISIT)
 
 
-def test_hindsight_counts_as_the_one_guess_trees_tokens_once_it_has_a_time():
+def test_hindsight_counts_as_a_trees_tokens_once_it_has_a_time():
     c = SpecController(16)
-    c.observe(5, 5)  # before the one-guess tree ran: no time to pair the tokens with
+    c.observe([(FIRST, 2)] * 5)  # before the one-guess tree ran: no time to pair the tokens with
     assert c.arms[1].rounds == 0 and c.arms[1].tokens == 0.0
     c.record(FIRST, 1, 12.0)
-    c.observe(3, 4)
+    c.observe([(FIRST, 2), (FIRST, 2), (4, 5), (FIRST, 1)])
     assert c.arms[1].rounds == 1  # tokens, not rounds: its time stays the measured one
-    assert 1.0 < c.arms[1].tokens < 1.75 and c.arms[1].ms == 12.0
+    assert 1.0 < c.arms[1].tokens < 2.0 and c.arms[1].ms == 12.0
+    assert c.arms[2].rounds == 0 and c.arms[2].tokens == 0.0  # four nodes have no time yet
+
+
+def test_hindsight_ranks_the_bigger_trees_without_a_try():
+    # the trees were tried where guesses missed and accepted nothing; then the text turns
+    # predictable, and the drafter says what each tree would have emitted in the plain rounds:
+    # the full budget (9 tokens in 18 ms) is the choice at once, no re-try and no re-climb needed
+    c = SpecController(16)
+    firsts, fours = iter([2, 2]), iter([3])
+
+    def misses(b):
+        if b == FIRST:
+            return next(firsts, 1), 8.5
+        return (next(fours, 1) if b == 4 else 1), 6.5 if b == 0 else 11.0 + 0.5 * b
+
+    early = drive(c, misses, 40)
+    assert 16 in early and early[-10:] == [0] * 10
+    hit = {0: (1, 6.5), 1: (2, 8.5), 4: (5, 11.5), 16: (9, 18.0)}
+    chosen = []
+    for _ in range(20):
+        b = c.budget()
+        chosen.append(b)
+        c.record(b, *hit[b])
+        if b == 0:
+            c.observe([(FIRST, 2), (4, 5), (16, 9)])
+    assert chosen[0] == 0 and chosen[1:12] == [16] * 11 and chosen.count(16) >= 17  # but a re-try
 
 
 def test_an_untried_tree_is_predicted_from_the_smaller_ones():
@@ -333,7 +359,7 @@ def test_hindsight_climbs_past_trees_whose_rounds_date_from_the_misses():
         chosen.append(b)
         c.record(b, *hit[b])
         if b == 0:
-            c.observe(1, 1)
+            c.observe([(FIRST, 2)])  # a drafter that watches the one-guess tree only
     assert chosen[:4] == [0, 0, 4, 16]
     assert sum(b >= 4 for b in chosen[-20:]) >= 18
 
@@ -360,5 +386,5 @@ def test_a_trees_rounds_from_other_text_age():
         chosen.append(b)
         c.record(b, *({0: (1, 7.0), 1: (2, 8.0), 4: (5, 11.5)}.get(b) or (next(sixteen, 9), 14.0)))
         if b == 0:
-            c.observe(1, 1)
+            c.observe([(FIRST, 2)])  # a drafter that watches the one-guess tree only
     assert chosen[-30:].count(16) >= 27
