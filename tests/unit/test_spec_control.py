@@ -295,28 +295,43 @@ def test_hindsight_counts_as_a_trees_tokens_once_it_has_a_time():
     assert c.arms[2].rounds == 0 and c.arms[2].tokens == 0.0  # four nodes have no time yet
 
 
+def tried_in_misses(firsts: list[int], plain_ms: float, per_node: float,
+                    rounds: int) -> tuple[SpecController, list[int]]:
+    """A controller whose lucky first tries (the one guess right as in `firsts`, the 4-node tree's
+    first round 3 tokens) climbed to the full budget where guesses then missed: its choices over
+    `rounds` rounds, a plain round `plain_ms`, a tree 11 ms + `per_node` a node."""
+    c = SpecController(16)
+    guesses, fours = iter(firsts), iter([3])
+
+    def misses(b):
+        if b == FIRST:
+            return next(guesses, 1), 8.5
+        return (next(fours, 1) if b == 4 else 1), plain_ms if b == 0 else 11.0 + per_node * b
+
+    return c, drive(c, misses, rounds)
+
+
+def with_hindsight(c: SpecController, outcome, seen: list[tuple[int, int]], rounds: int) -> list[int]:
+    """`rounds` rounds where outcome(budget) -> (tokens, ms), and the drafter's hindsight after each
+    plain round is `seen`: the budgets chosen."""
+    chosen = []
+    for _ in range(rounds):
+        b = c.budget()
+        chosen.append(b)
+        c.record(b, *outcome(b))
+        if b == 0:
+            c.observe(seen)
+    return chosen
+
+
 def test_hindsight_ranks_the_bigger_trees_without_a_try():
     # the trees were tried where guesses missed and accepted nothing; then the text turns
     # predictable, and the drafter says what each tree would have emitted in the plain rounds:
     # the full budget (9 tokens in 18 ms) is the choice at once, no re-try and no re-climb needed
-    c = SpecController(16)
-    firsts, fours = iter([2, 2]), iter([3])
-
-    def misses(b):
-        if b == FIRST:
-            return next(firsts, 1), 8.5
-        return (next(fours, 1) if b == 4 else 1), 6.5 if b == 0 else 11.0 + 0.5 * b
-
-    early = drive(c, misses, 40)
+    c, early = tried_in_misses([2, 2], 6.5, 0.5, 40)
     assert 16 in early and early[-10:] == [0] * 10
     hit = {0: (1, 6.5), 1: (2, 8.5), 4: (5, 11.5), 16: (9, 18.0)}
-    chosen = []
-    for _ in range(20):
-        b = c.budget()
-        chosen.append(b)
-        c.record(b, *hit[b])
-        if b == 0:
-            c.observe([(FIRST, 2), (4, 5), (16, 9)])
+    chosen = with_hindsight(c, hit.__getitem__, [(FIRST, 2), (4, 5), (16, 9)], 20)
     assert chosen[0] == 0 and chosen[1:12] == [16] * 11 and chosen.count(16) >= 17  # but a re-try
 
 
@@ -342,49 +357,22 @@ def test_hindsight_climbs_past_trees_whose_rounds_date_from_the_misses():
     # predictable and the hindsight says so. The one-guess tree becomes the choice, and the trees
     # above it are tried at once, not after the re-tries' backed-off spacing: their rounds from
     # the misses would otherwise keep them out
-    c = SpecController(16)
-    firsts, fours = iter([2, 2]), iter([3])  # lucky first tries: the climb goes to the full budget
-
-    def misses(b):
-        if b == FIRST:
-            return next(firsts, 1), 8.5
-        return (next(fours, 1) if b == 4 else 1), 6.5 if b == 0 else 11.0 + 0.5 * b
-
-    early = drive(c, misses, 40)
+    c, early = tried_in_misses([2, 2], 6.5, 0.5, 40)
     assert 4 in early and 16 in early and early[-10:] == [0] * 10
     hit = {0: (1, 6.5), 1: (2, 8.5), 4: (5, 11.5), 16: (9, 18.0)}
-    chosen = []
-    for _ in range(30):
-        b = c.budget()
-        chosen.append(b)
-        c.record(b, *hit[b])
-        if b == 0:
-            c.observe([(FIRST, 2)])  # a drafter that watches the one-guess tree only
+    chosen = with_hindsight(c, hit.__getitem__, [(FIRST, 2)], 30)  # it watches the one-guess tree only
     assert chosen[:4] == [0, 0, 4, 16]
     assert sum(b >= 4 for b in chosen[-20:]) >= 18
 
 
 def test_a_trees_rounds_from_other_text_age():
     # the trees were tried where guesses missed (lucky one-guess tries made them look worth it)
-    c = SpecController(16)
-    firsts, fours = iter([2, 2, 1, 2, 1, 1, 2]), iter([3])
-
-    def misses(b):
-        if b == FIRST:
-            return next(firsts, 1), 8.5
-        return (next(fours, 1) if b == 4 else 1), 7.0 if b == 0 else 11.0 + 0.3 * b
-
-    early = drive(c, misses, 60)
+    c, early = tried_in_misses([2, 2, 1, 2, 1, 1, 2], 7.0, 0.3, 60)
     assert 16 in early and early[-20:].count(0) >= 18
     # then the text turns predictable: 4 nodes emit 5 tokens in 11.5 ms, 16 nodes 9 in 14 ms (after
     # one unlucky round). The full budget's rounds from the misses no longer keep it out once a
     # re-try measures it (without ageing, four nodes stayed the choice to the end)
     sixteen = iter([2])
-    chosen = []
-    for _ in range(60):
-        b = c.budget()
-        chosen.append(b)
-        c.record(b, *({0: (1, 7.0), 1: (2, 8.0), 4: (5, 11.5)}.get(b) or (next(sixteen, 9), 14.0)))
-        if b == 0:
-            c.observe([(FIRST, 2)])  # a drafter that watches the one-guess tree only
+    chosen = with_hindsight(c, lambda b: {0: (1, 7.0), 1: (2, 8.0), 4: (5, 11.5)}.get(b) or (next(sixteen, 9), 14.0),
+                            [(FIRST, 2)], 60)  # a drafter that watches the one-guess tree only
     assert chosen[-30:].count(16) >= 27
