@@ -134,8 +134,11 @@ class Rounds:
             and mx.default_device() == mx.cpu
         drafts = not isinstance(drafter, NoDrafter)
         self.controller = SpecController(spec.budget, spec.max_stall) if spec.adaptive and drafts else None
-        if isinstance(drafter, Hindsight):  # the trees it checks in plain rounds: the controller's
-            drafter.watch([a.budget for a in self.controller.arms[1:]] if self.controller else [], spec.max_depth)
+        # a drafter that tells what its trees would have done in plain rounds checks the controller's
+        self.hindsight = drafter if isinstance(drafter, Hindsight) else None
+        if self.hindsight is not None:
+            self.hindsight.watch([a.budget for a in self.controller.arms[1:]] if self.controller else [],
+                                 spec.max_depth)
         self.start_late = START_LATE_ON_CPU and drafts and mx.default_device() == mx.cpu
         self._last_landed = 0.0
         self._ahead_ms = 0.0  # spent since the last landing queueing the round after the one landing next
@@ -321,5 +324,5 @@ class Rounds:
         self._ahead_ms = 0.0
         if self.controller is not None:
             self.controller.record(flight.arm, emitted, round_ms)
-            if isinstance(self.drafter, Hindsight):  # what its guesses would have done in plain rounds
-                self.controller.observe(self.drafter.hindsight())
+            if self.hindsight is not None:
+                self.controller.observe(self.hindsight.hindsight())

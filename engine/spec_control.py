@@ -138,14 +138,18 @@ class Arm:
         return self.tokens / self.ms if self.ms > 0 else 0.0
 
     def record(self, tokens: int, ms: float) -> None:
-        # averages weighted DECAY^age, divided by their total weight: the first rounds weigh
-        # alike (a plain EWMA would keep 0.8 of the first round after the second), later ones
-        # converge to an EWMA of 1 - DECAY
-        self.weight = DECAY * self.weight + 1.0
-        self.tokens += (tokens - self.tokens) / self.weight
+        self.count_tokens(tokens)
         self.ms += (ms - self.ms) / self.weight
         self.last_ms = ms
         self.rounds += 1
+
+    def count_tokens(self, tokens: float) -> None:
+        """One round's tokens into the average (a round of its own, or the drafter's hindsight of
+        one, which has no time). Averages weighted DECAY^age, divided by their total weight: the
+        first rounds weigh alike (a plain EWMA would keep 0.8 of the first round after the second),
+        later ones converge to an EWMA of 1 - DECAY."""
+        self.weight = DECAY * self.weight + 1.0
+        self.tokens += (tokens - self.tokens) / self.weight
 
 
 @dataclass
@@ -316,8 +320,7 @@ class SpecController:
         for budget, tokens in seen:
             arm = next((a for a in self.arms if a.budget == budget), None)
             if arm is not None and arm.budget and arm.rounds:
-                arm.weight = DECAY * arm.weight + 1.0
-                arm.tokens += (tokens - arm.tokens) / arm.weight
+                arm.count_tokens(tokens)
         after = self.best()
         if before is not None and after is not before:
             # the choice changed: re-tries from there at the first spacing (those that lost before
