@@ -19,6 +19,13 @@ DRAFTER_TYPES: dict[str, type] = {"none": NoDrafter, "ngram": NgramDrafter, "dra
 
 
 def make_drafter(engine, spec: SpecConfig) -> Drafter:
+    drafter = _build(engine, spec)
+    # DRAFTER_TYPES answers for this function without building: every test of a method checks it
+    assert isinstance(drafter, DRAFTER_TYPES[spec.method]), (spec.method, type(drafter))
+    return drafter
+
+
+def _build(engine, spec: SpecConfig) -> Drafter:
     if spec.method == "none":
         return NoDrafter()
     if spec.method == "ngram":
