@@ -38,6 +38,13 @@ that rounds from a stretch where guesses missed do not outweigh fresh ones where
 scripts/controller_sim.py replays controllers over measured acceptance and round times, so that
 such changes are compared without the machine's noise.
 
+Free evidence for every drafter is the target's own confidence: where it is unsure of the next
+token, a drafter rarely guesses it, and where it is sure, one often does. The engine reports the
+probability of the target's most likely token at every emitted position (`confide`); while its
+moving average is at or below CONF_GATE, rounds are plain and nothing is tried (re-tries, the
+climb and the trees' ageing wait), and above it the controller runs as above, its climb starting
+at the four-node tree. Drafters with hindsight do without it (engine/round.py).
+
 A cap on the stall (`max_stall`, off by default): a round's tokens reach a streaming client
 together, after the whole round, so a round that takes X plain rounds is a gap X times a plain
 step's. With the cap, an arm whose rounds take longer than max_stall plain rounds is neither kept
@@ -120,6 +127,20 @@ WMIN = 0.5
 # turned predictable after a miss-heavy start was decoded plain to its end (code3 of
 # scripts/bench_spec.py, MTP: 1.02 tokens per forward against 3.84 with every round a 17-node tree)
 RECLIMB = 3
+# The target's confidence (`confide`): a moving average, a token at a time (CONF_KEEP of the
+# history), of the probability of the target's most likely token at each position emitted. At or
+# below CONF_GATE no tree is tried or kept; above it, the climb starts at the four-node tree.
+# Measured on the bundled target (scripts/controller_sim.py's recordings, 2,200 positions a
+# drafter): where the average of the positions before was below 0.5 a 16-node tree emitted
+# 1.4-1.9 tokens a round, above 0.7 3.4-4.5 (MTP, DFlash, draft model, n-gram alike). Replayed
+# over both recordings, the gate and the start at four nodes against neither (BENCHMARKS.md, issue
+# 17): where guesses hit MTP 1.178 -> 1.265x and 1.070 -> 1.099x of plain decoding (geometric
+# means over the prompts), DFlash 1.059 -> 1.138x and 1.021 -> 1.078x, the draft model 0.962 ->
+# 1.012x and 0.946 -> 0.978x; where they miss, 0.783-1.081x -> 0.813-1.089x. The gate does not
+# pay for a drafter with hindsight (the n-gram drafter's own evidence is better: 1.295 -> 1.238x),
+# so the engine reports the confidence only for the others (engine/round.py).
+CONF_KEEP = 0.7
+CONF_GATE = 0.7
 
 
 @dataclass
@@ -165,6 +186,15 @@ class SpecController:
     revisit_side: int = 1  # +1: the neighbour above the best arm, -1: below (alternating)
     last: int = 0  # the budget of the last round recorded (0 before the first)
     reclimb: int = 0  # the budget of a re-climb's next try (0: none under way)
+    # the target's confidence: a moving average, a token at a time, of its most likely token's
+    # probability at the tokens emitted (`confide`); None where it is not reported
+    confidence: float | None = None
+    # tree rounds chosen while the confidence was unknown or at most CONF_GATE, and those of them
+    # that accepted every guess: a drafter right that often where the target is unsure (a draft
+    # model that is the target itself, on a model whose distribution is flat) lifts the gate
+    unsure_tries: int = 0
+    unsure_hits: int = 0
+    tried: tuple[int, int] | None = None  # the last round recorded, a tree's: (budget, tokens)
 
     def __post_init__(self) -> None:
         budgets = {0, min(FIRST, self.max_budget), self.max_budget}
@@ -173,6 +203,33 @@ class SpecController:
             budgets.add(b)
             b *= 4
         self.arms = [Arm(b) for b in sorted(budgets)]
+
+    def confide(self, probabilities: Sequence[float]) -> None:
+        """After a round's record: the probability of the target's most likely token (its raw
+        distribution) at each position the round emitted, in order."""
+        if self.tried is not None and probabilities:
+            # the round's tree counts as tried where the target was unsure if it was chosen so, or,
+            # for the first round (nothing reported before it), if it was unsure at the round's root
+            budget, tokens = self.tried
+            if (self.confidence if self.confidence is not None else probabilities[0]) <= CONF_GATE:
+                self.unsure_tries += 1
+                self.unsure_hits += tokens >= 1 + budget
+            self.tried = None
+        for p in probabilities:
+            self.confidence = p if self.confidence is None else CONF_KEEP * self.confidence + (1 - CONF_KEEP) * p
+
+    def _gated(self) -> bool:
+        """Whether the target is too unsure of the text for any guess to be worth a try (CONF_GATE),
+        unless the tries where it was unsure so far all accepted every guess (then the gate stays
+        up till they number TRIES, and after that it is lifted for good)."""
+        if self.confidence is None or self.confidence > CONF_GATE:
+            return False
+        return not (self.unsure_tries and self.unsure_hits == self.unsure_tries)
+
+    def _doubting(self) -> bool:
+        """Whether the gate is up only till the tries where the target was unsure number TRIES."""
+        return (0 < self.unsure_tries < TRIES and self.unsure_hits == self.unsure_tries
+                and self.confidence is not None and self.confidence <= CONF_GATE)
 
     def tokens(self, arm: Arm) -> tuple[float, float]:
         """A tree's tokens a round and the weight behind it: its own rounds' average, with what
@@ -239,7 +296,10 @@ class SpecController:
         at a cost (a draft model) has bigger trees whose tokens and times the ln model gets wrong,
         and only trying them measures them (a draft model that is the target itself: 1.05 tokens
         per forward when the climb went by the prediction, tests/server/test_spec_edges.py)."""
-        for arm in self.arms[1:]:
+        # with the target's confidence reported, the climb starts above the smallest tree: it runs
+        # only where the target is confident, where the one-guess tree's tries are a detour
+        skip = int(self.confidence is not None and len(self.arms) > 2)
+        for arm in self.arms[1 + skip:]:
             # the smallest tree gets both its tries whatever the first cost (one slow round, e.g.
             # the first of a request, must not rule speculation out); a bigger one is judged on one
             if not self._allowed(arm) and not (arm.budget == FIRST and arm.rounds < TRIES):
@@ -274,6 +334,10 @@ class SpecController:
 
     def budget(self) -> int:
         """The budget of the next round (pure: asking twice without a record gives the same answer)."""
+        if self._gated():
+            return 0
+        if self._doubting():  # the smallest tree again, a plain round after the last try
+            return 0 if self.last != 0 else self.arms[1].budget
         climbing = self._climbing()
         if climbing is not None:
             # a plain round before the smallest tree's second try: a one-guess round after a plain
@@ -335,6 +399,13 @@ class SpecController:
     def record(self, budget: int, tokens: int, ms: float) -> None:
         """A round ran with `budget` (the arm it was given), emitted `tokens` in `ms`."""
         arm = next((a for a in self.arms if a.budget == budget), None)
+        if budget == 0 and self._gated():
+            # a gated round times plain rounds and is nothing else: the re-tries' clock, the trees'
+            # ageing and the climb wait for text the target is confident of
+            self.arms[0].record(tokens, ms)
+            self.last = 0
+            return
+        self.tried = (budget, tokens) if budget > 0 else None
         best_before = self.best() if self._due() and arm is not None else None
         self.rounds += 1
         self.last = budget
