@@ -35,6 +35,12 @@ def adjust_logits(logits: np.ndarray, generated: Iterable[int], params: Sampling
     return out
 
 
+def top_probabilities(rows: np.ndarray) -> np.ndarray:
+    """rows [n, V] raw logits -> [n]: the probability of each row's most likely token."""
+    x = np.asarray(rows, dtype=np.float64)
+    return 1.0 / np.exp(x - x.max(axis=-1, keepdims=True)).sum(axis=-1)
+
+
 def token_logprobs(rows: np.ndarray, tokens: list[int], k: int) -> list[TokenLogprob]:
     """rows [n, V] raw logits that produced tokens [n] -> one TokenLogprob per token."""
     out = []

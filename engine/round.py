@@ -31,7 +31,7 @@ from engine.cache import LayerCache
 from engine.config import SamplingParams, SpecConfig
 from engine.device_penalties import DevicePenalties
 from engine.drafters.base import Drafter, GuessesAhead, Hindsight, NoDrafter, Skips, skips
-from engine.logits_extras import token_logprobs
+from engine.logits_extras import token_logprobs, top_probabilities
 from engine.models.base import CausalLM
 from engine.sampler import TokenConstraint
 from engine.spec_control import SpecController
@@ -69,6 +69,7 @@ class InFlight:
     arm: int = -1  # the budget the controller chose for this round (-1: none to credit)
     ahead_ms: float = 0.0  # a pipelined round: how long queueing it took, before the previous one landed
     tokens: mx.array | None = None  # [1, N] the tree's tokens, where they were still on the device at launch
+    top: mx.array | None = None  # [N] the target's top-token probability by node, read on the device
     unstarted: list[mx.array] | None = None  # what `start` hands the device, where that waits (START_LATE_ON_CPU)
 
 
@@ -139,6 +140,13 @@ class Rounds:
         if self.hindsight is not None:
             self.hindsight.watch([a.budget for a in self.controller.arms[1:]] if self.controller else [],
                                  spec.max_depth)
+        # the controller's gate reads the target's confidence at every emitted token
+        # (engine/spec_control.py); a drafter with hindsight has better evidence of its own
+        self.confides = self.controller is not None and self.hindsight is None
+        # on the CPU read from the accepted rows' logits on the host after the walk (a tree's every
+        # row on the device: ~0.75 ms for 17 rows of 8,192 on the dev CPU); elsewhere on the device,
+        # in the round's graph, so that only N floats travel with the N ids
+        self.top_on_device = self.confides and mx.default_device() != mx.cpu
         self.start_late = START_LATE_ON_CPU and drafts and mx.default_device() == mx.cpu
         self._last_landed = 0.0
         self._ahead_ms = 0.0  # spent since the last landing queueing the round after the one landing next
@@ -232,12 +240,14 @@ class Rounds:
             choices = device_sampler.choose(self._adjusted(logits, tree, device_tokens), self.params, uniforms)
         committed = tree.size == 1 and choices is not None
         flight = InFlight(tree, committed_len, logits, choices, committed, t0, draft_ms)
+        if self.top_on_device and choices is not None:
+            flight.top = device_sampler.top_probability(logits)
         if choices is not None and committed:  # the root is accepted whatever the choice: commit now
             if self.penalties is not None:  # emitted whatever lands: the round queued behind sees it
                 self.penalties.add(choices[:1])
             forward.commit(self.cache, [0], evaluate=False)
             self.seq.covered += 1
-            flight.unstarted = [choices]
+            flight.unstarted = [choices] if flight.top is None else [choices, flight.top]
         return flight
 
     def land(self, flight: InFlight) -> RoundResult:
@@ -248,6 +258,8 @@ class Rounds:
             tree = flight.tree = DraftTree(tuple(np.array(flight.tokens)[0].tolist()), tree.parents)
         host_logits = None
         if flight.choices is not None:
+            if flight.top is not None:
+                mx.eval(flight.choices, flight.top)  # one wait for both
             choices = np.array(flight.choices)
             acc = sampler.accept_walk(tree, lambda node: int(choices[node]), params.stop_token_ids)
         elif self.draw_visited:  # each node the walk visits is drawn on its own
@@ -277,7 +289,19 @@ class Rounds:
         if params.logprobs is not None and host_logits is not None:
             logprobs = token_logprobs(host_logits[list(acc.path)], list(acc.tokens), params.logprobs)
         self._count(flight, len(acc.path) - 1, len(acc.tokens), t2, t3)
+        if self.confides:
+            assert self.controller is not None
+            self.controller.confide(self._top(flight, acc.path, host_logits).tolist())
         return RoundResult(acc.path, acc.tokens, logprobs)
+
+    def _top(self, flight: InFlight, path: tuple[int, ...], host_logits: np.ndarray | None) -> np.ndarray:
+        """The target's top-token probability at the rows of `path` (each emitted token's row)."""
+        if flight.top is not None:
+            return np.array(flight.top)[list(path)]
+        if host_logits is None:  # the rows stay where they are; only the path's reach the host
+            host_logits = np.array(flight.logits[mx.array(list(path))].astype(mx.float32))
+            return top_probabilities(host_logits)
+        return top_probabilities(host_logits[list(path)])
 
     def _draw(self, flight: InFlight, node: int) -> int:
         """Node `node`'s token, drawn as a one-row device draw at its position's uniform."""

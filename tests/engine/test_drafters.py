@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -114,6 +116,34 @@ def test_the_controller_is_told_the_hindsight_of_every_plain_round(engine, monke
     # last few rounds' may still be open when the request ends)
     for budget in (1, 4, spec.budget):
         assert sum(plain) - (spec.max_depth + 1) <= sum(b == budget for b, _ in seen) <= sum(plain)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "seeded"])
+def test_the_controller_is_told_the_targets_confidence_at_every_token(engine, tiny_qwen35, sampling, monkeypatch):
+    """Without hindsight the controller's gate reads the probability of the target's most likely
+    token at each emitted position: what plain decoding's logprobs say there. The n-gram drafter
+    has hindsight and is not told."""
+    import engine.round as rounds
+
+    told: list[float] = []
+    real = rounds.SpecController.confide
+
+    def confide(self, probabilities):
+        told.extend(probabilities)
+        real(self, probabilities)
+
+    monkeypatch.setattr(rounds.SpecController, "confide", confide)
+    prompt = repetitive_prompt(2)
+    plain = generate(engine, prompt, replace(sampling, logprobs=1))
+    top = [float(np.exp(lp.top[0][1])) for lp in plain.logprobs]
+    spec = SpecConfig(method="draft", budget=6, max_depth=4, draft_model=str(tiny_qwen35))
+    out = generate(engine, prompt, sampling, spec)
+    assert out.tokens == plain.tokens and out.stats.drafted > 0
+    assert out.stats.accepted > 0 or not sampling.greedy  # greedy: the target's own guesses are right
+    assert np.allclose(told[: len(top)], top, rtol=1e-4, atol=1e-6) and len(told) >= len(top)
+    told.clear()
+    generate(engine, prompt, sampling, SpecConfig(method="ngram"))
+    assert told == []
 
 
 @pytest.fixture(scope="module")

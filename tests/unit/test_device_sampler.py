@@ -118,3 +118,16 @@ def test_top_p_cut_from_the_top_k_values_equals_the_cut_from_the_whole_sort(rng,
         margin = np.array((mx.abs((cum - ranked) - params.top_p * cum[..., -1:]) / cum[..., -1:]).min(axis=-1))
         differ = (got != want).any(axis=-1)
         assert (margin[differ] < 1e-5).all(), (np.nonzero(differ)[0], margin[differ])
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_top_probability_matches_the_host_twin(dtype):
+    from engine.device_sampler import top_probability
+    from engine.logits_extras import top_probabilities
+
+    rng = np.random.RandomState(4)
+    logits = mx.array(rng.randn(17, 8192).astype(np.float32) * rng.uniform(0.5, 8.0, size=(17, 1))).astype(dtype)
+    host = top_probabilities(np.array(logits.astype(mx.float32)))
+    # float32 against float64, exp through a power of two on the CPU (engine/cpu_exp.py)
+    assert np.allclose(np.array(top_probability(logits)), host, rtol=1e-4, atol=1e-7)
+    assert np.all((host > 0) & (host <= 1))
