@@ -16,13 +16,16 @@ the same measurements:
   decoding's output (a request whose prompt is the prompt and the output so far, its first round at
   that budget; the prefix cache makes that a short prefill), and the wall times of rounds, by budget
   and by whether the round before was plain (pipelined) or a tree, from runs of the working tree's
-  controller and from fixed budgets; plain decoding's own rounds are the denominator.
+  controller and from fixed budgets; plain decoding's own rounds are the denominator; and the target's
+  top-token probability at every position of plain decoding's output (its confidence).
 - `replay`: each controller (engine/spec_control.py at a git revision, or `now`, the working tree's)
   decides every round's budget; the round emits the recorded tokens for that budget and position and
   takes a time drawn from the recorded ones for its budget and the kind of round before it. Where the
   method's drafter has hindsight (engine/drafters/base.py `Hindsight`), a controller that takes it
   (`observe`) is told after each plain round what each of its trees would have emitted there (the
-  recorded tokens at that position; the engine learns them a few rounds later). Over many seeds:
+  recorded tokens at that position; the engine learns them a few rounds later); where it has not, a
+  controller that takes it (`confide`) is told the target's confidence at the tokens each round
+  emitted, as the engine tells it (a `/blind` suffix on a revision: not told). Over many seeds:
   tok/s as a ratio to plain decoding's (medians, 10th percentile) and the tree rounds a request, then
   by method the misses and the geometric mean of the rest. One request is one draw of where the
   re-tries fall (a re-try that lands on a right guess climbs, one a position later may not);
@@ -93,6 +96,16 @@ def record(path: Path, methods: list[str], kinds: list[str], lengths: list[int],
             out += step.token_ids
         return out
 
+    def confidence(prompt: list[int], params: SamplingParams, reference: list[int]) -> list[float] | None:
+        """The target's top-token probability at each position of `reference` (from its logprobs,
+        which sample on the host: None if that run's tokens are not the reference's)."""
+        out: list[int] = []
+        top: list[float] = []
+        for step in engine.generate(GenerationRequest(prompt_ids=prompt, sampling=replace(params, logprobs=1))):
+            out += step.token_ids
+            top += [math.exp(lp.top[0][1]) for lp in step.logprobs or []]
+        return top if out == reference else None
+
     def first_round(prompt: list[int], params: SamplingParams, spec: SpecConfig) -> list[int]:
         for step in engine.generate(GenerationRequest(prompt_ids=prompt, sampling=params, spec=spec)):
             return list(step.token_ids)  # the generator closes: the request ends here
@@ -103,6 +116,11 @@ def record(path: Path, methods: list[str], kinds: list[str], lengths: list[int],
         reference = output(prompt, params, SpecConfig())
         plain_ms: list[float] = []
         entry: dict = {"length": len(reference), "plain_ms": plain_ms, "methods": {}}
+        top = confidence(prompt, params, reference)
+        if top is not None:  # replayed to controllers that read the target's confidence
+            entry["confidence"] = top
+        else:
+            print(f"{label}: the run with logprobs left plain decoding's tokens; no confidence recorded", flush=True)
         for method in methods:
             spec = METHODS[method]
             accepted: dict[str, list[int]] = {}
@@ -164,11 +182,13 @@ def hindsight(method: str) -> bool:
 
 
 def replay_one(controller_class: type, accepted: dict[str, list[int]], times: dict[str, list[float]],
-               length: int, rng: random.Random, hindsight: bool = False) -> tuple[float, int]:
+               length: int, rng: random.Random, hindsight: bool = False,
+               confidence: list[float] | None = None) -> tuple[float, int]:
     """One request under `controller_class`: its total ms and its tree rounds. `hindsight`: the
     controller is told after each plain round what each tree would have emitted there."""
     controller = controller_class(max(BUDGETS))
     observe = getattr(controller, "observe", None) if hindsight else None
+    confide = getattr(controller, "confide", None) if confidence else None
     i, total, trees, prev = 0, 0.0, 0, None
     while i < length:
         arm = controller.budget()
@@ -183,6 +203,8 @@ def replay_one(controller_class: type, accepted: dict[str, list[int]], times: di
         controller.record(arm if budget == arm else -1, emitted, ms)
         if observe is not None and budget == 0:  # what each tree would have emitted here
             observe([(b, accepted[str(b)][i]) for b in BUDGETS])
+        if confide is not None:
+            confide(confidence[i : i + emitted])
         total += ms
         trees += budget > 0
         i += emitted
@@ -205,7 +227,9 @@ class FixedBudget:
 
 def controller_class(rev: str) -> type:
     """engine/spec_control.py's SpecController at git revision `rev`, the working tree's (`now`), that
-    of a file (a variant being tried), or none (`fixed`)."""
+    of a file (a variant being tried), or none (`fixed`); a `/blind` suffix: the same, not told the
+    target's confidence."""
+    rev = rev.removesuffix("/blind")
     if rev == "now":
         return spec_control.SpecController
     if rev == "fixed":
@@ -231,14 +255,18 @@ def replay(path: Path, revs: list[str], seeds: int, offsets: list[int]) -> None:
             cells = []
             for rev, cls in classes.items():
                 ratios, trees = [], []
+                blind = rev.endswith("/blind")
                 # from a later offset, the request whose prompt ends with the output so far: the
                 # recorded tokens from there on are that request's, and the controller starts fresh
                 for offset in [o for o in offsets if o == 0 or o <= entry["length"] - MIN_LENGTH]:
                     accepted = {b: row[offset:] for b, row in m["accepted"].items()}
                     length = entry["length"] - offset
+                    confidence = entry["confidence"][offset:] if "confidence" in entry and not blind else None
                     for seed in range(seeds):
                         rng = random.Random(seed)
-                        total, n = replay_one(cls, accepted, m["ms"], length, rng, hindsight(method))
+                        # as the engine does: the confidence for drafters without hindsight only
+                        total, n = replay_one(cls, accepted, m["ms"], length, rng, hindsight(method),
+                                              None if hindsight(method) else confidence)
                         plain_total = sum(rng.choice(plain) for _ in range(length))
                         ratios.append(plain_total / total)
                         trees.append(n)
