@@ -9,8 +9,17 @@ import random
 import pytest
 
 from engine.config import SpecConfig
-from engine.spec_control import (CONF_GATE, CONF_KEEP, FIRST, GROW, MAX_REVISIT, RETRY_SHARE, REVISIT, TRIES,
-                                 SpecController)
+from engine.spec_control import (
+    CONF_GATE,
+    CONF_KEEP,
+    FIRST,
+    GROW,
+    MAX_REVISIT,
+    RETRY_SHARE,
+    REVISIT,
+    TRIES,
+    SpecController,
+)
 from server.cli import build_parser
 from server.cli_settings import SettingsError, engine_settings
 
