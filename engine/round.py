@@ -108,6 +108,11 @@ START_LATE_ON_CPU = True
 # (scripts/bench_start_late.py --ahead-layers 0,2), three runs: 0.875-0.946x -> 0.907-0.986x of
 # plain decoding (BENCHMARKS.md, issue 17, twelfth session).
 START_AHEAD_LAYERS = 2
+# Where the target's confidence (the controller's gate, engine/spec_control.py) is read: None = on
+# the device in the round's graph except on the CPU, so that only N floats travel with the N ids;
+# on the CPU from the accepted rows' logits on the host after the walk (every row of a 17-node tree
+# on the device cost ~0.75 ms on the dev CPU, 8,192 tokens a row). Tests force either.
+TOP_ON_DEVICE: bool | None = None
 
 
 class Rounds:
@@ -143,10 +148,8 @@ class Rounds:
         # the controller's gate reads the target's confidence at every emitted token
         # (engine/spec_control.py); a drafter with hindsight has better evidence of its own
         self.confides = self.controller is not None and self.hindsight is None
-        # on the CPU read from the accepted rows' logits on the host after the walk (a tree's every
-        # row on the device: ~0.75 ms for 17 rows of 8,192 on the dev CPU); elsewhere on the device,
-        # in the round's graph, so that only N floats travel with the N ids
-        self.top_on_device = self.confides and mx.default_device() != mx.cpu
+        self.top_on_device = self.confides and (TOP_ON_DEVICE if TOP_ON_DEVICE is not None
+                                                else mx.default_device() != mx.cpu)
         self.start_late = START_LATE_ON_CPU and drafts and mx.default_device() == mx.cpu
         self._last_landed = 0.0
         self._ahead_ms = 0.0  # spent since the last landing queueing the round after the one landing next

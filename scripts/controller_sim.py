@@ -96,15 +96,26 @@ def record(path: Path, methods: list[str], kinds: list[str], lengths: list[int],
             out += step.token_ids
         return out
 
-    def confidence(prompt: list[int], params: SamplingParams, reference: list[int]) -> list[float] | None:
-        """The target's top-token probability at each position of `reference` (from its logprobs,
-        which sample on the host: None if that run's tokens are not the reference's)."""
-        out: list[int] = []
+    def confidence(prompt: list[int], params: SamplingParams, reference: list[int]) -> list[float]:
+        """The target's top-token probability at each position of `reference`, from logprobs. A run
+        with logprobs samples on the host and may leave the reference's tokens where the device's
+        draw was a rounding flip away; the probability there is still the position's (its logits
+        come from the tokens before), and the next run goes on from the reference's token."""
         top: list[float] = []
-        for step in engine.generate(GenerationRequest(prompt_ids=prompt, sampling=replace(params, logprobs=1))):
-            out += step.token_ids
-            top += [math.exp(lp.top[0][1]) for lp in step.logprobs or []]
-        return top if out == reference else None
+        while len(top) < len(reference):
+            done = len(top)
+            request = GenerationRequest(prompt_ids=prompt + reference[:done],
+                                        sampling=replace(params, logprobs=1, max_tokens=len(reference) - done))
+            got: list[tuple[int, float]] = []
+            for step in engine.generate(request):
+                got += [(t, math.exp(lp.top[0][1])) for t, lp in zip(step.token_ids, step.logprobs or [])]
+            for token, p in got:
+                top.append(p)
+                if token != reference[len(top) - 1]:
+                    break  # a flip: the next run starts after this position
+            if len(top) == done:
+                raise RuntimeError(f"no logprobs from position {done} of the reference on")
+        return top
 
     def first_round(prompt: list[int], params: SamplingParams, spec: SpecConfig) -> list[int]:
         for step in engine.generate(GenerationRequest(prompt_ids=prompt, sampling=params, spec=spec)):
@@ -116,11 +127,7 @@ def record(path: Path, methods: list[str], kinds: list[str], lengths: list[int],
         reference = output(prompt, params, SpecConfig())
         plain_ms: list[float] = []
         entry: dict = {"length": len(reference), "plain_ms": plain_ms, "methods": {}}
-        top = confidence(prompt, params, reference)
-        if top is not None:  # replayed to controllers that read the target's confidence
-            entry["confidence"] = top
-        else:
-            print(f"{label}: the run with logprobs left plain decoding's tokens; no confidence recorded", flush=True)
+        entry["confidence"] = confidence(prompt, params, reference)
         for method in methods:
             spec = METHODS[method]
             accepted: dict[str, list[int]] = {}
