@@ -85,6 +85,31 @@ def test_hindsight_is_replayed_for_the_drafters_that_have_it(sim):
     assert PlainWithHindsight.seen == []
 
 
+def test_the_confidence_is_replayed_at_the_tokens_each_round_emitted(sim):
+    class FourNodesThenPlain:
+        told: list[list[float]] = []
+
+        def __init__(self, max_budget: int) -> None:
+            self.rounds = 0
+
+        def budget(self) -> int:
+            return 4 if self.rounds == 0 else 0
+
+        def record(self, budget: int, tokens: int, ms: float) -> None:
+            self.rounds += 1
+
+        def confide(self, probabilities: list[float]) -> None:
+            self.told.append(list(probabilities))
+
+    confidence = [0.1, 0.2, 0.3, 0.4, 0.5]
+    sim.replay_one(FourNodesThenPlain, table(5, {1: 2, 4: 3, 16: 5}), times(10.0, 20.0), 5, random.Random(0),
+                   confidence=confidence)
+    assert FourNodesThenPlain.told == [[0.1, 0.2, 0.3], [0.4], [0.5]]  # the tree's three tokens, then one a round
+    FourNodesThenPlain.told.clear()
+    sim.replay_one(FourNodesThenPlain, table(5, {1: 2, 4: 3, 16: 5}), times(10.0, 20.0), 5, random.Random(0))
+    assert FourNodesThenPlain.told == []
+
+
 def test_the_summary_splits_misses_from_the_rest_and_compares_with_the_fixed_budget(sim):
     medians = {"fixed": {("misses 64", "mtp"): 0.5, ("code1", "mtp"): 1.2, ("chat", "mtp"): 0.8},
                "now": {("misses 64", "mtp"): 0.97, ("code1", "mtp"): 1.2, ("chat", "mtp"): 1.0}}
