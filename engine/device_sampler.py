@@ -77,5 +77,5 @@ def top_probability(logits: mx.array) -> mx.array:
     distribution (no temperature, no penalties); engine/spec_control.py's confidence. Twin:
     engine/logits_extras.py top_probabilities."""
     x = logits.astype(mx.float32)
-    return mx.exp(x.max(axis=-1) - mx.logsumexp(x, axis=-1))
+    return 1.0 / cpu_exp.exp(x - x.max(axis=-1, keepdims=True)).sum(axis=-1)
 

@@ -108,10 +108,13 @@ START_LATE_ON_CPU = True
 # (scripts/bench_start_late.py --ahead-layers 0,2), three runs: 0.875-0.946x -> 0.907-0.986x of
 # plain decoding (BENCHMARKS.md, issue 17, twelfth session).
 START_AHEAD_LAYERS = 2
-# Where the target's confidence (the controller's gate, engine/spec_control.py) is read: None = on
-# the device in the round's graph except on the CPU, so that only N floats travel with the N ids;
-# on the CPU from the accepted rows' logits on the host after the walk (every row of a 17-node tree
-# on the device cost ~0.75 ms on the dev CPU, 8,192 tokens a row). Tests force either.
+# Where the target's confidence (the controller's gate, engine/spec_control.py) is read: on the
+# device in the round's graph, so that only N floats travel with the N ids; on the CPU a tree's
+# accepted rows on the host after the walk instead (its every row in the graph: ~0.75 ms for 17
+# rows of 8,192 on the dev CPU), a one-node round's in the graph still (~0.05 ms; read on the host
+# after the landing it cost ~0.12 ms, which the token waited for: NumPy's exponentials competed
+# with the next round's start for the two cores). None: so; True / False: every round on the
+# device / on the host (tests force either).
 TOP_ON_DEVICE: bool | None = None
 
 
@@ -148,8 +151,7 @@ class Rounds:
         # the controller's gate reads the target's confidence at every emitted token
         # (engine/spec_control.py); a drafter with hindsight has better evidence of its own
         self.confides = self.controller is not None and self.hindsight is None
-        self.top_on_device = self.confides and (TOP_ON_DEVICE if TOP_ON_DEVICE is not None
-                                                else mx.default_device() != mx.cpu)
+        self.top_on_cpu = mx.default_device() == mx.cpu
         self.start_late = START_LATE_ON_CPU and drafts and mx.default_device() == mx.cpu
         self._last_landed = 0.0
         self._ahead_ms = 0.0  # spent since the last landing queueing the round after the one landing next
@@ -243,7 +245,8 @@ class Rounds:
             choices = device_sampler.choose(self._adjusted(logits, tree, device_tokens), self.params, uniforms)
         committed = tree.size == 1 and choices is not None
         flight = InFlight(tree, committed_len, logits, choices, committed, t0, draft_ms)
-        if self.top_on_device and choices is not None:
+        if self.confides and choices is not None and (
+                TOP_ON_DEVICE if TOP_ON_DEVICE is not None else tree.size == 1 or not self.top_on_cpu):
             flight.top = device_sampler.top_probability(logits)
         if choices is not None and committed:  # the root is accepted whatever the choice: commit now
             if self.penalties is not None:  # emitted whatever lands: the round queued behind sees it
@@ -301,9 +304,11 @@ class Rounds:
         """The target's top-token probability at the rows of `path` (each emitted token's row)."""
         if flight.top is not None:
             return np.array(flight.top)[list(path)]
-        if host_logits is None:  # the rows stay where they are; only the path's reach the host
-            host_logits = np.array(flight.logits[mx.array(list(path))].astype(mx.float32))
-            return top_probabilities(host_logits)
+        if host_logits is None:
+            # the CPU's logits, read where they are (evaluated with the choices or the walk's
+            # draws; an MLX read-out would queue behind the next round's first layers)
+            host_logits = np.asarray(flight.logits) if flight.logits.dtype == mx.float32 else \
+                np.array(flight.logits.astype(mx.float32))
         return top_probabilities(host_logits[list(path)])
 
     def _draw(self, flight: InFlight, node: int) -> int:
