@@ -130,15 +130,16 @@ RECLIMB = 3
 # The target's confidence (`confide`): a moving average, a token at a time (CONF_KEEP of the
 # history), of the probability of the target's most likely token at each position emitted. At or
 # below CONF_GATE no tree is tried or kept; above it, the climb starts at the four-node tree.
-# Measured on the bundled target (scripts/controller_sim.py's recordings, 2,200 positions a
-# drafter): where the average of the positions before was below 0.5 a 16-node tree emitted
-# 1.4-1.9 tokens a round, above 0.7 3.4-4.5 (MTP, DFlash, draft model, n-gram alike). Replayed
-# over both recordings, the gate and the start at four nodes against neither (BENCHMARKS.md, issue
-# 17): where guesses hit MTP 1.178 -> 1.265x and 1.070 -> 1.099x of plain decoding (geometric
-# means over the prompts), DFlash 1.059 -> 1.138x and 1.021 -> 1.078x, the draft model 0.962 ->
-# 1.012x and 0.946 -> 0.978x; where they miss, 0.783-1.081x -> 0.813-1.089x. The gate does not
-# pay for a drafter with hindsight (the n-gram drafter's own evidence is better: 1.295 -> 1.238x),
-# so the engine reports the confidence only for the others (engine/round.py).
+# Measured on the bundled target (a scripts/controller_sim.py recording, ~700 positions a
+# drafter): where the average over the positions before was below 0.5, a 16-node tree emitted
+# 1.4-1.9 tokens a round; above 0.7, 3.4-4.5 (MTP, DFlash, draft model and n-gram alike). Replayed
+# over three recordings against the controller without it (BENCHMARKS.md, issue 17, twentieth
+# session), the geometric means where guesses may hit: MTP +3.0 / +1.6 / -1.3 %, DFlash +7.0 /
+# +5.1 / +1.9 %, the draft model +4.3 / +2.1 / +3.1 %; where they miss, MTP and the draft model
+# gained or held, DFlash -2.3 to +0.9 %. The gate was chosen on the second recording (0.5-0.8
+# tried; 0.5 and 0.8 lost on one drafter each). It does not pay for a drafter with hindsight (the
+# n-gram drafter's own evidence is better: -4 to -5 % where guesses hit), so the engine reports the
+# confidence only to the others (engine/round.py).
 CONF_KEEP = 0.7
 CONF_GATE = 0.7
 
