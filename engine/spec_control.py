@@ -130,16 +130,16 @@ RECLIMB = 3
 # The target's confidence (`confide`): a moving average, a token at a time (CONF_KEEP of the
 # history), of the probability of the target's most likely token at each position emitted. At or
 # below CONF_GATE no tree is tried or kept; above it, the climb starts at the four-node tree.
-# Measured on the bundled target (a scripts/controller_sim.py recording, ~700 positions a
-# drafter): where the average over the positions before was below 0.5, a 16-node tree emitted
-# 1.4-1.9 tokens a round; above 0.7, 3.4-4.5 (MTP, DFlash, draft model and n-gram alike). Replayed
-# over three recordings against the controller without it (BENCHMARKS.md, issue 17, twentieth
-# session), the geometric means where guesses may hit: MTP +3.0 / +1.6 / -1.3 %, DFlash +7.0 /
-# +5.1 / +1.9 %, the draft model +4.3 / +2.1 / +3.1 %; where they miss, MTP and the draft model
-# gained or held, DFlash -2.3 to +0.9 %. The gate was chosen on the second recording (0.5-0.8
-# tried; 0.5 and 0.8 lost on one drafter each). It does not pay for a drafter with hindsight (the
-# n-gram drafter's own evidence is better: -4 to -5 % where guesses hit), so the engine reports the
-# confidence only to the others (engine/round.py).
+# Measured on the bundled target (`scripts/controller_sim.py confidence FILE`, a fresh recording,
+# ~700 positions a drafter): where the average over the positions before was below 0.5, a 16-node
+# tree emitted 1.2-2.2 tokens a round; above 0.7, 3.0-4.8 (MTP, DFlash, draft model and n-gram
+# alike). Replayed over three recordings against the controller without it (BENCHMARKS.md, issue
+# 17, twentieth session), the geometric means where guesses may hit: MTP +3.0 / +1.6 / -1.3 %,
+# DFlash +7.0 / +5.1 / +1.9 %, the draft model +4.3 / +2.1 / +3.1 %; where they miss, MTP and the
+# draft model gained or held, DFlash -2.3 to +0.9 %. The gate was chosen on the second recording
+# (0.5-0.8 tried; 0.5 and 0.8 lost on one drafter each). It does not pay for a drafter with
+# hindsight (the n-gram drafter's own evidence is better: -4 to -5 % where guesses hit), so the
+# engine reports the confidence only to the others (engine/round.py).
 CONF_KEEP = 0.7
 CONF_GATE = 0.7
 

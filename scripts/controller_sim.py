@@ -3,6 +3,7 @@ measured round times.
 
     python scripts/controller_sim.py record FILE [--methods mtp,draft] [--kinds code,chat] [--lengths 64] [--runs 4]
     python scripts/controller_sim.py replay FILE [--revs now,HEAD,variant.py] [--seeds 200] [--offsets 0,8,16]
+    python scripts/controller_sim.py confidence FILE
 
 On the dev CPU the same controller reads 0.82x and 0.92x of plain decoding in two runs of one
 process (BENCHMARKS.md, issue 17), more than the differences between controllers that issue 17 is
@@ -286,6 +287,34 @@ def replay(path: Path, revs: list[str], seeds: int, offsets: list[int]) -> None:
     print(summary(medians))
 
 
+def by_confidence(path: Path, keep: float, edges: list[float]) -> str:
+    """Tokens a round of each budget by the target's confidence before the position (its moving
+    average over the positions before, `keep` of the history a token, as engine/spec_control.py
+    keeps it), by method over every recorded position."""
+    data = json.loads(path.read_text())
+    rows: dict[str, list[tuple[float, dict[str, int]]]] = {}
+    for entry in data["requests"].values():
+        confidence = entry.get("confidence")
+        if confidence is None:
+            continue
+        for method, m in entry["methods"].items():
+            average = None
+            for i in range(entry["length"]):
+                if average is not None:
+                    rows.setdefault(method, []).append((average, {b: r[i] for b, r in m["accepted"].items()}))
+                average = confidence[i] if average is None else keep * average + (1 - keep) * confidence[i]
+    budgets = [str(b) for b in BUDGETS]
+    lines = ["| method | confidence before | positions | " + " | ".join(f"tokens at {b}" for b in budgets) + " |",
+             "|---|---|---|" + "---|" * len(budgets)]
+    for method, samples in rows.items():
+        for lo, hi in zip(edges, edges[1:]):
+            cell = [t for c, t in samples if lo <= c < hi]
+            means = [statistics.mean(t[b] for t in cell) if cell else float("nan") for b in budgets]
+            tokens = " | ".join(f"{v:.2f}" for v in means)
+            lines.append(f"| {method} | {lo:.1f}-{hi:.1f} | {len(cell)} | {tokens} |")
+    return "\n".join(lines)
+
+
 def summary(medians: dict[str, dict[tuple[str, str], float]]) -> str:
     """By method and controller: the misses' cells (requests labelled "misses ...") and the
     geometric mean of the other requests' (where guesses may hit), with its ratio to the fixed
@@ -322,8 +351,14 @@ def main() -> None:
     rep.add_argument("--seeds", type=int, default=200)
     rep.add_argument("--offsets", default="0",
                      help="start positions each request is also replayed from (e.g. 0,6,12,18,24,30,36,42)")
+    conf = sub.add_parser("confidence", help="tokens a round by the target's confidence before the position")
+    conf.add_argument("file", type=Path)
+    conf.add_argument("--keep", type=float, default=spec_control.CONF_KEEP)
+    conf.add_argument("--edges", default="0,0.3,0.5,0.7,0.9,1.01")
     a = ap.parse_args()
-    if a.command == "record":
+    if a.command == "confidence":
+        print(by_confidence(a.file, a.keep, [float(e) for e in a.edges.split(",")]))
+    elif a.command == "record":
         methods = [m for m in a.methods.split(",") if m]
         if not methods or any(m not in METHODS for m in methods):
             ap.error(f"--methods takes some of {', '.join(METHODS)}, got {a.methods!r}")

@@ -116,3 +116,15 @@ def test_the_summary_splits_misses_from_the_rest_and_compares_with_the_fixed_bud
     rows = sim.summary(medians).splitlines()[2:]
     assert rows[0] == f"| mtp | fixed | 0.500 | {math.sqrt(1.2 * 0.8):.3f} | 1.000 |"
     assert rows[1] == f"| mtp | now | 0.970 | {math.sqrt(1.2):.3f} | {math.sqrt(1.25):.3f} |"
+
+
+def test_tokens_are_tabled_by_the_confidence_before_the_position(sim, tmp_path):
+    # the confidence along the output: low, low, high, high; the moving average before positions
+    # 1-3 (KEEP 0.5): 0.1, 0.1, 0.5: so positions 1 and 2 fall in the low cell, 3 in the high one
+    entry = {"length": 4, "confidence": [0.1, 0.1, 0.9, 0.9], "plain_ms": [10.0],
+             "methods": {"mtp": {"accepted": {"1": [2, 1, 1, 2], "4": [3, 1, 3, 5], "16": [4, 1, 5, 9]}, "ms": {}}}}
+    path = tmp_path / "rec.json"
+    path.write_text(__import__("json").dumps({"tokens": 4, "requests": {"code1": entry}}))
+    table = sim.by_confidence(path, 0.5, [0.0, 0.4, 1.01]).splitlines()
+    assert table[2] == "| mtp | 0.0-0.4 | 2 | 1.00 | 2.00 | 3.00 |"
+    assert table[3] == "| mtp | 0.4-1.0 | 1 | 2.00 | 5.00 | 9.00 |"
