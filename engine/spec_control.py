@@ -220,15 +220,17 @@ class SpecController:
             self.confidence = p if self.confidence is None else CONF_KEEP * self.confidence + (1 - CONF_KEEP) * p
 
     def _gated(self) -> bool:
-        """Whether the target is too unsure of the text for any guess to be worth a try (CONF_GATE),
-        unless the tries where it was unsure so far all accepted every guess (then the gate stays
-        up till they number TRIES, and after that it is lifted for good)."""
+        """Whether no tree is tried or kept now: the target is unsure (its confidence at most
+        CONF_GATE), and the drafter's tries where it was unsure did not all accept every guess
+        (there were none, or one missed)."""
         if self.confidence is None or self.confidence > CONF_GATE:
             return False
         return not (self.unsure_tries and self.unsure_hits == self.unsure_tries)
 
     def _doubting(self) -> bool:
-        """Whether the gate is up only till the tries where the target was unsure number TRIES."""
+        """Whether the target is unsure and the drafter's tries there all accepted every guess but
+        number fewer than TRIES: then the smallest tree is tried again. From TRIES such tries on
+        the gate is lifted for the request: the confidence does not predict this drafter."""
         return (0 < self.unsure_tries < TRIES and self.unsure_hits == self.unsure_tries
                 and self.confidence is not None and self.confidence <= CONF_GATE)
 
