@@ -403,9 +403,11 @@ class SpecController:
         """A round ran with `budget` (the arm it was given), emitted `tokens` in `ms`."""
         arm = next((a for a in self.arms if a.budget == budget), None)
         if budget == 0 and self._gated():
-            # a gated round times plain rounds and is nothing else: the re-tries' clock, the trees'
-            # ageing and the climb wait for text the target is confident of
+            # a gated round times plain rounds and is nothing else: the re-tries' clock (pushed on
+            # with the rounds), the trees' ageing and the climb wait for text the target is sure of
             self.arms[0].record(tokens, ms)
+            self.rounds += 1
+            self.next_revisit += bool(self.next_revisit)
             self.last = 0
             return
         self.tried = (budget, tokens) if budget > 0 else None
