@@ -56,7 +56,11 @@ METHODS = {"ngram": SpecConfig(method="ngram"), "mtp": SpecConfig(method="mtp", 
 
 
 def module_at(rev: str, path: str, name: str) -> ModuleType:
-    """The file `path` as it was at `rev`, loaded as its own module `name`."""
+    """The file `path` as it was at `rev`, loaded as its own module `name`; `rev` may also be a
+    directory holding the other revision's files at the same paths (a machine without the git
+    history: `git archive REV engine | tar -x -C DIR`)."""
+    if Path(rev).is_dir():
+        return module_from_file(Path(rev) / path, name)
     source = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:{path}"], check=True,
                             capture_output=True, text=True).stdout
     file = Path(tempfile.mkdtemp()) / f"{name}.py"
@@ -139,7 +143,7 @@ def summary(results: dict[str, list[dict]]) -> dict[str, str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--against", help="git revision of the other controller")
+    ap.add_argument("--against", help="git revision of the other controller, or a directory with its engine/")
     ap.add_argument("--max-stall", type=float, help="instead: the working tree's controller with this stall cap")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=96)
