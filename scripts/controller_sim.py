@@ -261,6 +261,8 @@ def replay(path: Path, revs: list[str], seeds: int, offsets: list[int]) -> None:
         plain = entry["plain_ms"]
         for method, m in entry["methods"].items():
             cells = []
+            # a drafter with hindsight is told that; the others the confidence, as the engine does
+            told = hindsight(method)
             for rev, cls in classes.items():
                 ratios, trees = [], []
                 blind = rev.endswith("/blind")
@@ -272,9 +274,8 @@ def replay(path: Path, revs: list[str], seeds: int, offsets: list[int]) -> None:
                     confidence = entry["confidence"][offset:] if "confidence" in entry and not blind else None
                     for seed in range(seeds):
                         rng = random.Random(seed)
-                        # as the engine does: the confidence for drafters without hindsight only
-                        total, n = replay_one(cls, accepted, m["ms"], length, rng, hindsight(method),
-                                              None if hindsight(method) else confidence)
+                        total, n = replay_one(cls, accepted, m["ms"], length, rng, told,
+                                              None if told else confidence)
                         plain_total = sum(rng.choice(plain) for _ in range(length))
                         ratios.append(plain_total / total)
                         trees.append(n)

@@ -4,6 +4,7 @@ round times, without the engine."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import random
 import sys
@@ -124,7 +125,7 @@ def test_tokens_are_tabled_by_the_confidence_before_the_position(sim, tmp_path):
     entry = {"length": 4, "confidence": [0.1, 0.1, 0.9, 0.9], "plain_ms": [10.0],
              "methods": {"mtp": {"accepted": {"1": [2, 1, 1, 2], "4": [3, 1, 3, 5], "16": [4, 1, 5, 9]}, "ms": {}}}}
     path = tmp_path / "rec.json"
-    path.write_text(__import__("json").dumps({"tokens": 4, "requests": {"code1": entry}}))
+    path.write_text(json.dumps({"tokens": 4, "requests": {"code1": entry}}))
     table = sim.by_confidence(path, 0.5, [0.0, 0.4, 1.01]).splitlines()
     assert table[2] == "| mtp | 0.0-0.4 | 2 | 1.00 | 2.00 | 3.00 |"
     assert table[3] == "| mtp | 0.4-1.0 | 1 | 2.00 | 5.00 | 9.00 |"
