@@ -452,3 +452,33 @@ def test_one_lucky_guess_where_the_target_is_unsure_does_not_lift_it():
     unsure = lambda b, i: ((next(guesses, 1) if b else 1), 10.0 + b, 0.3)  # noqa: E731
     chosen = drive_confident(SpecController(16), unsure, 3 * MAX_REVISIT)
     assert chosen[:3] == [FIRST, 0, FIRST] and set(chosen[3:]) == {0}
+
+
+def sure_misses_unsure_then_sure_hits(tree_ms) -> list[int]:
+    """20 rounds where the target is sure but guesses miss (trees lose, plain rounds win), 30 where
+    it is unsure, then sure with every guess right; a tree round costs tree_ms(budget)."""
+    def outcome(b, i):
+        if i < 20:
+            return 1, tree_ms(b) if b else 10.0, 0.95
+        if i < 50:
+            return 1, tree_ms(b) if b else 10.0, 0.3
+        return (1 + b, tree_ms(b), 0.95) if b else (1, 10.0, 0.95)
+
+    return drive_confident(SpecController(16), outcome, 80)
+
+
+def test_a_sure_stretch_after_an_unsure_one_is_tried_at_once(monkeypatch):
+    chosen = sure_misses_unsure_then_sure_hits(lambda b: 10.0 + 2.0 * b)
+    assert set(chosen[23:50]) == {0}
+    # woken once the average passes CONF_WAKE (six sure tokens): four nodes, then the climb
+    assert 4 in chosen[50:58] and chosen[-20:].count(16) >= 18
+    # without the wake the trees wait for the re-try spacing
+    monkeypatch.setattr("engine.spec_control.CONF_WAKE", 2.0)
+    assert set(sure_misses_unsure_then_sure_hits(lambda b: 10.0 + 2.0 * b)[50:70]) == {0}
+
+
+def test_a_costly_tree_is_not_woken(monkeypatch):
+    # the four-node tree costs four plain rounds: more than WAKE_COST
+    assert set(sure_misses_unsure_then_sure_hits(lambda b: 40.0 + b)[50:70]) == {0}
+    monkeypatch.setattr("engine.spec_control.WAKE_COST", 100.0)
+    assert 4 in sure_misses_unsure_then_sure_hits(lambda b: 40.0 + b)[50:58]
