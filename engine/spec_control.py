@@ -243,12 +243,13 @@ class SpecController:
     def _wake(self) -> None:
         """The target turned sure after a stretch where it was not: a re-climb from the tree above
         the best arm (the four-node tree above plain rounds), unless that tree's rounds cost more
-        than WAKE_COST plain rounds."""
+        than WAKE_COST plain rounds or the stall cap rules it out."""
         best = self.best()
         up = self._up(best) if best.budget else self.arms[min(2, len(self.arms) - 1)].budget
         arm = next((a for a in self.arms if a.budget == up), None) if up else None
         plain = self.arms[0]
-        if arm is not None and (not arm.rounds or not plain.rounds or arm.ms <= WAKE_COST * plain.ms):
+        if arm is not None and self._allowed(arm) and (not arm.rounds or not plain.rounds
+                                                       or arm.ms <= WAKE_COST * plain.ms):
             self.reclimb = up
 
     def _gated(self) -> bool:
