@@ -38,14 +38,11 @@ that rounds from a stretch where guesses missed do not outweigh fresh ones where
 scripts/controller_sim.py replays controllers over measured acceptance and round times, so that
 such changes are compared without the machine's noise.
 
-Free evidence for every drafter is the target's own confidence: where it is unsure of the next
-token, a drafter rarely guesses it, and where it is sure, one often does. The engine reports the
-probability of the target's most likely token at every emitted position (`confide`); while its
-moving average is at or below CONF_GATE, rounds are plain and nothing is tried (re-tries, the
-climb and the trees' ageing wait), and above it the controller runs as above, its climb starting
-at the four-node tree. When the average first passes CONF_WAKE after such a stretch, a tree is
-tried at once (where its rounds are cheap enough: WAKE_COST) instead of at the next re-try.
-Drafters with hindsight do without it (engine/round.py).
+Free evidence for every drafter is the target's own confidence (engine/spec_gate.py, told through
+`confide`): while it is low the gate is shut, rounds are plain and nothing is tried (re-tries, the
+climb and the trees' ageing wait); above it the controller runs as above, its climb starting at
+the four-node tree; and when the confidence turns high after a shut stretch, a tree is tried at
+once (where its rounds are cheap enough: WAKE_COST) instead of at the next re-try.
 
 A cap on the stall (`max_stall`, off by default): a round's tokens reach a streaming client
 together, after the whole round, so a round that takes X plain rounds is a gap X times a plain
@@ -60,6 +57,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from engine.spec_gate import ConfidenceGate
 
 DECAY = 0.8  # weight of the history in each arm's estimates (a few rounds of memory)
 # against plain rounds, a tree's tokens a round are read as if PRIOR rounds more had emitted one
@@ -129,32 +128,13 @@ WMIN = 0.5
 # turned predictable after a miss-heavy start was decoded plain to its end (code3 of
 # scripts/bench_spec.py, MTP: 1.02 tokens per forward against 3.84 with every round a 17-node tree)
 RECLIMB = 3
-# The target's confidence (`confide`): a moving average, a token at a time (CONF_KEEP of the
-# history), of the probability of the target's most likely token at each position emitted. At or
-# below CONF_GATE no tree is tried or kept; above it, the climb starts at the four-node tree.
-# Measured on the bundled target (`scripts/controller_sim.py confidence FILE`, a fresh recording,
-# ~700 positions a drafter): where the average over the positions before was below 0.5, a 16-node
-# tree emitted 1.2-2.2 tokens a round; above 0.7, 3.0-4.8 (MTP, DFlash, draft model and n-gram
-# alike). Replayed over three recordings against the controller without it (BENCHMARKS.md, issue
-# 17, twentieth session), the geometric means where guesses may hit: MTP +3.0 / +1.6 / -1.3 %,
-# DFlash +7.0 / +5.1 / +1.9 %, the draft model +4.3 / +2.1 / +3.1 %; where they miss, MTP and the
-# draft model gained or held, DFlash -2.3 to +0.9 %. The gate was chosen on the second recording
-# (0.5-0.8 tried; 0.5 and 0.8 lost on one drafter each). It does not pay for a drafter with
-# hindsight (the n-gram drafter's own evidence is better: -4 to -5 % where guesses hit), so the
-# engine reports the confidence only to the others (engine/round.py).
-CONF_KEEP = 0.7
-CONF_GATE = 0.7
-# After a stretch under the gate, the first time the average passes CONF_WAKE the tree above the
-# best arm is tried at once, and climbed from if it goes deep (a re-climb), where its rounds take
-# at most WAKE_COST plain rounds. Otherwise the trees come back only at the re-try spacing, counted
-# in rounds: on chat (scripts/bench_spec.py) MTP's four guesses were right round after round in a
-# sure stretch that the gated controller did not try. Replayed over recordings 1 / 3 / 4
-# (BENCHMARKS.md, issue 17, twentieth session): MTP where guesses may hit 1.248 -> 1.289, 1.100 ->
-# 1.134, 1.140 -> 1.194 (the fixed 16-node budget: 1.277, 1.099, 1.223), where they miss within
-# 1.1 %; DFlash within 1 % both ways; the draft model's trees cost more than WAKE_COST: unchanged.
-# Without the cost rule the draft model lost up to 2.7 % where guesses miss; waking as the gate
-# opens (at 0.7) lost 1-5 % there for every drafter.
-CONF_WAKE = 0.85
+# Woken after a shut stretch (engine/spec_gate.py), the controller tries the tree above its best
+# arm at once, and climbs from it if it goes deep (a re-climb), where that tree's rounds take at
+# most WAKE_COST plain rounds. Replayed over recordings 1 / 3 / 4 (BENCHMARKS.md, issue 17,
+# twentieth session): MTP where guesses may hit 1.248 -> 1.289, 1.100 -> 1.134, 1.140 -> 1.194 (the
+# fixed 16-node budget: 1.277, 1.099, 1.223), where they miss within 1.1 %; DFlash within 1 % both
+# ways; the draft model's trees cost more than WAKE_COST: unchanged. Without the cost rule the draft
+# model lost up to 2.7 % where guesses miss.
 WAKE_COST = 2.5
 
 
@@ -201,16 +181,7 @@ class SpecController:
     revisit_side: int = 1  # +1: the neighbour above the best arm, -1: below (alternating)
     last: int = 0  # the budget of the last round recorded (0 before the first)
     reclimb: int = 0  # the budget of a re-climb's next try (0: none under way)
-    # the target's confidence: a moving average, a token at a time, of its most likely token's
-    # probability at the tokens emitted (`confide`); None where it is not reported
-    confidence: float | None = None
-    # tree rounds chosen while the confidence was unknown or at most CONF_GATE, and those of them
-    # that accepted every guess: a drafter right that often where the target is unsure (a draft
-    # model that is the target itself, on a model whose distribution is flat) lifts the gate
-    unsure_tries: int = 0
-    unsure_hits: int = 0
-    tried: tuple[int, int] | None = None  # the last round recorded, a tree's: (budget, tokens)
-    woken: bool = True  # False from a gated round on till the confidence passes CONF_WAKE
+    gate: ConfidenceGate = field(default_factory=ConfidenceGate)  # the target's confidence
 
     def __post_init__(self) -> None:
         budgets = {0, min(FIRST, self.max_budget), self.max_budget}
@@ -220,24 +191,16 @@ class SpecController:
             b *= 4
         self.arms = [Arm(b) for b in sorted(budgets)]
 
+    @property
+    def confidence(self) -> float | None:
+        return self.gate.confidence
+
     def confide(self, probabilities: Sequence[float]) -> None:
         """After a round's record: the probability of the target's most likely token (its raw
         distribution) at each position the round emitted, in order."""
-        if self.tried is not None and probabilities:
-            # the round's tree counts as tried where the target was unsure if it was chosen so, or,
-            # for the first round (nothing reported before it), if it was unsure at the round's root
-            budget, tokens = self.tried
-            if (self.confidence if self.confidence is not None else probabilities[0]) <= CONF_GATE:
-                self.unsure_tries += 1
-                self.unsure_hits += tokens >= 1 + budget
-            self.tried = None
-        if self._gated():
-            self.woken = False  # the text may turn sure later: then a tree is tried at once
-        for p in probabilities:
-            self.confidence = p if self.confidence is None else CONF_KEEP * self.confidence + (1 - CONF_KEEP) * p
-        if (not self.woken and self.confidence is not None and self.confidence > CONF_WAKE
-                and self._climbing() is None and not self.reclimb):
-            self.woken = True
+        self.gate.confide(probabilities)
+        if self.gate.wake_due() and self._climbing() is None and not self.reclimb:
+            self.gate.wake()
             self._wake()
 
     def _wake(self) -> None:
@@ -251,21 +214,6 @@ class SpecController:
         if arm is not None and self._allowed(arm) and (not arm.rounds or not plain.rounds
                                                        or arm.ms <= WAKE_COST * plain.ms):
             self.reclimb = up
-
-    def _gated(self) -> bool:
-        """Whether no tree is tried or kept now: the target is unsure (its confidence at most
-        CONF_GATE), and the drafter's tries where it was unsure did not all accept every guess
-        (there were none, or one missed)."""
-        if self.confidence is None or self.confidence > CONF_GATE:
-            return False
-        return not (self.unsure_tries and self.unsure_hits == self.unsure_tries)
-
-    def _doubting(self) -> bool:
-        """Whether the target is unsure and the drafter's tries there all accepted every guess but
-        number fewer than TRIES: then the smallest tree is tried again. From TRIES such tries on
-        the gate is lifted for the request: the confidence does not predict this drafter."""
-        return (0 < self.unsure_tries < TRIES and self.unsure_hits == self.unsure_tries
-                and self.confidence is not None and self.confidence <= CONF_GATE)
 
     def tokens(self, arm: Arm) -> tuple[float, float]:
         """A tree's tokens a round and the weight behind it: its own rounds' average, with what
@@ -334,7 +282,7 @@ class SpecController:
         per forward when the climb went by the prediction, tests/server/test_spec_edges.py)."""
         # with the target's confidence reported, the climb starts above the smallest tree: it runs
         # only where the target is confident, where the one-guess tree's tries are a detour
-        skip = int(self.confidence is not None and len(self.arms) > 2)
+        skip = int(self.gate.reported and len(self.arms) > 2)
         for arm in self.arms[1 + skip:]:
             # the smallest tree gets both its tries whatever the first cost (one slow round, e.g.
             # the first of a request, must not rule speculation out); a bigger one is judged on one
@@ -370,9 +318,9 @@ class SpecController:
 
     def budget(self) -> int:
         """The budget of the next round (pure: asking twice without a record gives the same answer)."""
-        if self._gated():
+        if self.gate.shut():
             return 0
-        if self._doubting():  # the smallest tree again, a plain round after the last try
+        if self.gate.doubting():  # the smallest tree again, a plain round after the last try
             return 0 if self.last != 0 else self.arms[1].budget
         climbing = self._climbing()
         if climbing is not None:
@@ -435,7 +383,7 @@ class SpecController:
     def record(self, budget: int, tokens: int, ms: float) -> None:
         """A round ran with `budget` (the arm it was given), emitted `tokens` in `ms`."""
         arm = next((a for a in self.arms if a.budget == budget), None)
-        if budget == 0 and self._gated():
+        if budget == 0 and self.gate.shut():
             # a gated round times plain rounds and is nothing else: the re-tries' clock (pushed on
             # with the rounds), the trees' ageing and the climb wait for text the target is sure of
             self.arms[0].record(tokens, ms)
@@ -443,7 +391,7 @@ class SpecController:
             self.next_revisit += bool(self.next_revisit)
             self.last = 0
             return
-        self.tried = (budget, tokens) if budget > 0 else None
+        self.gate.record(budget, tokens)
         best_before = self.best() if self._due() and arm is not None else None
         self.rounds += 1
         self.last = budget

@@ -55,17 +55,42 @@ METHODS = {"ngram": SpecConfig(method="ngram"), "mtp": SpecConfig(method="mtp", 
            "dflash": SpecConfig(method="dflash", tree="ddtree"), "draft": SpecConfig(method="draft")}
 
 
-def module_at(rev: str, path: str, name: str) -> ModuleType:
-    """The file `path` as it was at `rev`, loaded as its own module `name`; `rev` may also be a
+def source_at(rev: str, path: str) -> str | None:
+    """The file `path` as it was at `rev` (None where it did not exist); `rev` may also be a
     directory holding the other revision's files at the same paths (a machine without the git
     history: `git archive REV engine | tar -x -C DIR`)."""
     if Path(rev).is_dir():
-        return module_from_file(Path(rev) / path, name)
-    source = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:{path}"], check=True,
-                            capture_output=True, text=True).stdout
+        file = Path(rev) / path
+        return file.read_text() if file.exists() else None
+    shown = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:{path}"], capture_output=True, text=True)
+    return shown.stdout if shown.returncode == 0 else None
+
+
+def module_at(rev: str, path: str, name: str) -> ModuleType:
+    """The file `path` as it was at `rev`, loaded as its own module `name`."""
+    source = source_at(rev, path)
+    if source is None:
+        raise FileNotFoundError(f"{path} at {rev}")
+    return module_from_source(source, name)
+
+
+def module_from_source(source: str, name: str) -> ModuleType:
     file = Path(tempfile.mkdtemp()) / f"{name}.py"
     file.write_text(source)
     return module_from_file(file, name)
+
+
+def spec_control_at(rev: str, name: str) -> ModuleType:
+    """engine/spec_control.py as it was at `rev`, with that revision's engine/spec_gate.py (the
+    confidence gate it imports) where it had one, not the working tree's."""
+    gate = source_at(rev, "engine/spec_gate.py")
+    source = source_at(rev, "engine/spec_control.py")
+    if source is None:
+        raise FileNotFoundError(f"engine/spec_control.py at {rev}")
+    if gate is not None:
+        module_from_source(gate, f"{name}_gate")
+        source = source.replace("from engine.spec_gate import", f"from {name}_gate import")
+    return module_from_source(source, name)
 
 
 def module_from_file(file: Path, name: str) -> ModuleType:
@@ -81,7 +106,7 @@ def module_from_file(file: Path, name: str) -> ModuleType:
 def controller_at(rev: str) -> ModuleType:
     """engine/round.py as it was at `rev`, using engine/spec_control.py as it was then: the
     controller and the round times it is fed."""
-    control = module_at(rev, "engine/spec_control.py", "spec_control_then")
+    control = spec_control_at(rev, "spec_control_then")
     then = module_at(rev, "engine/round.py", "round_then")
     then.SpecController = control.SpecController  # type: ignore[attr-defined]
     if not hasattr(then.Rounds, "start"):  # before rounds were started apart from their launch

@@ -59,9 +59,10 @@ from engine.blas import reexec_with_openblas  # noqa: E402
 if __name__ == "__main__" and sys.argv[1:2] == ["record"]:  # a BLAS preload works only from process start
     reexec_with_openblas(sys.orig_argv[1:])
 
-from bench_controller import METHODS, module_at, module_from_file  # noqa: E402
+from bench_controller import METHODS, module_from_file, spec_control_at  # noqa: E402
 
 import engine.spec_control as spec_control  # noqa: E402
+import engine.spec_gate as spec_gate  # noqa: E402
 
 BUDGETS = (1, 4, 16)  # the controller's trees at the default budget (16): SpecController(16).arms
 MIN_LENGTH = 16  # a request replayed from a later offset keeps at least this many tokens
@@ -243,8 +244,7 @@ def controller_class(rev: str) -> type:
     if rev == "fixed":
         return FixedBudget
     name = f"spec_control_{len(sys.modules)}"
-    module = module_from_file(Path(rev), name) if rev.endswith(".py") else \
-        module_at(rev, "engine/spec_control.py", name)
+    module = module_from_file(Path(rev), name) if rev.endswith(".py") else spec_control_at(rev, name)
     return module.SpecController
 
 
@@ -354,7 +354,7 @@ def main() -> None:
                      help="start positions each request is also replayed from (e.g. 0,6,12,18,24,30,36,42)")
     conf = sub.add_parser("confidence", help="tokens a round by the target's confidence before the position")
     conf.add_argument("file", type=Path)
-    conf.add_argument("--keep", type=float, default=spec_control.CONF_KEEP)
+    conf.add_argument("--keep", type=float, default=spec_gate.CONF_KEEP)
     conf.add_argument("--edges", default="0,0.3,0.5,0.7,0.9,1.01")
     a = ap.parse_args()
     if a.command == "confidence":

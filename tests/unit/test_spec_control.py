@@ -9,17 +9,7 @@ import random
 import pytest
 
 from engine.config import SpecConfig
-from engine.spec_control import (
-    CONF_GATE,
-    CONF_KEEP,
-    FIRST,
-    GROW,
-    MAX_REVISIT,
-    RETRY_SHARE,
-    REVISIT,
-    TRIES,
-    SpecController,
-)
+from engine.spec_control import FIRST, GROW, MAX_REVISIT, RETRY_SHARE, REVISIT, TRIES, SpecController
 from server.cli import build_parser
 from server.cli_settings import SettingsError, engine_settings
 
@@ -387,98 +377,3 @@ def test_a_trees_rounds_from_other_text_age():
                             [(FIRST, 2)], 60)  # a drafter that watches the one-guess tree only
     assert chosen[-30:].count(16) >= 27
 
-
-def drive_confident(c: SpecController, outcome, rounds: int) -> list[int]:
-    """As drive, where outcome(budget, round) -> (tokens, ms, the target's confidence at each
-    emitted token), told after each record as the engine does."""
-    chosen = []
-    for i in range(rounds):
-        b = c.budget()
-        chosen.append(b)
-        tokens, ms, confidence = outcome(b, i)
-        c.record(b, tokens, ms)
-        c.confide([confidence] * tokens)
-    return chosen
-
-
-def test_the_confidence_is_a_moving_average_a_token_at_a_time():
-    c = SpecController(16)
-    c.confide([0.2])
-    assert c.confidence == 0.2
-    c.confide([1.0, 1.0])
-    assert c.confidence == pytest.approx(1.0 - 0.8 * CONF_KEEP ** 2)
-
-
-def test_where_the_target_is_unsure_nothing_is_tried():
-    # every guess misses where the target is unsure: after the first try nothing but plain rounds,
-    # for longer than the longest re-try spacing; without the confidence re-tries come
-    unsure = lambda b, i: (1, 10.0 + b, CONF_GATE / 2)  # noqa: E731
-    chosen = drive_confident(SpecController(16), unsure, 3 * MAX_REVISIT)
-    assert chosen[0] == FIRST and set(chosen[1:]) == {0}
-    assert set(drive(SpecController(16), lambda b: (1, 10.0 + b), 3 * MAX_REVISIT)[2 * TRIES :]) == {0, FIRST}
-
-
-def test_where_the_target_is_sure_the_climb_starts_at_four_nodes():
-    sure = lambda b, i: (*hits(b), 0.95)  # noqa: E731
-    chosen = drive_confident(SpecController(16), sure, 12)
-    # the first round has no confidence yet: the smallest tree; then four nodes, sixteen, plain
-    assert chosen[:7] == [FIRST, 4, 4, 16, 16, 0, 0]
-    assert chosen[7:] == [16] * 5
-
-
-def test_unsure_stretches_pause_the_trees_and_sure_ones_resume_them():
-    # hits where the target is sure, misses where it is unsure, in stretches of 30 rounds
-    def stretches(b, i):
-        sure = (i // 30) % 2 == 0
-        return (*(hits(b) if sure else (1, 10.0 + b)), 0.95 if sure else 0.3)
-
-    chosen = drive_confident(SpecController(16), stretches, 120)
-    for start in (30, 90):  # unsure: plain once the average has come down (a few tokens)
-        assert set(chosen[start + 3 : start + 30]) == {0}
-    assert chosen[60 + 3 : 90].count(16) >= 24  # sure again: the full tree at once, no climb
-
-
-def test_a_drafter_right_where_the_target_is_unsure_lifts_the_gate():
-    # a draft model that is the target on a model whose distribution is flat: every guess right,
-    # the target never sure (tests/server/test_spec_edges.py)
-    flat = lambda b, i: (*hits(b), 0.05) if b == 0 else (1 + b, 10.0 + 0.5 * b, 0.05)  # noqa: E731
-    chosen = drive_confident(SpecController(16), flat, 40)
-    assert chosen[:4] == [FIRST, 0, FIRST, 4]  # the two tries where it is unsure, then the climb
-    assert chosen[-20:].count(16) >= 18
-
-
-def test_one_lucky_guess_where_the_target_is_unsure_does_not_lift_it():
-    guesses = iter([2, 1])
-    unsure = lambda b, i: ((next(guesses, 1) if b else 1), 10.0 + b, 0.3)  # noqa: E731
-    chosen = drive_confident(SpecController(16), unsure, 3 * MAX_REVISIT)
-    assert chosen[:3] == [FIRST, 0, FIRST] and set(chosen[3:]) == {0}
-
-
-def sure_misses_unsure_then_sure_hits(tree_ms) -> list[int]:
-    """20 rounds where the target is sure but guesses miss (trees lose, plain rounds win), 30 where
-    it is unsure, then sure with every guess right; a tree round costs tree_ms(budget)."""
-    def outcome(b, i):
-        if i < 20:
-            return 1, tree_ms(b) if b else 10.0, 0.95
-        if i < 50:
-            return 1, tree_ms(b) if b else 10.0, 0.3
-        return (1 + b, tree_ms(b), 0.95) if b else (1, 10.0, 0.95)
-
-    return drive_confident(SpecController(16), outcome, 80)
-
-
-def test_a_sure_stretch_after_an_unsure_one_is_tried_at_once(monkeypatch):
-    chosen = sure_misses_unsure_then_sure_hits(lambda b: 10.0 + 2.0 * b)
-    assert set(chosen[23:50]) == {0}
-    # woken once the average passes CONF_WAKE (six sure tokens): four nodes, then the climb
-    assert 4 in chosen[50:58] and chosen[-20:].count(16) >= 18
-    # without the wake the trees wait for the re-try spacing
-    monkeypatch.setattr("engine.spec_control.CONF_WAKE", 2.0)
-    assert set(sure_misses_unsure_then_sure_hits(lambda b: 10.0 + 2.0 * b)[50:70]) == {0}
-
-
-def test_a_costly_tree_is_not_woken(monkeypatch):
-    # the four-node tree costs four plain rounds: more than WAKE_COST
-    assert set(sure_misses_unsure_then_sure_hits(lambda b: 40.0 + b)[50:70]) == {0}
-    monkeypatch.setattr("engine.spec_control.WAKE_COST", 100.0)
-    assert 4 in sure_misses_unsure_then_sure_hits(lambda b: 40.0 + b)[50:58]
