@@ -74,7 +74,7 @@ def probabilities(logits: mx.array, params: SamplingParams) -> mx.array:
 
 def top_probability(logits: mx.array) -> mx.array:
     """logits [N, V] -> float32 [N]: the probability of each row's most likely token under the raw
-    distribution (no temperature, no penalties); engine/spec_control.py's confidence. Twin:
+    distribution (no temperature, no penalties); engine/spec_gate.py's confidence. Twin:
     engine/logits_extras.py top_probabilities."""
     x = logits.astype(mx.float32)
     return 1.0 / cpu_exp.exp(x - x.max(axis=-1, keepdims=True)).sum(axis=-1)

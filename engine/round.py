@@ -108,7 +108,7 @@ START_LATE_ON_CPU = True
 # (scripts/bench_start_late.py --ahead-layers 0,2), three runs: 0.875-0.946x -> 0.907-0.986x of
 # plain decoding (BENCHMARKS.md, issue 17, twelfth session).
 START_AHEAD_LAYERS = 2
-# Where the target's confidence (the controller's gate, engine/spec_control.py) is read: on the
+# Where the target's confidence (the controller's gate, engine/spec_gate.py) is read: on the
 # device in the round's graph, so that only N floats travel with the N ids; on the CPU a tree's
 # accepted rows on the host after the walk instead (its every row in the graph: ~0.75 ms for 17
 # rows of 8,192 on the dev CPU), a one-node round's in the graph still (~0.05 ms; read on the host
@@ -149,7 +149,7 @@ class Rounds:
             self.hindsight.watch([a.budget for a in self.controller.arms[1:]] if self.controller else [],
                                  spec.max_depth)
         # the controller's gate reads the target's confidence at every emitted token
-        # (engine/spec_control.py); a drafter with hindsight has better evidence of its own
+        # (engine/spec_gate.py); a drafter with hindsight has better evidence of its own
         self.confides = self.controller is not None and self.hindsight is None
         self.top_on_cpu = mx.default_device() == mx.cpu
         self.start_late = START_LATE_ON_CPU and drafts and mx.default_device() == mx.cpu
