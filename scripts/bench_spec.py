@@ -4,7 +4,7 @@ run, per prompt kind.
     python scripts/bench_spec.py [--model DIR] [--draft-model DIR]
         [--dflash-model DIR] [--tokens 128] [--runs 3] [--budgets 16,32] [--depth 8]
         [--methods none,ngram,draft,draft-tree,mtp:chain,mtp:ddtree,dflash:chain,dflash:ddtree,dflash:weaver]
-        [--temperature 0 --seed 0] [--defaults] [--adaptive] [--json OUT.json] [--png OUT.png]
+        [--temperature 0 --seed 0] [--defaults] [--adaptive] [--mlx-lm] [--json OUT.json] [--png OUT.png]
 
 Defaults to the bundled target and its drafters. Greedy decoding (or sampling with --temperature and a
 fixed seed: position-keyed noise makes every method emit the same tokens; --defaults samples with
@@ -116,6 +116,40 @@ def one(engine: Engine, prompt: list[int], spec: SpecConfig, n: int, base: Sampl
                stats.verify_ms / ms, stats.commit_ms / ms, stats.decode_ms / max(1, stats.forward_passes))
 
 
+def mlx_lm_view(path: Path, tmp: Path) -> Path:
+    """The checkpoint as mlx-lm loads it: links to its files (a widened 9B is 17 GB), and a config
+    whose model_type is qwen3_5 (HF's causal-LM save says qwen3_5_text)."""
+    view = tmp / "mlx_lm_view"
+    view.mkdir()
+    for f in path.iterdir():
+        if f.name != "config.json":
+            (view / f.name).symlink_to(f.resolve())
+    cfg = json.loads((path / "config.json").read_text())
+    if cfg.get("model_type") == "qwen3_5_text":
+        cfg["model_type"] = "qwen3_5"
+    (view / "config.json").write_text(json.dumps(cfg))
+    return view
+
+
+def mlx_lm_one(model, prompt: list[int], n: int) -> Run:
+    """Plain decoding by mlx-lm's generate_step (greedy), timed as `one` times the engine."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    tokens, gaps = [], []
+    t_first = t_last = 0.0
+    for tok, _ in generate_step(mx.array(prompt), model, max_tokens=n):
+        now = time.perf_counter()
+        if tokens:
+            gaps.append((now - t_last) * 1e3)
+        else:
+            t_first = now
+        t_last = now
+        tokens.append(int(tok))
+    dt = t_last - t_first
+    return Run(tokens, (len(tokens) - 1) / dt if dt > 0 else 0.0, 1.0, 0.0, gaps, [1] * len(gaps))
+
+
 def distinct_8grams(tokens: list[int]) -> float:
     grams = [tuple(tokens[i : i + 8]) for i in range(len(tokens) - 7)]
     return len(set(grams)) / len(grams) if grams else 1.0
@@ -190,6 +224,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32",
                     help="compute dtype (float32: the losslessness checks demand identity; on a GPU the "
                          "engine's own default is bfloat16)")
+    ap.add_argument("--mlx-lm", action="store_true",
+                    help="also time mlx-lm's plain decoding of each prompt (greedy), interleaved with the methods")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--png", type=Path)
     ap.add_argument("--plot-json", type=Path, help="only draw --png from a report written by --json")
@@ -203,6 +239,18 @@ def main() -> None:
         if (why := engine.missing_drafter(spec.method, spec.tree)) is not None:
             print(f"skipping {name}: {why}")
     specs = {n: s for n, s in specs.items() if not engine.missing_drafter(s.method, s.tree)}
+    ref_model = None
+    if a.mlx_lm:
+        import tempfile
+
+        from mlx_lm import load
+
+        with tempfile.TemporaryDirectory() as tmp:
+            ref_model, _ = load(str(mlx_lm_view(Path(a.model), Path(tmp))))
+            if a.dtype == "float32":
+                import mlx.core as mx
+
+                ref_model.set_dtype(mx.float32)
     base = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed)
     if a.defaults:
         d = engine.sampling_defaults
@@ -226,11 +274,16 @@ def main() -> None:
             prompt = render(engine, text)
             for spec in specs.values():
                 one(engine, prompt, spec, warm_tokens, base)
+            if ref_model is not None:
+                mlx_lm_one(ref_model, prompt, warm_tokens)
             warm_tokens = 8
-            results = {n: Result() for n in specs}
+            results = {n: Result() for n in [*specs, *(["mlx-lm"] if ref_model is not None else [])]}
             for _ in range(a.runs):
                 for name, spec in specs.items():
                     results[name].runs.append(one(engine, prompt, spec, a.tokens, base))
+                if ref_model is not None:  # as many tokens as plain decoding emitted (it may stop early)
+                    n = len(results["none"].runs[-1].tokens)
+                    results["mlx-lm"].runs.append(mlx_lm_one(ref_model, prompt, n))
             plain_tps = statistics.median(r.tps for r in results["none"].runs)
             ref = results["none"].runs[0].tokens
             label = kind if len(PROMPTS[kind]) == 1 else f"{kind}{p + 1}"
@@ -246,12 +299,17 @@ def main() -> None:
                        "itl_p50_ms": round(percentile([g for r in runs for g in r.gaps_ms], 0.5), 2),
                        "itl_p99_ms": round(percentile([g for r in runs for g in r.gaps_ms], 0.99), 2),
                        "distinct_8grams": round(distinct_8grams(runs[0].tokens), 3),
-                       "tokens": len(runs[0].tokens), "same": all(r.tokens == ref for r in runs)}
+                       "tokens": len(runs[0].tokens),
+                       # mlx-lm decodes greedily: its text is comparable to plain decoding's only then
+                       "same": all(r.tokens == ref for r in runs) if name != "mlx-lm" or base.temperature == 0
+                       else None}
                 report["rows"].append(row)
-                histograms[name] += runs[0].per_round
+                if name in histograms:
+                    histograms[name] += runs[0].per_round
+                same = "-" if row["same"] is None else "yes" if row["same"] else "NO"
                 print(f"{label:10} {name:18} {row['tok_s']:7.1f} {row['vs_none']:7.2f}x {row['tok_fwd']:8.2f} "
                       f"{100 * row['draft_share']:6.1f}% {row['itl_p50_ms']:8.1f} {row['itl_p99_ms']:8.1f} "
-                      f"{row['distinct_8grams']:7.2f}  {'yes' if row['same'] else 'NO'}", flush=True)
+                      f"{row['distinct_8grams']:7.2f}  {same}", flush=True)
             report["per_round_histograms"] = histograms
             if a.json:  # after every prompt: a run cut short keeps what it measured
                 a.json.write_text(json.dumps(report, indent=1))
