@@ -41,6 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
+from bench_decode import mlx_lm_view  # noqa: E402
 from round_costs import chain_with_siblings, round_costs  # noqa: E402
 from shaped_checkpoint import BUNDLED, make_checkpoint  # noqa: E402
 
@@ -390,6 +391,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--targets", default="9b,bundled")
+    ap.add_argument("--checkpoint", action="append", default=[], metavar="NAME=DIR",
+                    help="also an existing checkpoint (e.g. scripts/widen_checkpoint.py's), decoded in bf16")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--prefill-tokens", type=int, default=4096)
@@ -406,15 +409,16 @@ def main() -> None:
     RESULTS.update(device=str(mx.default_device()), mlx=mx.__version__, mlx_lm=mlx_lm.__version__,
                    date=time.strftime("%Y-%m-%d"), decode=[])
     prompt = [int(t) for t in np.random.RandomState(0).randint(0, 8000, size=128)]
-    targets = args.targets.split(",")
+    targets = [t for t in args.targets.split(",") if t]
     with tempfile.TemporaryDirectory() as tmp:
         ckpt: dict[str, Path] = {}
         with section("checkpoints"):
             if "bundled" in targets:  # the shipped weights, or random ones of its shape when they are absent
-                from bench_decode import mlx_lm_copy  # mlx-lm reads model_type qwen3_5, not qwen3_5_text
-
-                ckpt["bundled"] = (mlx_lm_copy(BUNDLED, Path(tmp)) if (BUNDLED / "model.safetensors").is_file()
+                ckpt["bundled"] = (mlx_lm_view(BUNDLED, Path(tmp)) if (BUNDLED / "model.safetensors").is_file()
                                    else make_checkpoint(Path(tmp) / "bundled-shape", "bundled", bits=0))
+            for name, path in (c.split("=", 1) for c in args.checkpoint):
+                ckpt[name] = mlx_lm_view(Path(path), Path(tmp), name)
+                targets += [name] if name not in targets else []
             if "9b" in targets:
                 ckpt["9b"] = make_checkpoint(Path(tmp) / "qwen35-9b-shape-4bit", "9b")
             if "0.8b" in targets or ("9b" in targets and not args.skip_draft):  # a target, or the 9b's draft

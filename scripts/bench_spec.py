@@ -116,21 +116,6 @@ def one(engine: Engine, prompt: list[int], spec: SpecConfig, n: int, base: Sampl
                stats.verify_ms / ms, stats.commit_ms / ms, stats.decode_ms / max(1, stats.forward_passes))
 
 
-def mlx_lm_view(path: Path, tmp: Path) -> Path:
-    """The checkpoint as mlx-lm loads it: links to its files (a widened 9B is 17 GB), and a config
-    whose model_type is qwen3_5 (HF's causal-LM save says qwen3_5_text)."""
-    view = tmp / "mlx_lm_view"
-    view.mkdir()
-    for f in path.iterdir():
-        if f.name != "config.json":
-            (view / f.name).symlink_to(f.resolve())
-    cfg = json.loads((path / "config.json").read_text())
-    if cfg.get("model_type") == "qwen3_5_text":
-        cfg["model_type"] = "qwen3_5"
-    (view / "config.json").write_text(json.dumps(cfg))
-    return view
-
-
 def mlx_lm_one(model, prompt: list[int], n: int) -> Run:
     """Plain decoding by mlx-lm's generate_step (greedy), timed as `one` times the engine."""
     import mlx.core as mx
@@ -243,6 +228,7 @@ def main() -> None:
     if a.mlx_lm:
         import tempfile
 
+        from bench_decode import mlx_lm_view
         from mlx_lm import load
 
         with tempfile.TemporaryDirectory() as tmp:

@@ -1,8 +1,8 @@
 """Where a speculation round's wall time goes, phase by phase, as the engine runs it.
 
     python scripts/profile_rounds.py [--methods none,dflash:ddtree,mtp:ddtree] [--budget 16]
-        [--tokens 128] [--runs 2] [--kinds code] [--dtype float32] [--adaptive] [--json OUT.json]
-        [--variants engine,ev0,ev2,fold0,ev0-fold0] [--cprofile OUT.txt]
+        [--model DIR --dflash-model DIR] [--tokens 128] [--runs 2] [--kinds code] [--dtype float32]
+        [--adaptive] [--json OUT.json] [--variants engine,ev0,ev2,fold0,ev0-fold0] [--cprofile OUT.txt]
 
 bench_spec.py says how much of a round is drafting, verifying and committing; this script splits
 those further by wrapping the engine's functions with wall-clock timers (nothing is synchronised
@@ -59,7 +59,7 @@ import engine.drafters.marginals as marginals  # noqa: E402
 import engine.forward as forward  # noqa: E402
 import engine.round as rounds  # noqa: E402
 import engine.sampler as sampler  # noqa: E402
-from engine.config import EngineConfig, SamplingParams  # noqa: E402
+from engine.config import EngineConfig, SamplingParams, SpecConfig  # noqa: E402
 from engine.generate import BUNDLED, Engine  # noqa: E402
 from engine.types import GenerationRequest  # noqa: E402
 from scripts.bench_gpu import variant_setting  # noqa: E402
@@ -161,12 +161,14 @@ def main() -> None:
                          "scripts/bench_gpu.py's variant suffixes joined with -, e.g. engine,ev0,fold0,ev0-fold0")
     ap.add_argument("--cprofile", type=Path, help="write a cProfile of the measured verifies' graph building here")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--model", default=str(BUNDLED / "target"), help="target checkpoint (default: the bundled one)")
+    ap.add_argument("--dflash-model", default=None, help="DFlash checkpoint (default: the target's bundled one)")
     a = ap.parse_args()
-    a.draft_model = a.dflash_model = None
+    a.draft_model = None
     instrument()
     variants = a.variants.split(",")
     profiler = profiled_verify() if a.cprofile else None
-    engine = Engine(EngineConfig(model_path=str(BUNDLED / "target"), dtype=a.dtype))
+    engine = Engine(EngineConfig(model_path=a.model, dtype=a.dtype, spec=SpecConfig(dflash_model=a.dflash_model)))
     specs = parse_methods(a.methods, [a.budget], a.depth, a)
     # the tree builders are looked up when a drafter is made: the wrappers above are already in place
     base = SamplingParams(temperature=0.0, max_tokens=a.tokens)
