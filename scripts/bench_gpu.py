@@ -76,13 +76,15 @@ def variant_setting(core: str) -> Iterator[None]:
     (engine.kernels.MMA_PAIRED_DEQUANT), "-evN" hands a multi-node verify to the device every N
     layers whatever the model's layer size (engine.forward.VERIFY_EVAL_EVERY; 0 = at the end),
     "-fold0" / "-fold1" runs each commit on its own / folds it into the next verify
-    (GDNCache.fold_commits). Compiled layer graphs are per model instance and trace on first use,
-    so each engine's graphs carry its own setting."""
+    (GDNCache.fold_commits), "-sd0" / "-sd1" drafts with the MTP head depth by depth on a GPU or
+    not (engine.drafters.mtp.SYNC_EACH_DEPTH_ON_GPU). Compiled layer graphs are per model instance
+    and trace on first use, so each engine's graphs carry its own setting."""
     from engine import forward, kernels
     from engine.cache import GDNCache
+    from engine.drafters import mtp
 
     saved = (kernels.MMA_LONG_KW, kernels.MMA_PAIRED_DEQUANT, forward.VERIFY_EVAL_EVERY,
-             forward.VERIFY_EVAL_MIN_LAYER_BYTES, GDNCache.fold_commits)
+             forward.VERIFY_EVAL_MIN_LAYER_BYTES, GDNCache.fold_commits, mtp.SYNC_EACH_DEPTH_ON_GPU)
     for suffix in core.split("-")[1:]:
         if suffix.startswith("kw"):
             kernels.MMA_LONG_KW = int(suffix[2:])
@@ -92,11 +94,13 @@ def variant_setting(core: str) -> Iterator[None]:
             forward.VERIFY_EVAL_EVERY, forward.VERIFY_EVAL_MIN_LAYER_BYTES = int(suffix[2:]), 0
         elif suffix.startswith("fold"):
             GDNCache.fold_commits = suffix[4:] == "1"
+        elif suffix.startswith("sd"):
+            mtp.SYNC_EACH_DEPTH_ON_GPU = suffix[2:] == "1"
     try:
         yield
     finally:
         (kernels.MMA_LONG_KW, kernels.MMA_PAIRED_DEQUANT, forward.VERIFY_EVAL_EVERY,
-         forward.VERIFY_EVAL_MIN_LAYER_BYTES, GDNCache.fold_commits) = saved
+         forward.VERIFY_EVAL_MIN_LAYER_BYTES, GDNCache.fold_commits, mtp.SYNC_EACH_DEPTH_ON_GPU) = saved
 
 
 def spruce_engine(path: Path, dtype: str, core: str) -> Any:

@@ -61,6 +61,11 @@ class MTPConfig:
     sync_each_depth: bool | None = None
 
 
+# MTPConfig.sync_each_depth's None on a GPU (a module switch, so that benchmarks can compare the two
+# within one engine: scripts/bench_gpu.py's variant suffix "-sd1")
+SYNC_EACH_DEPTH_ON_GPU = False
+
+
 class MTPDrafter:
     def __init__(self, target: CausalLM, head: MTPHead, build: TreeBuilder, config: MTPConfig = MTPConfig(),
                  vocab: DraftVocab | None = None) -> None:
@@ -78,7 +83,8 @@ class MTPDrafter:
             if config.compiled else None
         self.log_min_path = math.log(config.min_path_prob) if config.min_path_prob > 0 else -math.inf
         self.last: mx.array | None = None  # the head's output at the last row it has caught up to
-        self.sync_each_depth = gpu_backend() is None if config.sync_each_depth is None else config.sync_each_depth
+        self.sync_each_depth = (gpu_backend() is None or SYNC_EACH_DEPTH_ON_GPU) if config.sync_each_depth is None \
+            else config.sync_each_depth
 
     def attach(self, features: FeatureCache) -> None:
         self.features = features
