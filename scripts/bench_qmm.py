@@ -99,6 +99,9 @@ def main() -> None:
                     help="add dequantize-then-matmul (bf16 GEMM over weights dequantized per call): the "
                          "candidate for prefill-sized row counts, where MLX's quantized kernel is far from "
                          "the tensor cores' throughput")
+    ap.add_argument("--dense", action="store_true",
+                    help="add the bf16 matmul over the unquantized weight (x @ w.T), last in each cell: what a "
+                         "bf16 checkpoint's projections cost at each row count")
     a = ap.parse_args()
     backend = gpu_backend()
     if backend is None:
@@ -108,7 +111,7 @@ def main() -> None:
     a.paired_settings = [bool(int(v)) for v in a.paired.split(",") if v] or [None]
     names = [s.strip() for s in a.shapes.split(",") if s.strip()] or list(SHAPES)
     kernels = ("built-in" + ("" if a.no_rows_kernel else " / qmm_rows") + (" / dequant+matmul" if a.dequant else "")
-               + (" / qmm_mma" if backend == "cuda" else ""))
+               + (" / qmm_mma" if backend == "cuda" else "") + (" / bf16 dense" if a.dense else ""))
     print(f"{mx.default_device()}, {a.bits}-bit g{a.group_size}, bf16 activations, {a.mode}; us per launch "
           f"({kernels}); read floor and its TB/s")
     print("| weight | read floor | " + " | ".join(f"M={m}" for m in rows) + " |")
@@ -143,6 +146,8 @@ def row(name: str, out: int, inp: int, rows: list[int], a: argparse.Namespace, b
                 for paired in a.paired_settings:
                     times.append(timed(partial(quantized_matmul_mma, x, wq, scales, biases, a.group_size, a.bits,
                                                tuple(config), paired), a.launches))
+        if a.dense:
+            times.append(timed(partial(lambda x: x @ w.T, x), a.launches))
         cells.append(" / ".join(f"{t:.1f}" for t in times))
     label = f"{name} {out}x{inp}" + (f" (configs {', '.join('x'.join(map(str, c)) for c in configs)})"
                                      if configs else f" (mma {'x'.join(map(str, mma_config(out, inp, a.bits)))})")
