@@ -21,7 +21,8 @@ that the engine does not synchronise itself, so the phases add up to what a requ
 Each row also gives tokens per forward pass and the distinct 8-gram share of the output (tokens
 per forward are honest only on output that does not loop).
 
-Runs the bundled target and drafters on bench_spec.py's prompts, greedy, one warm-up generation of
+Runs the bundled target and drafters (or `--model`'s, e.g. scripts/widen_checkpoint.py's 9B-wide
+pair) on bench_spec.py's prompts, greedy, one warm-up generation of
 each prompt, method and variant, then `--runs` measured ones; prints ms a round (mean over the
 measured rounds) per phase, method and variant. `--variants` compares engine settings in one
 process, interleaved run by run, named by scripts/bench_gpu.py's variant suffixes (`variant_setting`):

@@ -20,15 +20,24 @@ from server.chat import ChatRenderOptions, ChatTemplate
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def widen():
+def _script(name: str):
     sys.path.insert(0, str(REPO / "scripts"))
-    spec = importlib.util.spec_from_file_location("widen_checkpoint", REPO / "scripts" / "widen_checkpoint.py")
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules["widen_checkpoint"] = module  # its dataclasses look their module up
+    sys.modules[name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def widen():
+    return _script("widen_checkpoint")
+
+
+@pytest.fixture(scope="module")
+def maps():
+    return _script("widen_maps")
 
 
 @pytest.fixture(scope="module")
@@ -38,12 +47,12 @@ def wide(widen, tmp_path_factory):
     return out
 
 
-def test_rotated_dims_keep_their_frequencies(widen):
+def test_rotated_dims_keep_their_frequencies(maps):
     # a small head (64 dims, 16 rotated) placed in a wide one (128, 32): RoPE of the placed head is
     # the placed RoPE of the small head, at every position
     rng = np.random.default_rng(0)
     small = mx.array(rng.standard_normal((1, 1, 5, 64)).astype(np.float32))
-    index = widen.head_dim_map(64, 128, 16, 32)
+    index = maps.head_dim_map(64, 128, 16, 32)
     assert len(set(index.tolist())) == 64 and index.max() < 128
     placed = mx.zeros((1, 1, 5, 128))
     placed[..., mx.array(index)] = small
@@ -55,12 +64,12 @@ def test_rotated_dims_keep_their_frequencies(widen):
         assert np.abs(np.array(turned_wide[..., mx.array(rest)])).max() == 0
 
 
-def test_query_heads_keep_their_kv_group(widen):
-    m = widen.query_head_map(6, 2, 8, 2)  # 3 query heads a K/V head -> 4
+def test_query_heads_keep_their_kv_group(maps):
+    m = maps.query_head_map(6, 2, 8, 2)  # 3 query heads a K/V head -> 4
     assert m.tolist() == [0, 1, 2, 4, 5, 6]
     assert [h // 4 for h in m] == [h // 3 for h in range(6)]
     with pytest.raises(ValueError):
-        widen.query_head_map(8, 2, 8, 4)  # 4 a group cannot fit in 2
+        maps.query_head_map(8, 2, 8, 4)  # 4 a group cannot fit in 2
 
 
 def test_the_wide_target_computes_the_small_one(wide):
