@@ -4,13 +4,17 @@ tree's with a stall cap (SpecConfig.max_stall), on text where guesses miss and o
 
     python scripts/bench_controller.py --against REV [--runs 3] [--tokens 96] [--lengths 64,2048]
     python scripts/bench_controller.py --max-stall 1.5 [--runs 3] ...
-        [--methods ngram,mtp,dflash,draft] [--kinds code,chat | none]
+        [--methods ngram,mtp,dflash,draft] [--kinds code,chat | none] [--fixed] [--defaults]
+        [--model DIR --dflash-model DIR]
 
 - misses: seeded sampling (temperature 1) after random-id prompts of each length, like
   scripts/bench_context.py: decode tok/s as a ratio to plain decoding (each run's to the plain run
   of its repetition, median over runs), tokens per forward, and the p99 inter-token gap over all
   runs pooled, as a ratio to plain's;
-- hits: greedy on scripts/bench_spec.py's prompts (code, code-edit, math, chat, long; --kinds).
+- hits: greedy on scripts/bench_spec.py's prompts (code, code-edit, math, chat, long; --kinds), or
+  sampled with the checkpoint's defaults (--defaults; seeded), where greedy output loops;
+- --fixed adds the working tree's engine with every round at the full budget (no controller), the
+  baseline issue 17 asks the controller not to lose to where guesses hit.
 Methods (--methods; default ngram, and mtp with DDTree trees; also dflash with DDTree, and draft),
 each with both controllers, interleaved with plain decoding in one process on the bundled target;
 medians over runs after a warm-up. Outputs are compared with plain decoding's: greedy must be
@@ -131,9 +135,10 @@ def generate(engine: Engine, prompt: list[int], params: SamplingParams, spec: Sp
 
 
 def compare(engine: Engine, prompt: list[int], params: SamplingParams, methods: list[str],
-            controllers: dict[str, tuple[ModuleType, float | None]], runs: int) -> dict[str, list[dict]]:
+            controllers: dict[str, tuple[ModuleType, float | None, bool]], runs: int) -> dict[str, list[dict]]:
     """Plain decoding and every (method, controller), interleaved; the first round is a warm-up.
-    A controller is engine/round.py's module and the stall cap it runs with."""
+    A controller is engine/round.py's module, the stall cap it runs with and whether it sizes the
+    trees at all (False: every round gets the full budget)."""
     results: dict[str, list[dict]] = {}
     for r in range(runs + 1):
         plain = generate(engine, prompt, params, SpecConfig())
@@ -141,9 +146,10 @@ def compare(engine: Engine, prompt: list[int], params: SamplingParams, methods: 
             results.setdefault("none", []).append(plain)
         for method in methods:
             spec = METHODS[method]
-            for name, (module, cap) in controllers.items():
+            for name, (module, cap, adaptive) in controllers.items():
                 generation.Rounds = module.Rounds  # type: ignore[attr-defined]
-                out = generate(engine, prompt, params, replace(spec, max_stall=cap))
+                out = generate(engine, prompt, params, replace(spec, max_stall=cap, adaptive=adaptive,
+                                                               dflash_model=engine.config.spec.dflash_model))
                 if r:
                     results.setdefault(f"{method}:{name}", []).append(out)
     generation.Rounds = current.Rounds
@@ -175,23 +181,30 @@ def main() -> None:
     ap.add_argument("--lengths", default="64,2048")
     ap.add_argument("--methods", default="ngram,mtp", help=f"comma-separated, of {', '.join(METHODS)}")
     ap.add_argument("--kinds", default=",".join(PROMPTS), help="prompt kinds of the hits (none: misses only)")
+    ap.add_argument("--fixed", action="store_true", help="also every round with the full budget (no controller)")
+    ap.add_argument("--defaults", action="store_true",
+                    help="the hits sampled with the checkpoint's generation defaults (seed 0), not greedy")
+    ap.add_argument("--model", default=str(BUNDLED / "target"), help="target checkpoint (default: the bundled one)")
+    ap.add_argument("--dflash-model", default=None, help="DFlash checkpoint (default: the target's bundled one)")
     a = ap.parse_args()
-    if (a.against is None) == (a.max_stall is None):
-        ap.error("give one of --against and --max-stall")
+    if (a.against is None) == (a.max_stall is None) and not a.fixed:
+        ap.error("give one of --against, --max-stall and --fixed")
     methods = [m for m in a.methods.split(",") if m]
     if not methods or any(m not in METHODS for m in methods):
         ap.error(f"--methods takes some of {', '.join(METHODS)}, got {a.methods!r}")
     kinds = [k for k in a.kinds.split(",") if k and k != "none"]
     if any(k not in PROMPTS for k in kinds):
         ap.error(f"--kinds takes some of {', '.join(PROMPTS)} (or none), got {a.kinds!r}")
-    controllers: dict[str, tuple[ModuleType, float | None]] = {"now": (current, None)}
+    controllers: dict[str, tuple[ModuleType, float | None, bool]] = {"now": (current, None, True)}
     if a.against:
-        controllers[a.against] = (controller_at(a.against), None)
-    else:
-        controllers[f"cap {a.max_stall:g}"] = (current, a.max_stall)
+        controllers[a.against] = (controller_at(a.against), None, True)
+    elif a.max_stall is not None:
+        controllers[f"cap {a.max_stall:g}"] = (current, a.max_stall, True)
+    if a.fixed:
+        controllers["fixed"] = (current, None, False)
     lengths = [int(n) for n in a.lengths.split(",") if n]  # "": no misses
     # room for the longest random prompt, and at least the engine's default for the hits' prompts
-    engine = Engine(EngineConfig(model_path=str(BUNDLED / "target"), prefix_cache=False,
+    engine = Engine(EngineConfig(model_path=a.model, prefix_cache=False, spec=SpecConfig(dflash_model=a.dflash_model),
                                  max_context=max(max(lengths, default=0) + a.tokens + 1, EngineConfig.max_context)))
     keys = ["8-grams"] + [f"{m}:{c}" for m in methods for c in controllers]
     print("cells: decode tok/s vs plain (median of the runs' ratios to the plain run beside each), tokens per "
@@ -203,11 +216,16 @@ def main() -> None:
         prompt = [int(t) for t in np.random.RandomState(n).randint(0, engine.vocab_size, size=n)]
         cells = summary(compare(engine, prompt, sampled, methods, controllers, a.runs))
         print(f"| misses, {n} random ids | " + " | ".join(cells[k] for k in keys) + " |", flush=True)
-    greedy = SamplingParams(max_tokens=a.tokens)
+    hits = SamplingParams(max_tokens=a.tokens)
+    if a.defaults:
+        d = engine.sampling_defaults
+        hits = SamplingParams(max_tokens=a.tokens, temperature=d.temperature or 0.0, top_p=d.top_p or 1.0,
+                              top_k=d.top_k or 0, min_p=d.min_p or 0.0,
+                              repetition_penalty=d.repetition_penalty or 1.0, seed=0)
     for kind in kinds:
         texts = PROMPTS[kind]
         for p, text in enumerate(texts):
-            cells = summary(compare(engine, render(engine, text), greedy, methods, controllers, a.runs))
+            cells = summary(compare(engine, render(engine, text), hits, methods, controllers, a.runs))
             label = kind if len(texts) == 1 else f"{kind}{p + 1}"
             print(f"| hits? {label} | " + " | ".join(cells[k] for k in keys) + " |", flush=True)
 

@@ -68,7 +68,8 @@ BUDGETS = (1, 4, 16)  # the controller's trees at the default budget (16): SpecC
 MIN_LENGTH = 16  # a request replayed from a later offset keeps at least this many tokens
 
 
-def record(path: Path, methods: list[str], kinds: list[str], lengths: list[int], runs: int, tokens: int) -> None:
+def record(path: Path, methods: list[str], kinds: list[str], lengths: list[int], runs: int, tokens: int,
+           model: str | None = None, dflash_model: str | None = None) -> None:
     from dataclasses import replace
 
     from bench_spec import PROMPTS, render
@@ -80,8 +81,10 @@ def record(path: Path, methods: list[str], kinds: list[str], lengths: list[int],
     # the tables' requests share their prefixes (the prefix cache makes each a short prefill); the
     # timed requests run without one, as the benchmarks do, interleaved with plain decoding's
     context = max(max(lengths, default=0) + tokens + 1, EngineConfig.max_context)
-    engine = Engine(EngineConfig(model_path=str(BUNDLED / "target"), max_context=context))
-    timing = Engine(EngineConfig(model_path=str(BUNDLED / "target"), prefix_cache=False, max_context=context))
+    model = model or str(BUNDLED / "target")
+    engine = Engine(EngineConfig(model_path=model, max_context=context, spec=SpecConfig(dflash_model=dflash_model)))
+    timing = Engine(EngineConfig(model_path=model, prefix_cache=False, max_context=context,
+                                 spec=SpecConfig(dflash_model=dflash_model)))
     requests: list[tuple[str, list[int], SamplingParams]] = []
     for n in lengths:  # as scripts/bench_controller.py's misses: the same prompts and seed
         prompt = [int(t) for t in np.random.RandomState(n).randint(0, engine.vocab_size, size=n)]
@@ -131,7 +134,7 @@ def record(path: Path, methods: list[str], kinds: list[str], lengths: list[int],
         entry: dict = {"length": len(reference), "plain_ms": plain_ms, "methods": {}}
         entry["confidence"] = confidence(prompt, params, reference)
         for method in methods:
-            spec = METHODS[method]
+            spec = replace(METHODS[method], dflash_model=dflash_model)
             accepted: dict[str, list[int]] = {}
             for b in BUDGETS:
                 fixed = replace(spec, budget=b, adaptive=False)
@@ -337,13 +340,15 @@ def summary(medians: dict[str, dict[tuple[str, str], float]]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
-    rec = sub.add_parser("record", help="measure acceptance and round times on the bundled target")
+    rec = sub.add_parser("record", help="measure acceptance and round times on the bundled target (or --model)")
     rec.add_argument("file", type=Path)
     rec.add_argument("--methods", default="mtp,draft", help=f"of {', '.join(METHODS)}")
     rec.add_argument("--kinds", default="code,chat", help="scripts/bench_spec.py prompt kinds (none: misses only)")
     rec.add_argument("--lengths", default="64", help="random-id prompt lengths of the misses (\"\": none)")
     rec.add_argument("--runs", type=int, default=4, help="requests of each kind timed per method and budget")
     rec.add_argument("--tokens", type=int, default=96)
+    rec.add_argument("--model", help="target checkpoint (default: the bundled one)")
+    rec.add_argument("--dflash-model", help="DFlash checkpoint (default: the target's bundled one)")
     rep = sub.add_parser("replay", help="compare controllers over a recording")
     rep.add_argument("file", type=Path)
     rep.add_argument("--revs", default="now,HEAD",
@@ -364,7 +369,8 @@ def main() -> None:
         if not methods or any(m not in METHODS for m in methods):
             ap.error(f"--methods takes some of {', '.join(METHODS)}, got {a.methods!r}")
         kinds = [k for k in a.kinds.split(",") if k and k != "none"]
-        record(a.file, methods, kinds, [int(n) for n in a.lengths.split(",") if n], a.runs, a.tokens)
+        record(a.file, methods, kinds, [int(n) for n in a.lengths.split(",") if n], a.runs, a.tokens, a.model,
+               a.dflash_model)
     else:
         replay(a.file, [r for r in a.revs.split(",") if r], a.seeds, [int(o) for o in a.offsets.split(",") if o])
 
