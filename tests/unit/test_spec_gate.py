@@ -1,6 +1,7 @@
 """The controller told the target's confidence (engine/spec_gate.py): nothing tried while the
-target is unsure, the climb from four nodes where it is sure, the gate lifted by a drafter right
-where it is unsure, and a tree tried at once when the text turns sure."""
+target is unsure where trees are costly (not where they are cheap), the climb from four nodes where
+it is sure, the gate lifted by a drafter right where it is unsure, and a tree tried at once when the
+text turns sure."""
 
 from __future__ import annotations
 
@@ -49,16 +50,41 @@ def test_where_the_target_is_sure_the_climb_starts_at_four_nodes():
     assert chosen[7:] == [16] * 5
 
 
-def test_unsure_stretches_pause_the_trees_and_sure_ones_resume_them():
-    # hits where the target is sure, misses where it is unsure, in stretches of 30 rounds
-    def stretches(b, i):
-        sure = (i // 30) % 2 == 0
-        return (*(hits(b) if sure else (1, 10.0 + b)), 0.95 if sure else 0.3)
+def costly(b: int) -> float:
+    """A tree round's ms where trees are costly (a plain round: 10): the four-node tree 2.2 plain
+    rounds, more than GATE_COST."""
+    return 20.0 + 0.5 * b if b else 10.0
 
-    chosen = drive_confident(SpecController(16), stretches, 120)
+
+def stretches(tree_ms):
+    """Hits where the target is sure, misses where it is unsure, in stretches of 30 rounds."""
+    def outcome(b, i):
+        sure = (i // 30) % 2 == 0
+        return (hits(b)[0] if sure else 1), tree_ms(b), 0.95 if sure else 0.3
+
+    return outcome
+
+
+def test_unsure_stretches_pause_the_trees_and_sure_ones_resume_them():
+    chosen = drive_confident(SpecController(16), stretches(costly), 120)
     for start in (30, 90):  # unsure: plain once the average has come down (a few tokens)
         assert set(chosen[start + 3 : start + 30]) == {0}
     assert chosen[60 + 3 : 90].count(16) >= 24  # sure again: the full tree at once, no climb
+
+
+def test_where_trees_are_cheap_an_unsure_target_does_not_shut_them_out():
+    # the four-node tree costs 1.2 plain rounds (less than GATE_COST): in the unsure stretches the
+    # controller is not gated, it goes by the rates, and so re-tries trees there as it would
+    # without the confidence; with trees at 2.2 plain rounds nothing is tried there
+    cheap = lambda b: hits(b)[1] if b else 10.0  # noqa: E731
+    chosen = drive_confident(SpecController(16), stretches(cheap), 120)
+    assert any(b > 0 for b in chosen[33:60] + chosen[93:120])
+    c = SpecController(16)
+    drive_confident(c, stretches(cheap), 35)
+    assert c.gate.shut() and not c.gated()
+    c = SpecController(16)
+    drive_confident(c, stretches(costly), 35)
+    assert c.gate.shut() and c.gated()
 
 
 def test_a_drafter_right_where_the_target_is_unsure_lifts_the_gate():
@@ -91,13 +117,13 @@ def sure_misses_unsure_then_sure_hits(tree_ms) -> list[int]:
 
 
 def test_a_sure_stretch_after_an_unsure_one_is_tried_at_once(monkeypatch):
-    chosen = sure_misses_unsure_then_sure_hits(lambda b: 10.0 + 2.0 * b)
+    chosen = sure_misses_unsure_then_sure_hits(lambda b: 10.0 + 2.5 * b)
     assert set(chosen[23:50]) == {0}
     # woken once the average passes CONF_WAKE (six sure tokens): four nodes, then the climb
     assert 4 in chosen[50:58] and chosen[-20:].count(16) >= 18
     # without the wake the trees wait for the re-try spacing
     monkeypatch.setattr("engine.spec_gate.CONF_WAKE", 2.0)
-    assert set(sure_misses_unsure_then_sure_hits(lambda b: 10.0 + 2.0 * b)[50:70]) == {0}
+    assert set(sure_misses_unsure_then_sure_hits(lambda b: 10.0 + 2.5 * b)[50:70]) == {0}
 
 
 def test_a_costly_tree_is_not_woken(monkeypatch):
