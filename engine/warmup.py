@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 from engine import forward
-from engine.config import SamplingParams
+from engine.config import SamplingParams, SpecConfig
 from engine.tree import DraftTree
 from engine.types import GenerationRequest
 
@@ -62,12 +62,13 @@ def chain_with_siblings(root: int, nodes: int, depth: int, vocab: int) -> DraftT
     return DraftTree(tuple([root] + [(root + 1 + i) % vocab for i in range(nodes - 1)]), tuple(parents))
 
 
-def warm_up(engine: Engine, new_tokens: int = 8) -> WarmupReport:
+def warm_up(engine: Engine, new_tokens: int = 8, spec: SpecConfig | None = None) -> WarmupReport:
     """The warm-up, sized to fit the engine's context (a prompt of up to 24 ids, `new_tokens`
-    tokens after it, trees up to the speculation budget after the prompt)."""
+    tokens after it, trees up to the speculation budget after the prompt). `spec`: the speculation
+    whose trees to warm (default: the engine's; a benchmark whose requests choose their own)."""
     t0 = time.perf_counter()
     vocab, context = engine.vocab_size, engine.config.max_context
-    spec = engine.config.spec
+    spec = spec or engine.config.spec
     new_tokens = max(1, min(new_tokens, context // 4))
     ids = [(17 * i + 3) % vocab for i in range(max(2, min(24, context - new_tokens - 1)))]
     req = GenerationRequest(prompt_ids=ids, sampling=SamplingParams(max_tokens=new_tokens, ignore_eos=True))

@@ -135,6 +135,20 @@ def mlx_lm_one(model, prompt: list[int], n: int) -> Run:
     return Run(tokens, (len(tokens) - 1) / dt if dt > 0 else 0.0, 1.0, 0.0, gaps, [1] * len(gaps))
 
 
+def warm_like_serve(engine: Engine, specs) -> None:
+    """On a GPU, what `spruce serve` runs before its first request (engine/warmup.py): every kernel
+    variant and tree shape class the methods' budgets and depths can reach, compiled before anything
+    is timed. Without it a tree class first reached in a measured run compiled there: on the H200,
+    rounds of a controller's request whose mean was 4x their median."""
+    from engine.kernels import gpu_backend
+    from engine.warmup import warm_up
+
+    trees = [s for s in specs if s.method != "none"]
+    if gpu_backend() is not None and trees:
+        deepest = max(trees, key=lambda s: (s.budget, s.max_depth))
+        print(f"warm-up as spruce serve's: {warm_up(engine, spec=deepest).seconds:.1f} s")
+
+
 def distinct_8grams(tokens: list[int]) -> float:
     grams = [tuple(tokens[i : i + 8]) for i in range(len(tokens) - 7)]
     return len(set(grams)) / len(grams) if grams else 1.0
@@ -224,6 +238,7 @@ def main() -> None:
         if (why := engine.missing_drafter(spec.method, spec.tree)) is not None:
             print(f"skipping {name}: {why}")
     specs = {n: s for n, s in specs.items() if not engine.missing_drafter(s.method, s.tree)}
+    warm_like_serve(engine, specs.values())
     ref_model = None
     if a.mlx_lm:
         import tempfile

@@ -64,7 +64,7 @@ from engine.config import EngineConfig, SamplingParams, SpecConfig  # noqa: E402
 from engine.generate import BUNDLED, Engine  # noqa: E402
 from engine.types import GenerationRequest  # noqa: E402
 from scripts.bench_gpu import variant_setting  # noqa: E402
-from scripts.bench_spec import PROMPTS, distinct_8grams, parse_methods, render  # noqa: E402
+from scripts.bench_spec import PROMPTS, distinct_8grams, parse_methods, render, warm_like_serve  # noqa: E402
 
 TOTALS: dict[str, float] = defaultdict(float)
 ROUNDS: list[float] = []  # wall ms of each landed round (launch or previous landing -> its landing)
@@ -171,6 +171,7 @@ def main() -> None:
     profiler = profiled_verify() if a.cprofile else None
     engine = Engine(EngineConfig(model_path=a.model, dtype=a.dtype, spec=SpecConfig(dflash_model=a.dflash_model)))
     specs = parse_methods(a.methods, [a.budget], a.depth, a)
+    warm_like_serve(engine, specs.values())
     # the tree builders are looked up when a drafter is made: the wrappers above are already in place
     base = SamplingParams(temperature=0.0, max_tokens=a.tokens)
     report: dict[str, Any] = {"args": {k: str(v) for k, v in vars(a).items()}, "rows": []}

@@ -58,3 +58,11 @@ def test_warm_up_fits_a_small_context(tiny_qwen35):
     engine = Engine(EngineConfig(model_path=str(tiny_qwen35), max_context=12,
                                  spec=SpecConfig(method="ngram", budget=4, max_depth=2)))
     assert warm_up(engine).trees == tuple(tree_shapes(4, 2))
+
+
+def test_warm_up_takes_the_trees_of_a_given_speculation(tiny_qwen35):
+    """A benchmark's engine decodes plainly by default and its requests choose their own
+    speculation: the warm-up then covers the trees of the speculation it is given."""
+    engine = Engine(EngineConfig(model_path=str(tiny_qwen35)))
+    assert warm_up(engine).trees == ()
+    assert warm_up(engine, spec=SpecConfig(method="ngram", budget=32, max_depth=6)).trees == tuple(tree_shapes(32, 6))
