@@ -1,11 +1,11 @@
-"""Use a fast BLAS with MLX's Linux CPU wheel, with as many threads as the moment allows.
+"""Use a fast BLAS with MLX's Linux CPU wheel, with all its threads.
 
 The `mlx-cpu` wheel bundles reference netlib BLAS: fp32 matmuls run ~40x slower than with
 OpenBLAS. libmlx.so resolves cblas_sgemm dynamically, so preloading Debian's OpenBLAS
 (`apt-get install libopenblas0-pthread`) takes it over. A preload only works from process
 start, hence a re-exec. Must run before mlx is imported. Never imports mlx itself.
 
-OpenBLAS's threads are set round by round (`pace`, and the measurement above ADAPT_THREADS).
+OpenBLAS's threads can be set round by round (`pace`; off by default, see ADAPT_THREADS).
 """
 
 from __future__ import annotations
@@ -54,17 +54,17 @@ def reexec_with_openblas(argv: list[str]) -> str | None:
 
 # OpenBLAS's threads, by what the host does meanwhile. Plain rounds are pipelined: the host builds
 # the next round's graph and lands the last one while MLX computes this one, and with OpenBLAS on
-# every core those compete for the cores (the host's Python, MLX's CPU thread, OpenBLAS's workers,
-# which also spin a while after each call; which of these costs most was not isolated). Measured
-# on the dev CPU (2 cores, bundled target, fp32, 96 tokens sampled after random ids; one process
-# switching at run time, 6 paired runs): plain decoding 1.16x faster at 64 prompt tokens and 1.12x
-# at 4000 with one thread than with two, while MTP rounds with 16-node trees, which the host waits
-# for, ran 0.88x (BENCHMARKS.md, issue 17, sixteenth session). So a round the host pipelines past
-# gets all threads but one, everything it waits for (a tree, drafting, prefill) all of them.
-# Results do not depend on the count (OpenBLAS splits a matmul's rows and columns, not its sums:
-# checked bitwise on the engine's shapes). Where OPENBLAS_NUM_THREADS or OMP_NUM_THREADS is set,
-# that count is kept.
-ADAPT_THREADS = True  # module switch (benchmarks compare; tests force it)
+# every core those compete for the cores. `pace` gives such a round all threads but one, and
+# everything the host waits for (a tree, drafting, prefill) all of them. Measured on the dev CPU (2
+# cores) on a busy stretch of the machine, that made plain decoding of the bundled target 2-16 %
+# faster (BENCHMARKS.md, issue 17, sixteenth session). On a quiet machine it is the other way, and
+# more so the larger the model (`python scripts/bench_blas_threads.py`, twenty-first session, paced
+# against all threads): the bundled target 0.99x / 0.87x (64 / 4000 prompt tokens); the bundled
+# model widened (scripts/widen_checkpoint.py) 0.83x at hidden 512 and 0.66x at hidden 1024. So it
+# is off by default: every matmul gets all threads. Results do not depend on the count (OpenBLAS
+# splits a matmul's rows and columns, not its sums: checked bitwise on the engine's shapes). Where
+# OPENBLAS_NUM_THREADS or OMP_NUM_THREADS is set, that count is kept.
+ADAPT_THREADS = False  # module switch (benchmarks compare; tests force it)
 _THREADS: dict[str, Any] = {}  # the library handle ("lib", None where there is none), "all", "now"
 
 

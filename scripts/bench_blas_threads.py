@@ -1,7 +1,7 @@
 """OpenBLAS's threads paced by the engine (engine/blas.py `pace`) against all threads always, in one
 process, paired run by run on the CPU.
 
-    python scripts/bench_blas_threads.py [--runs 6] [--tokens 96]
+    python scripts/bench_blas_threads.py [--runs 6] [--tokens 96] [--model DIR] [--cases plain64,mtp64,...]
 
 The engine sets OpenBLAS to all threads but one while the host builds the next round (pipelined
 one-node rounds) and to all of them for what the host waits for (trees, drafting, prefill). This
@@ -37,12 +37,12 @@ from engine.config import EngineConfig, SamplingParams, SpecConfig  # noqa: E402
 from engine.generate import BUNDLED, Engine  # noqa: E402
 from engine.types import GenerationRequest  # noqa: E402
 
-CASES = {  # name: (prompt: random ids of this length, or 0 = a code prompt; spec; temperature)
-    "plain, 64 random ids": (64, SpecConfig(), 1.0),
-    "plain, 4000 random ids": (4000, SpecConfig(), 1.0),
-    "mtp, 64 random ids": (64, SpecConfig(method="mtp", tree="ddtree"), 1.0),
-    "mtp 16-node trees, code": (0, SpecConfig(method="mtp", tree="ddtree", adaptive=False), 0.0),
-    "mtp, code": (0, SpecConfig(method="mtp", tree="ddtree"), 0.0),
+CASES = {  # key: (what it is; prompt: random ids of this length, or 0 = a code prompt; spec; temperature)
+    "plain64": ("plain, 64 random ids", 64, SpecConfig(), 1.0),
+    "plain4000": ("plain, 4000 random ids", 4000, SpecConfig(), 1.0),
+    "mtp64": ("mtp, 64 random ids", 64, SpecConfig(method="mtp", tree="ddtree"), 1.0),
+    "mtp16code": ("mtp 16-node trees, code", 0, SpecConfig(method="mtp", tree="ddtree", adaptive=False), 0.0),
+    "mtpcode": ("mtp, code", 0, SpecConfig(method="mtp", tree="ddtree"), 0.0),
 }
 
 
@@ -59,8 +59,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=6)
     ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--model", default=str(BUNDLED / "target"), help="target checkpoint (default: the bundled one)")
+    ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
     a = ap.parse_args()
-    engine = Engine(EngineConfig(model_path=str(BUNDLED / "target"), prefix_cache=False, dtype="float32"))
+    cases = {k: CASES[k] for k in a.cases.split(",") if k}
+    engine = Engine(EngineConfig(model_path=a.model, prefix_cache=False, dtype="float32"))
+    default = blas.ADAPT_THREADS
     lib = blas._openblas()
     if lib is None:
         raise SystemExit("no OpenBLAS whose threads can be set in this process (OPENBLAS_NUM_THREADS set?)")
@@ -74,10 +78,10 @@ def main() -> None:
             blas._THREADS["now"] = every
 
     code = render(engine, PROMPTS["code"][1])
-    tps: dict[tuple[str, bool], list[float]] = {(c, on): [] for c in CASES for on in (True, False)}
+    tps: dict[tuple[str, bool], list[float]] = {(c, on): [] for c in cases for on in (True, False)}
     identical = True
     for r in range(a.runs + 1):  # the first repetition warms up (compiles) and is dropped
-        for name, (length, spec, temperature) in CASES.items():
+        for name, (_, length, spec, temperature) in cases.items():
             prompt = code if not length else [
                 int(t) for t in np.random.RandomState(r * 7 + length).randint(0, engine.vocab_size, size=length)]
             sampling = SamplingParams(max_tokens=a.tokens, ignore_eos=True, temperature=temperature, seed=r)
@@ -89,13 +93,13 @@ def main() -> None:
                 if r:
                     tps[(name, on)].append(speed)
             identical = identical and outputs[0] == outputs[1]
-    pacing(True)
+    blas.ADAPT_THREADS = default
     print("| request | paced tok/s | all threads tok/s | paired ratio (median) | ratios |")
     print("|---|---|---|---|---|")
-    for name in CASES:
+    for name, (what, *_) in cases.items():
         paced, fixed = tps[(name, True)], tps[(name, False)]
         ratios = [p / f for p, f in zip(paced, fixed, strict=True)]
-        print(f"| {name} | {statistics.median(paced):.1f} | {statistics.median(fixed):.1f} | "
+        print(f"| {what} | {statistics.median(paced):.1f} | {statistics.median(fixed):.1f} | "
               f"{statistics.median(ratios):.3f}x | {', '.join(f'{x:.2f}' for x in ratios)} |")
     print(f"outputs identical, paced and not: {identical}")
 

@@ -1,7 +1,7 @@
 """The bundled target, its MTP head and its DFlash drafter widened to a real Qwen3.5 shape: a
 checkpoint that costs what a 9B step costs and says what the bundled model says.
 
-    python scripts/widen_checkpoint.py OUT [--shape 9b|test] [--target DIR] [--dflash DIR]
+    python scripts/widen_checkpoint.py OUT [--shape 9b|test|mid] [--target DIR] [--dflash DIR]
 
 Why: on a GPU the bundled target (hidden 384, 8 layers) is launch-bound, a step ~1 ms of small
 kernels, so a verify, a draft pass or a step all cost about the same and speculation cannot pay

@@ -42,12 +42,14 @@ class Dims:
 
 
 # Wide shapes: (target, DFlash drafter). The 9B target is Qwen3.5-9B's text config
-# (scripts/shaped_checkpoint.py); `test` is small enough for a CPU test. (Qwen3.5-0.8B has one GDN
-# value head a key head where the bundled target has two: a value head could not keep its key head
-# without copying key heads, which this script does not do.)
+# (scripts/shaped_checkpoint.py); `test` is small enough for a CPU test; `mid` is a second held-out
+# target for the controller on the dev CPU. (Qwen3.5-0.8B has one GDN value head a key head where
+# the bundled target has two: a value head could not keep its key head without copying key heads,
+# which this script does not do.)
 SHAPES = {
     "9b": (Dims(4096, 32, 12288, 16, 4, 256, 0.25, 16, 32, 128, 128), Dims(4096, 2, 12288, 32, 8, 128, 1.0)),
     "test": (Dims(512, 12, 1024, 8, 2, 128, 0.25, 8, 16, 64, 64), Dims(512, 2, 1024, 8, 2, 128, 1.0)),
+    "mid": (Dims(1024, 16, 2048, 8, 2, 128, 0.25, 8, 16, 64, 64), Dims(1024, 2, 2048, 8, 2, 128, 1.0)),
 }
 
 

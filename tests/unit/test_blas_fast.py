@@ -69,6 +69,7 @@ def test_pace_reaches_the_loaded_openblas(monkeypatch) -> None:
     """Where the test process runs with OpenBLAS preloaded (CI on Linux does), pace changes the
     count the library reports, and puts it back."""
     monkeypatch.setattr(blas, "_THREADS", {})
+    monkeypatch.setattr(blas, "ADAPT_THREADS", True)  # off by default: this is what it does when on
     monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     lib = blas._openblas()
@@ -82,3 +83,4 @@ def test_pace_reaches_the_loaded_openblas(monkeypatch) -> None:
         assert lib.openblas_get_num_threads() == every
     finally:
         lib.openblas_set_num_threads(every)
+
