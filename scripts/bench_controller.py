@@ -47,7 +47,7 @@ if __name__ == "__main__":  # a BLAS preload works only from process start: befo
     reexec_with_openblas(sys.orig_argv[1:])
 
 from bench_context import distinct_8grams, pooled_p99  # noqa: E402
-from bench_spec import PROMPTS, render  # noqa: E402
+from bench_spec import PROMPTS, checkpoint_defaults, render  # noqa: E402
 
 import engine.generate as generation  # noqa: E402
 import engine.round as current  # noqa: E402
@@ -216,12 +216,7 @@ def main() -> None:
         prompt = [int(t) for t in np.random.RandomState(n).randint(0, engine.vocab_size, size=n)]
         cells = summary(compare(engine, prompt, sampled, methods, controllers, a.runs))
         print(f"| misses, {n} random ids | " + " | ".join(cells[k] for k in keys) + " |", flush=True)
-    hits = SamplingParams(max_tokens=a.tokens)
-    if a.defaults:
-        d = engine.sampling_defaults
-        hits = SamplingParams(max_tokens=a.tokens, temperature=d.temperature or 0.0, top_p=d.top_p or 1.0,
-                              top_k=d.top_k or 0, min_p=d.min_p or 0.0,
-                              repetition_penalty=d.repetition_penalty or 1.0, seed=0)
+    hits = checkpoint_defaults(engine, 0, a.tokens) if a.defaults else SamplingParams(max_tokens=a.tokens)
     for kind in kinds:
         texts = PROMPTS[kind]
         for p, text in enumerate(texts):

@@ -43,15 +43,22 @@ def spruce_decode(engine, prompt: list[int], n: int) -> tuple[float, list[int]]:
     return (len(tokens) - 1) / (time.perf_counter() - t_first), tokens
 
 
-def mlx_lm_decode(model, prompt: list[int], n: int) -> tuple[float, list[int]]:
+def mlx_lm_timed(model, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    """mlx-lm's plain decoding (generate_step, greedy) of up to n tokens -> (the tokens, the
+    perf_counter time each reached the caller)."""
     from mlx_lm.generate import generate_step
 
-    tokens, t_first = [], None
+    tokens, times = [], []
     for tok, _ in generate_step(mx.array(prompt), model, max_tokens=n):
-        if t_first is None:
-            t_first = time.perf_counter()
+        times.append(time.perf_counter())
         tokens.append(int(tok))
-    return (len(tokens) - 1) / (time.perf_counter() - t_first), tokens
+    return tokens, times
+
+
+def mlx_lm_decode(model, prompt: list[int], n: int) -> tuple[float, list[int]]:
+    """-> (decode tok/s after the first token, the tokens)."""
+    tokens, times = mlx_lm_timed(model, prompt, n)
+    return (len(tokens) - 1) / (times[-1] - times[0]), tokens
 
 
 def mlx_lm_view(path: Path, tmp: Path, name: str = "mlx_lm_view") -> Path:

@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from bench_decode import mlx_lm_view  # noqa: E402
+from bench_decode import mlx_lm_decode, mlx_lm_view  # noqa: E402
 from round_costs import chain_with_siblings, round_costs  # noqa: E402
 from shaped_checkpoint import BUNDLED, make_checkpoint  # noqa: E402
 
@@ -131,18 +131,6 @@ def spruce_decode(engine: Any, prompt: list[int], n: int) -> tuple[float, list[i
         if not tokens and step.token_ids:
             t_first = time.perf_counter()
         tokens += step.token_ids
-    return (len(tokens) - 1) / (time.perf_counter() - t_first), tokens
-
-
-def mlx_lm_decode(model: Any, prompt: list[int], n: int) -> tuple[float, list[int]]:
-    from mlx_lm.generate import generate_step
-
-    tokens: list[int] = []
-    t_first = 0.0
-    for tok, _ in generate_step(mx.array(prompt), model, max_tokens=n):
-        if not tokens:
-            t_first = time.perf_counter()
-        tokens.append(int(tok))
     return (len(tokens) - 1) / (time.perf_counter() - t_first), tokens
 
 

@@ -117,22 +117,21 @@ def one(engine: Engine, prompt: list[int], spec: SpecConfig, n: int, base: Sampl
 
 
 def mlx_lm_one(model, prompt: list[int], n: int) -> Run:
-    """Plain decoding by mlx-lm's generate_step (greedy), timed as `one` times the engine."""
-    import mlx.core as mx
-    from mlx_lm.generate import generate_step
+    """Plain decoding by mlx-lm (greedy), timed as `one` times the engine."""
+    from bench_decode import mlx_lm_timed
 
-    tokens, gaps = [], []
-    t_first = t_last = 0.0
-    for tok, _ in generate_step(mx.array(prompt), model, max_tokens=n):
-        now = time.perf_counter()
-        if tokens:
-            gaps.append((now - t_last) * 1e3)
-        else:
-            t_first = now
-        t_last = now
-        tokens.append(int(tok))
-    dt = t_last - t_first
+    tokens, times = mlx_lm_timed(model, prompt, n)
+    gaps = [(b - a) * 1e3 for a, b in zip(times, times[1:])]
+    dt = times[-1] - times[0]
     return Run(tokens, (len(tokens) - 1) / dt if dt > 0 else 0.0, 1.0, 0.0, gaps, [1] * len(gaps))
+
+
+def checkpoint_defaults(engine: Engine, seed: int, max_tokens: int = 0) -> SamplingParams:
+    """What a request that sets nothing samples with: the checkpoint's generation_config, seeded."""
+    d = engine.sampling_defaults
+    return SamplingParams(temperature=d.temperature or 0.0, top_p=d.top_p or 1.0, top_k=d.top_k or 0,
+                          min_p=d.min_p or 0.0, repetition_penalty=d.repetition_penalty or 1.0, seed=seed,
+                          **({"max_tokens": max_tokens} if max_tokens else {}))
 
 
 def warm_like_serve(engine: Engine, specs) -> None:
@@ -145,8 +144,9 @@ def warm_like_serve(engine: Engine, specs) -> None:
 
     trees = [s for s in specs if s.method != "none"]
     if gpu_backend() is not None and trees:
-        deepest = max(trees, key=lambda s: (s.budget, s.max_depth))
-        print(f"warm-up as spruce serve's: {warm_up(engine, spec=deepest).seconds:.1f} s")
+        widest = dataclasses.replace(trees[0], budget=max(s.budget for s in trees),
+                                     max_depth=max(s.max_depth for s in trees))
+        print(f"warm-up as spruce serve's: {warm_up(engine, spec=widest).seconds:.1f} s")
 
 
 def distinct_8grams(tokens: list[int]) -> float:
@@ -254,9 +254,7 @@ def main() -> None:
                 ref_model.set_dtype(mx.float32)
     base = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed)
     if a.defaults:
-        d = engine.sampling_defaults
-        base = SamplingParams(temperature=d.temperature or 0.0, top_p=d.top_p or 1.0, top_k=d.top_k or 0,
-                              min_p=d.min_p or 0.0, repetition_penalty=d.repetition_penalty or 1.0, seed=a.seed)
+        base = checkpoint_defaults(engine, a.seed)
     decoding = "greedy" if base.temperature == 0 else \
         f"temperature {base.temperature}, top_p {base.top_p}, top_k {base.top_k}, repetition penalty " \
         f"{base.repetition_penalty}, seed {a.seed}"
