@@ -54,6 +54,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mlx.core as mx  # noqa: E402
 from widen_maps import SHAPES, Dims, Plan  # noqa: E402
 
+from engine.dtypes import DTYPES  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 BUNDLED = REPO / "engine" / "bundled"
 COPIED = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
@@ -256,7 +258,7 @@ def widen_target(src: Path, out: Path, wide: Dims, dtype: mx.Dtype = mx.bfloat16
                     linear_num_key_heads=wide.k_heads, linear_num_value_heads=wide.v_heads,
                     linear_key_head_dim=wide.k_dim, linear_value_head_dim=wide.v_dim, layer_types=wide_types,
                     rms_norm_eps=cfg["rms_norm_eps"] * small.k_dim / wide.k_dim * small.v_dim / wide.v_dim,
-                    dtype=_dtype_name(dtype), widened_from=str(small))
+                    dtype=next(n for n, d in DTYPES.items() if d == dtype), widened_from=str(small))
     (out / "config.json").write_text(json.dumps(wide_cfg, indent=1))
     for name in COPIED:  # token ids do not move
         if (src / name).is_file():
@@ -294,10 +296,6 @@ def _save(path: Path, tensors: dict[str, mx.array]) -> None:
     mx.save_safetensors(str(path), tensors)
 
 
-def _dtype_name(dtype: mx.Dtype) -> str:
-    return {mx.bfloat16: "bfloat16", mx.float16: "float16", mx.float32: "float32"}[dtype]
-
-
 def widen(out: Path, shape: str, target: Path = BUNDLED / "target", dflash: Path | None = BUNDLED / "dflash",
           dtype: mx.Dtype = mx.bfloat16) -> tuple[Path, Path | None]:
     """-> (the wide target's directory, the wide DFlash drafter's or None)."""
@@ -314,12 +312,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("out", type=Path, help="a directory that does not exist yet (target/ and dflash/ go in it)")
     ap.add_argument("--shape", choices=list(SHAPES), default="9b")
     ap.add_argument("--target", type=Path, default=BUNDLED / "target")
-    ap.add_argument("--dflash", type=Path, default=BUNDLED / "dflash", help="'' for none")
-    ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    ap.add_argument("--dflash", default=str(BUNDLED / "dflash"), help="'' for none")
+    ap.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
     a = ap.parse_args(argv)
     if a.out.exists():
         ap.error(f"{a.out} exists")
-    target, dflash = widen(a.out, a.shape, a.target, a.dflash if str(a.dflash) else None, getattr(mx, a.dtype))
+    target, dflash = widen(a.out, a.shape, a.target, Path(a.dflash) if a.dflash else None, DTYPES[a.dtype])
     size = sum(f.stat().st_size for f in target.glob("*.safetensors"))
     print(f"wrote {target} ({size / 1e9:.2f} GB)" + (f" and {dflash}" if dflash else ""))
 
