@@ -88,24 +88,30 @@ class DevicePenalties:
         if tree is None or tree.size == 1:
             return out
         nodes = range(tree.size) if rows is None else rows
-        # (row, its path's token or the node holding it on the device, how many times on the path)
-        pairs: list[tuple[int, int, float]] = []
-        for r, node in enumerate(nodes):
-            path = tree.path_to(node)[1:]
-            if tokens is None:
-                pairs += [(r, tok, float(k)) for tok, k in Counter(tree.tokens[j] for j in path).items()]
-            else:  # device tokens: the one-guess tree, a path of at most one token below the root
-                assert len(path) <= 1, "a tree's tokens are on the device only for the one-guess tree"
-                pairs += [(r, j, 1.0) for j in path]
-        if not pairs:
-            return out
-        rs, cs, ks = zip(*pairs, strict=True)
+        paths = [tree.path_to(node)[1:] for node in nodes]
+        if tokens is None:  # (row, token, how many times on the row's path), distinct per row
+            pairs = [(r, tok, float(k)) for r, path in enumerate(paths)
+                     for tok, k in Counter(tree.tokens[j] for j in path).items()]
+            if not pairs:
+                return out
+            rs, cs, ks = zip(*pairs, strict=True)
+            cols, extra = mx.array(cs, dtype=mx.int32), mx.array(ks, dtype=mx.float32)
+        else:  # the tokens are on the device (a pipelined guess, a chain drafted there): (row, path node)
+            nodes_of = [(r, j) for r, path in enumerate(paths) for j in path]
+            if not nodes_of:
+                return out
+            rs, js = zip(*nodes_of, strict=True)
+            flat = tokens.reshape(-1).astype(mx.int32)
+            cols = flat[mx.array(js, dtype=mx.int32)]
+            # each pair's token counted over its row's path, on the device; a token twice on a path
+            # gives two pairs with the same value: the scatter below writes it twice
+            on_path = np.zeros((len(nodes_of), tree.size), dtype=np.float32)
+            for p, r in enumerate(rs):
+                on_path[p, list(paths[r])] = 1.0
+            extra = ((flat[None] == cols[:, None]) * mx.array(on_path)).sum(axis=-1)
         row_idx = mx.array(rs, dtype=mx.int32)
-        cols = mx.array(cs, dtype=mx.int32)
-        if tokens is not None:
-            cols = tokens.reshape(-1)[cols].astype(mx.int32)
-        counts = self.counts[cols] + mx.array(ks, dtype=mx.float32)
+        counts = self.counts[cols] + extra
         vals = self._adjust(x[row_idx, cols], counts, None if self.bias is None else self.bias[cols],
                             None if self.in_prompt is None else self.in_prompt[cols])
-        out[row_idx, cols] = vals  # the pairs are distinct: a plain scatter
+        out[row_idx, cols] = vals  # (row, column) pairs repeat only with equal values
         return out

@@ -51,6 +51,10 @@ def test_device_adjustment_equals_the_host_one(params, size, rng):
         # one row at a time (the CPU's node-by-node draw) is the same computation
         row = np.array(pen.apply(mx.array(logits[node : node + 1]), tree, rows=[node]))[0]
         assert np.array_equal(row, device[node])
+    # the tree's tokens on the device only (the host tree holds placeholders): the same adjustment
+    placeholders = DraftTree(tuple(range(size)), tree.parents)
+    on_device = np.array(pen.apply(mx.array(logits), placeholders, mx.array([list(tree.tokens)], dtype=mx.int32)))
+    np.testing.assert_array_equal(on_device, device)
 
 
 def test_one_guess_tree_with_its_tokens_on_the_device(rng):
