@@ -14,7 +14,9 @@ is still on the device, before landing round r: building the next graph overlaps
 mlx-lm's generate_step does. That is a property of the round (`can_pipeline`), not a second loop,
 and it is what lets a controller that settles on plain rounds run as fast as plain decoding. The
 controller's smallest tree (the root and one guess) is queued the same way behind a plain round
-where the drafter guesses on the device (`GuessesAhead`).
+where the drafter guesses on the device (`GuessesAhead`). On a GPU a chain of top-1 guesses is
+drafted on the device too (`ChainsOnDevice`): its verify is queued behind the draft, and the round
+has one host round trip, its landing.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from engine import blas, device_sampler, forward, sampler
 from engine.cache import LayerCache
 from engine.config import SamplingParams, SpecConfig
 from engine.device_penalties import DevicePenalties
-from engine.drafters.base import Drafter, GuessesAhead, Hindsight, NoDrafter, Skips, skips
+from engine.drafters.base import ChainsOnDevice, Drafter, GuessesAhead, Hindsight, NoDrafter, Skips, skips
 from engine.logits_extras import token_logprobs, top_probabilities
 from engine.models.base import CausalLM
 from engine.sampler import TokenConstraint
@@ -116,6 +118,13 @@ START_AHEAD_LAYERS = 2
 # with the next round's start for the two cores). None: so; True / False: every round on the
 # device / on the host (tests force either).
 TOP_ON_DEVICE: bool | None = None
+# Where a drafter's chain of top-1s is drafted on the device and the verify queued behind it
+# (ChainsOnDevice), instead of the draft's top-k reaching the host before the tree is built: the
+# round then has one host round trip instead of two, and the device runs the draft and the verify
+# back to back while the host builds the verify's graph. None: on GPUs (the CPU drafts MTP chains
+# depth by depth, its stop rule cutting them short, and its evaluation calls barely overlap the
+# host); True / False: everywhere / nowhere (tests force it on the CPU).
+CHAIN_ON_DEVICE: bool | None = None
 
 
 class Rounds:
@@ -153,6 +162,9 @@ class Rounds:
         self.confides = self.controller is not None and self.hindsight is None
         self.top_on_cpu = mx.default_device() == mx.cpu
         self.start_late = START_LATE_ON_CPU and drafts and mx.default_device() == mx.cpu
+        on_gpu = mx.default_device() != mx.cpu
+        self.chains_on_device = self.on_device and isinstance(drafter, ChainsOnDevice) and (
+            CHAIN_ON_DEVICE if CHAIN_ON_DEVICE is not None else on_gpu)
         self._last_landed = 0.0
         self._ahead_ms = 0.0  # spent since the last landing queueing the round after the one landing next
         self.last_round_ms = 0.0  # the last landed round's time as the controller is handed it
@@ -165,15 +177,21 @@ class Rounds:
         root = self.seq.tokens[-1]
         drafted = budget > 0 and not isinstance(self.drafter, NoDrafter)
         proposed = drafted or not skips(self.drafter)
-        tree = DraftTree.single(root)
+        tree, tokens = DraftTree.single(root), None
         if drafted:
             blas.pace(host_busy=False)  # the host waits for the drafter's passes
-            tree = self.drafter.propose(root, budget, self.spec.max_depth)
+            chain = cast(ChainsOnDevice, self.drafter).chain_on_device(root, budget, self.spec.max_depth) \
+                if self.chains_on_device else None
+            if chain is None:
+                tree = self.drafter.propose(root, budget, self.spec.max_depth)
+            else:  # the tree's tokens reach the host when it lands (placeholders until then)
+                tree = DraftTree.chain(root, [0] * chain.shape[0])
+                tokens = mx.concatenate([mx.array([[root]], dtype=mx.int32), chain[None].astype(mx.int32)], axis=1)
         elif proposed:  # no budget, and no skip: a root-only proposal keeps the drafter's pairing
             self.drafter.propose(root, 0, self.spec.max_depth)
         t1 = time.perf_counter()
-        flight = self._queue(tree, None, t0, (t1 - t0) * 1e3)
-        flight.proposed, flight.arm = proposed, arm if budget == arm else -1
+        flight = self._queue(tree, tokens, t0, (t1 - t0) * 1e3)
+        flight.proposed, flight.arm, flight.tokens = proposed, arm if budget == arm else -1, tokens
         blas.pace(host_busy=self.can_pipeline(flight))  # the host builds the next round meanwhile
         self.start(flight)
         return flight
@@ -234,14 +252,16 @@ class Rounds:
             mx.async_eval(*flight.unstarted)
         flight.unstarted = None
 
-    def _queue(self, tree: DraftTree, root: mx.array | None, t0: float, draft_ms: float) -> InFlight:
+    def _queue(self, tree: DraftTree, tokens: mx.array | None, t0: float, draft_ms: float) -> InFlight:
+        """Queue `tree`'s verify; tokens: its tokens [1, N] where they are still on the device (a
+        pipelined root, a chain drafted on the device; `tree` holds placeholders for them)."""
         committed_len = self.seq.covered
-        logits = forward.verify(self.model, self.cache, tree, committed_len, tokens=root)
+        logits = forward.verify(self.model, self.cache, tree, committed_len, tokens=tokens)
         choices = None
         if self.on_device and not (self.draw_visited and tree.size > 1):
             positions = committed_len + tree.depths + 1  # the index each node's token will take
             uniforms = None if self.params.greedy else device_sampler.node_uniforms(self.seed, positions)
-            device_tokens = root if root is not None and tree.size > 1 else None
+            device_tokens = tokens if tokens is not None and tree.size > 1 else None
             choices = device_sampler.choose(self._adjusted(logits, tree, device_tokens), self.params, uniforms)
         committed = tree.size == 1 and choices is not None
         flight = InFlight(tree, committed_len, logits, choices, committed, t0, draft_ms)

@@ -41,10 +41,11 @@ def _build(engine, spec: SpecConfig) -> Drafter:
         vocab = engine.draft_vocab(spec.draft_vocab)
         if spec.tree == "weaver":
             return DFlashDrafter(engine.model, model, marginals.ddtree, weaver=engine.weaver_trees(spec), vocab=vocab)
-        return DFlashDrafter(engine.model, model, BUILDERS[spec.tree], vocab=vocab)
+        return DFlashDrafter(engine.model, model, BUILDERS[spec.tree], vocab=vocab, top1_chains=spec.tree == "chain")
     if spec.method == "mtp":
         if spec.tree == "weaver":
             raise ValueError("the weaver tree builder re-scores DFlash blocks: use it with spec method 'dflash'")
         vocab = engine.draft_vocab(spec.draft_vocab)
-        return MTPDrafter(engine.model, engine.mtp_head(), BUILDERS[spec.tree], vocab=vocab)
+        return MTPDrafter(engine.model, engine.mtp_head(), BUILDERS[spec.tree], vocab=vocab,
+                          top1_chains=spec.tree == "chain")
     raise ValueError(f"unknown spec method {spec.method!r}")

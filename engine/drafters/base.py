@@ -53,6 +53,19 @@ class GuessesAhead(Protocol):
 
 
 @runtime_checkable
+class ChainsOnDevice(Protocol):
+    def chain_on_device(self, root: int, budget: int, max_depth: int) -> mx.array | None:
+        """The chain of top-1 guesses after `root` as lazy device ids [depth], drafted without a host
+        round trip, so that the round's verify is queued behind the draft (a GPU then runs the two
+        back to back while the host builds the verify's graph); None where this round's tree is not
+        such a chain (another tree builder, Weaver) or there is nothing to draft from, and `propose`
+        drafts instead. The chain is the one `propose` drafts with the chain builder, except that no
+        stop rule cuts it short (a cut needs the marginals on the host): it runs to
+        min(budget, max_depth) and the drafter's own depth limit. Its round lands like a proposed
+        one (`observe`)."""
+
+
+@runtime_checkable
 class Hindsight(Protocol):
     """A drafter that can tell, for free, what its trees would have done in rounds it was told
     with `skip`: the tree-size controller learns from it whether guesses hit while it decodes

@@ -28,7 +28,8 @@ TreeBuilder = Callable[[int, Marginals, int, int], DraftTree]
 
 class DFlashDrafter:
     def __init__(self, target: CausalLM, model: DFlashModel, build: TreeBuilder, top_k: int = 32,
-                 weaver: WeaverTrees | None = None, vocab: DraftVocab | None = None) -> None:
+                 weaver: WeaverTrees | None = None, vocab: DraftVocab | None = None,
+                 top1_chains: bool = False) -> None:
         if model.config.hidden_size != target.args.hidden_size:
             raise ValueError(f"DFlash hidden size {model.config.hidden_size} differs from the target's "
                              f"{target.args.hidden_size}")
@@ -36,6 +37,7 @@ class DFlashDrafter:
             raise ValueError(f"DFlash reads target layers {model.config.target_layer_ids}; the target has "
                              f"{target.args.num_hidden_layers}")
         self.target, self.model, self.build, self.top_k, self.weaver = target, model, build, top_k, weaver
+        self.top1_chains = top1_chains and weaver is None  # `build` drafts the chain of top-1s (ChainsOnDevice)
         # the block's lm_head rows: the draft vocabulary's where there is one (logits' columns are then its ids)
         self.vocab = vocab
         self.logits = target.logits if vocab is None else vocab.logits_for(target)
@@ -104,6 +106,18 @@ class DFlashDrafter:
             return self.weaver.build(root, h_target, hidden, logits, budget, max_depth,
                                      None if self.vocab is None else self.vocab.ids)
         return self.build(root, self.marginals(root, depth), budget, max_depth)
+
+    def chain_on_device(self, root: int, budget: int, max_depth: int) -> mx.array | None:
+        """The chain builder's tree without a host round trip (ChainsOnDevice): the block's
+        argmax at each depth, lazy."""
+        if not self.top1_chains:
+            return None
+        self._catch_up()
+        depth = min(max_depth, budget, self.model.config.block_size - 1)
+        if depth < 1:
+            return None
+        ids = mx.argmax(self.draft(root, depth)[1], axis=-1)
+        return ids if self.vocab is None else self.vocab.full_ids(ids)
 
     def guess_after(self, root: mx.array) -> mx.array | None:
         """The block's top-1 at depth 1 after `root`, a token still on the device whose position

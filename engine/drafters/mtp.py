@@ -68,8 +68,9 @@ SYNC_EACH_DEPTH_ON_GPU = False
 
 class MTPDrafter:
     def __init__(self, target: CausalLM, head: MTPHead, build: TreeBuilder, config: MTPConfig = MTPConfig(),
-                 vocab: DraftVocab | None = None) -> None:
+                 vocab: DraftVocab | None = None, top1_chains: bool = False) -> None:
         self.target, self.head, self.build, self.config = target, head, build, config
+        self.top1_chains = top1_chains  # `build` drafts the chain of top-1s (ChainsOnDevice applies)
         # the lm_head pass of every depth: over the draft vocabulary's rows where there is one
         self.vocab_ids = None if vocab is None else vocab.ids
         self.logits = target.logits if vocab is None else vocab.logits_for(target)
@@ -125,6 +126,26 @@ class MTPDrafter:
             return DraftTree.single(root)
         marginals = self._draft(last, depth, max(1, min(budget, self.config.top_k)))
         return self.build(root, marginals, budget, max_depth)
+
+    def chain_on_device(self, root: int, budget: int, max_depth: int) -> mx.array | None:
+        """The chain builder's tree without a host round trip (ChainsOnDevice): the top-1 of each
+        depth fed back as the next depth's input, all lazy, at full depth (no stop rule)."""
+        if not self.top1_chains:
+            return None
+        last = self._catch_up()
+        depth = min(max_depth, budget, self.config.max_steps)
+        if last is None or depth < 1:
+            return None
+        # the catch-up's rows go to the device now, ahead of the draft that reads them
+        mx.async_eval([a for c in self.cache for a in c.arrays()])
+        depths: Depths = self.steps.begin(self.cache, 1) if self.steps is not None else \
+            PlainDepths(self.logits, self.embed, self.head, self.cache, 1, self.vocab_ids)
+        y, tokens = last, [depths.top1(last)]
+        while len(tokens) < depth:
+            y = depths.advance(tokens[-1], y)
+            tokens.append(depths.top1(y))
+        depths.close()
+        return mx.concatenate(tokens, axis=1)[0]
 
     def guess_after(self, root: mx.array) -> mx.array | None:
         """The head's top-1 after `root`, a token still on the device whose position is committed

@@ -1,5 +1,6 @@
 """The per-depth steps of an MTP draft: `read` a depth's distribution (the target's lm_head -> its
-top-k and the argmax), `advance` the head by one drafted row (the argmax and the row's output).
+top-k and the argmax), `top1` its argmax alone (a chain drafted on the device), `advance` the head
+by one drafted row (the argmax and the row's output).
 
 Two implementations of one protocol, equal up to float rounding (tests/engine/test_mtp_steps.py):
 - `PlainDepths`: the head's own forward through its KV cache, writing the drafted rows past the
@@ -48,9 +49,19 @@ def read_depth(logits: Logits, y: mx.array, k: int, vocab: mx.array | None = Non
     return ids, logp, token.reshape(1, 1)
 
 
+def top1(logits: Logits, y: mx.array, vocab: mx.array | None = None) -> mx.array:
+    """y [1, 1, H] -> read_depth's argmax [1, 1] alone (a chain drafted on the device needs no
+    top-k). Pure (compilable)."""
+    token = mx.argmax(logits(y)[0, 0])
+    return (token if vocab is None else vocab[token]).reshape(1, 1)
+
+
 class Depths(Protocol):
     def read(self, y: mx.array) -> DepthRead:
         """The distribution the head's output y [1, 1, H] gives (lazy)."""
+
+    def top1(self, y: mx.array) -> mx.array:
+        """`read(y).token` alone (lazy)."""
 
     def advance(self, token: mx.array, y: mx.array) -> mx.array:
         """The next drafted row: token [1, 1] at the next position, with y as its hidden state
@@ -68,6 +79,9 @@ class PlainDepths:
 
     def read(self, y: mx.array) -> DepthRead:
         return DepthRead(*read_depth(self.logits, y, self.k, self.vocab))
+
+    def top1(self, y: mx.array) -> mx.array:
+        return top1(self.logits, y, self.vocab)
 
     def advance(self, token: mx.array, y: mx.array) -> mx.array:
         return self.head(self.embed(token), y, self.cache)
@@ -90,6 +104,7 @@ class CompiledSteps:
             return head.draft_row(embed(token), y, committed, length, scratch, j)
 
         self.read = mx.compile(lambda y, k: read_depth(logits, y, k, vocab))
+        self.top1 = mx.compile(lambda y: top1(logits, y, vocab))
         self.advance = mx.compile(advance)
 
     def begin(self, cache: list[KVCache], k: int) -> CompiledDepths:
@@ -110,6 +125,9 @@ class CompiledDepths:
 
     def read(self, y: mx.array) -> DepthRead:
         return DepthRead(*self.steps.read(y, self.k))
+
+    def top1(self, y: mx.array) -> mx.array:
+        return self.steps.top1(y)
 
     def advance(self, token: mx.array, y: mx.array) -> mx.array:
         if self.j == self.steps.scratch_rows:
