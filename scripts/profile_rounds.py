@@ -117,6 +117,8 @@ def instrument() -> None:
         drafters.BUILDERS[name] = getattr(marginals, name)  # the table holds the functions themselves
     for cls in _drafter_classes():
         timed(cls, "propose", "propose")
+        if hasattr(cls, "chain_on_device"):  # a chain drafted on the device: its graph building
+            timed(cls, "chain_on_device", "propose")
 
 
 def _drafter_classes() -> list[type]:
