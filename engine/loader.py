@@ -279,8 +279,8 @@ def mtp_files(path: str | Path) -> list[Path]:
     return [f for f in sorted(Path(path).glob("*.safetensors")) if any(_mtp_name(k) for k in safetensors_keys(f))]
 
 
-def load_mtp(path: str | Path, args: ModelArgs, dtype: str = "float32"):
-    """The MTP head of the checkpoint at `path`, for the target of `args`."""
+def load_mtp(path: str | Path, args: ModelArgs, dtype: str = "float32", fuse: bool | None = None):
+    """The MTP head of the checkpoint at `path`, for the target of `args`. fuse: as load_model's."""
     from engine.models.mtp import MTPHead
 
     path = Path(path)
@@ -301,6 +301,8 @@ def load_mtp(path: str | Path, args: ModelArgs, dtype: str = "float32"):
     _, cfg = read_config(path)
     _quantize(head, cfg, tensors)
     _fill(head, tensors, origin, path, dtype)
+    if switch("SPRUCE_FUSE") if fuse is None else fuse:
+        head.fuse_projections()
     return head
 
 

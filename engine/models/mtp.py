@@ -46,6 +46,13 @@ class MTPHead(nn.Module):
     def make_cache(self) -> list[KVCache]:
         return [KVCache() for _ in self.layers]
 
+    def fuse_projections(self) -> int:
+        """Fuse each layer's same-input projections, as the target's (engine/models/fused.py): a
+        drafted depth is a chain of small launches, and on a GPU each costs the host its encoding
+        -> how many groups were fused."""
+        return sum(int(layer.self_attn.fuse_projections()) + int(layer.mlp.fuse_projections())
+                   for layer in self.layers)
+
     def __call__(self, embedded: mx.array, hidden: mx.array, cache: list[KVCache],
                  batch: Batch = CHAIN) -> mx.array:
         """embedded, hidden [1, T, H] of consecutive positions from cache.offset -> y [1, T, H]."""

@@ -85,8 +85,9 @@ def test_dflash_matches_pytorch(tiny_dflash, tmp_path, monkeypatch):
         monkeypatch.undo()
 
 
+@pytest.mark.parametrize("fuse", [False, True], ids=["separate", "fused"])
 @pytest.mark.parametrize("where", ["file", "inline"])
-def test_mtp_head_matches_pytorch(tiny_qwen35, tmp_path, where):
+def test_mtp_head_matches_pytorch(tiny_qwen35, tmp_path, where, fuse):
     torch = parity_module("torch")
     tf = parity_module("transformers")
     from safetensors.torch import load_file
@@ -95,7 +96,8 @@ def test_mtp_head_matches_pytorch(tiny_qwen35, tmp_path, where):
     shutil.copytree(tiny_qwen35, ckpt)
     checkpoint_maker().add_mtp_to(ckpt, 21, where)
     target = load_model(ckpt).model
-    head = load_mtp(ckpt, target.args)
+    head = load_mtp(ckpt, target.args, fuse=fuse)
+    assert ("fused" in head.layers[0].self_attn and "fused" in head.layers[0].mlp) == fuse
     file = ckpt / ("mtp.safetensors" if where == "file" else "model.safetensors")
     ref = heads().MTP(tf.AutoConfig.from_pretrained(ckpt))
     ref.load_state_dict({k[4:]: v for k, v in load_file(file).items() if k.startswith("mtp.")}, strict=False)
