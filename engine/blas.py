@@ -1,11 +1,11 @@
-"""Use a fast BLAS with MLX's Linux CPU wheel, with as many threads as the moment allows.
+"""Use a fast BLAS with MLX's Linux CPU wheel, with all its threads.
 
 The `mlx-cpu` wheel bundles reference netlib BLAS: fp32 matmuls run ~40x slower than with
 OpenBLAS. libmlx.so resolves cblas_sgemm dynamically, so preloading Debian's OpenBLAS
 (`apt-get install libopenblas0-pthread`) takes it over. A preload only works from process
 start, hence a re-exec. Must run before mlx is imported. Never imports mlx itself.
 
-OpenBLAS's threads are set round by round (`pace`, and the measurement above ADAPT_THREADS).
+OpenBLAS's threads can be set round by round (`pace`; off by default, see ADAPT_THREADS).
 """
 
 from __future__ import annotations
@@ -57,15 +57,17 @@ def reexec_with_openblas(argv: list[str]) -> str | None:
 # every core those compete for the cores. `pace` gives such a round all threads but one, and
 # everything the host waits for (a tree, drafting, prefill) all of them. Measured on the dev CPU (2
 # cores) on a busy stretch of the machine, that made plain decoding of the bundled target 2-16 %
-# faster (BENCHMARKS.md, issue 17, sixteenth session). On a quiet machine it was the other way, and
+# faster (BENCHMARKS.md, issue 17, sixteenth session). On a quiet machine it is the other way, and
 # more so the larger the model (`python scripts/bench_blas_threads.py`, twenty-first session, paced
-# against all threads): the bundled target 0.99x / 0.87x (64 / 4000 prompt tokens), the bundled
-# model widened (scripts/widen_checkpoint.py) 0.83x at hidden 512 and 0.66x at hidden 1024. With
-# all threads always, though, the MTP lockstep tests (tests/engine/test_mtp_steps.py: speculative
-# output equal to plain decoding's, fp32, random prompts) failed 3 times in 25 runs of the file (CI
-# included), against 0 in 16 paced; until that is understood the pacing stays on. Where
+# against all threads): the bundled target 0.99x / 0.87x (64 / 4000 prompt tokens); the bundled
+# model widened (scripts/widen_checkpoint.py) 0.83x at hidden 512 and 0.66x at hidden 1024. So it
+# is off by default: every matmul gets all threads. A product's rounding may move with the thread
+# count as it does with the row count (4 rows of K = 256 equal one row's bitwise with two threads,
+# not with one); neither way is a multi-row verify bitwise a one-row step on OpenBLAS. The lossless
+# tests' failures once blamed on all threads (twenty-first session) did not come back in 70 runs
+# of their file, nor in 500 random prompts (BENCHMARKS.md, issue 17, twenty-second session). Where
 # OPENBLAS_NUM_THREADS or OMP_NUM_THREADS is set, that count is kept.
-ADAPT_THREADS = True  # module switch (benchmarks compare; tests force it)
+ADAPT_THREADS = False  # module switch (benchmarks compare; tests force it)
 _THREADS: dict[str, Any] = {}  # the library handle ("lib", None where there is none), "all", "now"
 
 
