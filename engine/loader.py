@@ -280,7 +280,12 @@ def mtp_files(path: str | Path) -> list[Path]:
 
 
 def load_mtp(path: str | Path, args: ModelArgs, dtype: str = "float32", fuse: bool | None = None):
-    """The MTP head of the checkpoint at `path`, for the target of `args`. fuse: as load_model's."""
+    """The MTP head of the checkpoint at `path`, for the target of `args`. fuse: its same-input
+    projections as one matmul each (MTPHead.fuse_projections); None = SPRUCE_FUSE if set, else off.
+    Off by default on every backend, CUDA too: on the H200 (the 9B-wide head, bf16, one process
+    each way) the head's row alone took 0.82 ms fused against 1.01 and a one-row catch-up 0.51
+    against 1.00, but six depths queued, as the drafter runs them, 3.53 against 2.63
+    (scripts/profile_mtp.py; BENCHMARKS.md, issue 12, twenty-second session)."""
     from engine.models.mtp import MTPHead
 
     path = Path(path)
@@ -301,7 +306,7 @@ def load_mtp(path: str | Path, args: ModelArgs, dtype: str = "float32", fuse: bo
     _, cfg = read_config(path)
     _quantize(head, cfg, tensors)
     _fill(head, tensors, origin, path, dtype)
-    if switch("SPRUCE_FUSE") if fuse is None else fuse:
+    if switch("SPRUCE_FUSE", on=()) if fuse is None else fuse:
         head.fuse_projections()
     return head
 
