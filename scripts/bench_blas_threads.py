@@ -9,7 +9,8 @@ switches the pacing off and on between runs of the same request (the order alter
 bundled target, fp32: plain decoding after 64 and 4000 random ids and MTP after 64 (temperature 1,
 seeded: guesses miss), MTP with fixed 16-node trees and with the controller on a code prompt
 (greedy: guesses hit). Prints decode tok/s medians and the median of the paired ratios, and
-whether the outputs were identical (they must be: the thread count does not change OpenBLAS's sums).
+whether the outputs were identical (a product's rounding may move with the thread count, so a
+near-tie may flip: BENCHMARKS.md, issue 17, twenty-second session).
 Needs OpenBLAS preloaded (the script re-execs itself with it) and no OPENBLAS_NUM_THREADS set.
 """
 
@@ -41,6 +42,8 @@ CASES = {  # key: (what it is; prompt: random ids of this length, or 0 = a code 
     "plain64": ("plain, 64 random ids", 64, SpecConfig(), 1.0),
     "plain4000": ("plain, 4000 random ids", 4000, SpecConfig(), 1.0),
     "mtp64": ("mtp, 64 random ids", 64, SpecConfig(method="mtp", tree="ddtree"), 1.0),
+    "plain2048": ("plain, 2048 random ids", 2048, SpecConfig(), 1.0),
+    "mtp2048": ("mtp, 2048 random ids", 2048, SpecConfig(method="mtp", tree="ddtree"), 1.0),
     "mtp16code": ("mtp 16-node trees, code", 0, SpecConfig(method="mtp", tree="ddtree", adaptive=False), 0.0),
     "mtpcode": ("mtp, code", 0, SpecConfig(method="mtp", tree="ddtree"), 0.0),
 }

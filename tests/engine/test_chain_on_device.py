@@ -94,7 +94,7 @@ def test_device_chain_is_the_chain_propose_drafts(engine, prompt, on_device, met
 
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED, PENALISED], ids=["greedy", "seeded", "penalised"])
 @pytest.mark.parametrize("method", ["mtp", "dflash"])
-def test_device_chains_are_lossless(engine, prompt, on_device, method, sampling):
+def test_device_chains_are_lossless(engine, prompt, on_device, monkeypatch, method, sampling):
     plain = generate(engine, prompt, sampling).tokens
     calls = []
     real = rounds.Rounds._queue
@@ -103,12 +103,9 @@ def test_device_chains_are_lossless(engine, prompt, on_device, method, sampling)
         calls.append(tree.size > 1 and tokens is not None)
         return real(self, tree, tokens, t0, draft_ms)
 
-    rounds.Rounds._queue = spy
-    try:
-        fast = generate(engine, prompt, sampling, SpecConfig(method=method, tree="chain", budget=8, max_depth=6,
-                                                             adaptive=False))
-    finally:
-        rounds.Rounds._queue = real
+    monkeypatch.setattr(rounds.Rounds, "_queue", spy)
+    fast = generate(engine, prompt, sampling, SpecConfig(method=method, tree="chain", budget=8, max_depth=6,
+                                                         adaptive=False))
     assert fast.tokens == plain
     assert sum(calls) >= len(calls) - 1  # every round but a last one without room drafted on the device
     assert fast.stats.forward_passes < len(plain)
