@@ -24,14 +24,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engine.blas import reexec_with_openblas  # noqa: E402
 
@@ -40,6 +37,7 @@ if __name__ == "__main__":  # a BLAS preload works only from process start: befo
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
+from bench_gdn_tree import time_ms  # noqa: E402
 
 from engine.config import EngineConfig, SpecConfig  # noqa: E402
 from engine.drafters import make_drafter  # noqa: E402
@@ -49,18 +47,6 @@ from engine.drafters.mtp_steps import CompiledSteps  # noqa: E402
 from engine.generate import Engine  # noqa: E402
 
 BUNDLED = Path(__file__).resolve().parents[1] / "engine" / "bundled" / "target"
-
-
-def latency_ms(fn: Callable[[], Any], reps: int) -> float:
-    """Median ms of `fn()` evaluated alone, after two warm calls (compiles, first-use kernels)."""
-    for _ in range(2):
-        mx.eval(fn())
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        mx.eval(fn())
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -88,18 +74,18 @@ def main() -> None:
     row = mx.array(rng.standard_normal(width).astype(np.float32))
     steps = CompiledSteps(drafter.logits, drafter.embed, head, a.depths - 1, drafter.vocab_ids)
     one = mx.array(1.0)
-    results: dict[str, float] = {"sync": latency_ms(lambda: one + 1, a.reps), "lm_head": latency_ms(
+    results: dict[str, float] = {"sync": time_ms(lambda: one + 1, a.reps), "lm_head": time_ms(
         lambda: drafter.logits(y), a.reps)}
     for k in [int(s) for s in a.k.split(",") if s]:
-        results[f"argpartition_k{k}"] = latency_ms(lambda k=k: mx.argpartition(-row, k - 1)[:k], a.reps)
-        results[f"read_k{k}"] = latency_ms(lambda k=k: steps.begin(cache, k).read(y).ids, a.reps)
+        results[f"argpartition_k{k}"] = time_ms(lambda k=k: mx.argpartition(-row, k - 1)[:k], a.reps)
+        results[f"read_k{k}"] = time_ms(lambda k=k: steps.begin(cache, k).read(y).ids, a.reps)
 
         def depth(k: int = k) -> list[mx.array]:
             d = steps.begin(cache, k)
             r = d.read(y)
             return [r.ids, r.logp, d.advance(r.token, y)]
 
-        results[f"depth_k{k}"] = latency_ms(depth, a.reps)
+        results[f"depth_k{k}"] = time_ms(depth, a.reps)
 
         def draft(k: int = k) -> list[mx.array]:
             d, yy, outs = steps.begin(cache, k), y, []
@@ -111,10 +97,10 @@ def main() -> None:
                 outs += [r.ids, r.logp]
             return outs
 
-        results[f"draft{a.depths}_k{k}"] = latency_ms(draft, a.reps)
-    results["argsort"] = latency_ms(lambda: mx.argsort(-row), a.reps)
-    results["logsumexp"] = latency_ms(lambda: logsumexp_rows(row), a.reps)
-    results["advance"] = latency_ms(lambda: steps.begin(cache, 8).advance(mx.array([[3]]), y), a.reps)
+        results[f"draft{a.depths}_k{k}"] = time_ms(draft, a.reps)
+    results["argsort"] = time_ms(lambda: mx.argsort(-row), a.reps)
+    results["logsumexp"] = time_ms(lambda: logsumexp_rows(row), a.reps)
+    results["advance"] = time_ms(lambda: steps.begin(cache, 8).advance(mx.array([[3]]), y), a.reps)
     for n in (1, 4):
         ids = mx.array([[int(t) for t in rng.integers(0, engine.vocab_size, size=n)]])
         hidden = h[:, :n]
@@ -128,7 +114,7 @@ def main() -> None:
                 c.rewind(m)
             return arrays
 
-        results[f"catch_up_{n}"] = latency_ms(catch_up, a.reps)
+        results[f"catch_up_{n}"] = time_ms(catch_up, a.reps)
     device = str(mx.default_device())
     print(f"MTP draft pieces, {a.model} ({dtype}), context {a.context}, lm_head width {width}, {device}")
     for name, ms in results.items():
