@@ -16,7 +16,9 @@ round trip alone, an evaluation of a one-element add):
 - `depth`          read + advance, one evaluation;
 - `catch_up_N`     the head's append of N committed rows (MTPHead.append through its cache);
 - `draft_D`        D depths queued as the drafter queues them (CompiledDepths), one evaluation,
-                   and the same per depth.
+                   and the same per depth;
+- with `--compare-fuse`, that draft at k = 16 for two heads loaded side by side, the projections
+                   separate and fused (MTPHead.fuse_projections), alternating five times.
 Made for the H200 with scripts/widen_checkpoint.py's 9B-wide pair; runs on any MLX backend.
 """
 
@@ -24,7 +26,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -45,8 +49,45 @@ from engine.drafters.marginals import logsumexp_rows  # noqa: E402
 from engine.drafters.mtp import MTPDrafter  # noqa: E402
 from engine.drafters.mtp_steps import CompiledSteps  # noqa: E402
 from engine.generate import Engine  # noqa: E402
+from engine.loader import load_mtp  # noqa: E402
 
 BUNDLED = Path(__file__).resolve().parents[1] / "engine" / "bundled" / "target"
+
+
+def queued_draft(steps: CompiledSteps, cache: list, y: mx.array, k: int, depths: int) -> Callable[[], list[mx.array]]:
+    """`depths` depths queued as the drafter queues them on a GPU, for one evaluation."""
+
+    def draft() -> list[mx.array]:
+        d, yy, outs = steps.begin(cache, k), y, []
+        r = d.read(yy)
+        outs += [r.ids, r.logp]
+        for _ in range(depths - 1):
+            yy = d.advance(r.token, yy)
+            r = d.read(yy)
+            outs += [r.ids, r.logp]
+        return outs
+
+    return draft
+
+
+def compare_fuse(engine: Engine, drafter: MTPDrafter, e: mx.array, h: mx.array, depths: int,
+                 reps: int) -> dict[str, float]:
+    """The queued draft (k = 16) with the head's projections separate and fused (two heads loaded
+    side by side), alternating five times: median ms of each."""
+    args, path = engine.model.args, engine.config.model_path
+    runs: dict[str, Callable[[], list[mx.array]]] = {}
+    for fuse in (False, True):
+        head = load_mtp(path, args, engine.dtype, fuse=fuse)
+        cache = head.make_cache()
+        y = head(e, h, cache)[:, -1:]
+        mx.eval(y, [x for c in cache for x in c.arrays()])
+        steps = CompiledSteps(drafter.logits, drafter.embed, head, depths - 1, drafter.vocab_ids)
+        runs["fused" if fuse else "separate"] = queued_draft(steps, cache, y, 16, depths)
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(5):
+        for name, run in runs.items():
+            times[name].append(time_ms(run, max(3, reps // 5)))
+    return {f"draft{depths}_k16_{name}": statistics.median(t) for name, t in times.items()}
 
 
 def main() -> None:
@@ -58,6 +99,8 @@ def main() -> None:
     p.add_argument("--depths", type=int, default=6)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--json", default=None)
+    p.add_argument("--compare-fuse", action="store_true",
+                   help="also time the queued draft with the head's projections separate and fused, alternating")
     a = p.parse_args()
 
     engine = Engine(EngineConfig(model_path=a.model, dtype=a.dtype))
@@ -87,17 +130,7 @@ def main() -> None:
 
         results[f"depth_k{k}"] = time_ms(depth, a.reps)
 
-        def draft(k: int = k) -> list[mx.array]:
-            d, yy, outs = steps.begin(cache, k), y, []
-            r = d.read(yy)
-            outs += [r.ids, r.logp]
-            for _ in range(a.depths - 1):
-                yy = d.advance(r.token, yy)
-                r = d.read(yy)
-                outs += [r.ids, r.logp]
-            return outs
-
-        results[f"draft{a.depths}_k{k}"] = time_ms(draft, a.reps)
+        results[f"draft{a.depths}_k{k}"] = time_ms(queued_draft(steps, cache, y, k, a.depths), a.reps)
     results["argsort"] = time_ms(lambda: mx.argsort(-row), a.reps)
     results["logsumexp"] = time_ms(lambda: logsumexp_rows(row), a.reps)
     results["advance"] = time_ms(lambda: steps.begin(cache, 8).advance(mx.array([[3]]), y), a.reps)
@@ -115,6 +148,8 @@ def main() -> None:
             return arrays
 
         results[f"catch_up_{n}"] = time_ms(catch_up, a.reps)
+    if a.compare_fuse:
+        results.update(compare_fuse(engine, drafter, e, h, a.depths, a.reps))
     device = str(mx.default_device())
     print(f"MTP draft pieces, {a.model} ({dtype}), context {a.context}, lm_head width {width}, {device}")
     for name, ms in results.items():
