@@ -282,10 +282,10 @@ def mtp_files(path: str | Path) -> list[Path]:
 def load_mtp(path: str | Path, args: ModelArgs, dtype: str = "float32", fuse: bool | None = None):
     """The MTP head of the checkpoint at `path`, for the target of `args`. fuse: its same-input
     projections as one matmul each (MTPHead.fuse_projections); None = SPRUCE_FUSE if set, else off.
-    Off by default on every backend, CUDA too: on the H200 (the 9B-wide head, bf16, one process
-    each way) the head's row alone took 0.82 ms fused against 1.01 and a one-row catch-up 0.51
-    against 1.00, but six depths queued, as the drafter runs them, 3.53 against 2.63
-    (scripts/profile_mtp.py; BENCHMARKS.md, issue 12, twenty-second session)."""
+    Off by default on every backend, CUDA too: on the H200 (the 9B-wide head, bf16) six depths
+    queued as the drafter runs them took 2.68 ms fused against 2.66 separate, two heads side by side
+    in one process (`scripts/profile_mtp.py --compare-fuse`; BENCHMARKS.md, issue 12, twenty-second
+    session): a depth's host cost is not in its few matmuls."""
     from engine.models.mtp import MTPHead
 
     path = Path(path)
