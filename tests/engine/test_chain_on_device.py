@@ -111,6 +111,15 @@ def test_device_chains_are_lossless(engine, prompt, on_device, monkeypatch, meth
     assert fast.stats.forward_passes < len(plain)
 
 
+@pytest.mark.parametrize("method", ["mtp", "dflash"])
+def test_device_chains_under_the_controller_are_lossless(engine, prompt, on_device, method):
+    """The controller sizes each round's chain (and queues its one-guess tree behind plain rounds)."""
+    for sampling in (GREEDY, PENALISED):
+        plain = generate(engine, prompt, sampling).tokens
+        fast = generate(engine, prompt, sampling, SpecConfig(method=method, tree="chain", budget=16, max_depth=8))
+        assert fast.tokens == plain
+
+
 def test_other_trees_and_the_cpu_default_draft_on_the_host(engine, prompt, monkeypatch):
     """DDTree needs the marginals on the host; the CPU does not draft chains on the device unless told."""
     seen = []
