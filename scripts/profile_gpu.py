@@ -132,7 +132,7 @@ def layer_profile(model: qwen3_5.Model, cache: list, committed: int, n: int, cal
     q = (mx.random.normal((1, attn.heads, n, attn.head_dim))).astype(dtype)
     kv = (mx.random.normal((1, attn.kv_heads, L, attn.head_dim))).astype(dtype)
     if batch.tree_mask is not None:
-        tm = batch.tree_mask
+        tm = batch.seen_mask(L)  # built once a verify, for all its attention layers
         pieces["attn.tree_attention"] = lambda: tree_attention(q, kv, kv, attn.scale, tm)
     else:
         pieces["attn.sdpa"] = lambda: mx.fast.scaled_dot_product_attention(q, kv, kv, scale=attn.scale)

@@ -3,7 +3,7 @@ embedding, and attention with a KV cache."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import mlx.core as mx
@@ -37,6 +37,19 @@ class Batch:
     tree_mask: mx.array | None = None
     gdn: TreeInputs | None = None
     eval_every: int = 0
+    # seen_mask's masks by key count: the attention layers of one verify share them
+    seen_masks: dict[int, mx.array] = field(default_factory=dict, compare=False, repr=False)
+
+    def seen_mask(self, keys: int) -> mx.array:
+        """[N, keys] True where a tree row sees a key (the committed prefix, then its
+        ancestors-or-self among the last N keys), built once for every attention layer of the
+        verify: built by each layer it was two more launches a layer, which a GPU's host encodes one
+        by one (BENCHMARKS.md, issue 12, twenty-second session)."""
+        assert self.tree_mask is not None, "a tree's verify"
+        if keys not in self.seen_masks:
+            n = self.tree_mask.shape[0]
+            self.seen_masks[keys] = mx.concatenate([mx.ones((n, keys - n), dtype=mx.bool_), self.tree_mask], axis=1)
+        return self.seen_masks[keys]
 
     def mode(self, rows: int) -> Mode:
         """What a layer computes: one token (chain step or one-node verify), a tree, or a chain."""
@@ -127,14 +140,12 @@ def attention_parts(q: mx.array, keys: tuple[mx.array, ...], values: tuple[mx.ar
     return sum(outs[1:], outs[0]).reshape(B, H, N, D)
 
 
-def tree_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float, tree_mask: mx.array) -> mx.array:
+def tree_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array) -> mx.array:
     """Attention of N tree rows q [1, H, N, D] over keys/values [1, Hkv, L, D] whose last N rows
-    are the tree's: each row sees the committed prefix and its ancestors-or-self (tree_mask
-    [N, N]). Spelled out in ops rather than mx.fast.scaled_dot_product_attention with an array
-    mask: on CUDA that routes bf16 to cuDNN, which plans a new graph for every prefix length, about
-    40 ms a round (measured on the H200). The mask is built on the device."""
-    N, L = q.shape[2], keys.shape[2]
-    mask = mx.concatenate([mx.ones((N, L - N), dtype=mx.bool_), tree_mask], axis=1)  # [N, L]
+    are the tree's: each row sees the committed prefix and its ancestors-or-self (mask [N, L],
+    Batch.seen_mask). Spelled out in ops rather than mx.fast.scaled_dot_product_attention with an
+    array mask: on CUDA that routes bf16 to cuDNN, which plans a new graph for every prefix length,
+    about 40 ms a round (measured on the H200). The mask is built on the device."""
     return attention_ops(q, keys, values, scale, mask)
 
 
@@ -222,7 +233,7 @@ class Attention(nn.Module):
         if not batch.deferred:
             cache.advance(T)
         if batch.tree_mask is not None:
-            out = tree_attention(q, keys, values, self.scale, batch.tree_mask)
+            out = tree_attention(q, keys, values, self.scale, batch.seen_mask(keys.shape[2]))
         elif T == 1 and one_row_in_ops(keys.shape[2]):
             out = attention_ops(q, keys, values, self.scale)
         elif T > 1 and not batch.deferred and chunk_in_ops(T * keys.shape[2] * self.heads):
