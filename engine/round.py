@@ -121,9 +121,12 @@ TOP_ON_DEVICE: bool | None = None
 # Where a drafter's chain of top-1s is drafted on the device and the verify queued behind it
 # (ChainsOnDevice), instead of the draft's top-k reaching the host before the tree is built: the
 # round then has one host round trip instead of two, and the device runs the draft and the verify
-# back to back while the host builds the verify's graph. None: on GPUs (the CPU drafts MTP chains
+# back to back while the host builds the verify's graph. None: on GPUs. The CPU drafts MTP chains
 # depth by depth, its stop rule cutting them short, and its evaluation calls barely overlap the
-# host); True / False: everywhere / nowhere (tests force it on the CPU).
+# host: forced on there (bundled pair, greedy, two processes each way), MTP chains lost where guesses
+# are short (math 0.70-0.74x plain decoding against 0.91-0.95x, code3 1.14-1.20x against
+# 1.29-1.33x) and DFlash chains moved within noise (BENCHMARKS.md, issue 12, twenty-second
+# session). True / False: everywhere / nowhere (tests force it on the CPU).
 CHAIN_ON_DEVICE: bool | None = None
 
 
