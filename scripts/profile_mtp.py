@@ -50,8 +50,18 @@ from engine.drafters.mtp import MTPDrafter  # noqa: E402
 from engine.drafters.mtp_steps import CompiledSteps  # noqa: E402
 from engine.generate import Engine  # noqa: E402
 from engine.loader import load_mtp  # noqa: E402
+from engine.models.mtp import MTPHead  # noqa: E402
 
 BUNDLED = Path(__file__).resolve().parents[1] / "engine" / "bundled" / "target"
+
+
+def filled(head: MTPHead, e: mx.array, h: mx.array) -> tuple[list, mx.array]:
+    """A fresh head cache holding the rows of (e, h) [1, T, H], as a catch-up writes them -> (the
+    cache, the head's output at the last row [1, 1, H]), evaluated."""
+    cache = head.make_cache()
+    y = head(e, h, cache)[:, -1:]
+    mx.eval(y, [x for c in cache for x in c.arrays()])
+    return cache, y
 
 
 def queued_draft(steps: CompiledSteps, cache: list, y: mx.array, k: int, depths: int) -> Callable[[], list[mx.array]]:
@@ -78,9 +88,7 @@ def compare_fuse(engine: Engine, drafter: MTPDrafter, e: mx.array, h: mx.array, 
     runs: dict[str, Callable[[], list[mx.array]]] = {}
     for fuse in (False, True):
         head = load_mtp(path, args, engine.dtype, fuse=fuse)
-        cache = head.make_cache()
-        y = head(e, h, cache)[:, -1:]
-        mx.eval(y, [x for c in cache for x in c.arrays()])
+        cache, y = filled(head, e, h)
         steps = CompiledSteps(drafter.logits, drafter.embed, head, depths - 1, drafter.vocab_ids)
         runs["fused" if fuse else "separate"] = queued_draft(steps, cache, y, 16, depths)
     times: dict[str, list[float]] = {name: [] for name in runs}
@@ -109,10 +117,8 @@ def main() -> None:
     head, H = drafter.head, engine.model.args.hidden_size
     dtype = engine.model.model.embed_tokens.weight.dtype
     rng = np.random.default_rng(0)
-    cache = head.make_cache()
     e, h = (mx.array(rng.standard_normal((1, a.context, H)).astype(np.float32)).astype(dtype) for _ in range(2))
-    y = head(e, h, cache)[:, -1:]
-    mx.eval(y, [x for c in cache for x in c.arrays()])
+    cache, y = filled(head, e, h)
     width = drafter.logits(y).shape[-1]
     row = mx.array(rng.standard_normal(width).astype(np.float32))
     steps = CompiledSteps(drafter.logits, drafter.embed, head, a.depths - 1, drafter.vocab_ids)
