@@ -6,7 +6,7 @@ MLX's exp (mx.softmax) and through its power (engine/cpu_exp.py, the CPU's defau
 For each context length (random ids, prefilled once), verifies of an N-node tree (a chain of up to
 8 with siblings, as scripts/round_costs.py builds it) alternate between the two ways, each undone by
 a rewind; prints the median ms of each, their ratio, and whether every node's argmax agrees. The
-tree's rows attend in ops (engine/models/layers.py, tree_attention), so on the CPU a long context
+tree's rows attend in ops (engine/models/layers.py, Attention.attend), so on the CPU a long context
 makes the softmax a large share of the verify.
 """
 

@@ -41,7 +41,7 @@ from engine import forward  # noqa: E402
 from engine.gdn.core import GDNWeights  # noqa: E402
 from engine.kernels import backend_default  # noqa: E402
 from engine.models import qwen3_5  # noqa: E402
-from engine.models.layers import CHAIN, tree_attention  # noqa: E402
+from engine.models.layers import CHAIN, attention_ops  # noqa: E402
 from engine.models.qlinear import route_quantized_projections  # noqa: E402
 
 
@@ -133,7 +133,7 @@ def layer_profile(model: qwen3_5.Model, cache: list, committed: int, n: int, cal
     kv = (mx.random.normal((1, attn.kv_heads, L, attn.head_dim))).astype(dtype)
     if batch.tree_mask is not None:
         tm = batch.seen_mask(L)  # built once a verify, for all its attention layers
-        pieces["attn.tree_attention"] = lambda: tree_attention(q, kv, kv, attn.scale, tm)
+        pieces["attn.tree_attention"] = lambda: attention_ops(q, kv, kv, attn.scale, tm)
     else:
         pieces["attn.sdpa"] = lambda: mx.fast.scaled_dot_product_attention(q, kv, kv, scale=attn.scale)
     pieces["lm_head"] = lambda: model.logits(x)

@@ -140,15 +140,6 @@ def attention_parts(q: mx.array, keys: tuple[mx.array, ...], values: tuple[mx.ar
     return sum(outs[1:], outs[0]).reshape(B, H, N, D)
 
 
-def tree_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array) -> mx.array:
-    """Attention of N tree rows q [1, H, N, D] over keys/values [1, Hkv, L, D] whose last N rows
-    are the tree's: each row sees the committed prefix and its ancestors-or-self (mask [N, L],
-    Batch.seen_mask). Spelled out in ops rather than mx.fast.scaled_dot_product_attention with an
-    array mask: on CUDA that routes bf16 to cuDNN, which plans a new graph for every prefix length,
-    about 40 ms a round (measured on the H200). The mask is built on the device."""
-    return attention_ops(q, keys, values, scale, mask)
-
-
 # From this many cached keys a one-row step on the CPU attends in ops (see one_row_in_ops); the
 # BLAS is fixed at process start (engine/blas.py), before this module loads
 FAST_BLAS = blas.fast()
@@ -233,7 +224,10 @@ class Attention(nn.Module):
         if not batch.deferred:
             cache.advance(T)
         if batch.tree_mask is not None:
-            out = tree_attention(q, keys, values, self.scale, batch.seen_mask(keys.shape[2]))
+            # in ops, not mx.fast.scaled_dot_product_attention with an array mask: on CUDA that
+            # routes bf16 to cuDNN, which plans a new graph for every prefix length, about 40 ms a
+            # round (measured on the H200)
+            out = attention_ops(q, keys, values, self.scale, batch.seen_mask(keys.shape[2]))
         elif T == 1 and one_row_in_ops(keys.shape[2]):
             out = attention_ops(q, keys, values, self.scale)
         elif T > 1 and not batch.deferred and chunk_in_ops(T * keys.shape[2] * self.heads):
