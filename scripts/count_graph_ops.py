@@ -93,8 +93,10 @@ def main() -> None:
         assert isinstance(drafter, MTPDrafter) and drafter.steps is not None
         head = drafter.head
         hcache = head.make_cache()
-        H = model.args.hidden_size
-        y = head(mx.zeros((1, 8, H)), mx.ones((1, 8, H)), hcache)[:, -1:]
+        H, dtype = model.args.hidden_size, model.model.embed_tokens.weight.dtype
+        # the head's rows in the target's dtype, as the drafter hands them over: float32 rows made
+        # every matmul of the depth cast its weights (13 casts a depth counted on the H200)
+        y = head(mx.zeros((1, 8, H), dtype), mx.ones((1, 8, H), dtype), hcache)[:, -1:]
         mx.eval(y, [x for c in hcache for x in c.arrays()])
         depths = drafter.steps.begin(hcache, 16)
         read = depths.read(y)
