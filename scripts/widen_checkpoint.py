@@ -1,7 +1,7 @@
 """The bundled target, its MTP head and its DFlash drafter widened to a real Qwen3.5 shape: a
 checkpoint that costs what a 9B step costs and says what the bundled model says.
 
-    python scripts/widen_checkpoint.py OUT [--shape 9b|test|mid] [--target DIR] [--dflash DIR]
+    python scripts/widen_checkpoint.py OUT [--shape 9b|test|mid] [--target DIR] [--dflash DIR] [--bits 4|8]
 
 Why: on a GPU the bundled target (hidden 384, 8 layers) is launch-bound, a step ~1 ms of small
 kernels, so a verify, a draft pass or a step all cost about the same and speculation cannot pay
@@ -34,6 +34,13 @@ The vocabulary stays the bundled one (8192, tied): a 9B's 248k-row lm_head would
 read, which the wide model does not pay. The DFlash drafter is widened to the z-lab 8B DFlash's
 attention shape (32 heads, 8 K/V heads of 128) and the 9B's MLP, keeping its 2 layers. Written in
 bf16 (the bundled weights' dtype), HF layout, one file per layer.
+
+`--bits 4|8` writes every projection (not the embedding, norms or convolutions) quantized, affine,
+groups of `--group-size`, with the `quantization` block mlx-community checkpoints carry: the shape a
+9B is run in on a GPU (4.5 GB a step at 4 bits, where the engine's small-M kernel runs). A zero
+block stays exactly zero (its scale and bias are 0) and the padded inputs are exactly zero, so
+what is lost is the real weights' rounding to 4 or 8 bits: the drafters, trained on the unquantized
+target, guess about as well as they do on a quantized bundled target.
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ import json
 import math
 import shutil
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -215,9 +222,10 @@ def load_small(path: Path) -> dict[str, mx.array]:
     return tensors
 
 
-def widen_target(src: Path, out: Path, wide: Dims, dtype: mx.Dtype = mx.bfloat16, seed: int = 0) -> dict:
+def widen_target(src: Path, out: Path, wide: Dims, dtype: mx.Dtype = mx.bfloat16, seed: int = 0,
+                 quant: Quantization | None = None) -> dict:
     """The target checkpoint at `src` (HF layout, Qwen3.5 text, maybe with mtp.safetensors) widened
-    into `out`. -> the wide config."""
+    into `out`, its projections quantized where `quant` says. -> the wide config."""
     cfg = json.loads((src / "config.json").read_text())
     cfg = dict(cfg, **cfg.get("text_config", {}))
     small = Dims.of_target(cfg)
@@ -237,11 +245,11 @@ def widen_target(src: Path, out: Path, wide: Dims, dtype: mx.Dtype = mx.bfloat16
     if "lm_head.weight" in t:
         first["lm_head.weight"] = wd.matrix(t["lm_head.weight"], (e.shape[0], wide.hidden), np.arange(e.shape[0]),
                                             p.hidden)
-    _save(out / "model-00000.safetensors", first)
+    _save(out / "model-00000.safetensors", first, quant)
     for i in range(wide.layers):
         pre = f"model.layers.{i}."
         layer = widen_layer(wd, p, t, pre, wide_types[i] == "full_attention", True, True)
-        _save(out / f"model-{i + 1:05d}.safetensors", layer)
+        _save(out / f"model-{i + 1:05d}.safetensors", layer, quant)
     mtp = {k: v for k, v in t.items() if k.startswith("mtp.")}
     if mtp:
         head = {n: widen_norm(wd, mtp.get(n), small.hidden, wide.hidden, True)
@@ -251,7 +259,7 @@ def widen_target(src: Path, out: Path, wide: Dims, dtype: mx.Dtype = mx.bfloat16
         n_layers = 1 + max(int(k.split(".")[2]) for k in mtp if k.startswith("mtp.layers."))
         for i in range(n_layers):
             head |= widen_layer(wd, p, mtp, f"mtp.layers.{i}.", True, True, True)
-        _save(out / "mtp.safetensors", head)
+        _save(out / "mtp.safetensors", head, quant)
     wide_cfg = {k: v for k, v in cfg.items() if k != "text_config"}
     wide_cfg.update(hidden_size=wide.hidden, num_hidden_layers=wide.layers, intermediate_size=wide.intermediate,
                     num_attention_heads=wide.heads, num_key_value_heads=wide.kv_heads, head_dim=wide.head_dim,
@@ -259,6 +267,8 @@ def widen_target(src: Path, out: Path, wide: Dims, dtype: mx.Dtype = mx.bfloat16
                     linear_key_head_dim=wide.k_dim, linear_value_head_dim=wide.v_dim, layer_types=wide_types,
                     rms_norm_eps=cfg["rms_norm_eps"] * small.k_dim / wide.k_dim * small.v_dim / wide.v_dim,
                     dtype=next(n for n, d in DTYPES.items() if d == dtype), widened_from=str(small))
+    if quant is not None:
+        wide_cfg["quantization"] = quant.block()
     (out / "config.json").write_text(json.dumps(wide_cfg, indent=1))
     for name in COPIED:  # token ids do not move
         if (src / name).is_file():
@@ -267,7 +277,7 @@ def widen_target(src: Path, out: Path, wide: Dims, dtype: mx.Dtype = mx.bfloat16
 
 
 def widen_dflash(src: Path, out: Path, wide: Dims, target_layers: int, dtype: mx.Dtype = mx.bfloat16,
-                 seed: int = 1) -> dict:
+                 seed: int = 1, quant: Quantization | None = None) -> dict:
     """The DFlash drafter at `src` widened into `out` for a target widened to `wide.hidden`: its fc
     reads the same tapped layers (the wide target's first layers are the small ones)."""
     cfg = json.loads((src / "config.json").read_text())
@@ -283,27 +293,52 @@ def widen_dflash(src: Path, out: Path, wide: Dims, target_layers: int, dtype: mx
     for i in range(small.layers):
         tensors |= widen_layer(wd, p, t, f"layers.{i}.", True, False, False)
     out.mkdir(parents=True)
-    _save(out / "model.safetensors", tensors)
+    _save(out / "model.safetensors", tensors, quant)
     wide_cfg = dict(cfg, hidden_size=wide.hidden, intermediate_size=wide.intermediate, num_attention_heads=wide.heads,
                     num_key_value_heads=wide.kv_heads, head_dim=wide.head_dim, num_target_layers=target_layers,
                     widened_from=str(small))
+    if quant is not None:
+        wide_cfg["quantization"] = quant.block()
     (out / "config.json").write_text(json.dumps(wide_cfg, indent=1))
     return wide_cfg
 
 
-def _save(path: Path, tensors: dict[str, mx.array]) -> None:
+@dataclass(frozen=True)
+class Quantization:
+    bits: int
+    group_size: int = 64
+
+    def block(self) -> dict:
+        """The config's `quantization` block (engine/loader.py, mlx-lm)."""
+        return {"group_size": self.group_size, "bits": self.bits}
+
+    def apply(self, tensors: dict[str, mx.array]) -> dict[str, mx.array]:
+        """Every projection's [out, in] weight as packed weight, scales and biases (MLX's affine
+        layout); the embedding, norms and 3-D convolution weights as they are."""
+        out: dict[str, mx.array] = {}
+        for name, w in tensors.items():
+            if name.endswith(".weight") and w.ndim == 2 and "embed_tokens" not in name:
+                stem = name[: -len(".weight")]
+                out[name], out[f"{stem}.scales"], out[f"{stem}.biases"] = mx.quantize(
+                    w, group_size=self.group_size, bits=self.bits)
+            else:
+                out[name] = w
+        return out
+
+
+def _save(path: Path, tensors: dict[str, mx.array], quant: Quantization | None = None) -> None:
     mx.eval(tensors)
-    mx.save_safetensors(str(path), tensors)
+    mx.save_safetensors(str(path), tensors if quant is None else quant.apply(tensors))
 
 
 def widen(out: Path, shape: str, target: Path = BUNDLED / "target", dflash: Path | None = BUNDLED / "dflash",
-          dtype: mx.Dtype = mx.bfloat16) -> tuple[Path, Path | None]:
+          dtype: mx.Dtype = mx.bfloat16, quant: Quantization | None = None) -> tuple[Path, Path | None]:
     """-> (the wide target's directory, the wide DFlash drafter's or None)."""
     wide_target, wide_dflash = SHAPES[shape]
-    widen_target(target, out / "target", wide_target, dtype)
+    widen_target(target, out / "target", wide_target, dtype, quant=quant)
     if dflash is None:
         return out / "target", None
-    widen_dflash(dflash, out / "dflash", wide_dflash, wide_target.layers, dtype)
+    widen_dflash(dflash, out / "dflash", wide_dflash, wide_target.layers, dtype, quant=quant)
     return out / "target", out / "dflash"
 
 
@@ -314,10 +349,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--target", type=Path, default=BUNDLED / "target")
     ap.add_argument("--dflash", default=str(BUNDLED / "dflash"), help="'' for none")
     ap.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
+    ap.add_argument("--bits", type=int, choices=(4, 8), default=None, help="quantize the projections (affine)")
+    ap.add_argument("--group-size", type=int, choices=(32, 64, 128), default=64)
     a = ap.parse_args(argv)
     if a.out.exists():
         ap.error(f"{a.out} exists")
-    target, dflash = widen(a.out, a.shape, a.target, Path(a.dflash) if a.dflash else None, DTYPES[a.dtype])
+    quant = Quantization(a.bits, a.group_size) if a.bits else None
+    target, dflash = widen(a.out, a.shape, a.target, Path(a.dflash) if a.dflash else None, DTYPES[a.dtype], quant)
     size = sum(f.stat().st_size for f in target.glob("*.safetensors"))
     print(f"wrote {target} ({size / 1e9:.2f} GB)" + (f" and {dflash}" if dflash else ""))
 

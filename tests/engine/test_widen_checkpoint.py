@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 
@@ -110,3 +111,31 @@ def test_the_bundled_drafters_guess_the_same_on_the_wide_target(wide, method):
     assert big[0] == small[0]
     assert big[1] == pytest.approx(small[1])
     assert small[1] > 2  # the drafters guess here at all, so the equality says something
+
+
+@pytest.fixture(scope="module")
+def wide8(widen, tmp_path_factory):
+    out = tmp_path_factory.mktemp("wide8") / "w"
+    widen.widen(out, "test", dtype=mx.float32, quant=widen.Quantization(bits=8))
+    return out
+
+
+def test_a_quantized_wide_target_keeps_the_padding_exact_and_the_tokens(wide8):
+    # `--bits`: projections quantized as mlx-community checkpoints are; padded blocks stay exactly
+    # zero, so the only change is the real weights' rounding
+    small = load_model(BUNDLED / "target", dtype="float32").model
+    big = load_model(wide8 / "target", dtype="float32").model
+    assert isinstance(big.model.layers[0].mlp.down_proj, nn.QuantizedLinear)
+    assert not isinstance(big.model.embed_tokens, nn.QuantizedEmbedding)
+    tokens = mx.array(np.random.default_rng(1).integers(3, 8000, 64))[None]
+    h_small, h_big = small.hidden(tokens, small.make_cache()), big.hidden(tokens, big.make_cache())
+    d = small.args.hidden_size
+    assert float(mx.abs(h_big[..., d:]).max()) == 0.0
+    agree = (small.logits(h_small).argmax(-1) == big.logits(h_big).argmax(-1)).mean().item()
+    assert agree > 0.9
+
+
+@pytest.mark.parametrize("method", ["mtp", "dflash"])
+def test_the_bundled_drafters_still_guess_on_a_quantized_wide_target(wide8, method):
+    tokens, per_forward = _generate(wide8 / "target", wide8 / "dflash", method)
+    assert len(tokens) == 32 and per_forward > 2
