@@ -22,9 +22,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import mlx.core as mx
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.blas import reexec_with_openblas  # noqa: E402
+
+if __name__ == "__main__":  # a BLAS preload works only from process start: before mlx is imported
+    reexec_with_openblas(sys.orig_argv[1:])
+
+import mlx.core as mx  # noqa: E402
 
 from engine.kernels import gpu_backend, quantized_linear, quantized_matmul_mma  # noqa: E402
 
