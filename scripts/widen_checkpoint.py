@@ -38,9 +38,11 @@ bf16 (the bundled weights' dtype), HF layout, one file per layer.
 `--bits 4|8` writes every projection (not the embedding, norms or convolutions) quantized, affine,
 groups of `--group-size`, with the `quantization` block mlx-community checkpoints carry: the shape a
 9B is run in on a GPU (4.5 GB a step at 4 bits, where the engine's small-M kernel runs). A zero
-block stays exactly zero (its scale and bias are 0) and the padded inputs are exactly zero, so
-what is lost is the real weights' rounding to 4 or 8 bits: the drafters, trained on the unquantized
-target, guess about as well as they do on a quantized bundled target.
+group stays exactly zero (its scale and bias are 0), and every group that mixes real and padded
+weights reads padded inputs that are exactly zero (real units, heads and the stream sit in whole
+groups of 64), so what is lost is the real weights' rounding. At 4 bits (`test` shape, dev CPU) the
+bundled prompt's 32 greedy tokens stayed the unquantized ones; MTP chains fell from 5.33 to 4.57
+tokens per forward, DFlash chains stayed at 4.00.
 """
 
 from __future__ import annotations
