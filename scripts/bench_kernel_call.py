@@ -13,12 +13,10 @@ Beside them: the same number of mx.add chains (n - 1 adds a launch) and an empty
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
+from bench_op_costs import timed
 
 
 def adder(n: int, backend: str) -> Any:
@@ -32,21 +30,6 @@ def adder(n: int, backend: str) -> Any:
     return mx.fast.cuda_kernel(name=f"spr_add{n}", input_names=names, output_names=["out"], source=body)
 
 
-def timed(build: Callable[[], list[mx.array]], runs: int) -> tuple[float, float]:
-    """Median ms to build the graph and to evaluate it."""
-    b, e = [], []
-    for r in range(runs + 3):
-        t0 = time.perf_counter()
-        outs = build()
-        t1 = time.perf_counter()
-        mx.eval(outs)
-        t2 = time.perf_counter()
-        if r >= 3:
-            b.append(t1 - t0)
-            e.append(t2 - t1)
-    return statistics.median(b) * 1e3, statistics.median(e) * 1e3
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--launches", type=int, default=24)
@@ -58,7 +41,7 @@ def main() -> None:
     print(f"device {mx.default_device()}, backend {backend}, mlx {mx.__version__}, {args.launches} launches, "
           f"{args.elements} float32 elements an input; ms for all launches (per launch in us)")
     L = args.launches
-    empty = timed(lambda: [mx.array(1.0)], args.runs)
+    empty = timed(lambda: [mx.array(1.0)], args.runs)[::2]  # (build, evaluation)
     print(f"empty evaluation: build {empty[0]:.3f} ms, eval {empty[1]:.3f} ms")
     print("| inputs | kernel eager: build / eval | kernel compiled: build / eval | mx.add chain eager: build / eval |")
     print("|---|---|---|---|")
@@ -81,7 +64,7 @@ def main() -> None:
 
         rows = []
         for fn in (launch, compiled, adds):
-            b, e = timed(lambda fn=fn, data=data: [fn(*data[j]) for j in range(L)], args.runs)
+            b, _, e = timed(lambda fn=fn, data=data: [fn(*data[j]) for j in range(L)], args.runs)
             rows.append(f"{b:.3f} / {e:.3f} ({1e3 * b / L:.1f} / {1e3 * e / L:.1f} us)")
         print(f"| {n} | " + " | ".join(rows) + " |", flush=True)
 

@@ -114,7 +114,7 @@ def copy_kernel(inputs: int = 1):
     return mx.fast.cuda_kernel(name=f"spr_copy{inputs}", input_names=names, output_names=["y"], source=body)
 
 
-def timed(build: Callable[[], mx.array], runs: int) -> tuple[float, float, float]:
+def timed(build: Callable[[], mx.array | list[mx.array]], runs: int) -> tuple[float, float, float]:
     """Median ms to build the graph, to hand it to the device (mx.async_eval's return: on a GPU the
     host's encoding of every launch) and to evaluate it in all (after three warm-ups)."""
     b, a, e = [], [], []
