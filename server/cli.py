@@ -10,7 +10,8 @@ installed the command re-execs itself once with it in LD_PRELOAD, before mlx is 
 Exit codes: 0, 2 for a usage or load error (one line on stderr), 130 when `run` is interrupted.
 Before the process ends, the engine (its MLX arrays) is released and the engine thread joined:
 MLX state torn down during interpreter exit aborts the process ("terminate called without an
-active exception").
+active exception"). The process then ends through `leave` (os._exit, the streams flushed): the
+C libraries' exit handlers are skipped, OpenBLAS's among them, which could hang after Ctrl-C.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import os
 import resource
 import sys
 import time
+from typing import NoReturn
 
 from engine.config import DTYPE_NAMES, SPEC_METHODS, SPEC_TREES
 from server.bench.options import add_bench_parser
@@ -405,12 +407,48 @@ def peak_rss_bytes() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if argv is None:  # a real command line: in-process callers (tests) are never re-exec'd
-        from engine.blas import reexec_with_openblas
+    """The command line (argv None: the process's own, which ends in `leave`) or `argv` in-process
+    (tests): -> the exit code."""
+    if argv is not None:
+        return run_command(argv)
+    from engine.blas import reexec_with_openblas
 
-        hint = reexec_with_openblas(sys.orig_argv[1:])
-        if hint:
-            print(hint, file=sys.stderr)
+    hint = reexec_with_openblas(sys.orig_argv[1:])
+    if hint:
+        print(hint, file=sys.stderr)
+    try:
+        code = run_command(None)
+    except SystemExit as e:  # argparse's usage errors and --help
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - reported as Python would, then out the same way
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    leave(code)
+
+
+def leave(code: int) -> NoReturn:
+    """End the process without the C libraries' exit handlers. OpenBLAS's (the pthread build that
+    engine/blas.py preloads, 0.3.21 on Debian 12) joins its worker threads, and after `spruce run`
+    was interrupted it waited forever on a worker that never woke (gdb: `gotoblas_quit ->
+    blas_thread_shutdown_ -> pthread_join` from `exit(130)`; one of the three Ctrl-C runs of
+    tests/e2e/test_cli.py in a fresh install). What those handlers would do, the operating system
+    does anyway; what Python's exit would do that matters here is flushing the streams."""
+    import logging
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a reader that went away, a closed stream: nothing to flush to
+            pass
+    os._exit(code)
+
+
+def run_command(argv: list[str] | None) -> int:
     a = build_parser().parse_args(argv)
     try:
         return COMMANDS[a.command](a)
