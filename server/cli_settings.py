@@ -67,6 +67,10 @@ def engine_settings(a: argparse.Namespace) -> Settings:
     max_stall = getattr(a, "spec_max_stall", None)
     if max_stall is not None and not max_stall > 1.0:
         raise SettingsError(f"--spec-max-stall must be > 1 (plain decoding steps), got {max_stall}")
+    fixed = bool(getattr(a, "spec_fixed", False))
+    if fixed and max_stall is not None:
+        raise SettingsError("--spec-max-stall caps the trees the controller sizes; with --spec-fixed every round "
+                            "drafts the full budget (drop one of the two)")
     prefix_bytes = _pick(a.prefix_cache_bytes, preset and preset.prefix_cache_bytes, "prefix_cache_bytes")
     if prefix_bytes < 0:
         raise SettingsError(f"--prefix-cache-bytes must be >= 0, got {prefix_bytes}")
@@ -82,7 +86,7 @@ def engine_settings(a: argparse.Namespace) -> Settings:
             raise SettingsError(f"--draft-vocab: {e}") from None
     try:
         spec = SpecConfig(method=method, budget=budget, max_depth=depth, draft_model=str(draft.path) if draft else None,
-                          draft_vocab=vocab_size, max_stall=max_stall,
+                          draft_vocab=vocab_size, max_stall=max_stall, adaptive=not fixed,
                           tree=_pick(getattr(a, "spec_tree", None), auto_tree, "spec_tree"),
                           dflash_model=_drafter_dir(getattr(a, "dflash_model", None), "--dflash-model"),
                           weaver_model=_drafter_dir(getattr(a, "weaver_model", None), "--weaver-model"))

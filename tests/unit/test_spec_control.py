@@ -218,6 +218,15 @@ def test_the_cap_is_a_flag_and_a_checked_setting(tiny_checkpoint):
         SpecConfig(method="ngram", max_stall=1.0)
 
 
+def test_the_fixed_budget_is_a_flag(tiny_checkpoint):
+    parser = build_parser()
+    args = ["run", "--model", str(tiny_checkpoint), "--spec", "ngram", "-m", "hi"]
+    assert engine_settings(parser.parse_args(args)).config.spec.adaptive
+    assert not engine_settings(parser.parse_args([*args, "--spec-fixed"])).config.spec.adaptive
+    with pytest.raises(SettingsError, match="--spec-fixed"):  # the cap applies to the controller's trees only
+        engine_settings(parser.parse_args([*args, "--spec-fixed", "--spec-max-stall", "2"]))
+
+
 def test_one_lucky_round_does_not_keep_a_losing_tree():
     # MTP where guesses miss (dev CPU): plain rounds 1 token in 10.8 ms, the one-guess tree right
     # once in its two tries, the 5-node tree 3 tokens on its first try (luck) and 1 on its second in
