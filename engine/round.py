@@ -194,7 +194,7 @@ class Rounds:
             self.drafter.propose(root, 0, self.spec.max_depth)
         t1 = time.perf_counter()
         flight = self._queue(tree, tokens, t0, (t1 - t0) * 1e3)
-        flight.proposed, flight.arm, flight.tokens = proposed, arm if budget == arm else -1, tokens
+        flight.proposed, flight.arm = proposed, arm if budget == arm else -1
         blas.pace(host_busy=self.can_pipeline(flight))  # the host builds the next round meanwhile
         self.start(flight)
         return flight
@@ -236,7 +236,7 @@ class Rounds:
             tokens = mx.concatenate([root, guess.reshape(1, 1).astype(root.dtype)], axis=1)
             # the tree's tokens reach the host when it lands (placeholders until then)
             ahead = self._queue(DraftTree.chain(0, [0]), tokens, t0, (time.perf_counter() - t0) * 1e3)
-            ahead.arm, ahead.tokens = 1, tokens
+            ahead.arm = 1
             ahead.unstarted = [ahead.choices if ahead.choices is not None else ahead.logits]
         blas.pace(host_busy=self.can_pipeline(ahead))
         if not self.start_late:
@@ -260,14 +260,14 @@ class Rounds:
         pipelined root, a chain drafted on the device; `tree` holds placeholders for them)."""
         committed_len = self.seq.covered
         logits = forward.verify(self.model, self.cache, tree, committed_len, tokens=tokens)
+        tree_tokens = tokens if tokens is not None and tree.size > 1 else None  # a one-node tree's root: no tree
         choices = None
         if self.on_device and not (self.draw_visited and tree.size > 1):
             positions = committed_len + tree.depths + 1  # the index each node's token will take
             uniforms = None if self.params.greedy else device_sampler.node_uniforms(self.seed, positions)
-            device_tokens = tokens if tokens is not None and tree.size > 1 else None
-            choices = device_sampler.choose(self._adjusted(logits, tree, device_tokens), self.params, uniforms)
+            choices = device_sampler.choose(self._adjusted(logits, tree, tree_tokens), self.params, uniforms)
         committed = tree.size == 1 and choices is not None
-        flight = InFlight(tree, committed_len, logits, choices, committed, t0, draft_ms)
+        flight = InFlight(tree, committed_len, logits, choices, committed, t0, draft_ms, tokens=tree_tokens)
         if self.confides and choices is not None and (
                 TOP_ON_DEVICE if TOP_ON_DEVICE is not None else tree.size == 1 or not self.top_on_cpu):
             flight.top = device_sampler.top_probability(logits)
@@ -283,7 +283,7 @@ class Rounds:
         """Wait for the verify, walk to the accepted path, commit it, let the drafter observe."""
         self.start(flight)
         tree, params = flight.tree, self.params
-        if flight.tokens is not None and tree.size > 1:  # a pipelined tree: its tokens reach the host now
+        if flight.tokens is not None:  # a tree whose tokens were on the device: they reach the host now
             tree = flight.tree = DraftTree(tuple(np.array(flight.tokens)[0].tolist()), tree.parents)
         host_logits = None
         if flight.choices is not None:

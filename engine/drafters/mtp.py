@@ -138,8 +138,7 @@ class MTPDrafter:
             return None
         # the catch-up's rows go to the device now, ahead of the draft that reads them
         mx.async_eval([a for c in self.cache for a in c.arrays()])
-        depths: Depths = self.steps.begin(self.cache, 1) if self.steps is not None else \
-            PlainDepths(self.logits, self.embed, self.head, self.cache, 1, self.vocab_ids)
+        depths = self._depths(1)
         y, tokens = last, [depths.top1(last)]
         while len(tokens) < depth:
             y = depths.advance(tokens[-1], y)
@@ -162,11 +161,16 @@ class MTPDrafter:
         token = mx.argmax(self.logits(self.last)[0, 0])
         return (token if self.vocab_ids is None else self.vocab_ids[token]).reshape(1, 1)
 
+    def _depths(self, k: int) -> Depths:
+        """A draft's per-depth steps from the head's cache (top-k width k): compiled, or the plain twin."""
+        if self.steps is not None:
+            return self.steps.begin(self.cache, k)
+        return PlainDepths(self.logits, self.embed, self.head, self.cache, k, self.vocab_ids)
+
     def _draft(self, y: mx.array, depth: int, k: int) -> Marginals:
         """The top-k marginals of depths 1..depth (fewer where the top-1 path's probability drops
         below min_path_prob), from the head's output y [1, 1, H] of the last committed row."""
-        depths: Depths = self.steps.begin(self.cache, k) if self.steps is not None else \
-            PlainDepths(self.logits, self.embed, self.head, self.cache, k, self.vocab_ids)
+        depths = self._depths(k)
         committed = [a for c in self.cache for a in c.arrays()]
         if not self.sync_each_depth:
             reads = [depths.read(y)]
