@@ -1,7 +1,7 @@
 """The `spruce` command: `spruce serve` (OpenAI-compatible HTTP server) and `spruce run` (one prompt).
 
-`spruce run` streams the answer to stdout and prints its statistics to stderr afterwards, so
-stdout holds only the answer and can be piped.
+`spruce run` streams the answer to stdout and prints its statistics to stderr afterwards
+(server/cli_output.py), so stdout holds only the answer and can be piped.
 
 On Linux the MLX CPU wheel ships a slow reference BLAS: when Debian/Ubuntu's OpenBLAS is
 installed the command re-execs itself once with it in LD_PRELOAD, before mlx is imported
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import resource
 import sys
 import time
 from typing import NoReturn
@@ -27,6 +26,7 @@ from typing import NoReturn
 from engine.config import DTYPE_NAMES, SPEC_METHODS, SPEC_TREES
 from server.bench.options import add_bench_parser
 from server.cli_models import add_convert_parser, add_models_parser, cmd_convert, cmd_models
+from server.cli_output import stream_answer
 from server.cli_settings import DEFAULT_MAX_CONTEXT, Settings, SettingsError, engine_settings
 
 EXIT_USAGE = 2
@@ -290,7 +290,12 @@ def cmd_run(a: argparse.Namespace) -> int:
     try:
         ids = engine.tokenizer.encode(prompt) if a.no_chat else _chat_ids(engine.tokenizer, prompt, a.think)
         request = _run_request(engine, ids, a)
-        _generate_and_print(engine, request)
+        t0 = time.perf_counter()
+        try:
+            steps = engine.generate(request)
+        except ValueError as e:  # the engine refused the request (empty prompt, bad ids)
+            raise CLIError(str(e)) from None
+        stream_answer(engine, request, steps, t0)
     finally:
         del engine
         release_mlx()
@@ -340,58 +345,6 @@ def _run_request(engine, ids: list[int], a: argparse.Namespace):
     return GenerationRequest(prompt_ids=ids, sampling=sampling, request_id="cli")
 
 
-def _generate_and_print(engine, request) -> None:
-    from server.streaming import TextAssembler
-
-    assembler = TextAssembler(engine.tokenizer, [], request.sampling.stop_token_ids)
-    t0 = time.perf_counter()
-    first = stats = finish = None
-    try:
-        steps = engine.generate(request)
-    except ValueError as e:  # the engine refused the request (empty prompt, bad ids)
-        raise CLIError(str(e)) from None
-    try:
-        for step in steps:
-            if first is None and step.token_ids:
-                first = time.perf_counter() - t0
-            delta = assembler.feed(step)
-            sys.stdout.write(delta.text)
-            sys.stdout.flush()
-            if delta.finish_reason is not None:
-                stats, finish = delta.stats, delta.finish_reason
-    finally:  # on Ctrl-C too: the engine's cleanup runs now, not whenever the generator is collected
-        steps.close()
-    sys.stdout.write("\n")
-    sys.stdout.flush()
-    if stats is not None:
-        print_stats(stats, first, time.perf_counter() - t0, engine.memory(), finish)
-
-
-FINISH_WORDS = {"stop": "stop (end of text)", "length": "length (--max-tokens or the context)"}
-
-
-def print_stats(stats, ttft_s: float | None, duration_s: float, memory=None, finish: str | None = None) -> None:
-    lines = [
-        *([f"finish reason: {FINISH_WORDS.get(finish, finish)}"] if finish else []),
-        f"generated tokens: {stats.generated_tokens}",
-        f"time to first token: {ttft_s if ttft_s is not None else duration_s:.2f} s",
-        f"prompt tokens: {stats.prompt_tokens} ({stats.cached_tokens} from the prefix cache)",
-        f"prefill speed: {stats.prefill_tps:.2f} t/s",
-        f"generation speed: {stats.decode_tps:.2f} t/s",
-        f"tokens per forward pass: {stats.tokens_per_forward:.2f} t/f",
-        *([f"speculation: {stats.accepted} of {stats.drafted} drafted tokens accepted; draft / verify / "
-           f"commit {stats.draft_ms:.0f} / {stats.verify_ms:.0f} / {stats.commit_ms:.0f} ms"]
-          if stats.drafted else []),
-        f"memory used: {peak_rss_bytes() / 1e9:.2f} GB",
-        *([f"weights: {memory.weights_bytes / 1e6:.1f} MB ({memory.dtype})"
-           + (f" + draft {memory.draft_weights_bytes / 1e6:.1f} MB" if memory.draft_weights_bytes else ""),
-           f"caches: {memory.cache_bytes / 1e6:.2f} MB (this request's KV + GDN states); prefix cache "
-           f"{memory.prefix_cache_bytes / 1e6:.2f} MB"] if memory is not None else []),
-        f"duration: {duration_s:.2f} s",
-    ]
-    print("\n".join(lines), file=sys.stderr)
-
-
 def cmd_bench(a: argparse.Namespace) -> int:
     from server.bench.command import BenchError, bench_command
 
@@ -402,12 +355,6 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
 
 COMMANDS = {"serve": cmd_serve, "run": cmd_run, "bench": cmd_bench, "convert": cmd_convert, "models": cmd_models}
-
-
-def peak_rss_bytes() -> int:
-    """Peak resident set size of this process (MLX buffers live in it on CPU and Apple unified memory)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux KiB
 
 
 def main(argv: list[str] | None = None) -> int:
