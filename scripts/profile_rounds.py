@@ -28,7 +28,12 @@ measured rounds) per phase, method and variant. `--variants` compares engine set
 process, interleaved run by run, named by scripts/bench_gpu.py's variant suffixes (`variant_setting`):
 `evN` hands a multi-node verify to the device every N layers whatever the model's size (0 = once),
 `fold0` / `fold1` run each GDN commit on its own / folded into the next verify, joined with `-`;
-`engine` is the engine as it is. `--cprofile` profiles the first variant's
+`engine` is the engine as it is. Two suffixes are this script's own: `hdN` sleeps N ms (decimals
+with `p`: `hd0p5`) in the host's graph building of every decode and verify forward pass, half way
+through its layers, after the first half was handed to the device (a round that grows by the
+sleep waited for the host; one that does not, for the device, whose queued work absorbed it);
+`ds1` hands a chain drafted on the device to it as soon as it is built, not with the verify's
+first layers. `--cprofile` profiles the first variant's
 multi-node verifies' graph building. Made for the H200, where the bundled target's rounds are
 bound by small launches and the host, not by reading weights.
 """
@@ -56,6 +61,7 @@ if __name__ == "__main__":  # a BLAS preload works only from process start: befo
     reexec_with_openblas(sys.orig_argv[1:])
 
 import engine.drafters.dflash as dflash_drafter  # noqa: E402
+import mlx.core as mx  # noqa: E402
 import engine.drafters.marginals as marginals  # noqa: E402
 import engine.forward as forward  # noqa: E402
 import engine.round as rounds  # noqa: E402
@@ -129,6 +135,43 @@ def _drafter_classes() -> list[type]:
 
 
 PROFILING = {"on": False}
+PROBES = {"delay_ms": 0.0, "draft_start": False}
+
+
+def probe_setting(variant: str) -> None:
+    """This script's own variant suffixes (see the docstring): hdN, dsN."""
+    PROBES["delay_ms"], PROBES["draft_start"] = 0.0, False
+    for suffix in variant.split("-"):
+        if suffix.startswith("hd"):
+            PROBES["delay_ms"] = float(suffix[2:].replace("p", "."))
+        elif suffix.startswith("ds"):
+            PROBES["draft_start"] = suffix[2:] == "1"
+
+
+def install_probes(engine: Any) -> None:
+    """The sleep half way through a decode or verify pass's layers, and the early draft start."""
+    from engine.drafters.mtp import MTPDrafter
+    from engine.models.qwen3_5 import DecoderLayer
+
+    layers = engine.model.model.layers
+    middle = layers[len(layers) // 2]
+    layer_call = DecoderLayer.__call__
+
+    def call(self: Any, x: Any, cache: Any, batch: Any) -> Any:
+        if self is middle and PROBES["delay_ms"] and batch.mode(x.shape[1]) != "chain":
+            time.sleep(PROBES["delay_ms"] / 1e3)
+        return layer_call(self, x, cache, batch)
+
+    DecoderLayer.__call__ = call  # type: ignore[method-assign]
+    chain_on_device = MTPDrafter.chain_on_device
+
+    def chain(self: Any, *args: Any) -> Any:
+        tokens = chain_on_device(self, *args)
+        if tokens is not None and PROBES["draft_start"]:
+            mx.async_eval(tokens)
+        return tokens
+
+    MTPDrafter.chain_on_device = chain  # type: ignore[method-assign]
 
 
 def profiled_verify() -> cProfile.Profile:
@@ -172,6 +215,7 @@ def main() -> None:
     variants = a.variants.split(",")
     profiler = profiled_verify() if a.cprofile else None
     engine = Engine(EngineConfig(model_path=a.model, dtype=a.dtype, spec=SpecConfig(dflash_model=a.dflash_model)))
+    install_probes(engine)
     specs = parse_methods(a.methods, [a.budget], a.depth, a)
     warm_like_serve(engine, specs.values())
     # the tree builders are looked up when a drafter is made: the wrappers above are already in place
@@ -188,6 +232,7 @@ def main() -> None:
             for name, spec in specs.items():
                 req = GenerationRequest(prompt_ids=prompt, sampling=base, spec=spec)
                 for variant in variants:  # warm-up: compiles this prompt's tree shapes in every variant
+                    probe_setting(variant)
                     with variant_setting(f"engine-{variant}"):
                         list(engine.generate(req))
                 seen: dict[str, dict[str, Any]] = {v: {"totals": defaultdict(float), "rounds": [], "tokens": 0,
@@ -200,6 +245,7 @@ def main() -> None:
                         PROFILING["on"] = variant == variants[0]
                         record = seen[variant]
                         output = []
+                        probe_setting(variant)
                         with variant_setting(f"engine-{variant}"):
                             for step in engine.generate(req):
                                 output += step.token_ids
