@@ -16,6 +16,9 @@ that the engine does not synchronise itself, so the phases add up to what a requ
 - `queue`     the rest of queueing the round (the device choice's graph, handing it over);
 - `land`      the landing: waiting for the node choices, the accept walk, the commit, observe;
 - `walk`, `commit`  inside it, the accept walk and building the commit;
+- `encode`    every `mx.async_eval` call's time, wherever it falls (inside `verify` on GPUs, which
+              hand a verify to the device every few layers; in the queueing and the landing): the
+              host encoding launches, or waiting where MLX makes it wait for the device;
 - `round`     a round's wall time from its launch to the end of its landing (pipelined plain rounds
               overlap, so theirs is read from the gaps between landings).
 Each row also gives tokens per forward pass and the distinct 8-gram share of the output (tokens
@@ -112,6 +115,7 @@ def instrument() -> None:
         return f
 
     rounds.Rounds.land, rounds.Rounds._queue = timed_land, timed_queue
+    timed(mx, "async_eval", "encode")  # the engine looks mx.async_eval up at every call
     timed(forward, "verify", "verify")
     timed(forward, "commit", "commit")
     timed(sampler, "accept_walk", "walk")
@@ -224,7 +228,7 @@ def main() -> None:
     print(f"ms a round (mean over measured rounds), {a.tokens} tokens greedy, budget {a.budget}, dtype {a.dtype}")
     print(f"{'prompt':8} {'method':18} {'variant':14} {'rounds':>6} {'tok/fwd':>7} {'8-gram':>6} {'tok/s':>7} "
           f"{'round':>6} {'med':>6} {'propose':>7} "
-          f"{'margin':>7} {'build':>6} {'verify':>6} {'queue':>6} {'land':>6} {'walk':>6} {'commit':>6}")
+          f"{'margin':>7} {'build':>6} {'verify':>6} {'queue':>6} {'land':>6} {'walk':>6} {'commit':>6} {'encode':>6}")
     for kind in a.kinds.split(","):
         for p, text in enumerate(PROMPTS[kind]):
             prompt = render(engine, text)
@@ -272,7 +276,7 @@ def main() -> None:
                           f"{row['round_median_ms']:6.2f} " + " ".join(
                               f"{per.get(k, 0.0):{w}.2f}" for k, w in
                               (("propose", 7), ("marginals", 7), ("build", 6), ("verify", 6), ("queue", 6),
-                               ("land", 6), ("walk", 6), ("commit", 6))), flush=True)
+                               ("land", 6), ("walk", 6), ("commit", 6), ("encode", 6))), flush=True)
                 if a.json:
                     a.json.write_text(json.dumps(report, indent=1))
     if profiler is not None:
