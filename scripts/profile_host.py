@@ -10,7 +10,9 @@ builds it), for trees of each row count (a chain of up to 8 with siblings), each
 
 - `batch_ms`   the per-tree inputs alone (forward.tree_batch: positions, masks, conv taps);
 - `build_ms`   the whole verify graph with every node's argmax, nothing evaluated;
-- `eval_ms`    evaluating it;
+- `eval_ms`    evaluating it, split into `encode_ms` (`mx.async_eval`'s return: the host encoding
+               every launch, the device idle when it starts) and `wait_ms` (then waiting for the
+               device to finish);
 - `commit_build_ms` / `commit_eval_ms`  the commit of the chain, built then evaluated;
 - `sync_ms`    evaluating an array that is already computed (the floor of any round trip).
 
@@ -67,7 +69,7 @@ def phases(model: Any, cache: list, committed: int, n: int, runs: int, split: bo
     path = tree.path_to(min(n - 1, 8))
     kernel = model.args.linear_conv_kernel_dim
     got: dict[str, list[float]] = {k: [] for k in ("batch_ms", "build_ms", "eval_ms", "commit_build_ms",
-                                                   "commit_eval_ms", "sync_ms")}
+                                                   "commit_eval_ms", "sync_ms", "encode_ms", "wait_ms")}
     for r in range(runs + 2):
         marks = [c.mark() for c in cache]
         t0 = time.perf_counter()
@@ -77,6 +79,8 @@ def phases(model: Any, cache: list, committed: int, n: int, runs: int, split: bo
         t2 = time.perf_counter()
         choice = mx.argmax(forward.verify(model, cache, tree, committed), axis=-1)
         t3 = time.perf_counter()
+        mx.async_eval(choice)
+        t3e = time.perf_counter()
         mx.eval(choice)
         t4 = time.perf_counter()
         if split:  # "commit_build_ms" is then the GDN layers' commit, "commit_eval_ms" the others'
@@ -94,7 +98,8 @@ def phases(model: Any, cache: list, committed: int, n: int, runs: int, split: bo
         for c, m in zip(cache, marks, strict=True):
             c.rewind(m)
         if r >= 2:
-            for key, v in zip(got, (t1 - t0, t3 - t2, t4 - t3, t5 - t4, t6 - t5, t7 - t6), strict=True):
+            for key, v in zip(got, (t1 - t0, t3 - t2, t4 - t3, t5 - t4, t6 - t5, t7 - t6, t3e - t3, t4 - t3e),
+                              strict=True):
                 got[key].append(v * 1e3)
     return {k: statistics.median(v) for k, v in got.items()}
 
