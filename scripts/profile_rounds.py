@@ -63,8 +63,9 @@ from engine.blas import reexec_with_openblas  # noqa: E402
 if __name__ == "__main__":  # a BLAS preload works only from process start: before mlx is imported
     reexec_with_openblas(sys.orig_argv[1:])
 
-import engine.drafters.dflash as dflash_drafter  # noqa: E402
 import mlx.core as mx  # noqa: E402
+
+import engine.drafters.dflash as dflash_drafter  # noqa: E402
 import engine.drafters.marginals as marginals  # noqa: E402
 import engine.forward as forward  # noqa: E402
 import engine.round as rounds  # noqa: E402
