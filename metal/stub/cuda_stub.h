@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #define __global__
 #define __device__
@@ -27,6 +28,12 @@ inline unsigned __shfl_xor_sync(unsigned, unsigned x, int) { return x; }
 inline float expf(float x) { return std::exp(x); }
 inline float logf(float x) { return std::log(x); }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+inline float sqrtf(float x) { return std::sqrt(x); }
+inline float __int_as_float(int x) {  // a bit cast, as on the GPU: the emulation runs it
+  float f;
+  std::memcpy(&f, &x, sizeof f);
+  return f;
+}
 inline float fabsf(float x) { return std::fabs(x); }
 inline float fmaxf(float a, float b) { return a > b ? a : b; }
 inline float fmaf(float a, float b, float c) { return std::fma(a, b, c); }
@@ -35,4 +42,8 @@ namespace cooperative_groups {}
 struct Shape {  // MLX passes an input's shape by value when the body names `<input>_shape`
   int dims[8];
   int operator[](int i) const { return dims[i]; }
+};
+struct Strides {  // and its strides (elements) when it names `<input>_strides`
+  int64_t dims[8];
+  int64_t operator[](int i) const { return dims[i]; }
 };

@@ -37,6 +37,7 @@ inline float simd_sum(float x) { return x; }
 inline float exp(float x) { return std::exp(x); }
 inline float log(float x) { return std::log(x); }
 inline float rsqrt(float x) { return 1.0f / std::sqrt(x); }
+inline float sqrt(float x) { return std::sqrt(x); }
 inline float abs(float x) { return std::fabs(x); }
 inline float max(float a, float b) { return a > b ? a : b; }
 inline float fma(float a, float b, float c) { return std::fma(a, b, c); }

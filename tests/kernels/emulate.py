@@ -15,13 +15,19 @@ from engine.kernels import KernelSpec
 from tests.kernels.render import render_cuda
 
 STUB = Path(__file__).resolve().parents[2] / "metal" / "stub"
-CTYPES = {np.dtype(np.float32): "float", np.dtype(np.int32): "int32_t", np.dtype(np.uint32): "uint32_t"}
-DTYPES = {np.dtype(np.float32): "float32", np.dtype(np.int32): "int32", np.dtype(np.uint32): "uint32"}
+CTYPES = {np.dtype(np.float32): "float", np.dtype(np.int32): "int32_t", np.dtype(np.uint32): "uint32_t",
+          np.dtype(np.bool_): "char"}  # bool stored as bytes (std::vector<bool> packs bits), passed as bool*
+DTYPES = {np.dtype(np.float32): "float32", np.dtype(np.int32): "int32", np.dtype(np.uint32): "uint32",
+          np.dtype(np.bool_): "bool"}
 
 
 def emulate(spec: KernelSpec, inputs: dict[str, np.ndarray], outputs: dict[str, tuple[tuple[int, ...], type]],
-            template: dict[str, int | str], groups: int, threads: int, tmp: Path) -> dict[str, np.ndarray]:
-    """Run `spec` over `groups` threadgroups of `threads` threads -> its outputs."""
+            template: dict[str, int | str], groups: int, threads: int, tmp: Path,
+            views: dict[str, tuple[int, ...]] | None = None) -> dict[str, np.ndarray]:
+    """Run `spec` over `groups` threadgroups of `threads` threads -> its outputs. views: inputs the
+    kernel reads through their strides as a view of the given buffer (MLX hands a cache's slice
+    so): name -> the view's shape, the leading part of the buffer along each axis."""
+    views = views or {}
     arrays = {n: np.ascontiguousarray(inputs[n]) for n in spec.inputs}
     dtypes = {n: DTYPES[a.dtype] for n, a in arrays.items()}
     dtypes.update({n: DTYPES[np.dtype(t)] for n, (_, t) in outputs.items()})
@@ -36,9 +42,13 @@ def emulate(spec: KernelSpec, inputs: dict[str, np.ndarray], outputs: dict[str, 
     body = render_cuda(spec, dtypes, template, stub=True)
     call = []
     for n in spec.inputs:
-        call.append(f"{n}.data()")
+        call.append(f"reinterpret_cast<const bool*>({n}.data())" if arrays[n].dtype == np.bool_ else f"{n}.data()")
+        shape = views.get(n, arrays[n].shape)
         if f"{n}_shape" in body:
-            call.append("Shape{{" + ", ".join(str(d) for d in arrays[n].shape) + "}}")
+            call.append("Shape{{" + ", ".join(str(d) for d in shape) + "}}")
+        if f"{n}_strides" in body:
+            strides = [st // arrays[n].itemsize for st in arrays[n].strides]
+            call.append("Strides{{" + ", ".join(str(d) for d in strides) + "}}")
     call += [f"{n}.data()" for n in spec.outputs]
     call_args = ", ".join(call)
     lines += [f"  gridDim = {{{groups}u, 1u, 1u}}; blockDim = {{{threads}u, 1u, 1u}};",

@@ -11,9 +11,9 @@ from __future__ import annotations
 from engine.kernels import KernelSpec, kernel_text
 
 METAL_TYPES = {"float32": "float", "bfloat16": "bfloat16_t", "float16": "half", "int32": "int32_t",
-               "uint32": "uint32_t"}
+               "uint32": "uint32_t", "bool": "bool"}
 CUDA_TYPES = {"float32": "float", "bfloat16": "__nv_bfloat16", "float16": "__half", "int32": "int32_t",
-              "uint32": "uint32_t"}
+              "uint32": "uint32_t", "bool": "bool"}
 METAL_ATTRIBUTES = {
     "threadgroup_position_in_grid": "uint3", "thread_position_in_threadgroup": "uint3",
     "threads_per_threadgroup": "uint3", "threadgroups_per_grid": "uint3",
@@ -34,6 +34,9 @@ def render_metal(spec: KernelSpec, dtypes: dict[str, str], sizes: dict[str, int]
         if f"{n}_shape" in body:
             types.append("const constant int*")
             names.append(f"{n}_shape")
+        if f"{n}_strides" in body:
+            types.append("const constant int64_t*")
+            names.append(f"{n}_strides")
     types += [f"device {METAL_TYPES[dtypes[n]]}*" for n in spec.outputs]
     names += spec.outputs
     params = [f"  {t} {n} [[buffer({i})]]" for i, (t, n) in enumerate(zip(types, names))]
@@ -54,12 +57,16 @@ def render_cuda(spec: KernelSpec, dtypes: dict[str, str], template: dict[str, in
         params.append(f"    const {CUDA_TYPES[dtypes[n]]}* {n}")
         if f"{n}_shape" in body:
             params.append(f"    const __grid_constant__ Shape {n}_shape")
+        if f"{n}_strides" in body:
+            params.append(f"    const __grid_constant__ Strides {n}_strides")
     params += [f"    {CUDA_TYPES[dtypes[n]]}* {n}" for n in spec.outputs]
     consts = "".join(f"  using {k} = {CUDA_TYPES[v]};\n" if isinstance(v, str) else f"  constexpr int {k} = {v};\n"
                      for k, v in template.items())
     # MLX's own device header defines Shape; outside MLX a stand-in with the same use
     prefix = "#include \"cuda_stub.h\"\n" if stub else (
-        "struct Shape {\n  int dims[8];\n  __device__ int operator[](int i) const { return dims[i]; }\n};\n")
+        "struct Shape {\n  int dims[8];\n  __device__ int operator[](int i) const { return dims[i]; }\n};\n"
+        "struct Strides {\n  long long dims[8];\n"
+        "  __device__ long long operator[](int i) const { return dims[i]; }\n};\n")
     return (f"{prefix}#include <cooperative_groups.h>\n{header}\nnamespace mlx::core::cu {{\n"
             "namespace cg = cooperative_groups;\n"
             f"__global__ void custom_kernel_{spec.name}(\n" + ",\n".join(params) + f") {{\n{consts}\n{body}\n}}\n"
