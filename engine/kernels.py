@@ -51,6 +51,9 @@ class KernelSpec:
     header: tuple[str, ...] = ("gdn_common.h",)
     backends: tuple[str, ...] = BACKENDS  # qmm_mma is CUDA only (PTX tensor-core MMA)
     defines: tuple[str, ...] = ()  # macros set to 1 before the body: builds of one body with more inputs
+    # MLX copies inputs that are not row-contiguous before the launch, unless the body reads them
+    # through their strides (False: the attention kernels read the KV cache's slices in place)
+    contiguous: bool = True
 
 
 GDN_STEP = KernelSpec("spruce_gdn_step", "gdn_step.kernel",
@@ -79,8 +82,15 @@ READ_STREAM = KernelSpec("spruce_read_stream", "read_stream.kernel", ("w", "scal
                          backends=("cuda",))
 QMM_MMA = KernelSpec("spruce_qmm_mma", "qmm_mma.kernel", ("x", "w", "scales", "biases"), ("y",),
                      header=("qmm_mma_cuda.h",), backends=("cuda",))
+# attention of decode and tree rows over the KV cache (engine/attention_rows.py): the chunks'
+# partial softmaxes and their join, and the one-chunk build that writes the output itself
+ATTN_ROWS = KernelSpec("spruce_attn_rows", "attn_rows.kernel", ("q", "keys", "values", "ancestors"),
+                       ("part", "stats"), header=(), contiguous=False)
+ATTN_ONE = KernelSpec("spruce_attn_one", "attn_rows.kernel", ATTN_ROWS.inputs, ("o",), header=(), contiguous=False,
+                      defines=("SPR_ATTN_ONE",))
+ATTN_MERGE = KernelSpec("spruce_attn_merge", "attn_merge.kernel", ("part", "stats"), ("o",), header=())
 KERNELS = (GDN_STEP, GDN_CHAIN, GDN_TREE_FRONT, GDN_TREE, GDN_TREE_FRONT_FOLD, GDN_TREE_FOLD, GDN_COMMIT, QMM_ROWS,
-           READ_FLOOR, READ_STREAM, QMM_MMA)
+           READ_FLOOR, READ_STREAM, QMM_MMA, ATTN_ROWS, ATTN_ONE, ATTN_MERGE)
 QMM_MAX_ROWS = 32
 MMA_DTYPES = (mx.bfloat16, mx.float16)
 
@@ -102,7 +112,7 @@ def compiled_kernel(spec: KernelSpec, backend: str) -> Any:
     header, body = kernel_text(spec, backend)
     make = mx.fast.metal_kernel if backend == "metal" else mx.fast.cuda_kernel
     return make(name=spec.name, input_names=list(spec.inputs), output_names=list(spec.outputs),
-                source=body, header=header, ensure_row_contiguous=True)
+                source=body, header=header, ensure_row_contiguous=spec.contiguous)
 
 
 def backend_default(switch: str, on: tuple[str, ...] = ("cuda",)) -> bool:

@@ -23,6 +23,8 @@ SPR_FN float spr_fma(float a, float b, float c) { return fmaf(a, b, c); }
 SPR_FN float spr_exp(float x) { return expf(x); }
 SPR_FN float spr_log(float x) { return logf(x); }
 SPR_FN float spr_rsqrt(float x) { return rsqrtf(x); }
+SPR_FN float spr_sqrt(float x) { return sqrtf(x); }
+SPR_FN float spr_neg_inf() { return __int_as_float(0xff800000); }
 SPR_FN float spr_abs(float x) { return fabsf(x); }
 SPR_FN float spr_max(float a, float b) { return fmaxf(a, b); }
 SPR_FN float spr_to_float(float x) { return x; }

@@ -13,6 +13,8 @@ inline float spr_fma(float a, float b, float c) { return metal::fma(a, b, c); }
 inline float spr_exp(float x) { return metal::exp(x); }
 inline float spr_log(float x) { return metal::log(x); }
 inline float spr_rsqrt(float x) { return metal::rsqrt(x); }
+inline float spr_sqrt(float x) { return metal::sqrt(x); }
+inline float spr_neg_inf() { return -INFINITY; }
 inline float spr_abs(float x) { return metal::abs(x); }
 inline float spr_max(float a, float b) { return metal::max(a, b); }
 inline float spr_to_float(float x) { return x; }

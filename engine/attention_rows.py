@@ -1,0 +1,84 @@
+"""Attention of decode and tree-verify rows over the KV cache in one or two GPU launches
+(metal/attn_rows.kernel, metal/attn_merge.kernel).
+
+Why: on a GPU a step is bound by the host encoding its launches (BENCHMARKS.md, issue 12,
+twenty-fourth session: ~10 µs of host time a launching operation on the H200). Heads of 256
+dimensions (Qwen3.5-9B, 0.8B) are outside MLX's fused decode kernels, so a decode step's attention
+runs as four operations a layer, two of them cuBLAS matmuls, and a tree's as seven. Here it is one
+launch when one chunk of ATTN_CHUNK keys covers every row, two otherwise.
+
+A row's result is bitwise the same whatever the launch held (a verify row equals the decode step
+of the same token after its path is committed, the chunks being cut along each row's own visible
+keys). Opt-in (SPRUCE_ATTN_KERNEL=1) on every backend until measured: the emulated bodies match
+their twin on the CPU (tests/kernels/test_attention_rows.py), the CUDA build has not run yet.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import mlx.core as mx
+
+from engine.kernels import ATTN_MERGE, ATTN_ONE, ATTN_ROWS, backend_default, compiled_kernel, gpu_backend
+
+ATTN_CHUNK = 32  # visible keys a SIMD group runs its online softmax over
+ATTN_WPG = 4  # SIMD groups a threadgroup
+DTYPES = (mx.float32, mx.bfloat16, mx.float16)
+
+
+@functools.cache
+def enabled() -> bool:
+    """SPRUCE_ATTN_KERNEL=1 turns the kernels on (a GPU backend only); off by default. Read once a
+    process (every attention layer asks at every step)."""
+    return gpu_backend() is not None and backend_default("SPRUCE_ATTN_KERNEL", on=())
+
+
+def covers(q: mx.array, keys: mx.array, values: mx.array) -> bool:
+    """q [1, H, N, D] over keys / values [1, Hkv, L, D]: D a multiple of 32 up to 256, whole GQA
+    groups, one sequence, a float dtype shared by all three."""
+    B, H, _, D = q.shape
+    return (B == 1 and keys.shape[0] == 1 and D % 32 == 0 and D <= 256 and keys.shape[-1] == D
+            and values.shape == keys.shape and H % keys.shape[1] == 0 and q.dtype in DTYPES
+            and keys.dtype == q.dtype and values.dtype == q.dtype)
+
+
+_ROOT_ONLY: dict[str, mx.array] = {}
+
+
+def root_only() -> mx.array:
+    """The ancestor mask of a one-row pass ([[True]]), made once: a new one would be a host to
+    device copy every step."""
+    if "mask" not in _ROOT_ONLY:
+        _ROOT_ONLY["mask"] = mx.ones((1, 1), dtype=mx.bool_)
+        mx.eval(_ROOT_ONLY["mask"])
+    return _ROOT_ONLY["mask"]
+
+
+def attention_rows(q: mx.array, keys: mx.array, values: mx.array, ancestors: mx.array | None,
+                   backend: str | None = None, chunk: int = ATTN_CHUNK) -> mx.array:
+    """softmax(q k^T / sqrt(D)) v of every row over the keys it sees -> [N, H, D] in q's dtype.
+
+    q [1, H, N, D] (the rows after RoPE), keys / values [1, Hkv, L, D] whose last N rows are the
+    rows' own (written to the cache before the call), ancestors [N, N] bool (row n sees tree row i
+    where it is True, and every key before the last N), None for one row that sees them all. The
+    caller checks covers()."""
+    backend = backend or gpu_backend()
+    assert backend is not None, "a GPU kernel"
+    _, H, N, D = q.shape
+    L = keys.shape[2]
+    mask = root_only() if ancestors is None else ancestors
+    chunks = -(-L // chunk)
+    groups = -(-(N * H * chunks) // ATTN_WPG)
+    launch = dict(grid=(groups * ATTN_WPG * 32, 1, 1), threadgroup=(ATTN_WPG * 32, 1, 1))
+    template = [("D", D), ("CH", chunk), ("OutT", q.dtype)]
+    if chunks == 1:
+        return compiled_kernel(ATTN_ONE, backend)(
+            inputs=[q, keys, values, mask], template=template, output_shapes=[(N, H, D)],
+            output_dtypes=[q.dtype], **launch)[0]
+    part, stats = compiled_kernel(ATTN_ROWS, backend)(
+        inputs=[q, keys, values, mask], template=template,
+        output_shapes=[(N, H, chunks, D), (N, H, chunks, 2)], output_dtypes=[mx.float32, mx.float32], **launch)
+    merge_groups = -(-(N * H) // ATTN_WPG)
+    return compiled_kernel(ATTN_MERGE, backend)(
+        inputs=[part, stats], template=[("D", D), ("OutT", q.dtype)], output_shapes=[(N, H, D)],
+        output_dtypes=[q.dtype], grid=(merge_groups * ATTN_WPG * 32, 1, 1), threadgroup=(ATTN_WPG * 32, 1, 1))[0]

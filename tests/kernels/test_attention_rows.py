@@ -1,0 +1,147 @@
+"""The attention kernels (metal/attn_rows.kernel, metal/attn_merge.kernel) against their twin.
+
+On the CPU the CUDA text runs through tests/kernels/emulate.py (one-lane SIMD groups), against a
+float64 NumPy attention: decode rows, tree rows, one chunk and many, the K/V read through a view
+of a larger buffer as the cache hands it over, and a verify row bitwise equal to the decode step
+of the same token. On a GPU the MLX call (engine/attention_rows.py) runs against attention_ops.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine.attention_rows import ATTN_WPG, attention_rows, covers
+from engine.kernels import ATTN_MERGE, ATTN_ONE, ATTN_ROWS, gpu_backend
+from engine.models.layers import attention_ops
+from engine.tree import DraftTree
+from tests.kernels.emulate import emulate
+
+H, HKV, D = 4, 2, 64
+
+
+def reference(q: np.ndarray, keys: np.ndarray, values: np.ndarray, anc: np.ndarray) -> np.ndarray:
+    """q [1, H, N, D], keys / values [1, Hkv, L, D] -> [N, H, D], in float64."""
+    _, h_count, n_rows, d = q.shape
+    L = keys.shape[2]
+    P = L - n_rows
+    out = np.zeros((n_rows, h_count, d))
+    for n in range(n_rows):
+        seen = list(range(P)) + [P + i for i in range(n_rows) if anc[n, i]]
+        for h in range(h_count):
+            kv = h // (h_count // keys.shape[1])
+            scores = keys[0, kv, seen].astype(np.float64) @ q[0, h, n].astype(np.float64) / math.sqrt(d)
+            p = np.exp(scores - scores.max())
+            out[n, h] = (p / p.sum()) @ values[0, kv, seen].astype(np.float64)
+    return out
+
+
+def run(q: np.ndarray, buf_k: np.ndarray, buf_v: np.ndarray, L: int, anc: np.ndarray, chunk: int,
+        tmp_path, one: bool = False) -> np.ndarray:
+    """The kernels as engine/attention_rows.py launches them, emulated: K/V are views of the first
+    L rows of their buffers."""
+    n_rows = q.shape[2]
+    chunks = -(-L // chunk)
+    view = (1, buf_k.shape[1], L, D)
+    inputs = {"q": q, "keys": buf_k, "values": buf_v, "ancestors": anc}
+    template: dict[str, int | str] = {"D": D, "CH": chunk, "OutT": "float32"}
+    groups = -(-(n_rows * H * chunks) // ATTN_WPG)
+    if one:
+        assert chunks == 1
+        got = emulate(ATTN_ONE, inputs, {"o": ((n_rows, H, D), np.float32)}, template, groups, ATTN_WPG,
+                      tmp_path, views={"keys": view, "values": view})
+        return got["o"]
+    parts = emulate(ATTN_ROWS, inputs, {"part": ((n_rows, H, chunks, D), np.float32),
+                                        "stats": ((n_rows, H, chunks, 2), np.float32)},
+                    template, groups, ATTN_WPG, tmp_path, views={"keys": view, "values": view})
+    merged = emulate(ATTN_MERGE, parts, {"o": ((n_rows, H, D), np.float32)}, {"D": D, "OutT": "float32"},
+                     -(-(n_rows * H) // ATTN_WPG), ATTN_WPG, tmp_path)
+    return merged["o"]
+
+
+def random_case(rng: np.random.Generator, prefix: int, tree: DraftTree, capacity: int):
+    n_rows = tree.size
+    L = prefix + n_rows
+    q = rng.normal(size=(1, H, n_rows, D)).astype(np.float32)
+    buf_k = rng.normal(size=(1, HKV, capacity, D)).astype(np.float32)
+    buf_v = rng.normal(size=(1, HKV, capacity, D)).astype(np.float32)
+    anc = np.asarray(tree.ancestor_mask(), dtype=bool)
+    return q, buf_k, buf_v, L, anc
+
+
+def a_tree(rng: np.random.Generator, n: int) -> DraftTree:
+    parents = [-1] + [int(rng.integers(0, i)) for i in range(1, n)]
+    return DraftTree(tuple(range(n)), tuple(parents))
+
+
+@pytest.mark.parametrize(("prefix", "nodes", "chunk"), [(20, 1, 32), (70, 1, 8), (9, 7, 32), (40, 12, 8), (3, 17, 4)])
+def test_emulated_kernels_equal_twin(prefix, nodes, chunk, rng, tmp_path):
+    tree = a_tree(rng, nodes)
+    q, buf_k, buf_v, L, anc = random_case(rng, prefix, tree, capacity=prefix + nodes + 5)
+    got = run(q, buf_k, buf_v, L, anc, chunk, tmp_path)
+    want = reference(q, buf_k[:, :, :L], buf_v[:, :, :L], anc)
+    assert np.abs(got - want).max() < 2e-5
+
+
+def test_one_chunk_build_is_the_merged_result_bit_for_bit(rng, tmp_path):
+    """SPR_ATTN_ONE writes acc / s; the chunked build joined over one chunk computes the same."""
+    tree = a_tree(rng, 6)
+    q, buf_k, buf_v, L, anc = random_case(rng, 10, tree, capacity=40)
+    one = run(q, buf_k, buf_v, L, anc, 32, tmp_path, one=True)
+    merged = run(q, buf_k, buf_v, L, anc, 32, tmp_path)
+    np.testing.assert_array_equal(one, merged)
+    np.testing.assert_allclose(one, reference(q, buf_k[:, :, :L], buf_v[:, :, :L], anc), atol=2e-5)
+
+
+@pytest.mark.parametrize("chunk", [4, 32])
+def test_verify_row_equals_the_decode_step_of_its_token(chunk, rng, tmp_path):
+    """A tree row over the prefix and its ancestors-or-self, against one row whose cache holds the
+    prefix and then that path's rows, committed: the same bits (the chunks follow each row's own
+    keys, and empty chunks add exact zeros)."""
+    tree = a_tree(rng, 9)
+    prefix = 13
+    q, buf_k, buf_v, L, anc = random_case(rng, prefix, tree, capacity=prefix + 9 + 3)
+    verify = run(q, buf_k, buf_v, L, anc, chunk, tmp_path)
+    for n in (0, 4, 8):
+        path = [i for i in range(tree.size) if anc[n, i]]
+        rows = list(range(prefix)) + [prefix + i for i in path]
+        dec_k = np.ascontiguousarray(buf_k[:, :, rows])
+        dec_v = np.ascontiguousarray(buf_v[:, :, rows])
+        one = np.ones((1, 1), dtype=bool)
+        decode = run(np.ascontiguousarray(q[:, :, n : n + 1]), dec_k, dec_v, len(rows), one, chunk, tmp_path)
+        np.testing.assert_array_equal(decode[0], verify[n])
+
+
+def test_covers_only_what_the_kernel_computes():
+    q = mx.zeros((1, 8, 1, 256), dtype=mx.bfloat16)
+    kv = mx.zeros((1, 2, 30, 256), dtype=mx.bfloat16)
+    assert covers(q, kv, kv)
+    assert not covers(q.astype(mx.float32), kv, kv)  # dtypes differ
+    assert not covers(mx.zeros((1, 8, 1, 48)), mx.zeros((1, 2, 30, 48)), mx.zeros((1, 2, 30, 48)))  # 48 wide
+    assert not covers(mx.zeros((1, 6, 1, 64)), mx.zeros((1, 4, 30, 64)), mx.zeros((1, 4, 30, 64)))  # 6 / 4 heads
+    assert not covers(mx.zeros((1, 8, 1, 512)), mx.zeros((1, 2, 30, 512)), mx.zeros((1, 2, 30, 512)))  # > 256
+
+
+needs_gpu = pytest.mark.skipif(gpu_backend() is None, reason="the attention kernels run on a GPU backend")
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize(("prefix", "nodes", "d"), [(300, 1, 256), (300, 17, 256), (20, 5, 64), (4000, 1, 256)])
+def test_gpu_kernel_equals_attention_ops(dtype, prefix, nodes, d, rng):
+    """The MLX call against the engine's attention in ops, K/V as slices of a larger buffer."""
+    tree = a_tree(rng, nodes)
+    L = prefix + nodes
+    q = mx.array(rng.normal(size=(1, 16, nodes, d)).astype(np.float32)).astype(dtype)
+    buf = mx.array(rng.normal(size=(2, 1, 4, L + 64, d)).astype(np.float32)).astype(dtype)
+    keys, values = buf[0][:, :, :L], buf[1][:, :, :L]
+    anc = mx.array(np.asarray(tree.ancestor_mask(), dtype=bool)) if nodes > 1 else None
+    assert covers(q, keys, values)
+    got = attention_rows(q, keys, values, anc).astype(mx.float32)  # [N, H, D]
+    mask = None if anc is None else mx.concatenate([mx.ones((nodes, prefix), dtype=mx.bool_), anc], axis=1)
+    want = attention_ops(q, keys, values, d**-0.5, mask)[0].transpose(1, 0, 2).astype(mx.float32)
+    tol = 1e-4 if dtype == mx.float32 else 2e-2
+    assert float(mx.abs(got - want).max()) <= tol
