@@ -9,6 +9,7 @@ from typing import Literal
 import mlx.core as mx
 import mlx.nn as nn
 
+from engine import attention_rows as attention_kernel
 from engine import blas
 from engine.cache import KVCache
 from engine.cpu_exp import softmax_rows
@@ -223,6 +224,11 @@ class Attention(nn.Module):
         keys, values = cache.write(k, v)
         if not batch.deferred:
             cache.advance(T)
+        if (T == 1 or batch.tree_mask is not None) and attention_kernel.enabled() \
+                and attention_kernel.covers(q, keys, values) and self.scale == q.shape[-1] ** -0.5:
+            # one or two launches instead of four to seven (engine/attention_rows.py); opt-in
+            out = attention_kernel.attention_rows(q, keys, values, batch.tree_mask)
+            return out.reshape(1, T, -1)
         if batch.tree_mask is not None:
             # in ops, not mx.fast.scaled_dot_product_attention with an array mask: on CUDA that
             # routes bf16 to cuDNN, which plans a new graph for every prefix length, about 40 ms a

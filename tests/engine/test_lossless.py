@@ -178,3 +178,24 @@ def test_spec_grows_the_kv_cache_past_its_first_block(engine, sampling):
         out = generate(engine, prompt, long, spec, drafter)
         assert out.tokens == plain and out.stats.accepted > 0
     assert len(prompt) + len(plain) > KV_STEP + 32
+
+
+@pytest.mark.skipif(__import__("engine.kernels", fromlist=["gpu_backend"]).gpu_backend() is None,
+                    reason="the attention kernels run on a GPU backend")
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("kind", ["fan", "random"])
+def test_attention_kernels_change_no_token(engine, sampling, kind, monkeypatch):
+    """With the attention kernels on (SPRUCE_ATTN_KERNEL, engine/attention_rows.py) for decode
+    steps and tree verifies alike, speculation emits plain decoding's tokens, and the kernels ran."""
+    import engine.attention_rows as attention_kernel
+
+    calls = []
+    rows = attention_kernel.attention_rows
+    monkeypatch.setattr(attention_kernel, "enabled", lambda: True)
+    monkeypatch.setattr(attention_kernel, "attention_rows", lambda *a, **k: calls.append(1) or rows(*a, **k))
+    spec = SpecConfig(method="none", budget=12, max_depth=6, adaptive=False)
+    for i, prompt in enumerate(PROMPTS):
+        plain = generate(engine, prompt, sampling).tokens
+        drafter = OracleDrafter(plain, len(prompt), fan=4) if kind == "fan" else RandomTreeDrafter(i, 512, plain)
+        assert generate(engine, prompt, sampling, spec, drafter).tokens == plain
+    assert calls
