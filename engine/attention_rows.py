@@ -26,10 +26,22 @@ ATTN_WPG = 4  # SIMD groups a threadgroup
 DTYPES = (mx.float32, mx.bfloat16, mx.float16)
 
 
-@functools.cache
+# module switch over the environment's choice: True / False on / off on a GPU backend (benchmarks
+# compare the two within one engine: scripts/bench_gpu.py's variant suffixes "-at1", "-at0")
+SWITCH: bool | None = None
+
+
 def enabled() -> bool:
-    """SPRUCE_ATTN_KERNEL=1 turns the kernels on (a GPU backend only); off by default. Read once a
-    process (every attention layer asks at every step)."""
+    """Whether decode and tree rows attend through the kernels: SWITCH if set, else
+    SPRUCE_ATTN_KERNEL=1; off by default, and always off without a GPU backend."""
+    if SWITCH is not None:
+        return SWITCH and gpu_backend() is not None
+    return _from_environment()
+
+
+@functools.cache
+def _from_environment() -> bool:
+    """Read once a process: every attention layer asks at every step."""
     return gpu_backend() is not None and backend_default("SPRUCE_ATTN_KERNEL", on=())
 
 

@@ -78,17 +78,18 @@ def variant_setting(core: str) -> Iterator[None]:
     "-fold0" / "-fold1" runs each commit on its own / folds it into the next verify
     (GDNCache.fold_commits), "-sd0" / "-sd1" drafts with the MTP head depth by depth on a GPU or
     not (engine.drafters.mtp.SYNC_EACH_DEPTH_ON_GPU), "-cd0" / "-cd1" drafts chains of top-1s on the
-    device, the verify queued behind them, or not (engine.round.CHAIN_ON_DEVICE). Compiled layer
+    device, the verify queued behind them, or not (engine.round.CHAIN_ON_DEVICE), "-at1" / "-at0"
+    attends through the attention kernels or not (engine.attention_rows.SWITCH). Compiled layer
     graphs are per model instance and trace on first use, so each engine's graphs carry its own
     setting."""
-    from engine import forward, kernels
+    from engine import attention_rows, forward, kernels
     from engine import round as rounds
     from engine.cache import GDNCache
     from engine.drafters import mtp
 
     saved = (kernels.MMA_LONG_KW, kernels.MMA_PAIRED_DEQUANT, forward.VERIFY_EVAL_EVERY,
              forward.VERIFY_EVAL_MIN_LAYER_BYTES, GDNCache.fold_commits, mtp.SYNC_EACH_DEPTH_ON_GPU,
-             rounds.CHAIN_ON_DEVICE)
+             rounds.CHAIN_ON_DEVICE, attention_rows.SWITCH)
     for suffix in core.split("-")[1:]:
         if suffix.startswith("kw"):
             kernels.MMA_LONG_KW = int(suffix[2:])
@@ -102,12 +103,14 @@ def variant_setting(core: str) -> Iterator[None]:
             mtp.SYNC_EACH_DEPTH_ON_GPU = suffix[2:] == "1"
         elif suffix.startswith("cd"):
             rounds.CHAIN_ON_DEVICE = suffix[2:] == "1"
+        elif suffix.startswith("at"):
+            attention_rows.SWITCH = suffix[2:] == "1"
     try:
         yield
     finally:
         (kernels.MMA_LONG_KW, kernels.MMA_PAIRED_DEQUANT, forward.VERIFY_EVAL_EVERY,
          forward.VERIFY_EVAL_MIN_LAYER_BYTES, GDNCache.fold_commits, mtp.SYNC_EACH_DEPTH_ON_GPU,
-         rounds.CHAIN_ON_DEVICE) = saved
+         rounds.CHAIN_ON_DEVICE, attention_rows.SWITCH) = saved
 
 
 def spruce_engine(path: Path, dtype: str, core: str) -> Any:

@@ -191,7 +191,7 @@ def test_attention_kernels_change_no_token(engine, sampling, kind, monkeypatch):
 
     calls = []
     rows = attention_kernel.attention_rows
-    monkeypatch.setattr(attention_kernel, "enabled", lambda: True)
+    monkeypatch.setattr(attention_kernel, "SWITCH", True)
     monkeypatch.setattr(attention_kernel, "attention_rows", lambda *a, **k: calls.append(1) or rows(*a, **k))
     spec = SpecConfig(method="none", budget=12, max_depth=6, adaptive=False)
     for i, prompt in enumerate(PROMPTS):

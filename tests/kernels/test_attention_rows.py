@@ -125,6 +125,16 @@ def test_covers_only_what_the_kernel_computes():
     assert not covers(mx.zeros((1, 8, 1, 512)), mx.zeros((1, 2, 30, 512)), mx.zeros((1, 2, 30, 512)))  # > 256
 
 
+def test_off_by_default_and_without_a_gpu(monkeypatch):
+    """Opt-in: the switch or SPRUCE_ATTN_KERNEL turns the kernels on, and only on a GPU backend."""
+    import engine.attention_rows as attention_kernel
+
+    monkeypatch.setattr(attention_kernel, "SWITCH", True)
+    assert attention_kernel.enabled() == (gpu_backend() is not None)
+    monkeypatch.setattr(attention_kernel, "SWITCH", False)
+    assert not attention_kernel.enabled()
+
+
 needs_gpu = pytest.mark.skipif(gpu_backend() is None, reason="the attention kernels run on a GPU backend")
 
 
