@@ -79,17 +79,18 @@ def variant_setting(core: str) -> Iterator[None]:
     (GDNCache.fold_commits), "-sd0" / "-sd1" drafts with the MTP head depth by depth on a GPU or
     not (engine.drafters.mtp.SYNC_EACH_DEPTH_ON_GPU), "-cd0" / "-cd1" drafts chains of top-1s on the
     device, the verify queued behind them, or not (engine.round.CHAIN_ON_DEVICE), "-at1" / "-at0"
-    attends through the attention kernels or not (engine.attention_rows.SWITCH). Compiled layer
+    attends through the attention kernels or not (engine.attention_rows.SWITCH), "-an1" / "-an0"
+    fuses each layer's residual add with its norm or not (engine.add_norm.SWITCH). Compiled layer
     graphs are per model instance and trace on first use, so each engine's graphs carry its own
     setting."""
-    from engine import attention_rows, forward, kernels
+    from engine import add_norm, attention_rows, forward, kernels
     from engine import round as rounds
     from engine.cache import GDNCache
     from engine.drafters import mtp
 
     saved = (kernels.MMA_LONG_KW, kernels.MMA_PAIRED_DEQUANT, forward.VERIFY_EVAL_EVERY,
              forward.VERIFY_EVAL_MIN_LAYER_BYTES, GDNCache.fold_commits, mtp.SYNC_EACH_DEPTH_ON_GPU,
-             rounds.CHAIN_ON_DEVICE, attention_rows.SWITCH)
+             rounds.CHAIN_ON_DEVICE, attention_rows.SWITCH, add_norm.SWITCH)
     for suffix in core.split("-")[1:]:
         if suffix.startswith("kw"):
             kernels.MMA_LONG_KW = int(suffix[2:])
@@ -105,12 +106,14 @@ def variant_setting(core: str) -> Iterator[None]:
             rounds.CHAIN_ON_DEVICE = suffix[2:] == "1"
         elif suffix.startswith("at"):
             attention_rows.SWITCH = suffix[2:] == "1"
+        elif suffix.startswith("an"):
+            add_norm.SWITCH = suffix[2:] == "1"
     try:
         yield
     finally:
         (kernels.MMA_LONG_KW, kernels.MMA_PAIRED_DEQUANT, forward.VERIFY_EVAL_EVERY,
          forward.VERIFY_EVAL_MIN_LAYER_BYTES, GDNCache.fold_commits, mtp.SYNC_EACH_DEPTH_ON_GPU,
-         rounds.CHAIN_ON_DEVICE, attention_rows.SWITCH) = saved
+         rounds.CHAIN_ON_DEVICE, attention_rows.SWITCH, add_norm.SWITCH) = saved
 
 
 def spruce_engine(path: Path, dtype: str, core: str) -> Any:

@@ -13,6 +13,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from engine import add_norm as fused_add_norm
 from engine.cache import GDNCache, KVCache, LayerCache
 from engine.feature_cache import FeatureCache
 from engine.gdn.core import Fold, GDNCore, GDNShape, GDNWeights, TreeInputs, TreeRows
@@ -141,7 +142,7 @@ class _Phases:
     """A layer's functions per mode, built once (compiled for decoding)."""
 
     def __init__(self) -> None:
-        self.by_mode: dict[tuple[Mode, bool, bool], tuple[Callable[..., Any], Callable[..., Any]]] = {}
+        self.by_mode: dict[tuple[Mode, bool, bool, bool], tuple[Callable[..., Any], Callable[..., Any]]] = {}
 
 
 class DecoderLayer(nn.Module):
@@ -191,7 +192,7 @@ class DecoderLayer(nn.Module):
 
     def _functions(self, mode: Mode, folding: bool = False) -> tuple[Callable[..., Any], Callable[..., Any]]:
         compiled = self.compile_decode and mode != "chain"
-        key = (mode, compiled, folding)
+        key = (mode, compiled, folding, fused_add_norm.enabled())  # a trace per setting of the switch
         if key not in self._phases.by_mode:
             before, after = self._pure_functions(mode)
             if compiled:
@@ -200,8 +201,18 @@ class DecoderLayer(nn.Module):
         return self._phases.by_mode[key]
 
     def _pure_functions(self, mode: Mode) -> tuple[Callable[..., Any], Callable[..., Any]]:
-        def finish(h: mx.array) -> mx.array:
-            return h + self.mlp(self.post_attention_layernorm(h))
+        fused = fused_add_norm.enabled()
+
+        def finish(x: mx.array, out: mx.array) -> mx.array:
+            """The residual add of the mixer's output, then the MLP on its norm (the add and the
+            norm one launch with engine/add_norm.py, opt-in)."""
+            norm = self.post_attention_layernorm
+            if fused and fused_add_norm.covers(x, out, norm.weight):
+                h, normed = fused_add_norm.add_norm(x, out, norm.weight, norm.eps)
+            else:
+                h = x + out
+                normed = norm(h)
+            return h + self.mlp(normed)
 
         if self.is_attention:
             attn = self.self_attn
@@ -210,7 +221,7 @@ class DecoderLayer(nn.Module):
                 return attn.project(self.input_layernorm(x))
 
             def output(x: mx.array, out: mx.array, gate: mx.array | None = None) -> mx.array:
-                return finish(x + attn.output(out, gate))
+                return finish(x, attn.output(out, gate))
 
             return project, output
         gdn = self.linear_attn
@@ -218,7 +229,7 @@ class DecoderLayer(nn.Module):
         def layer(x: mx.array, conv_state: mx.array, S: mx.array, tree: tuple[mx.array, ...], levels: int,
                   fold: tuple[mx.array, ...] = ()):
             out, result = gdn.forward(mode, self.input_layernorm(x), conv_state, S, tree, levels, fold)
-            return finish(x + out), result
+            return finish(x, out), result
 
         return layer, _identity
 

@@ -181,18 +181,22 @@ def test_spec_grows_the_kv_cache_past_its_first_block(engine, sampling):
 
 
 @pytest.mark.skipif(__import__("engine.kernels", fromlist=["gpu_backend"]).gpu_backend() is None,
-                    reason="the attention kernels run on a GPU backend")
+                    reason="the fused kernels run on a GPU backend")
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("kind", ["fan", "random"])
-def test_attention_kernels_change_no_token(engine, sampling, kind, monkeypatch):
-    """With the attention kernels on (SPRUCE_ATTN_KERNEL, engine/attention_rows.py) for decode
-    steps and tree verifies alike, speculation emits plain decoding's tokens, and the kernels ran."""
+@pytest.mark.parametrize("kernel", ["attention", "add_norm"])
+def test_opt_in_kernels_change_no_token(engine, sampling, kind, kernel, monkeypatch):
+    """With the attention kernels (engine/attention_rows.py) or the fused add and norm
+    (engine/add_norm.py) on, for decode steps and tree verifies alike, speculation emits plain
+    decoding's tokens, and the kernel ran."""
+    import engine.add_norm as add_norm
     import engine.attention_rows as attention_kernel
 
+    module, name = (attention_kernel, "attention_rows") if kernel == "attention" else (add_norm, "add_norm")
     calls = []
-    rows = attention_kernel.attention_rows
-    monkeypatch.setattr(attention_kernel, "SWITCH", True)
-    monkeypatch.setattr(attention_kernel, "attention_rows", lambda *a, **k: calls.append(1) or rows(*a, **k))
+    real = getattr(module, name)
+    monkeypatch.setattr(module, "SWITCH", True)
+    monkeypatch.setattr(module, name, lambda *a, **k: calls.append(1) or real(*a, **k))
     spec = SpecConfig(method="none", budget=12, max_depth=6, adaptive=False)
     for i, prompt in enumerate(PROMPTS):
         plain = generate(engine, prompt, sampling).tokens

@@ -26,7 +26,9 @@ SHAPES = {"bundled": dict(Hk=6, Hv=12, Dk=32, Dv=32, K=4), "9b": dict(Hk=16, Hv=
 def dtypes_for(spec: KernelSpec, activations: str) -> dict[str, str]:
     out = {}
     for n in (*spec.inputs, *spec.outputs):
-        if spec.name.startswith("spruce_attn"):  # rows and cache in the activations' dtype, the mask bool
+        if spec.name.endswith("add_norm"):  # rows in the activations' dtype, the weight and eps float32
+            out[n] = activations if n in ("x", "y", "h", "out") else "float32"
+        elif spec.name.startswith("spruce_attn"):  # rows and cache in the activations' dtype, the mask bool
             out[n] = "bool" if n == "ancestors" else activations if n in ("q", "keys", "values", "o") else "float32"
         elif spec.name.endswith(("qmm_rows", "read_floor", "read_stream", "qmm_mma")):
             out[n] = ("uint32" if n == "w" or (n == "y" and spec.name.endswith("stream"))
@@ -43,6 +45,8 @@ def template_for(spec: KernelSpec, shape: str, activations: str = "float32") -> 
         return dict(OutT=activations, GS=64, BITS=4, NT=3 if shape == "9b" else 1, RT=2, KW=8,
                     DQ=1 if shape == "9b" else 0)
     if spec.name.endswith("read_stream"):
+        return dict(OutT=activations)
+    if spec.name.endswith("add_norm"):
         return dict(OutT=activations)
     if spec.name.startswith("spruce_attn"):  # the bundled model's heads are 64 wide, the 9B's 256
         return dict(D=256 if shape == "9b" else 64, CH=32, OutT=activations)
