@@ -45,10 +45,10 @@ _EPS: dict[float, mx.array] = {}
 
 
 def eps_array(eps: float) -> mx.array:
-    """The norm's epsilon as a device array, made once (a kernel takes no float arguments)."""
+    """The norm's epsilon as an array, made once (a kernel takes no float arguments); built from
+    host data, it holds its value already, so a compiled layer's trace can capture it."""
     if eps not in _EPS:
         _EPS[eps] = mx.array([eps], dtype=mx.float32)
-        mx.eval(_EPS[eps])
     return _EPS[eps]
 
 
