@@ -9,30 +9,20 @@ on the CPU (tests/kernels/test_add_norm.py); the CUDA build has not run yet.
 
 from __future__ import annotations
 
-import functools
-
 import mlx.core as mx
 
-from engine.kernels import ADD_NORM, backend_default, compiled_kernel, gpu_backend
+from engine.kernels import ADD_NORM, OptIn, compiled_kernel, gpu_backend
 
 WPG = 4  # rows (SIMD groups) a threadgroup
 DTYPES = (mx.float32, mx.bfloat16, mx.float16)
 
-# module switch over the environment's choice: True / False on / off on a GPU backend. Read when a
-# layer's compiled functions are traced (the layer keeps one trace per setting).
-SWITCH: bool | None = None
+# on with SPRUCE_ADD_NORM=1 on a GPU backend; benchmarks set SWITCH.value ("-an1", "-an0"). Read
+# when a layer's compiled functions are traced: the layer keeps one trace per setting.
+SWITCH = OptIn("SPRUCE_ADD_NORM")
 
 
 def enabled() -> bool:
-    """SWITCH if set, else SPRUCE_ADD_NORM=1; off by default, and always off without a GPU backend."""
-    if SWITCH is not None:
-        return SWITCH and gpu_backend() is not None
-    return _from_environment()
-
-
-@functools.cache
-def _from_environment() -> bool:
-    return gpu_backend() is not None and backend_default("SPRUCE_ADD_NORM", on=())
+    return SWITCH.enabled()
 
 
 def covers(x: mx.array, y: mx.array, w: mx.array) -> bool:

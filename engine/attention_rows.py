@@ -15,34 +15,24 @@ their twin on the CPU (tests/kernels/test_attention_rows.py), the CUDA build has
 
 from __future__ import annotations
 
-import functools
-
 import mlx.core as mx
 
-from engine.kernels import ATTN_MERGE, ATTN_ONE, ATTN_ROWS, backend_default, compiled_kernel, gpu_backend
+from engine.kernels import ATTN_MERGE, ATTN_ONE, ATTN_ROWS, OptIn, compiled_kernel, gpu_backend
 
 ATTN_CHUNK = 32  # visible keys a SIMD group runs its online softmax over
 ATTN_WPG = 4  # SIMD groups a threadgroup
 DTYPES = (mx.float32, mx.bfloat16, mx.float16)
 
 
-# module switch over the environment's choice: True / False on / off on a GPU backend (benchmarks
-# compare the two within one engine: scripts/bench_gpu.py's variant suffixes "-at1", "-at0")
-SWITCH: bool | None = None
+# on with SPRUCE_ATTN_KERNEL=1 on a GPU backend; benchmarks compare the two within one engine by
+# setting SWITCH.value (scripts/bench_gpu.py's variant suffixes "-at1", "-at0")
+SWITCH = OptIn("SPRUCE_ATTN_KERNEL")
 
 
 def enabled() -> bool:
-    """Whether decode and tree rows attend through the kernels: SWITCH if set, else
-    SPRUCE_ATTN_KERNEL=1; off by default, and always off without a GPU backend."""
-    if SWITCH is not None:
-        return SWITCH and gpu_backend() is not None
-    return _from_environment()
-
-
-@functools.cache
-def _from_environment() -> bool:
-    """Read once a process: every attention layer asks at every step."""
-    return gpu_backend() is not None and backend_default("SPRUCE_ATTN_KERNEL", on=())
+    """Whether decode and tree rows attend through the kernels (every attention layer asks at
+    every step)."""
+    return SWITCH.enabled()
 
 
 def covers(q: mx.array, keys: mx.array, values: mx.array) -> bool:

@@ -130,6 +130,26 @@ def backend_default(switch: str, on: tuple[str, ...] = ("cuda",)) -> bool:
     return (gpu_backend() or "cpu") in on
 
 
+@dataclass
+class OptIn:
+    """A GPU fast path that stays off until it is measured on hardware: `value` (True / False, set by
+    benchmarks and tests) overrides the environment variable `env` (0 | 1, read once a process);
+    always off without a GPU backend."""
+
+    env: str
+    value: bool | None = None
+
+    def enabled(self) -> bool:
+        if gpu_backend() is None:
+            return False
+        return self.value if self.value is not None else _env_choice(self.env)
+
+
+@functools.cache
+def _env_choice(env: str) -> bool:
+    return backend_default(env, on=())
+
+
 def gpu_backend() -> str | None:
     if mx.default_device() == mx.cpu:
         return None

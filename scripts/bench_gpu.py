@@ -79,8 +79,8 @@ def variant_setting(core: str) -> Iterator[None]:
     (GDNCache.fold_commits), "-sd0" / "-sd1" drafts with the MTP head depth by depth on a GPU or
     not (engine.drafters.mtp.SYNC_EACH_DEPTH_ON_GPU), "-cd0" / "-cd1" drafts chains of top-1s on the
     device, the verify queued behind them, or not (engine.round.CHAIN_ON_DEVICE), "-at1" / "-at0"
-    attends through the attention kernels or not (engine.attention_rows.SWITCH), "-an1" / "-an0"
-    fuses each layer's residual add with its norm or not (engine.add_norm.SWITCH). Compiled layer
+    attends through the attention kernels or not (engine.attention_rows.SWITCH.value), "-an1" / "-an0"
+    fuses each layer's residual add with its norm or not (engine.add_norm.SWITCH.value). Compiled layer
     graphs are per model instance and trace on first use, so each engine's graphs carry its own
     setting."""
     from engine import add_norm, attention_rows, forward, kernels
@@ -90,7 +90,7 @@ def variant_setting(core: str) -> Iterator[None]:
 
     saved = (kernels.MMA_LONG_KW, kernels.MMA_PAIRED_DEQUANT, forward.VERIFY_EVAL_EVERY,
              forward.VERIFY_EVAL_MIN_LAYER_BYTES, GDNCache.fold_commits, mtp.SYNC_EACH_DEPTH_ON_GPU,
-             rounds.CHAIN_ON_DEVICE, attention_rows.SWITCH, add_norm.SWITCH)
+             rounds.CHAIN_ON_DEVICE, attention_rows.SWITCH.value, add_norm.SWITCH.value)
     for suffix in core.split("-")[1:]:
         if suffix.startswith("kw"):
             kernels.MMA_LONG_KW = int(suffix[2:])
@@ -105,15 +105,15 @@ def variant_setting(core: str) -> Iterator[None]:
         elif suffix.startswith("cd"):
             rounds.CHAIN_ON_DEVICE = suffix[2:] == "1"
         elif suffix.startswith("at"):
-            attention_rows.SWITCH = suffix[2:] == "1"
+            attention_rows.SWITCH.value = suffix[2:] == "1"
         elif suffix.startswith("an"):
-            add_norm.SWITCH = suffix[2:] == "1"
+            add_norm.SWITCH.value = suffix[2:] == "1"
     try:
         yield
     finally:
         (kernels.MMA_LONG_KW, kernels.MMA_PAIRED_DEQUANT, forward.VERIFY_EVAL_EVERY,
          forward.VERIFY_EVAL_MIN_LAYER_BYTES, GDNCache.fold_commits, mtp.SYNC_EACH_DEPTH_ON_GPU,
-         rounds.CHAIN_ON_DEVICE, attention_rows.SWITCH, add_norm.SWITCH) = saved
+         rounds.CHAIN_ON_DEVICE, attention_rows.SWITCH.value, add_norm.SWITCH.value) = saved
 
 
 def spruce_engine(path: Path, dtype: str, core: str) -> Any:

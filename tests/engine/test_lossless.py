@@ -101,6 +101,16 @@ def test_spec_equals_plain(engine, sampling, kind):
         assert generate(engine, prompt, sampling, spec, drafter).tokens == plain
 
 
+def assert_fan_and_random_trees_lossless(engine, sampling, kind):
+    """Wide fans (`fan`) or random trees (`random`) around plain decoding's tokens, every prompt:
+    speculation emits exactly plain decoding's tokens."""
+    spec = SpecConfig(method="none", budget=12, max_depth=6, adaptive=False)
+    for i, prompt in enumerate(PROMPTS):
+        plain = generate(engine, prompt, sampling).tokens
+        drafter = OracleDrafter(plain, len(prompt), fan=4) if kind == "fan" else RandomTreeDrafter(i, 512, plain)
+        assert generate(engine, prompt, sampling, spec, drafter).tokens == plain
+
+
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("kind", ["fan", "random"])
 def test_commits_folded_into_the_next_verify_change_no_token(engine, sampling, kind, monkeypatch):
@@ -112,11 +122,7 @@ def test_commits_folded_into_the_next_verify_change_no_token(engine, sampling, k
     settle_with = GDNCache.settle_with  # called when a verify hands back the states after its fold
     monkeypatch.setattr(GDNCache, "fold_commits", True)
     monkeypatch.setattr(GDNCache, "settle_with", lambda self, *a: folds.append(1) or settle_with(self, *a))
-    spec = SpecConfig(method="none", budget=12, max_depth=6, adaptive=False)
-    for i, prompt in enumerate(PROMPTS):
-        plain = generate(engine, prompt, sampling).tokens
-        drafter = OracleDrafter(plain, len(prompt), fan=4) if kind == "fan" else RandomTreeDrafter(i, 512, plain)
-        assert generate(engine, prompt, sampling, spec, drafter).tokens == plain
+    assert_fan_and_random_trees_lossless(engine, sampling, kind)
     assert folds
 
 
@@ -195,11 +201,7 @@ def test_opt_in_kernels_change_no_token(engine, sampling, kind, kernel, monkeypa
     module, name = (attention_kernel, "attention_rows") if kernel == "attention" else (add_norm, "add_norm")
     calls = []
     real = getattr(module, name)
-    monkeypatch.setattr(module, "SWITCH", True)
+    monkeypatch.setattr(module.SWITCH, "value", True)
     monkeypatch.setattr(module, name, lambda *a, **k: calls.append(1) or real(*a, **k))
-    spec = SpecConfig(method="none", budget=12, max_depth=6, adaptive=False)
-    for i, prompt in enumerate(PROMPTS):
-        plain = generate(engine, prompt, sampling).tokens
-        drafter = OracleDrafter(plain, len(prompt), fan=4) if kind == "fan" else RandomTreeDrafter(i, 512, plain)
-        assert generate(engine, prompt, sampling, spec, drafter).tokens == plain
+    assert_fan_and_random_trees_lossless(engine, sampling, kind)
     assert calls

@@ -62,7 +62,7 @@ def test_gpu_kernel_equals_add_and_rms_norm(dtype, rows, dims, rng):
 def test_off_by_default_and_without_a_gpu(monkeypatch):
     import engine.add_norm as fused
 
-    monkeypatch.setattr(fused, "SWITCH", True)
+    monkeypatch.setattr(fused.SWITCH, "value", True)
     assert fused.enabled() == (gpu_backend() is not None)
-    monkeypatch.setattr(fused, "SWITCH", False)
+    monkeypatch.setattr(fused.SWITCH, "value", False)
     assert not fused.enabled()

@@ -129,9 +129,9 @@ def test_off_by_default_and_without_a_gpu(monkeypatch):
     """Opt-in: the switch or SPRUCE_ATTN_KERNEL turns the kernels on, and only on a GPU backend."""
     import engine.attention_rows as attention_kernel
 
-    monkeypatch.setattr(attention_kernel, "SWITCH", True)
+    monkeypatch.setattr(attention_kernel.SWITCH, "value", True)
     assert attention_kernel.enabled() == (gpu_backend() is not None)
-    monkeypatch.setattr(attention_kernel, "SWITCH", False)
+    monkeypatch.setattr(attention_kernel.SWITCH, "value", False)
     assert not attention_kernel.enabled()
 
 
