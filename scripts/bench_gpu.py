@@ -80,17 +80,19 @@ def variant_setting(core: str) -> Iterator[None]:
     not (engine.drafters.mtp.SYNC_EACH_DEPTH_ON_GPU), "-cd0" / "-cd1" drafts chains of top-1s on the
     device, the verify queued behind them, or not (engine.round.CHAIN_ON_DEVICE), "-at1" / "-at0"
     attends through the attention kernels or not (engine.attention_rows.SWITCH.value), "-an1" / "-an0"
-    fuses each layer's residual add with its norm or not (engine.add_norm.SWITCH.value). Compiled layer
+    fuses each layer's residual add with its norm or not (engine.fused_norms.ADD.value), "-gn1" /
+    "-gn0" the GDN output's norm with its gate (engine.fused_norms.GATED.value). Compiled layer
     graphs are per model instance and trace on first use, so each engine's graphs carry its own
     setting."""
-    from engine import add_norm, attention_rows, forward, kernels
+    from engine import attention_rows, forward, fused_norms, kernels
     from engine import round as rounds
     from engine.cache import GDNCache
     from engine.drafters import mtp
 
     saved = (kernels.MMA_LONG_KW, kernels.MMA_PAIRED_DEQUANT, forward.VERIFY_EVAL_EVERY,
              forward.VERIFY_EVAL_MIN_LAYER_BYTES, GDNCache.fold_commits, mtp.SYNC_EACH_DEPTH_ON_GPU,
-             rounds.CHAIN_ON_DEVICE, attention_rows.SWITCH.value, add_norm.SWITCH.value)
+             rounds.CHAIN_ON_DEVICE, attention_rows.SWITCH.value, fused_norms.ADD.value,
+             fused_norms.GATED.value)
     for suffix in core.split("-")[1:]:
         if suffix.startswith("kw"):
             kernels.MMA_LONG_KW = int(suffix[2:])
@@ -107,13 +109,16 @@ def variant_setting(core: str) -> Iterator[None]:
         elif suffix.startswith("at"):
             attention_rows.SWITCH.value = suffix[2:] == "1"
         elif suffix.startswith("an"):
-            add_norm.SWITCH.value = suffix[2:] == "1"
+            fused_norms.ADD.value = suffix[2:] == "1"
+        elif suffix.startswith("gn"):
+            fused_norms.GATED.value = suffix[2:] == "1"
     try:
         yield
     finally:
         (kernels.MMA_LONG_KW, kernels.MMA_PAIRED_DEQUANT, forward.VERIFY_EVAL_EVERY,
          forward.VERIFY_EVAL_MIN_LAYER_BYTES, GDNCache.fold_commits, mtp.SYNC_EACH_DEPTH_ON_GPU,
-         rounds.CHAIN_ON_DEVICE, attention_rows.SWITCH.value, add_norm.SWITCH.value) = saved
+         rounds.CHAIN_ON_DEVICE, attention_rows.SWITCH.value, fused_norms.ADD.value,
+         fused_norms.GATED.value) = saved
 
 
 def spruce_engine(path: Path, dtype: str, core: str) -> Any:

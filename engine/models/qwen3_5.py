@@ -13,7 +13,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine import add_norm as fused_add_norm
+from engine import fused_norms
 from engine.cache import GDNCache, KVCache, LayerCache
 from engine.feature_cache import FeatureCache
 from engine.gdn.core import Fold, GDNCore, GDNShape, GDNWeights, TreeInputs, TreeRows
@@ -88,10 +88,12 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(s.value_dim, H, bias=False)
 
     def forward(self, mode: Mode, x: mx.array, conv_state: mx.array, S: mx.array, tree: tuple[mx.array, ...],
-                levels: int, fold: tuple[mx.array, ...] = ()) -> tuple[mx.array, tuple[mx.array, ...]]:
+                levels: int, fold: tuple[mx.array, ...] = (),
+                gated_kernel: bool = False) -> tuple[mx.array, tuple[mx.array, ...]]:
         """Pure (compilable): x [1, T, H] -> (out [1, T, H], what the cache keeps: the new
         (conv state, state) for a token or a chain, the TreeRows fields for a tree, followed by
-        the states after `fold` (Fold's arrays: the last commit, run inside this verify) if given)."""
+        the states after `fold` (Fold's arrays: the last commit, run inside this verify) if given).
+        gated_kernel: the output norm and gate in one launch (engine/fused_norms.py, opt-in)."""
         s, T = self.shape, x.shape[1]
         if "fused" in self:
             qkv, z, b, a = (y.squeeze(0) for y in self.fused(x))
@@ -111,7 +113,10 @@ class GatedDeltaNet(nn.Module):
             run = self.core.step if mode == "token" else self.core.chain
             o, conv_state, S = run(s, w, qkv, a, b, conv_state, S)
             result = (conv_state, S)
-        out = self.norm(o, z.reshape(T, s.Hv, s.Dv)).astype(x.dtype).reshape(1, T, -1)
+        if gated_kernel and fused_norms.gated_covers(o, z, self.norm.weight):
+            out = fused_norms.gated_norm(o, z, self.norm.weight, self.norm.eps)
+        else:
+            out = self.norm(o, z.reshape(T, s.Hv, s.Dv)).astype(x.dtype).reshape(1, T, -1)
         return self.out_proj(out), result
 
     def fuse_projections(self) -> bool:
@@ -142,7 +147,7 @@ class _Phases:
     """A layer's functions per mode, built once (compiled for decoding)."""
 
     def __init__(self) -> None:
-        self.by_mode: dict[tuple[Mode, bool, bool, bool], tuple[Callable[..., Any], Callable[..., Any]]] = {}
+        self.by_mode: dict[tuple[Mode, bool, bool, bool, bool], tuple[Callable[..., Any], Callable[..., Any]]] = {}
 
 
 class DecoderLayer(nn.Module):
@@ -192,7 +197,7 @@ class DecoderLayer(nn.Module):
 
     def _functions(self, mode: Mode, folding: bool = False) -> tuple[Callable[..., Any], Callable[..., Any]]:
         compiled = self.compile_decode and mode != "chain"
-        key = (mode, compiled, folding, fused_add_norm.enabled())  # a trace per setting of the switch
+        key = (mode, compiled, folding, *fused_norms.traces())  # a trace per setting of the fused norms
         if key not in self._phases.by_mode:
             before, after = self._pure_functions(mode)
             if compiled:
@@ -201,14 +206,14 @@ class DecoderLayer(nn.Module):
         return self._phases.by_mode[key]
 
     def _pure_functions(self, mode: Mode) -> tuple[Callable[..., Any], Callable[..., Any]]:
-        fused = fused_add_norm.enabled()
+        fused, gated = fused_norms.traces()
 
         def finish(x: mx.array, out: mx.array) -> mx.array:
             """The residual add of the mixer's output, then the MLP on its norm (the add and the
-            norm one launch with engine/add_norm.py, opt-in)."""
+            norm one launch with engine/fused_norms.py, opt-in)."""
             norm = self.post_attention_layernorm
-            if fused and fused_add_norm.covers(x, out, norm.weight):
-                h, normed = fused_add_norm.add_norm(x, out, norm.weight, norm.eps)
+            if fused and fused_norms.add_covers(x, out, norm.weight):
+                h, normed = fused_norms.add_norm(x, out, norm.weight, norm.eps)
             else:
                 h = x + out
                 normed = norm(h)
@@ -228,7 +233,7 @@ class DecoderLayer(nn.Module):
 
         def layer(x: mx.array, conv_state: mx.array, S: mx.array, tree: tuple[mx.array, ...], levels: int,
                   fold: tuple[mx.array, ...] = ()):
-            out, result = gdn.forward(mode, self.input_layernorm(x), conv_state, S, tree, levels, fold)
+            out, result = gdn.forward(mode, self.input_layernorm(x), conv_state, S, tree, levels, fold, gated)
             return finish(x, out), result
 
         return layer, _identity

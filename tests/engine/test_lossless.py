@@ -190,18 +190,21 @@ def test_spec_grows_the_kv_cache_past_its_first_block(engine, sampling):
                     reason="the fused kernels run on a GPU backend")
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("kind", ["fan", "random"])
-@pytest.mark.parametrize("kernel", ["attention", "add_norm"])
+@pytest.mark.parametrize("kernel", ["attention", "add_norm", "gated_norm"])
 def test_opt_in_kernels_change_no_token(engine, sampling, kind, kernel, monkeypatch):
-    """With the attention kernels (engine/attention_rows.py) or the fused add and norm
-    (engine/add_norm.py) on, for decode steps and tree verifies alike, speculation emits plain
-    decoding's tokens, and the kernel ran."""
-    import engine.add_norm as add_norm
+    """With the attention kernels (engine/attention_rows.py) or a fused norm (engine/fused_norms.py)
+    on, for decode steps and tree verifies alike, speculation emits plain decoding's tokens, and
+    the kernel ran."""
     import engine.attention_rows as attention_kernel
+    import engine.fused_norms as fused_norms
 
-    module, name = (attention_kernel, "attention_rows") if kernel == "attention" else (add_norm, "add_norm")
+    module, switch = {"attention": (attention_kernel, attention_kernel.SWITCH),
+                      "add_norm": (fused_norms, fused_norms.ADD),
+                      "gated_norm": (fused_norms, fused_norms.GATED)}[kernel]
+    name = "attention_rows" if kernel == "attention" else kernel
     calls = []
     real = getattr(module, name)
-    monkeypatch.setattr(module.SWITCH, "value", True)
+    monkeypatch.setattr(switch, "value", True)
     monkeypatch.setattr(module, name, lambda *a, **k: calls.append(1) or real(*a, **k))
     assert_fan_and_random_trees_lossless(engine, sampling, kind)
     assert calls

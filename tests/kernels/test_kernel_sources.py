@@ -26,8 +26,8 @@ SHAPES = {"bundled": dict(Hk=6, Hv=12, Dk=32, Dv=32, K=4), "9b": dict(Hk=16, Hv=
 def dtypes_for(spec: KernelSpec, activations: str) -> dict[str, str]:
     out = {}
     for n in (*spec.inputs, *spec.outputs):
-        if spec.name.endswith("add_norm"):  # rows in the activations' dtype, the weight and eps float32
-            out[n] = activations if n in ("x", "y", "h", "out") else "float32"
+        if spec.name.endswith(("add_norm", "gated_norm")):  # rows in the activations' dtype, o, w, eps fp32
+            out[n] = activations if n in ("x", "y", "h", "out", "z") else "float32"
         elif spec.name.startswith("spruce_attn"):  # rows and cache in the activations' dtype, the mask bool
             out[n] = "bool" if n == "ancestors" else activations if n in ("q", "keys", "values", "o") else "float32"
         elif spec.name.endswith(("qmm_rows", "read_floor", "read_stream", "qmm_mma")):
@@ -46,7 +46,7 @@ def template_for(spec: KernelSpec, shape: str, activations: str = "float32") -> 
                     DQ=1 if shape == "9b" else 0)
     if spec.name.endswith("read_stream"):
         return dict(OutT=activations)
-    if spec.name.endswith("add_norm"):
+    if spec.name.endswith(("add_norm", "gated_norm")):
         return dict(OutT=activations)
     if spec.name.startswith("spruce_attn"):  # the bundled model's heads are 64 wide, the 9B's 256
         return dict(D=256 if shape == "9b" else 64, CH=32, OutT=activations)

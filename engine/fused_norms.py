@@ -1,0 +1,79 @@
+"""Norms fused with what surrounds them, one GPU launch each instead of two:
+
+- `add_norm` (metal/add_norm.kernel): a decoder layer's residual add and the RMS norm after it;
+- `gated_norm` (metal/gated_norm.kernel): the Gated DeltaNet layer's output norm and its gate.
+
+Why: on a GPU a step is bound by the host encoding its launches (BENCHMARKS.md, issue 12,
+twenty-fourth session: ~10 µs of host time a launching operation on the H200); at the 9B shape
+these save 32 and 24 launches a step. Opt-in (SPRUCE_ADD_NORM=1, SPRUCE_GATED_NORM=1) until
+measured: the emulated bodies match their twins on the CPU (tests/kernels/test_fused_norms.py);
+the CUDA builds have not run yet.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from engine.kernels import ADD_NORM, GATED_NORM, OptIn, compiled_kernel, gpu_backend
+
+WPG = 4  # rows (SIMD groups) a threadgroup
+DTYPES = (mx.float32, mx.bfloat16, mx.float16)
+
+# on with SPRUCE_ADD_NORM=1 / SPRUCE_GATED_NORM=1 on a GPU backend; benchmarks set the values
+# (scripts/bench_gpu.py's "-an1", "-gn1"). Read when a layer's compiled functions are traced: the
+# layer keeps one trace per setting (traces()).
+ADD = OptIn("SPRUCE_ADD_NORM")
+GATED = OptIn("SPRUCE_GATED_NORM")
+
+
+def traces() -> tuple[bool, bool]:
+    """The settings a layer's compiled functions depend on."""
+    return ADD.enabled(), GATED.enabled()
+
+
+def add_covers(x: mx.array, y: mx.array, w: mx.array) -> bool:
+    """Rows [1, T, Hd] of one float dtype, and a norm weight [Hd]."""
+    return (x.ndim == 3 and x.shape[0] == 1 and y.shape == x.shape and y.dtype == x.dtype and x.dtype in DTYPES
+            and w.shape == (x.shape[2],) and w.dtype in DTYPES)
+
+
+_EPS: dict[float, mx.array] = {}
+
+
+def eps_array(eps: float) -> mx.array:
+    """The norm's epsilon as an array, made once (a kernel takes no float arguments); built from
+    host data, it holds its value already, so a compiled layer's trace can capture it."""
+    if eps not in _EPS:
+        _EPS[eps] = mx.array([eps], dtype=mx.float32)
+    return _EPS[eps]
+
+
+def add_norm(x: mx.array, y: mx.array, w: mx.array, eps: float,
+             backend: str | None = None) -> tuple[mx.array, mx.array]:
+    """(h, rms_norm(h) * w) with h = x + y, rows [1, T, Hd]; the caller checks covers()."""
+    backend = backend or gpu_backend()
+    assert backend is not None, "a GPU kernel"
+    T = x.shape[1]
+    groups = -(-T // WPG)
+    h, out = compiled_kernel(ADD_NORM, backend)(
+        inputs=[x, y, w, eps_array(eps)], template=[("OutT", x.dtype)], grid=(groups * WPG * 32, 1, 1),
+        threadgroup=(WPG * 32, 1, 1), output_shapes=[x.shape, x.shape], output_dtypes=[x.dtype, x.dtype])
+    return h, out
+
+
+def gated_covers(o: mx.array, z: mx.array, w: mx.array) -> bool:
+    """o [T, Hv, Dv] fp32, z [T, Hv * Dv] of a float dtype, a norm weight [Dv]."""
+    return (o.ndim == 3 and o.dtype == mx.float32 and z.ndim == 2 and z.shape == (o.shape[0], o.shape[1] * o.shape[2])
+            and z.dtype in DTYPES and w.shape == (o.shape[2],) and w.dtype in DTYPES)
+
+
+def gated_norm(o: mx.array, z: mx.array, w: mx.array, eps: float, backend: str | None = None) -> mx.array:
+    """rms_norm(o) * w * silu(z) per head row -> [1, T, Hv * Dv] in z's dtype; the caller checks
+    gated_covers()."""
+    backend = backend or gpu_backend()
+    assert backend is not None, "a GPU kernel"
+    T, Hv, _ = o.shape
+    groups = -(-(T * Hv) // WPG)
+    return compiled_kernel(GATED_NORM, backend)(
+        inputs=[o, z, w, eps_array(eps)], template=[("OutT", z.dtype)], grid=(groups * WPG * 32, 1, 1),
+        threadgroup=(WPG * 32, 1, 1), output_shapes=[(1, T, z.shape[1])], output_dtypes=[z.dtype])[0]

@@ -1,0 +1,108 @@
+"""The fused norms (metal/add_norm.kernel, metal/gated_norm.kernel) against their twins: emulated
+on the CPU against NumPy (fp32), and on a GPU the MLX calls against the engine's ops."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import engine.fused_norms as fused
+from engine.fused_norms import WPG, add_covers, add_norm, gated_covers, gated_norm
+from engine.kernels import ADD_NORM, GATED_NORM, gpu_backend
+from tests.kernels.emulate import emulate
+
+EPS = np.array([1e-6], dtype=np.float32)
+
+
+def rms(x: np.ndarray) -> np.ndarray:
+    return np.sqrt((x.astype(np.float64) ** 2).mean(axis=-1, keepdims=True) + 1e-6)
+
+
+@pytest.mark.parametrize(("rows", "dims"), [(1, 384), (7, 384), (17, 100)])
+def test_emulated_add_norm_equals_twin(rows, dims, rng, tmp_path):
+    x = rng.normal(size=(1, rows, dims)).astype(np.float32)
+    y = rng.normal(size=(1, rows, dims)).astype(np.float32)
+    w = rng.normal(size=(dims,)).astype(np.float32)
+
+    def run(a, b):
+        n = a.shape[1]
+        return emulate(ADD_NORM, {"x": a, "y": b, "w": w, "eps": EPS},
+                       {"h": ((1, n, dims), np.float32), "out": ((1, n, dims), np.float32)},
+                       {"OutT": "float32"}, -(-n // WPG), WPG, tmp_path)
+
+    got = run(x, y)
+    h = x + y
+    np.testing.assert_array_equal(got["h"], h)  # the add rounds once, as MLX's does
+    want = h / rms(h) * w
+    assert np.abs(got["out"] - want).max() < 1e-5 * max(1.0, np.abs(want).max())
+    one = run(x[:, :1], y[:, :1])  # a row's result does not depend on the launch's other rows
+    np.testing.assert_array_equal(one["out"][0, 0], got["out"][0, 0])
+
+
+@pytest.mark.parametrize(("rows", "heads", "dv"), [(1, 12, 32), (9, 4, 128)])
+def test_emulated_gated_norm_equals_twin(rows, heads, dv, rng, tmp_path):
+    """z as the fused projection hands it over: a column slice of a wider row, read in place."""
+    o = rng.normal(size=(rows, heads, dv)).astype(np.float32)
+    wide = rng.normal(size=(rows, heads * dv + 40)).astype(np.float32)
+    w = rng.normal(size=(dv,)).astype(np.float32)
+    got = emulate(GATED_NORM, {"o": o, "z": wide, "w": w, "eps": EPS}, {"out": ((1, rows, heads * dv), np.float32)},
+                  {"OutT": "float32"}, -(-(rows * heads) // WPG), WPG, tmp_path,
+                  views={"z": (rows, heads * dv)})["out"]
+    z = wide[:, : heads * dv].reshape(rows, heads, dv).astype(np.float64)
+    want = (o / rms(o) * w) * (z / (1.0 + np.exp(-z)))
+    assert np.abs(got.reshape(rows, heads, dv) - want).max() < 1e-5 * max(1.0, np.abs(want).max())
+
+
+def test_covers():
+    x = mx.zeros((1, 3, 64), dtype=mx.bfloat16)
+    assert add_covers(x, x, mx.ones((64,)))
+    assert not add_covers(x, x.astype(mx.float32), mx.ones((64,)))
+    assert not add_covers(mx.zeros((2, 3, 64)), mx.zeros((2, 3, 64)), mx.ones((64,)))
+    assert not add_covers(x, x, mx.ones((32,)))
+    o = mx.zeros((3, 4, 32))
+    assert gated_covers(o, mx.zeros((3, 128), dtype=mx.bfloat16), mx.ones((32,)))
+    assert not gated_covers(o.astype(mx.bfloat16), mx.zeros((3, 128), dtype=mx.bfloat16), mx.ones((32,)))
+    assert not gated_covers(o, mx.zeros((3, 64), dtype=mx.bfloat16), mx.ones((32,)))
+
+
+def test_off_by_default_and_without_a_gpu(monkeypatch):
+    for switch in (fused.ADD, fused.GATED):
+        monkeypatch.setattr(switch, "value", True)
+        assert switch.enabled() == (gpu_backend() is not None)
+        monkeypatch.setattr(switch, "value", False)
+        assert not switch.enabled()
+
+
+needs_gpu = pytest.mark.skipif(gpu_backend() is None, reason="the kernels run on a GPU backend")
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize(("rows", "dims"), [(1, 4096), (17, 4096), (5, 384)])
+def test_gpu_add_norm_equals_add_and_rms_norm(dtype, rows, dims, rng):
+    x = mx.array(rng.normal(size=(1, rows, dims)).astype(np.float32)).astype(dtype)
+    y = mx.array(rng.normal(size=(1, rows, dims)).astype(np.float32)).astype(dtype)
+    w = mx.array(rng.normal(size=(dims,)).astype(np.float32)).astype(dtype)
+    h, out = add_norm(x, y, w, 1e-6)
+    assert mx.array_equal(h, x + y)
+    want = mx.fast.rms_norm(x + y, w, 1e-6).astype(mx.float32)
+    tol = 1e-5 if dtype == mx.float32 else 2e-2
+    assert float(mx.abs(out.astype(mx.float32) - want).max()) <= tol * max(1.0, float(mx.abs(want).max()))
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize(("rows", "heads", "dv"), [(1, 32, 128), (17, 32, 128), (3, 12, 32)])
+def test_gpu_gated_norm_equals_the_layers_norm(dtype, rows, heads, dv, rng):
+    from engine.models.qwen3_5 import GatedRMSNorm
+
+    norm = GatedRMSNorm(dv, 1e-6)
+    norm.weight = mx.array(rng.normal(size=(dv,)).astype(np.float32)).astype(dtype)
+    o = mx.array(rng.normal(size=(rows, heads, dv)).astype(np.float32))
+    wide = mx.array(rng.normal(size=(rows, heads * dv + 64)).astype(np.float32)).astype(dtype)
+    z = wide[:, : heads * dv]  # a slice, as the fused projection's output is split
+    got = gated_norm(o, z, norm.weight, 1e-6).astype(mx.float32)
+    want = norm(o, z.reshape(rows, heads, dv)).astype(dtype).reshape(1, rows, -1).astype(mx.float32)
+    tol = 1e-5 if dtype == mx.float32 else 2e-2
+    assert float(mx.abs(got - want).max()) <= tol * max(1.0, float(mx.abs(want).max()))
