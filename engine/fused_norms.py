@@ -50,7 +50,7 @@ def eps_array(eps: float) -> mx.array:
 
 def add_norm(x: mx.array, y: mx.array, w: mx.array, eps: float,
              backend: str | None = None) -> tuple[mx.array, mx.array]:
-    """(h, rms_norm(h) * w) with h = x + y, rows [1, T, Hd]; the caller checks covers()."""
+    """(h, rms_norm(h) * w) with h = x + y, rows [1, T, Hd]; the caller checks add_covers()."""
     backend = backend or gpu_backend()
     assert backend is not None, "a GPU kernel"
     T = x.shape[1]
