@@ -44,6 +44,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 from bench_decode import mlx_lm_decode, mlx_lm_view  # noqa: E402
 from round_costs import chain_with_siblings, round_costs  # noqa: E402
 from shaped_checkpoint import BUNDLED, make_checkpoint  # noqa: E402
+from variants import variant_setting  # noqa: E402
 
 TREE_SIZES = (1, 4, 8, 16, 17, 32)
 RESULTS: dict[str, Any] = {}
@@ -68,62 +69,9 @@ def section(name: str) -> Iterator[None]:
 
 
 
-@contextlib.contextmanager
-def variant_setting(core: str) -> Iterator[None]:
-    """What a variant sets around each of its engine's calls, one "-" suffix each (others, such as
-    "-mlxqmm", are spruce_engine's): "-kwN" runs qmm_mma's long reductions with N warps a block
-    (engine.kernels.MMA_LONG_KW), "-dq0" / "-dq1" turns its paired dequantization off / on
-    (engine.kernels.MMA_PAIRED_DEQUANT), "-evN" hands a multi-node verify to the device every N
-    layers whatever the model's layer size (engine.forward.VERIFY_EVAL_EVERY; 0 = at the end),
-    "-fold0" / "-fold1" runs each commit on its own / folds it into the next verify
-    (GDNCache.fold_commits), "-sd0" / "-sd1" drafts with the MTP head depth by depth on a GPU or
-    not (engine.drafters.mtp.SYNC_EACH_DEPTH_ON_GPU), "-cd0" / "-cd1" drafts chains of top-1s on the
-    device, the verify queued behind them, or not (engine.round.CHAIN_ON_DEVICE), "-at1" / "-at0"
-    attends through the attention kernels or not (engine.attention_rows.SWITCH.value), "-an1" / "-an0"
-    fuses each layer's residual add with its norm or not (engine.fused_norms.ADD.value), "-gn1" /
-    "-gn0" the GDN output's norm with its gate (engine.fused_norms.GATED.value). Compiled layer
-    graphs are per model instance and trace on first use, so each engine's graphs carry its own
-    setting."""
-    from engine import attention_rows, forward, fused_norms, kernels
-    from engine import round as rounds
-    from engine.cache import GDNCache
-    from engine.drafters import mtp
-
-    saved = (kernels.MMA_LONG_KW, kernels.MMA_PAIRED_DEQUANT, forward.VERIFY_EVAL_EVERY,
-             forward.VERIFY_EVAL_MIN_LAYER_BYTES, GDNCache.fold_commits, mtp.SYNC_EACH_DEPTH_ON_GPU,
-             rounds.CHAIN_ON_DEVICE, attention_rows.SWITCH.value, fused_norms.ADD.value,
-             fused_norms.GATED.value)
-    for suffix in core.split("-")[1:]:
-        if suffix.startswith("kw"):
-            kernels.MMA_LONG_KW = int(suffix[2:])
-        elif suffix.startswith("dq"):
-            kernels.MMA_PAIRED_DEQUANT = suffix[2:] == "1"
-        elif suffix.startswith("ev"):
-            forward.VERIFY_EVAL_EVERY, forward.VERIFY_EVAL_MIN_LAYER_BYTES = int(suffix[2:]), 0
-        elif suffix.startswith("fold"):
-            GDNCache.fold_commits = suffix[4:] == "1"
-        elif suffix.startswith("sd"):
-            mtp.SYNC_EACH_DEPTH_ON_GPU = suffix[2:] == "1"
-        elif suffix.startswith("cd"):
-            rounds.CHAIN_ON_DEVICE = suffix[2:] == "1"
-        elif suffix.startswith("at"):
-            attention_rows.SWITCH.value = suffix[2:] == "1"
-        elif suffix.startswith("an"):
-            fused_norms.ADD.value = suffix[2:] == "1"
-        elif suffix.startswith("gn"):
-            fused_norms.GATED.value = suffix[2:] == "1"
-    try:
-        yield
-    finally:
-        (kernels.MMA_LONG_KW, kernels.MMA_PAIRED_DEQUANT, forward.VERIFY_EVAL_EVERY,
-         forward.VERIFY_EVAL_MIN_LAYER_BYTES, GDNCache.fold_commits, mtp.SYNC_EACH_DEPTH_ON_GPU,
-         rounds.CHAIN_ON_DEVICE, attention_rows.SWITCH.value, fused_norms.ADD.value,
-         fused_norms.GATED.value) = saved
-
-
 def spruce_engine(path: Path, dtype: str, core: str) -> Any:
     """core: kernels | ops (the GDN core), with "-mlxqmm": MLX's quantized matmul instead of the
-    small-M kernel (engine/models/qlinear.py), "-kwN": see variant_setting."""
+    small-M kernel (engine/models/qlinear.py); the other suffixes: scripts/variants.py."""
     from engine.config import EngineConfig
     from engine.generate import Engine
 

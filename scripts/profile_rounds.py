@@ -28,7 +28,7 @@ Runs the bundled target and drafters (or `--model`'s, e.g. scripts/widen_checkpo
 pair) on bench_spec.py's prompts, greedy, one warm-up generation of
 each prompt, method and variant, then `--runs` measured ones; prints ms a round (mean over the
 measured rounds) per phase, method and variant. `--variants` compares engine settings in one
-process, interleaved run by run, named by scripts/bench_gpu.py's variant suffixes (`variant_setting`):
+process, interleaved run by run, named by the variant suffixes of scripts/variants.py:
 `evN` hands a multi-node verify to the device every N layers whatever the model's size (0 = once),
 `fold0` / `fold1` run each GDN commit on its own / folded into the next verify, joined with `-`;
 `engine` is the engine as it is. Two suffixes are this script's own: `hdN` sleeps N ms (decimals
@@ -73,8 +73,8 @@ import engine.sampler as sampler  # noqa: E402
 from engine.config import EngineConfig, SamplingParams, SpecConfig  # noqa: E402
 from engine.generate import BUNDLED, Engine  # noqa: E402
 from engine.types import GenerationRequest  # noqa: E402
-from scripts.bench_gpu import variant_setting  # noqa: E402
 from scripts.bench_spec import PROMPTS, distinct_8grams, parse_methods, render, warm_like_serve  # noqa: E402
+from scripts.variants import variant_setting  # noqa: E402
 
 TOTALS: dict[str, float] = defaultdict(float)
 ROUNDS: list[float] = []  # wall ms of each landed round (launch or previous landing -> its landing)
@@ -209,7 +209,7 @@ def main() -> None:
     ap.add_argument("--adaptive", action="store_true")
     ap.add_argument("--variants", default="engine",
                     help="engine settings to compare, interleaved run by run: engine (as it is), or "
-                         "scripts/bench_gpu.py's variant suffixes joined with -, e.g. engine,ev0,fold0,ev0-fold0")
+                         "scripts/variants.py's suffixes joined with -, e.g. engine,ev0,fold0,ev0-fold0")
     ap.add_argument("--cprofile", type=Path, help="write a cProfile of the measured verifies' graph building here")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--model", default=str(BUNDLED / "target"), help="target checkpoint (default: the bundled one)")

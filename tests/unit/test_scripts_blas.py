@@ -24,6 +24,7 @@ EXEMPT = {
     "shaped_checkpoint.py": "writes checkpoints for the GPU benchmarks",
     "widen_checkpoint.py": "writes checkpoints (random fills and scatters, no matmul)",
     "round_costs.py": "a module of the GPU benchmarks (its importers re-exec)",
+    "variants.py": "a module of the benchmarks (their variant suffixes; its importers re-exec)",
     "kernel_registers.py": "GPU machine only (nvcc); imports MLX for names, runs no MLX op",
     "draft_vocab.py": "tokenizes a corpus and counts tokens; runs no MLX op",
 }

@@ -1,0 +1,70 @@
+"""The engine settings a benchmark variant names, one "-" suffix each (scripts/bench_gpu.py's
+`--cores`, scripts/profile_rounds.py's `--variants`), set around each of its engine's calls:
+
+- "-kwN": qmm_mma's long reductions with N warps a block (engine.kernels.MMA_LONG_KW);
+- "-dq0" / "-dq1": its paired dequantization off / on (engine.kernels.MMA_PAIRED_DEQUANT);
+- "-evN": a multi-node verify handed to the device every N layers whatever the model's layer size
+  (engine.forward.VERIFY_EVAL_EVERY; 0 = at the end);
+- "-fold0" / "-fold1": each commit on its own / folded into the next verify (GDNCache.fold_commits);
+- "-sd0" / "-sd1": the MTP head drafting depth by depth on a GPU or not
+  (engine.drafters.mtp.SYNC_EACH_DEPTH_ON_GPU);
+- "-cd0" / "-cd1": chains of top-1s drafted on the device, the verify queued behind them, or not
+  (engine.round.CHAIN_ON_DEVICE);
+- "-at0" / "-at1": the attention kernels off / on (engine.attention_rows.SWITCH);
+- "-an0" / "-an1": each layer's residual add fused with its norm (engine.fused_norms.ADD);
+- "-gn0" / "-gn1": the GDN output's norm fused with its gate (engine.fused_norms.GATED).
+
+Other suffixes are left to the caller (bench_gpu's "-mlxqmm", profile_rounds' own probes).
+Compiled layer graphs are per model instance and trace on first use, so each engine's graphs carry
+the settings they were traced with (the fused norms are part of a layer's trace key, so they switch
+within one engine).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+
+def _settings() -> dict[str, tuple[list[tuple[Any, str]], Callable[[str], tuple[Any, ...]]]]:
+    """suffix prefix -> (the (owner, attribute) pairs it sets, the values from the suffix's rest)."""
+    from engine import attention_rows, forward, fused_norms, kernels
+    from engine import round as rounds
+    from engine.cache import GDNCache
+    from engine.drafters import mtp
+
+    def on(rest: str) -> tuple[bool]:
+        return (rest == "1",)
+
+    return {
+        "kw": ([(kernels, "MMA_LONG_KW")], lambda rest: (int(rest),)),
+        "dq": ([(kernels, "MMA_PAIRED_DEQUANT")], on),
+        "ev": ([(forward, "VERIFY_EVAL_EVERY"), (forward, "VERIFY_EVAL_MIN_LAYER_BYTES")], lambda rest: (int(rest), 0)),
+        "fold": ([(GDNCache, "fold_commits")], on),
+        "sd": ([(mtp, "SYNC_EACH_DEPTH_ON_GPU")], on),
+        "cd": ([(rounds, "CHAIN_ON_DEVICE")], on),
+        "at": ([(attention_rows.SWITCH, "value")], on),
+        "an": ([(fused_norms.ADD, "value")], on),
+        "gn": ([(fused_norms.GATED, "value")], on),
+    }
+
+
+@contextlib.contextmanager
+def variant_setting(core: str) -> Iterator[None]:
+    """Set what `core`'s suffixes name (the part before the first "-" is the caller's), and put
+    every setting back afterwards."""
+    settings = _settings()
+    saved = [(owner, name, getattr(owner, name)) for places, _ in settings.values() for owner, name in places]
+    try:
+        for suffix in core.split("-")[1:]:
+            prefix = next((p for p in settings if suffix.startswith(p)), None)
+            if prefix is None:
+                continue
+            places, values = settings[prefix]
+            for (owner, name), value in zip(places, values(suffix[len(prefix):]), strict=True):
+                setattr(owner, name, value)
+        yield
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
