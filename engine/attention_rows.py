@@ -15,6 +15,8 @@ their twin on the CPU (tests/kernels/test_attention_rows.py), the CUDA build has
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 
 from engine.kernels import ATTN_MERGE, ATTN_ONE, ATTN_ROWS, OptIn, compiled_kernel, gpu_backend
@@ -25,14 +27,8 @@ DTYPES = (mx.float32, mx.bfloat16, mx.float16)
 
 
 # on with SPRUCE_ATTN_KERNEL=1 on a GPU backend; benchmarks compare the two within one engine by
-# setting SWITCH.value (scripts/bench_gpu.py's variant suffixes "-at1", "-at0")
+# setting SWITCH.value (scripts/variants.py's suffixes "-at1", "-at0")
 SWITCH = OptIn("SPRUCE_ATTN_KERNEL")
-
-
-def enabled() -> bool:
-    """Whether decode and tree rows attend through the kernels (every attention layer asks at
-    every step)."""
-    return SWITCH.enabled()
 
 
 def covers(q: mx.array, keys: mx.array, values: mx.array) -> bool:
@@ -44,16 +40,11 @@ def covers(q: mx.array, keys: mx.array, values: mx.array) -> bool:
             and keys.dtype == q.dtype and values.dtype == q.dtype)
 
 
-_ROOT_ONLY: dict[str, mx.array] = {}
-
-
+@functools.cache
 def root_only() -> mx.array:
     """The ancestor mask of a one-row pass ([[True]]), made once: a new one would be a host to
     device copy every step."""
-    if "mask" not in _ROOT_ONLY:
-        _ROOT_ONLY["mask"] = mx.ones((1, 1), dtype=mx.bool_)
-        mx.eval(_ROOT_ONLY["mask"])
-    return _ROOT_ONLY["mask"]
+    return mx.array([[True]])
 
 
 def attention_rows(q: mx.array, keys: mx.array, values: mx.array, ancestors: mx.array | None,

@@ -12,6 +12,8 @@ the CUDA builds have not run yet.
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 
 from engine.kernels import ADD_NORM, GATED_NORM, OptIn, compiled_kernel, gpu_backend
@@ -20,7 +22,7 @@ WPG = 4  # rows (SIMD groups) a threadgroup
 DTYPES = (mx.float32, mx.bfloat16, mx.float16)
 
 # on with SPRUCE_ADD_NORM=1 / SPRUCE_GATED_NORM=1 on a GPU backend; benchmarks set the values
-# (scripts/bench_gpu.py's "-an1", "-gn1"). Read when a layer's compiled functions are traced: the
+# (scripts/variants.py's "-an1", "-gn1"). Read when a layer's compiled functions are traced: the
 # layer keeps one trace per setting (traces()).
 ADD = OptIn("SPRUCE_ADD_NORM")
 GATED = OptIn("SPRUCE_GATED_NORM")
@@ -37,15 +39,11 @@ def add_covers(x: mx.array, y: mx.array, w: mx.array) -> bool:
             and w.shape == (x.shape[2],) and w.dtype in DTYPES)
 
 
-_EPS: dict[float, mx.array] = {}
-
-
+@functools.cache
 def eps_array(eps: float) -> mx.array:
     """The norm's epsilon as an array, made once (a kernel takes no float arguments); built from
     host data, it holds its value already, so a compiled layer's trace can capture it."""
-    if eps not in _EPS:
-        _EPS[eps] = mx.array([eps], dtype=mx.float32)
-    return _EPS[eps]
+    return mx.array([eps], dtype=mx.float32)
 
 
 def add_norm(x: mx.array, y: mx.array, w: mx.array, eps: float,

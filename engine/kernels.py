@@ -142,9 +142,9 @@ class OptIn:
     value: bool | None = None
 
     def enabled(self) -> bool:
-        if gpu_backend() is None:
-            return False
-        return self.value if self.value is not None else _env_choice(self.env)
+        """Asked by every layer at every step: the cached choice first, the backend only when on."""
+        on = self.value if self.value is not None else _env_choice(self.env)
+        return on and gpu_backend() is not None
 
 
 @functools.cache

@@ -130,9 +130,9 @@ def test_off_by_default_and_without_a_gpu(monkeypatch):
     import engine.attention_rows as attention_kernel
 
     monkeypatch.setattr(attention_kernel.SWITCH, "value", True)
-    assert attention_kernel.enabled() == (gpu_backend() is not None)
+    assert attention_kernel.SWITCH.enabled() == (gpu_backend() is not None)
     monkeypatch.setattr(attention_kernel.SWITCH, "value", False)
-    assert not attention_kernel.enabled()
+    assert not attention_kernel.SWITCH.enabled()
 
 
 needs_gpu = pytest.mark.skipif(gpu_backend() is None, reason="the attention kernels run on a GPU backend")
