@@ -191,10 +191,11 @@ def test_spec_grows_the_kv_cache_past_its_first_block(engine, sampling):
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("kind", ["fan", "random"])
 @pytest.mark.parametrize("kernel", ["attention", "add_norm", "gated_norm"])
-def test_opt_in_kernels_change_no_token(engine, sampling, kind, kernel, monkeypatch):
+def test_opt_in_kernels_change_no_token(tiny_qwen35, sampling, kind, kernel, monkeypatch):
     """With the attention kernels (engine/attention_rows.py) or a fused norm (engine/fused_norms.py)
     on, for decode steps and tree verifies alike, speculation emits plain decoding's tokens, and
-    the kernel ran."""
+    the kernel ran. A fresh engine each time: the fused norms live inside compiled layer traces,
+    which a module-wide engine would have traced (and so called them) in an earlier case only."""
     import engine.attention_rows as attention_kernel
     import engine.fused_norms as fused_norms
 
@@ -206,5 +207,6 @@ def test_opt_in_kernels_change_no_token(engine, sampling, kind, kernel, monkeypa
     real = getattr(module, name)
     monkeypatch.setattr(switch, "value", True)
     monkeypatch.setattr(module, name, lambda *a, **k: calls.append(1) or real(*a, **k))
+    engine = Engine(EngineConfig(model_path=str(tiny_qwen35), prefill_chunk=16, dtype="float32"))
     assert_fan_and_random_trees_lossless(engine, sampling, kind)
     assert calls
