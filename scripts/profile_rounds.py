@@ -21,8 +21,9 @@ that the engine does not synchronise itself, so the phases add up to what a requ
               host encoding launches, or waiting where MLX makes it wait for the device;
 - `round`     a round's wall time from its launch to the end of its landing (pipelined plain rounds
               overlap, so theirs is read from the gaps between landings).
-Each row also gives tokens per forward pass and the distinct 8-gram share of the output (tokens
-per forward are honest only on output that does not loop).
+Each row also gives tokens per forward pass, the distinct 8-gram share of the output (tokens
+per forward are honest only on output that does not loop), and `same`: how many leading tokens its
+output shares with the prompt's first row (its first method and variant).
 
 Runs the bundled target and drafters (or `--model`'s, e.g. scripts/widen_checkpoint.py's 9B-wide
 pair) on bench_spec.py's prompts, greedy, one warm-up generation of
@@ -132,6 +133,13 @@ def instrument() -> None:
             timed(cls, "chain_on_device", "propose")
 
 
+def same_prefix(output: list[int], reference: list[int]) -> int:
+    """How many leading tokens `output` shares with `reference` (all of them: the same output). In
+    bf16 a kernel that rounds differently may flip a near-tie; this column shows where."""
+    return next((i for i, (a, b) in enumerate(zip(output, reference, strict=False)) if a != b),
+                min(len(output), len(reference)))
+
+
 def _drafter_classes() -> list[type]:
     from engine.drafters.mtp import MTPDrafter
     from engine.drafters.ngram import NgramDrafter
@@ -227,13 +235,14 @@ def main() -> None:
     base = SamplingParams(temperature=0.0, max_tokens=a.tokens)
     report: dict[str, Any] = {"args": {k: str(v) for k, v in vars(a).items()}, "rows": []}
     print(f"ms a round (mean over measured rounds), {a.tokens} tokens greedy, budget {a.budget}, dtype {a.dtype}")
-    print(f"{'prompt':8} {'method':18} {'variant':14} {'rounds':>6} {'tok/fwd':>7} {'8-gram':>6} {'tok/s':>7} "
-          f"{'round':>6} {'med':>6} {'propose':>7} "
+    print(f"{'prompt':8} {'method':18} {'variant':14} {'same':>4} {'rounds':>6} {'tok/fwd':>7} {'8-gram':>6} "
+          f"{'tok/s':>7} {'round':>6} {'med':>6} {'propose':>7} "
           f"{'margin':>7} {'build':>6} {'verify':>6} {'queue':>6} {'land':>6} {'walk':>6} {'commit':>6} {'encode':>6}")
     for kind in a.kinds.split(","):
         for p, text in enumerate(PROMPTS[kind]):
             prompt = render(engine, text)
             label = kind if len(PROMPTS[kind]) == 1 else f"{kind}{p + 1}"
+            reference: list[int] | None = None  # the first row's output: every other row's is held to it
             for name, spec in specs.items():
                 req = GenerationRequest(prompt_ids=prompt, sampling=base, spec=spec)
                 for variant in variants:  # warm-up: compiles this prompt's tree shapes in every variant
@@ -263,6 +272,7 @@ def main() -> None:
                         for k, v in TOTALS.items():
                             record["totals"][k] += v
                 for variant, record in seen.items():
+                    reference = record["output"] if reference is None else reference
                     n = len(record["rounds"])
                     per = {k: v / n for k, v in record["totals"].items()}
                     row = {"prompt": label, "method": name, "variant": variant, "rounds": n,
@@ -270,9 +280,10 @@ def main() -> None:
                            "round_ms": statistics.mean(record["rounds"]),
                            "round_median_ms": statistics.median(record["rounds"]),
                            "distinct_8grams": round(distinct_8grams(record["output"]), 3),
+                           "same_prefix": same_prefix(record["output"], reference),
                            **{f"{k}_ms": round(v, 3) for k, v in per.items()}}
                     report["rows"].append(row)
-                    print(f"{label:8} {name:18} {variant:14} {n:6d} {row['tok_fwd']:7.2f} "
+                    print(f"{label:8} {name:18} {variant:14} {row['same_prefix']:4d} {n:6d} {row['tok_fwd']:7.2f} "
                           f"{row['distinct_8grams']:6.2f} {row['tok_s']:7.1f} {row['round_ms']:6.2f} "
                           f"{row['round_median_ms']:6.2f} " + " ".join(
                               f"{per.get(k, 0.0):{w}.2f}" for k, w in
