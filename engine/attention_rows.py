@@ -9,8 +9,9 @@ launch when one chunk of ATTN_CHUNK keys covers every row, two otherwise.
 
 A row's result is bitwise the same whatever the launch held (a verify row equals the decode step
 of the same token after its path is committed, the chunks being cut along each row's own visible
-keys). Opt-in (SPRUCE_ATTN_KERNEL=1) on every backend until measured: the emulated bodies match
-their twin on the CPU (tests/kernels/test_attention_rows.py), the CUDA build has not run yet.
+keys). On by default on CUDA, where it was measured (BENCHMARKS.md, issue 13, twenty-fifth
+session: plain and MTP chain rounds 1-3 ms shorter on the 9B shape, the same tokens); opt-in
+(SPRUCE_ATTN_KERNEL=1) on Metal, where it has not run; SPRUCE_ATTN_KERNEL=0 turns it off.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ ATTN_WPG = 4  # SIMD groups a threadgroup
 DTYPES = (mx.float32, mx.bfloat16, mx.float16)
 
 
-# on with SPRUCE_ATTN_KERNEL=1 on a GPU backend; benchmarks compare the two within one engine by
-# setting SWITCH.value (scripts/variants.py's suffixes "-at1", "-at0")
-SWITCH = OptIn("SPRUCE_ATTN_KERNEL")
+# benchmarks compare the two within one engine by setting SWITCH.value (scripts/variants.py's
+# suffixes "-at1", "-at0")
+SWITCH = OptIn("SPRUCE_ATTN_KERNEL", on=("cuda",))
 
 
 def covers(q: mx.array, keys: mx.array, values: mx.array) -> bool:

@@ -5,9 +5,11 @@
 
 Why: on a GPU a step is bound by the host encoding its launches (BENCHMARKS.md, issue 12,
 twenty-fourth session: ~10 µs of host time a launching operation on the H200); at the 9B shape
-these save 32 and 24 launches a step. Opt-in (SPRUCE_ADD_NORM=1, SPRUCE_GATED_NORM=1) until
-measured: the emulated bodies match their twins on the CPU (tests/kernels/test_fused_norms.py);
-the CUDA builds have not run yet.
+these save 32 and 24 launches a step. Opt-in (SPRUCE_ADD_NORM=1, SPRUCE_GATED_NORM=1): their
+twin tests pass on the CPU (emulated) and on the H200, but there they did not measurably shorten a
+round (BENCHMARKS.md, issue 13, twenty-fifth session), and in bf16 they round differently from
+MLX's norms (the order of the sum of squares; the product with the weight rounded once), which
+changed one prompt's output of four from its 62nd token on.
 """
 
 from __future__ import annotations

@@ -134,22 +134,24 @@ def backend_default(switch: str, on: tuple[str, ...] = ("cuda",)) -> bool:
 
 @dataclass
 class OptIn:
-    """A GPU fast path that stays off until it is measured on hardware: `value` (True / False, set by
-    benchmarks and tests) overrides the environment variable `env` (0 | 1, read once a process);
-    always off without a GPU backend."""
+    """A GPU fast path, on by default only on the GPU backends `on` names (where it was measured
+    faster): `value` (True / False, set by benchmarks and tests) overrides the environment variable
+    `env` (0 | 1), which overrides the default, read once a process; always off without a GPU
+    backend."""
 
     env: str
+    on: tuple[str, ...] = ()
     value: bool | None = None
 
     def enabled(self) -> bool:
         """Asked by every layer at every step: the cached choice first, the backend only when on."""
-        on = self.value if self.value is not None else _env_choice(self.env)
+        on = self.value if self.value is not None else _env_choice(self.env, self.on)
         return on and gpu_backend() is not None
 
 
 @functools.cache
-def _env_choice(env: str) -> bool:
-    return backend_default(env, on=())
+def _env_choice(env: str, on: tuple[str, ...]) -> bool:
+    return backend_default(env, on=on)
 
 
 def gpu_backend() -> str | None:

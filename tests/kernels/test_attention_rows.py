@@ -125,14 +125,29 @@ def test_covers_only_what_the_kernel_computes():
     assert not covers(mx.zeros((1, 8, 1, 512)), mx.zeros((1, 2, 30, 512)), mx.zeros((1, 2, 30, 512)))  # > 256
 
 
-def test_off_by_default_and_without_a_gpu(monkeypatch):
-    """Opt-in: the switch or SPRUCE_ATTN_KERNEL turns the kernels on, and only on a GPU backend."""
+def test_on_by_default_on_cuda_only(monkeypatch):
+    """On by default on CUDA, where it was measured; SPRUCE_ATTN_KERNEL or the switch override it,
+    and nothing turns it on without a GPU backend."""
     import engine.attention_rows as attention_kernel
+    import engine.kernels as kernels
 
-    monkeypatch.setattr(attention_kernel.SWITCH, "value", True)
-    assert attention_kernel.SWITCH.enabled() == (gpu_backend() is not None)
-    monkeypatch.setattr(attention_kernel.SWITCH, "value", False)
-    assert not attention_kernel.SWITCH.enabled()
+    switch = attention_kernel.SWITCH
+    assert switch.value is None  # nothing in the package pins it
+    monkeypatch.setattr(switch, "value", True)
+    assert switch.enabled() == (gpu_backend() is not None)
+    monkeypatch.setattr(switch, "value", False)
+    assert not switch.enabled()
+    monkeypatch.setattr(switch, "value", None)
+    for backend, env, expected in ((None, None, False), ("cuda", None, True), ("metal", None, False),
+                                   ("metal", "1", True), ("cuda", "0", False), (None, "1", False)):
+        kernels._env_choice.cache_clear()
+        monkeypatch.setattr(kernels, "gpu_backend", lambda backend=backend: backend)
+        if env is None:
+            monkeypatch.delenv("SPRUCE_ATTN_KERNEL", raising=False)
+        else:
+            monkeypatch.setenv("SPRUCE_ATTN_KERNEL", env)
+        assert switch.enabled() == expected, (backend, env)
+    kernels._env_choice.cache_clear()
 
 
 needs_gpu = pytest.mark.skipif(gpu_backend() is None, reason="the attention kernels run on a GPU backend")
