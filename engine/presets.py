@@ -35,7 +35,7 @@ class SpecEntry:
 
     method: str
     budget: int = 16
-    depth: int = 8
+    depth: int = 0  # 0: the method's default (engine.config.METHOD_DEPTHS)
     tree: str | None = None  # tree builder of the one-pass drafters (mtp, dflash); None = the CLI's default
     draft_model: str | None = None  # None = the preset's draft_model
     measured: bool = False

@@ -2,7 +2,7 @@
 run, per prompt kind.
 
     python scripts/bench_spec.py [--model DIR] [--draft-model DIR]
-        [--dflash-model DIR] [--tokens 128] [--runs 3] [--budgets 16,32] [--depth 8]
+        [--dflash-model DIR] [--tokens 128] [--runs 3] [--budgets 16,32] [--depth N]
         [--methods none,ngram,draft,draft-tree,mtp:chain,mtp:ddtree,dflash:chain,dflash:ddtree,dflash:weaver]
         [--temperature 0 --seed 0] [--defaults] [--adaptive] [--mlx-lm] [--json OUT.json] [--png OUT.png]
 
@@ -207,7 +207,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--budgets", default="16,32")
-    ap.add_argument("--depth", type=int, default=8)
+    ap.add_argument("--depth", type=int, default=0, help="tree depth (0: each method's default)")
     ap.add_argument("--methods", default=DEFAULT_METHODS)
     ap.add_argument("--kinds", default=",".join(PROMPTS))
     ap.add_argument("--adaptive", action="store_true",
@@ -258,7 +258,7 @@ def main() -> None:
     decoding = "greedy" if base.temperature == 0 else \
         f"temperature {base.temperature}, top_p {base.top_p}, top_k {base.top_k}, repetition penalty " \
         f"{base.repetition_penalty}, seed {a.seed}"
-    print(f"model {Path(a.model).name}, up to {a.tokens} tokens ({decoding}), depth {a.depth}, "
+    print(f"model {Path(a.model).name}, up to {a.tokens} tokens ({decoding}), depth {a.depth or 'per method'}, "
           f"{'adaptive' if a.adaptive else 'fixed'} budgets, median of {a.runs} runs")
     print(f"{'prompt':10} {'method':18} {'tok/s':>7} {'vs none':>8} {'tok/fwd':>8} {'draft%':>7} "
           f"{'ITL p50':>8} {'ITL p99':>8} {'8-gram':>7}  same")

@@ -66,7 +66,7 @@ def main() -> None:
     lengths = [int(n) for n in a.lengths.split(",") if n]
     kinds = [k for k in a.kinds.split(",") if k]
     defaults = SpecConfig()  # the engine's budget and depth; adaptive trees, as a request gets them
-    specs = parse_methods(a.methods, [defaults.budget], defaults.max_depth,
+    specs = parse_methods(a.methods, [defaults.budget], 0,  # 0: each method's default depth
                           argparse.Namespace(draft_model=None, dflash_model=None, adaptive=defaults.adaptive))
     methods = list(specs)
     engines = {cache: Engine(EngineConfig(model_path=a.model, dtype=a.dtype, prefix_cache=cache,

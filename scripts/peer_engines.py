@@ -83,7 +83,7 @@ class PeerOptions:
     gguf: Path | None = None
     gguf_type: str = "f32"
     spec_budget: int = 16
-    spec_depth: int = 8
+    spec_depth: int | None = None  # None: Spruce's default for the method
     threads: int | None = None  # CPU threads per engine (BLAS for Spruce and mlx-lm, -t for llama.cpp)
 
 
@@ -148,8 +148,10 @@ def _spruce(method: str, opts: PeerOptions, port: int) -> Launch:
     if method in ("draft", "draft-tree") and draft is None:
         raise Unavailable("no draft model for this checkpoint (pass --draft-model DIR)")
     argv = [sys.executable, "-m", "server", "serve", "--model", str(opts.model), "--host", "127.0.0.1",
-            "--port", str(port), "--spec", method, "--spec-budget", str(opts.spec_budget), "--spec-depth",
-            str(opts.spec_depth), "--max-context", str(opts.context), "--no-prefix-cache", "--log-level", "warning"]
+            "--port", str(port), "--spec", method, "--spec-budget", str(opts.spec_budget),
+            "--max-context", str(opts.context), "--no-prefix-cache", "--log-level", "warning"]
+    if opts.spec_depth is not None:
+        argv += ["--spec-depth", str(opts.spec_depth)]
     if draft is not None and method in ("draft", "draft-tree"):
         argv += ["--draft-model", str(draft)]
     # Spruce's --dtype auto computes float weights in float32 on the CPU, bfloat16 on a GPU

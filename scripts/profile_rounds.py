@@ -209,7 +209,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--methods", default="none,dflash:chain,dflash:ddtree,mtp:ddtree")
     ap.add_argument("--budget", type=int, default=16)
-    ap.add_argument("--depth", type=int, default=8)
+    ap.add_argument("--depth", type=int, default=0, help="tree depth (0: each method's default)")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--kinds", default="code")

@@ -56,7 +56,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "siblings), draft-tree (draft-model best-first tree), mtp (the checkpoint's "
                         "multi-token-prediction head), dflash (DFlash block drafter)")
     p.add_argument("--spec-budget", type=int, help="draft-tree nodes per round (default 16)")
-    p.add_argument("--spec-depth", type=int, help="draft-tree depth (default 8)")
+    p.add_argument("--spec-depth", type=int, help="draft-tree depth (default 8; the MTP head: 6)")
     p.add_argument("--draft-model", help="draft checkpoint directory or repo id for --spec draft / draft-tree")
     p.add_argument("--spec-tree", choices=SPEC_TREES,
                    help="how mtp / dflash marginals become a tree: chain (top-1), ddtree (best-first product of "

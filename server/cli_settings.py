@@ -16,7 +16,7 @@ from engine.hub import ModelSource
 
 # Used when neither a flag nor the preset sets a value (the context: the model's trained length,
 # at most DEFAULT_MAX_CONTEXT).
-DEFAULTS: dict[str, Any] = {"dtype": "auto", "prefix_cache_bytes": 2 << 30, "spec_budget": 16, "spec_depth": 8,
+DEFAULTS: dict[str, Any] = {"dtype": "auto", "prefix_cache_bytes": 2 << 30, "spec_budget": 16, "spec_depth": 0,
                             "spec_tree": "ddtree"}
 DEFAULT_MAX_CONTEXT = 8192
 MAX_SPEC_BUDGET, MAX_SPEC_DEPTH = 4096, 1024
@@ -62,7 +62,7 @@ def engine_settings(a: argparse.Namespace) -> Settings:
     budget, depth = _pick(budget, None, "spec_budget"), _pick(depth, None, "spec_depth")
     if not 1 <= budget <= MAX_SPEC_BUDGET:
         raise SettingsError(f"--spec-budget must be in [1, {MAX_SPEC_BUDGET}], got {budget}")
-    if not 1 <= depth <= MAX_SPEC_DEPTH:
+    if not (depth == 0 and a.spec_depth is None) and not 1 <= depth <= MAX_SPEC_DEPTH:  # 0: the method's default
         raise SettingsError(f"--spec-depth must be in [1, {MAX_SPEC_DEPTH}], got {depth}")
     max_stall = getattr(a, "spec_max_stall", None)
     if max_stall is not None and not max_stall > 1.0:

@@ -262,6 +262,8 @@ class Planner:
         budget = self._spec_limit(body.spec.budget, default.budget, SPEC_BUDGET_LIMIT, "budget", "--spec-budget")
         depth = self._spec_limit(body.spec.max_depth, default.max_depth, SPEC_DEPTH_LIMIT, "max_depth",
                                  "--spec-depth")
+        if body.spec.max_depth is None and body.spec.method != default.method:
+            depth = 0  # another method without a depth: that method's default (SpecConfig.max_depth)
         return replace(default, method=body.spec.method, budget=budget, max_depth=depth,
                        tree=body.spec.tree or default.tree)
 

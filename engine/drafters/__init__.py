@@ -8,7 +8,7 @@ from engine.drafters.base import Drafter, NoDrafter
 from engine.drafters.dflash import DFlashDrafter, TreeBuilder
 from engine.drafters.draft_chain import DraftChainDrafter
 from engine.drafters.draft_tree import DraftTreeDrafter
-from engine.drafters.mtp import MTPDrafter
+from engine.drafters.mtp import MTPConfig, MTPDrafter
 from engine.drafters.ngram import NgramDrafter
 
 BUILDERS: dict[str, TreeBuilder] = {"chain": marginals.chain, "ddtree": marginals.ddtree}
@@ -46,6 +46,6 @@ def _build(engine, spec: SpecConfig) -> Drafter:
         if spec.tree == "weaver":
             raise ValueError("the weaver tree builder re-scores DFlash blocks: use it with spec method 'dflash'")
         vocab = engine.draft_vocab(spec.draft_vocab)
-        return MTPDrafter(engine.model, engine.mtp_head(), BUILDERS[spec.tree], vocab=vocab,
-                          top1_chains=spec.tree == "chain")
+        return MTPDrafter(engine.model, engine.mtp_head(), BUILDERS[spec.tree], MTPConfig(max_steps=spec.max_depth),
+                          vocab=vocab, top1_chains=spec.tree == "chain")
     raise ValueError(f"unknown spec method {spec.method!r}")

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from engine.config import METHOD_DEPTHS
 from engine.drafters.draft_vocab import DraftVocab
 from engine.drafters.marginals import Marginals
 from engine.drafters.mtp_steps import CompiledSteps, Depths, PlainDepths
@@ -40,7 +41,8 @@ TreeBuilder = Callable[[int, Marginals, int, int], DraftTree]
 @dataclass(frozen=True)
 class MTPConfig:
     # Each step beyond the first costs one head pass and conditions on drafted, not target, states.
-    max_steps: int = 6
+    # make_drafter sets it to the spec's depth (by default METHOD_DEPTHS["mtp"]).
+    max_steps: int = METHOD_DEPTHS["mtp"]
     top_k: int = 32
     # Stop drafting deeper once the top-1 path's probability is below this (0: always max_steps).
     # A depth is worth its cost while it adds more expected accepted tokens than it costs in time:

@@ -447,3 +447,39 @@ def test_layers_handed_over_ahead_change_no_token(engine, monkeypatch, ahead, sa
     out = generate(engine, prompt, sampling, SpecConfig(method="mtp", tree="ddtree", budget=10, max_depth=6))
     assert out.tokens == plain
     assert len(late) >= 10 and all(late) == (mx.default_device() == mx.cpu)
+
+
+def test_mtp_depth_is_the_specs(engine, tiny_qwen35_mtp, monkeypatch):
+    """The MTP head drafts as deep as the spec asks (it stopped at 6 whatever --spec-depth said);
+    without a depth it keeps its own default of 6, the other methods 8. Output unchanged."""
+    from engine.drafters import make_drafter
+    from server.cli import build_parser
+    from server.cli_settings import SettingsError, engine_settings
+
+    assert SpecConfig(method="mtp").max_depth == 6 and SpecConfig(method="ngram").max_depth == 8
+    assert SpecConfig(method="mtp", max_depth=10).max_depth == 10
+    deep = SpecConfig(method="mtp", tree="chain", budget=16, max_depth=10, adaptive=False)
+    drafter = make_drafter(engine, deep)
+    assert isinstance(drafter, MTPDrafter) and drafter.config.max_steps == 10
+    drafter.log_min_path = -float("inf")  # no early stop: the depth is the limit
+    depths: list[int] = []
+    propose = drafter.propose
+
+    def watched(root, budget, max_depth):
+        tree = propose(root, budget, max_depth)
+        depths.append(tree.max_depth)
+        return tree
+
+    drafter.propose = watched  # type: ignore[method-assign]
+    prompt = PROMPTS[0]
+    assert generate(engine, prompt, GREEDY, deep, drafter).tokens == generate(engine, prompt, GREEDY).tokens
+    assert max(depths) == 10
+
+    parser = build_parser()
+    settings = engine_settings(parser.parse_args(["run", "--model", str(tiny_qwen35_mtp), "--spec", "mtp", "-m", "hi"]))
+    assert settings.config.spec.max_depth == 6
+    settings = engine_settings(parser.parse_args(["run", "--model", str(tiny_qwen35_mtp), "--spec", "mtp",
+                                                  "--spec-depth", "11", "-m", "hi"]))
+    assert settings.config.spec.max_depth == 11
+    with pytest.raises(SettingsError, match="--spec-depth"):
+        engine_settings(parser.parse_args(["run", "--model", str(tiny_qwen35_mtp), "--spec-depth", "0", "-m", "hi"]))

@@ -151,3 +151,24 @@ def test_speculation_through_the_server_takes_drafts_and_changes_nothing(tiny_ch
         loop.run_until_complete(client.aclose())
         loop.close()
         bridge.stop()
+
+
+def test_a_request_naming_another_method_gets_that_methods_depth():
+    """A request that switches the method without a depth gets the new method's default (the MTP
+    head's 6, not the server's ngram 8); with the server's own method it keeps the server's depth."""
+    from types import SimpleNamespace
+
+    from engine.config import SpecConfig
+    from server.planning import Planner
+
+    def spec_for(server: SpecConfig, method: str, depth: int | None = None) -> SpecConfig:
+        planner = Planner.__new__(Planner)
+        planner.engine = SimpleNamespace(config=SimpleNamespace(spec=server), missing_drafter=lambda *a: None)
+        body = SimpleNamespace(spec=SimpleNamespace(method=method, budget=None, max_depth=depth, tree=None))
+        return planner.spec(body)
+
+    ngram = SpecConfig(method="ngram")
+    assert spec_for(ngram, "mtp").max_depth == 6
+    assert spec_for(ngram, "mtp", 9).max_depth == 9
+    assert spec_for(ngram, "ngram").max_depth == 8
+    assert spec_for(SpecConfig(method="mtp", max_depth=12), "mtp").max_depth == 12
