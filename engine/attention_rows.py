@@ -9,9 +9,10 @@ launch when one chunk of ATTN_CHUNK keys covers every row, two otherwise.
 
 A row's result is bitwise the same whatever the launch held (a verify row equals the decode step
 of the same token after its path is committed, the chunks being cut along each row's own visible
-keys). On by default on CUDA, where it was measured (BENCHMARKS.md, issue 13, twenty-fifth
-session: plain and MTP chain rounds 1-3 ms shorter on the 9B shape, the same tokens); opt-in
-(SPRUCE_ATTN_KERNEL=1) on Metal, where it has not run; SPRUCE_ATTN_KERNEL=0 turns it off.
+keys). On by default on CUDA, where it was measured (BENCHMARKS.md, issue 12, twenty-fifth
+session: plain, MTP chain and DDTree rounds 0.3-3 ms shorter in 17 of 20 cells on the 9B shape,
+the same tokens); opt-in (SPRUCE_ATTN_KERNEL=1) on Metal, where it has not run;
+SPRUCE_ATTN_KERNEL=0 turns it off.
 """
 
 from __future__ import annotations
