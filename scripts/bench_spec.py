@@ -229,6 +229,11 @@ def main() -> None:
     ap.add_argument("--png", type=Path)
     ap.add_argument("--plot-json", type=Path, help="only draw --png from a report written by --json")
     a = ap.parse_args()
+    if a.png:  # before the run, not after it: --png needs the bench extra
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            ap.error('--png needs matplotlib: pip install ".[bench]"')
     if a.plot_json:
         plot(json.loads(a.plot_json.read_text())["per_round_histograms"], a.png)
         return
