@@ -14,6 +14,8 @@ tokens of scripts/bench_spec.py's first code prompt per method); `--rounds` repe
 with the settings interleaved, so a drifting machine hits them alike. Prints, per setting and
 method, the median decode tok/s over all its runs, its ratio to the first setting's, tokens per
 forward and whether the output equals the first setting's (graph settings must not change it).
+A process took ~35 s on the H200 with the bundled pair (loading, warming both methods up, 2 runs
+of each), so five settings and two rounds need ~6 minutes of device time.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's engine, installed or not
@@ -103,18 +106,20 @@ def main() -> None:
     errors: dict[str, str] = {}
     for r in range(a.rounds):
         for name, env in settings:
+            t0 = time.perf_counter()
             try:
                 p = subprocess.run(argv, env={**os.environ, **env}, capture_output=True, text=True,
                                    timeout=a.timeout)
             except subprocess.TimeoutExpired:
                 errors[name] = f"round {r}: over {a.timeout:.0f} s"
                 continue
+            seconds = time.perf_counter() - t0
             lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
             if p.returncode != 0 or not lines:
                 errors[name] = f"round {r}: rc {p.returncode}: {p.stderr.strip()[-400:]}"
                 continue
             runs[name].append(json.loads(lines[-1]))
-            print(f"round {r} {name}: " + ", ".join(
+            print(f"round {r} {name} ({seconds:.0f} s): " + ", ".join(
                 f"{m} {statistics.median(v['tps']):.1f} tok/s" for m, v in runs[name][-1].items() if m != "_device"),
                 flush=True)
     report = summarise(runs)
