@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from server.chat import ChatTemplate
@@ -86,6 +86,10 @@ def _strip_ids(calls: list[dict]) -> list:
 
 
 @settings(max_examples=100, deadline=None)
+@example("<<tool_call></tool_call>tool_call>", [], False, False)  # a tag spanning a dropped call
+@example("<<tool_call></tool_call> ", [2], False, False)
+@example("x<<tool_call><function=f></function></tool_call>tool_call><function=f></function></tool_call>", [9, 40],
+         False, True)  # ... and a kept one
 @given(st.lists(st.sampled_from(["a", " ", "\n", "<", "/", "think>", "<think>", "</think>", "tool_call>",
                                  "<tool_call>", "</tool_call>", "<function=f>", "<parameter=x>", "1",
                                  "</parameter>", "</function>", "{", '"name": "f"}']), max_size=40).map("".join),
@@ -99,6 +103,17 @@ def test_any_text_streams_exactly_like_the_whole(text, cuts, inside, parallel):
     for call in whole[2]:
         assert isinstance(json.loads(call["function"]["arguments"]), dict)
     assert "<tool_call>" not in whole[1]
+
+
+def test_a_tag_split_by_a_call_opens_a_call():
+    """"<" shown before a call and "tool_call>" after it would read as a tag in the content: they
+    open a call instead (here one without a function, dropped), whole or streamed."""
+    tools = ToolSet({"f": {}}, parallel=True)
+    text = "x<<tool_call><function=f></function></tool_call>tool_call><function=f></function></tool_call>y"
+    for pieces in ([text], [text[:2], text[2:30], text[30:52], text[52:]]):
+        _, content, calls, _ = run(pieces, tools)
+        assert content == "x<y" and [c["function"]["name"] for c in calls] == ["f", "f"]
+    assert run(["<<tool_call></tool_call>tool_call>"], tools)[1] == "<"
 
 
 def test_reasoning_then_content_without_tools():
