@@ -21,7 +21,7 @@ import functools
 
 import mlx.core as mx
 
-from engine.kernels import ATTN_MERGE, ATTN_ONE, ATTN_ROWS, OptIn, compiled_kernel, gpu_backend
+from engine.kernels import ATTN_MERGE, ATTN_ONE, ATTN_ROWS, FastPath, compiled_kernel, gpu_backend
 
 ATTN_CHUNK = 32  # visible keys a SIMD group runs its online softmax over
 ATTN_WPG = 4  # SIMD groups a threadgroup
@@ -30,7 +30,7 @@ DTYPES = (mx.float32, mx.bfloat16, mx.float16)
 
 # benchmarks compare the two within one engine by setting SWITCH.value (scripts/variants.py's
 # suffixes "-at1", "-at0")
-SWITCH = OptIn("SPRUCE_ATTN_KERNEL", on=("cuda",))
+SWITCH = FastPath("SPRUCE_ATTN_KERNEL", on=("cuda",))
 
 
 def covers(q: mx.array, keys: mx.array, values: mx.array) -> bool:

@@ -18,7 +18,7 @@ import functools
 
 import mlx.core as mx
 
-from engine.kernels import ADD_NORM, GATED_NORM, OptIn, compiled_kernel, gpu_backend
+from engine.kernels import ADD_NORM, GATED_NORM, FastPath, compiled_kernel, gpu_backend
 
 WPG = 4  # rows (SIMD groups) a threadgroup
 DTYPES = (mx.float32, mx.bfloat16, mx.float16)
@@ -26,8 +26,8 @@ DTYPES = (mx.float32, mx.bfloat16, mx.float16)
 # on with SPRUCE_ADD_NORM=1 / SPRUCE_GATED_NORM=1 on a GPU backend; benchmarks set the values
 # (scripts/variants.py's "-an1", "-gn1"). Read when a layer's compiled functions are traced: the
 # layer keeps one trace per setting (traces()).
-ADD = OptIn("SPRUCE_ADD_NORM")
-GATED = OptIn("SPRUCE_GATED_NORM")
+ADD = FastPath("SPRUCE_ADD_NORM")
+GATED = FastPath("SPRUCE_GATED_NORM")
 
 
 def traces() -> tuple[bool, bool]:

@@ -133,7 +133,7 @@ def backend_default(switch: str, on: tuple[str, ...] = ("cuda",)) -> bool:
 
 
 @dataclass
-class OptIn:
+class FastPath:
     """A GPU fast path, on by default only on the GPU backends `on` names (where it was measured
     faster): `value` (True / False, set by benchmarks and tests) overrides the environment variable
     `env` (0 | 1), which overrides the default, read once a process; always off without a GPU
