@@ -131,14 +131,10 @@ class ToolCallParser:
     def __init__(self, tools: ToolSet) -> None:
         self._tools = tools
         self._held = ""  # outside a call: a partial "<tool_call>" or trailing whitespace
-        # Content shown just before a call may end in a partial "<tool_call>" (the "<" of
-        # "<<tool_call>"); the text after the call could complete it. `_shown` is the end of the
-        # content shown so far, `_joint` that partial tag when a call opens, and `_prefix` the same
-        # once the call is over: the text after it is searched with it, so that a tag spanning
-        # the call opens a call instead of showing up in the content.
+        # the end of the content shown so far: text outside a call is searched joined to it, so
+        # that a "<" shown just before a call and "tool_call>" after it open a call instead of
+        # reading as a tag in the content (elsewhere a partial tag ending the text is held, not shown)
         self._shown = ""
-        self._joint = ""
-        self._prefix = ""
         self._call = ""  # inside a call: its text not consumed yet
         self._inside = False
         self._name: str | None = None
@@ -173,22 +169,19 @@ class ToolCallParser:
         if self._skip_space:
             buf = buf.lstrip()
             self._skip_space = not buf
-        prefix, self._prefix = self._prefix, ""
+        prefix = self._shown[len(self._shown) - held_marker_prefix(self._shown, CALL_OPEN):]
         joined = prefix + buf  # the prefix was shown already: only buf's part is content here
         at = joined.find(CALL_OPEN)
         if at >= 0:
             self._held = ""
             before = self._show(buf[: max(0, at - len(prefix))].rstrip())
-            self._joint = self._shown[len(self._shown) - held_marker_prefix(self._shown, CALL_OPEN):]
             self._open_call(joined[at + len(CALL_OPEN):])
             content, deltas = self._in_call()
             return before + content, deltas
         keep = held_marker_prefix(joined, CALL_OPEN)
         while keep < len(joined) and joined[len(joined) - keep - 1].isspace():
             keep += 1  # may be the blank line before a call
-        if keep >= len(buf):  # all of buf may still complete a tag begun by what was shown
-            self._held, self._prefix = buf, prefix[len(prefix) - (keep - len(buf)):] if keep > len(buf) else ""
-            return "", []
+        keep = min(keep, len(buf))  # what is held may complete a tag begun by what was shown
         self._held = buf[len(buf) - keep:]
         return self._show(buf[: len(buf) - keep]), []
 
@@ -219,7 +212,6 @@ class ToolCallParser:
         self.completed += counted
         if self.done:
             return "", deltas
-        self._prefix, self._joint = self._joint, ""
         content, more = self._outside(self._call)
         return content, deltas + more
 
