@@ -1,7 +1,6 @@
-"""The one-pass drafters (MTP head, DFlash) with the chain and DDTree builders.
+"""The one-pass drafters (MTP head, DFlash) with the chain and DDTree builders (their networks
+against PyTorch: test_one_pass_parity.py).
 
-- Their networks match the PyTorch versions in scripts/draft_heads.py (the MTP layer there is
-  transformers' own Qwen3.5 decoder layer), loaded from checkpoints in the published layouts.
 - Generation with them is lossless (greedy and seeded sampling). With random weights they rarely
   get a draft accepted, so one test adds the true continuation as one more branch of their trees:
   rounds then accept several tokens, and the drafters' state (DFlash context K/V, MTP cache)
@@ -17,7 +16,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import engine.models.dflash as dflash_model
 from engine import forward
 from engine.config import EngineConfig, SamplingParams, SpecConfig
 from engine.drafters import BUILDERS
@@ -25,9 +23,9 @@ from engine.drafters.dflash import DFlashDrafter
 from engine.drafters.mtp import MTPDrafter
 from engine.feature_cache import FeatureCache, FeatureTaps
 from engine.generate import Engine, RequestError
-from engine.loader import CheckpointError, load_dflash, load_model, load_mtp, load_weaver
+from engine.loader import CheckpointError, load_dflash
 from engine.tree import DraftTree
-from tests.helpers import checkpoint_maker, generate, parity_module
+from tests.helpers import generate
 
 GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
 SAMPLED = SamplingParams(max_tokens=40, temperature=0.9, top_p=0.95, seed=77, ignore_eos=True)
@@ -38,77 +36,6 @@ PROMPTS = [[int(t) for t in np.random.RandomState(s).randint(0, 500, size=n)] fo
 def engine(tiny_qwen35_mtp, tiny_dflash):
     return Engine(EngineConfig(model_path=str(tiny_qwen35_mtp), prefill_chunk=16,
                                spec=SpecConfig(dflash_model=str(tiny_dflash))))
-
-
-def heads():
-    import sys
-
-    sys.path.insert(0, str(checkpoint_maker().HERE))
-    import draft_heads
-
-    return draft_heads
-
-
-def test_dflash_matches_pytorch(tiny_dflash, tmp_path, monkeypatch):
-    import torch
-    from safetensors.torch import load_file
-
-    dh = heads()
-    cfg = json.loads((tiny_dflash / "config.json").read_text())
-    shape = dh.DFlashShape(hidden=cfg["hidden_size"], layers=cfg["num_hidden_layers"], heads=4, kv_heads=2,
-                           head_dim=16, intermediate=cfg["intermediate_size"],
-                           target_layer_ids=tuple(cfg["dflash_config"]["target_layer_ids"]))
-    ref = dh.DFlash(shape)
-    ref.load_state_dict(load_file(tiny_dflash / "model.safetensors"))
-    # the same checkpoint with the DFlash keys at the top level (as some third-party ones are)
-    flat = tmp_path / "flat"
-    shutil.copytree(tiny_dflash, flat)
-    top = {k: v for k, v in cfg.items() if k != "dflash_config"} | cfg["dflash_config"]
-    (flat / "config.json").write_text(json.dumps(top))
-    rng = np.random.default_rng(0)
-    T, L, H = 19, 16, cfg["hidden_size"]
-    feats = rng.standard_normal((T, 2 * H)).astype(np.float32)
-    block = rng.standard_normal((1, L, H)).astype(np.float32)
-    with torch.no_grad():
-        want = ref(torch.tensor(block), torch.tensor(feats[None]), torch.arange(T, T + L)[None],
-                   torch.arange(T)[None], torch.ones(1, 1, L, T + L, dtype=torch.bool)).numpy()
-    for path in (tiny_dflash, flat):
-        model = load_dflash(path)
-        assert model.config.target_layer_ids == (1, 2) and model.config.mask_token_id == 13
-        cache = model.make_cache()
-        model.append_context(mx.array(feats[:7]), cache)  # the context grows in pieces, as rounds commit
-        model.append_context(mx.array(feats[7:]), cache)
-        np.testing.assert_allclose(np.array(model.block(mx.array(block), cache)), want, atol=2e-5)
-        monkeypatch.setattr(dflash_model, "SPLIT_ON_CPU", False)  # the fused twin of the CPU's split
-        model._block_fn = None  # the switch is read when the block is traced
-        np.testing.assert_allclose(np.array(model.block(mx.array(block), cache)), want, atol=2e-5)
-        monkeypatch.undo()
-
-
-@pytest.mark.parametrize("fuse", [False, True], ids=["separate", "fused"])
-@pytest.mark.parametrize("where", ["file", "inline"])
-def test_mtp_head_matches_pytorch(tiny_qwen35, tmp_path, where, fuse):
-    torch = parity_module("torch")
-    tf = parity_module("transformers")
-    from safetensors.torch import load_file
-
-    ckpt = tmp_path / "ckpt"
-    shutil.copytree(tiny_qwen35, ckpt)
-    checkpoint_maker().add_mtp_to(ckpt, 21, where)
-    target = load_model(ckpt).model
-    head = load_mtp(ckpt, target.args, fuse=fuse)
-    assert ("fused" in head.layers[0].self_attn and "fused" in head.layers[0].mlp) == fuse
-    file = ckpt / ("mtp.safetensors" if where == "file" else "model.safetensors")
-    ref = heads().MTP(tf.AutoConfig.from_pretrained(ckpt))
-    ref.load_state_dict({k[4:]: v for k, v in load_file(file).items() if k.startswith("mtp.")}, strict=False)
-    rng = np.random.default_rng(1)
-    e, h = (rng.standard_normal((1, 9, 64)).astype(np.float32) for _ in range(2))
-    with torch.no_grad():
-        want = ref.eval()(torch.tensor(e), torch.tensor(h), torch.arange(9)[None]).numpy()
-    cache = head.make_cache()
-    got = [np.array(head(mx.array(e[:, :5]), mx.array(h[:, :5]), cache))]  # a chain, then single steps
-    got += [np.array(head(mx.array(e[:, i : i + 1]), mx.array(h[:, i : i + 1]), cache)) for i in range(5, 9)]
-    np.testing.assert_allclose(np.concatenate(got, axis=1), want, atol=2e-5)
 
 
 PAIRS = [("mtp", "chain"), ("mtp", "ddtree"), ("dflash", "chain"), ("dflash", "ddtree"), ("dflash", "weaver")]
@@ -268,33 +195,6 @@ def test_feature_cache_commit_equals_replay(engine):
                                atol=1e-4)
 
 
-def test_weaver_matches_pytorch(tiny_dflash):
-    import torch
-
-    dh = heads()
-    payload = torch.load(tiny_dflash / "weaver" / "weaver.pth", weights_only=True)
-    ref = dh.Weaver(dh.WeaverShape(**{k: v for k, v in payload["config"].items()
-                                      if k in dh.WeaverShape.__dataclass_fields__}))
-    ref.load_state_dict(payload["state_dict"])
-    weaver = load_weaver(tiny_dflash / "weaver")
-    rng = np.random.default_rng(4)
-    D, N, H = 5, 4, 64
-    h_target, hidden = rng.standard_normal(H).astype(np.float32), rng.standard_normal((D, H)).astype(np.float32)
-    path = rng.standard_normal((N, H)).astype(np.float32)  # the path's token embeddings, root first
-    with torch.no_grad():
-        want = ref.path_queries(torch.tensor(h_target[None]), torch.tensor(hidden[None]),
-                                torch.tensor(path[None]))[0].numpy()
-    prompt = weaver.prompt_kv(mx.array(h_target), mx.array(hidden))
-    nodes, got = None, []
-    for d in range(N):  # one node per call, each seeing all earlier ones (its ancestors)
-        x = weaver.token_in(weaver.embed_norm(mx.array(path[d : d + 1])))
-        q, new = weaver.step(x, mx.array([d]), prompt, nodes, mx.ones((1, d), dtype=mx.bool_))
-        nodes = new if nodes is None else [(mx.concatenate([a, c], 1), mx.concatenate([b, e], 1))
-                                           for (a, b), (c, e) in zip(nodes, new)]
-        got.append(np.array(q)[0])
-    np.testing.assert_allclose(np.stack(got), want, atol=2e-5)
-
-
 def test_clear_errors(engine, tiny_qwen35, tiny_dflash, tmp_path):
     plain_engine = Engine(EngineConfig(model_path=str(tiny_qwen35)))
     with pytest.raises(RequestError, match="MTP tensors"):
@@ -449,12 +349,10 @@ def test_layers_handed_over_ahead_change_no_token(engine, monkeypatch, ahead, sa
     assert len(late) >= 10 and all(late) == (mx.default_device() == mx.cpu)
 
 
-def test_mtp_depth_is_the_specs(engine, tiny_qwen35_mtp, monkeypatch):
+def test_mtp_depth_is_the_specs(engine):
     """The MTP head drafts as deep as the spec asks (it stopped at 6 whatever --spec-depth said);
     without a depth it keeps its own default of 6, the other methods 8. Output unchanged."""
     from engine.drafters import make_drafter
-    from server.cli import build_parser
-    from server.cli_settings import SettingsError, engine_settings
 
     assert SpecConfig(method="mtp").max_depth == 6 and SpecConfig(method="ngram").max_depth == 8
     assert SpecConfig(method="mtp", max_depth=10).max_depth == 10
@@ -474,12 +372,3 @@ def test_mtp_depth_is_the_specs(engine, tiny_qwen35_mtp, monkeypatch):
     prompt = PROMPTS[0]
     assert generate(engine, prompt, GREEDY, deep, drafter).tokens == generate(engine, prompt, GREEDY).tokens
     assert max(depths) == 10
-
-    parser = build_parser()
-    settings = engine_settings(parser.parse_args(["run", "--model", str(tiny_qwen35_mtp), "--spec", "mtp", "-m", "hi"]))
-    assert settings.config.spec.max_depth == 6
-    settings = engine_settings(parser.parse_args(["run", "--model", str(tiny_qwen35_mtp), "--spec", "mtp",
-                                                  "--spec-depth", "11", "-m", "hi"]))
-    assert settings.config.spec.max_depth == 11
-    with pytest.raises(SettingsError, match="--spec-depth"):
-        engine_settings(parser.parse_args(["run", "--model", str(tiny_qwen35_mtp), "--spec-depth", "0", "-m", "hi"]))

@@ -172,3 +172,16 @@ def test_a_request_naming_another_method_gets_that_methods_depth():
     assert spec_for(ngram, "mtp", 9).max_depth == 9
     assert spec_for(ngram, "ngram").max_depth == 8
     assert spec_for(SpecConfig(method="mtp", max_depth=12), "mtp").max_depth == 12
+
+
+def test_the_cli_depth_is_the_methods_unless_given(tiny_qwen35_mtp):
+    """--spec mtp without --spec-depth: the head's 6; with it: as given; 0 is no depth."""
+    from server.cli import build_parser
+    from server.cli_settings import SettingsError, engine_settings
+
+    parser = build_parser()
+    run = ["run", "--model", str(tiny_qwen35_mtp), "-m", "hi"]
+    assert engine_settings(parser.parse_args([*run, "--spec", "mtp"])).config.spec.max_depth == 6
+    assert engine_settings(parser.parse_args([*run, "--spec", "mtp", "--spec-depth", "11"])).config.spec.max_depth == 11
+    with pytest.raises(SettingsError, match="--spec-depth"):
+        engine_settings(parser.parse_args([*run, "--spec-depth", "0"]))
