@@ -9,16 +9,16 @@ issue 12, twenty-fourth session). MLX's CUDA backend records them into CUDA grap
 MLX_MAX_OPS_PER_BUFFER nodes (mlx 0.32 picks by compute capability: 100 on an H100 / H200, 20 on
 most others; also MLX_MAX_MB_PER_BUFFER, 1000 there), commits each as it fills, and keeps
 MLX_CUDA_GRAPH_CACHE_SIZE instantiated graphs (400) to update by topology; MLX_USE_CUDA_GRAPHS=0
-launches kernels directly (mlx/backend/cuda/device.cpp). These are read once a process, so each setting runs in its own process
-(the engine loaded, every method warmed up once, then `--runs` greedy generations of `--tokens`
-tokens of scripts/bench_spec.py's first code prompt per method); `--rounds` repeats the sweep
-with the settings interleaved, so a drifting machine hits them alike. Prints, per setting and
-method, the median decode tok/s over all its runs, its ratio to the first setting's, tokens per
-forward and whether the output equals the first setting's (graph settings must not change it).
-A process took ~35 s on the H200 with the bundled pair (loading, warming both methods up, 2 runs
-of each), ~25-30 s with the 9B-shaped 4-bit pair once its files were cached. On the H200 the
-processes themselves differ by up to 1.5x (BENCHMARKS.md, issue 12, twenty-sixth session), so
-compare settings over several rounds, never one process each.
+launches kernels directly (mlx/backend/cuda/device.cpp). These are read once a process, so each
+setting runs in its own process (the engine loaded, every method warmed up once, then `--runs`
+greedy generations of `--tokens` tokens of scripts/bench_spec.py's first code prompt per method);
+`--rounds` repeats the sweep with the settings interleaved, so a drifting machine hits them alike.
+Prints, per setting and method, the median decode tok/s over all its runs, its ratio to the first
+setting's, tokens per forward and whether the output equals the first setting's (graph settings must
+not change it). A process took ~35 s on the H200 with the bundled pair (loading, warming both
+methods up, 2 runs of each), ~25-30 s with the 9B-shaped 4-bit pair once its files were cached. On
+the H200 the processes themselves differ by up to 1.5x (BENCHMARKS.md, issue 12, twenty-sixth
+session), so compare settings over several rounds, never one process each.
 """
 
 from __future__ import annotations
