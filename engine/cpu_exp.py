@@ -1,12 +1,14 @@
-"""Exponentials on the CPU: softmax and log-sum-exp through a power of two.
+"""Exponentials on the CPU: softmax, log-sum-exp, sigmoid and SiLU through a power of two.
 
-MLX's CPU `exp` costs ~15 ns an element on the dev CPU (AMD EPYC, MLX 0.32.4) and its `power`
-~7 ns, while a multiply costs 0.3 ns: where a pass takes many exponentials (a tree's attention over
-a long context, the full-vocabulary log-softmax of a drafter's marginals, the sampler's
-probabilities over the vocabulary for every node) exp(x) = 2^(x log2 e) is
-the faster spelling. Results differ from mx.softmax / mx.logsumexp by float32 rounding (max
-|difference| 2e-9 on attention probabilities). On other backends, and with POW_EXP off, the MLX
-functions run.
+MLX's CPU `exp` costs ~15-18 ns an element on the dev CPU (AMD EPYC, MLX 0.32.4), and so do
+`sigmoid` and `tanh` (one scalar libm call an element), while its `power` costs ~7 ns and a
+multiply 0.3 ns. Where a pass takes many exponentials (a tree's attention over a long context, the
+full-vocabulary log-softmax of a drafter's marginals, the sampler's probabilities over the
+vocabulary for every node, and the SiLU / sigmoid gates every verified row pays in each layer's
+MLP, GDN convolution and output gates) exp(x) = 2^(x log2 e) is the faster spelling. Results
+differ from MLX's functions by float32 rounding (max |difference| 2e-9 on attention
+probabilities; SiLU within 3e-7 relative). On other backends, for other dtypes than float32 in
+the gates, and with POW_EXP off, the MLX functions run.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import mlx.core as mx
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 POW_EXP = True  # module switch: False = MLX's exp on the CPU too (scripts/bench_tree_attention.py)
+POW_GATES = True  # module switch for sigmoid / silu alone, read when a function is traced
 
 
 def _pow_exp() -> bool:
@@ -45,3 +48,19 @@ def logsumexp_rows(x: mx.array) -> mx.array:
         return mx.logsumexp(x, axis=-1, keepdims=True)
     m = mx.max(x, axis=-1, keepdims=True)
     return m + mx.log2(_exp2(x - m).sum(axis=-1, keepdims=True)) * LN2
+
+
+def _pow_gate(x: mx.array) -> bool:
+    """The gates go through 2^ for float32 only: in half precision x log2 e would round first."""
+    return POW_GATES and _pow_exp() and x.dtype == mx.float32
+
+
+def sigmoid(x: mx.array) -> mx.array:
+    """1 / (1 + exp(-x)), through 2^(-x log2 e) on the CPU (float32). Saturates to 0 and 1 as
+    the MLX function does: 2^(large) is inf, and 1 / inf is 0."""
+    return 1.0 / (1.0 + _exp2(-x)) if _pow_gate(x) else mx.sigmoid(x)
+
+
+def silu(x: mx.array) -> mx.array:
+    """x sigmoid(x), as x / (1 + 2^(-x log2 e)) on the CPU (float32): one division, no product."""
+    return x / (1.0 + _exp2(-x)) if _pow_gate(x) else x * mx.sigmoid(x)

@@ -12,7 +12,9 @@
   (engine.round.CHAIN_ON_DEVICE);
 - "-at0" / "-at1": the attention kernels off / on (engine.attention_rows.SWITCH);
 - "-an0" / "-an1": each layer's residual add fused with its norm (engine.fused_norms.ADD);
-- "-gn0" / "-gn1": the GDN output's norm fused with its gate (engine.fused_norms.GATED).
+- "-gn0" / "-gn1": the GDN output's norm fused with its gate (engine.fused_norms.GATED);
+- "-pg0" / "-pg1": the CPU's sigmoid and SiLU through MLX's own functions / through 2^
+  (engine.cpu_exp.POW_GATES).
 
 Other suffixes are left to the caller (bench_gpu's "-mlxqmm", profile_rounds' own probes).
 Compiled layer graphs are per model instance and trace on first use, so each engine's graphs carry
@@ -29,7 +31,7 @@ from typing import Any
 
 def _settings() -> dict[str, tuple[list[tuple[Any, str]], Callable[[str], tuple[Any, ...]]]]:
     """suffix prefix -> (the (owner, attribute) pairs it sets, the values from the suffix's rest)."""
-    from engine import attention_rows, forward, fused_norms, kernels
+    from engine import attention_rows, cpu_exp, forward, fused_norms, kernels
     from engine import round as rounds
     from engine.cache import GDNCache
     from engine.drafters import mtp
@@ -47,6 +49,7 @@ def _settings() -> dict[str, tuple[list[tuple[Any, str]], Callable[[str], tuple[
         "at": ([(attention_rows.SWITCH, "value")], on),
         "an": ([(fused_norms.ADD, "value")], on),
         "gn": ([(fused_norms.GATED, "value")], on),
+        "pg": ([(cpu_exp, "POW_GATES")], on),
     }
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from engine.cpu_exp import exp, silu
 from engine.gdn.triangular import solve_unit_lower
 
 L2_EPS = 1e-6
@@ -59,7 +60,7 @@ def causal_conv(x: mx.array, conv_state: mx.array, weight: mx.array) -> tuple[mx
     y = rows[0:T] * w[:, 0]
     for j in range(1, K):
         y = y + rows[j : j + T] * w[:, j]
-    return y * mx.sigmoid(y), window[T:]
+    return silu(y), window[T:]
 
 
 def tree_conv_taps(parents: Sequence[int], kernel_size: int) -> np.ndarray:
@@ -103,7 +104,7 @@ def tree_conv(x: mx.array, conv_state: mx.array, weight: mx.array, taps: mx.arra
         raise ValueError(f"conv_state must be [{K - 1}, {x.shape[1]}], got {conv_state.shape}")
     windows = mx.concatenate([conv_state, x])[taps]  # [N, K, C]
     y = (windows * weight.T[None]).sum(axis=1)
-    return y * mx.sigmoid(y)
+    return silu(y)
 
 
 def conv_state_after(x: mx.array, path: mx.array, conv_state: mx.array) -> mx.array:
@@ -177,11 +178,11 @@ def tree_dense(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.arra
     G, B = g.T, beta.T  # [Hv, N]
     prefix = G @ masks.incl_f32.T  # [Hv, N]
     diff = prefix[:, :, None] - prefix[:, None, :]  # [Hv, N, N]: prefix_i - prefix_j
-    decay_incl = mx.exp(mx.where(masks.incl, diff, -mx.inf))
+    decay_incl = exp(mx.where(masks.incl, diff, -mx.inf))  # [Hv, N, N] of them: the CPU's 2^ (engine/cpu_exp.py)
     decay_strict = mx.where(masks.strict, decay_incl, 0.0)
     A = B[:, :, None] * decay_strict * (K @ K.transpose(0, 2, 1))
     S0T = S0.transpose(0, 2, 1)  # [Hv, Dk, Dv]
-    decay0 = mx.exp(prefix)[:, :, None]  # [Hv, N, 1]
+    decay0 = exp(prefix)[:, :, None]  # [Hv, N, 1]
     rhs = B[:, :, None] * (V - decay0 * (K @ S0T))
     U = solve_unit_lower(A, rhs, solver)
     O = decay0 * (Q @ S0T) + ((Q @ K.transpose(0, 2, 1)) * decay_incl) @ U

@@ -12,7 +12,7 @@ import mlx.nn as nn
 from engine import attention_rows as attention_kernel
 from engine import blas
 from engine.cache import KVCache
-from engine.cpu_exp import softmax_rows
+from engine.cpu_exp import sigmoid, silu, softmax_rows
 from engine.gdn.core import TreeInputs
 from engine.models.fused import fuse_into
 
@@ -83,7 +83,7 @@ class MLP(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         gate, up = self.fused(x) if "fused" in self else (self.gate_proj(x), self.up_proj(x))
-        return self.down_proj(nn.silu(gate) * up)
+        return self.down_proj(silu(gate) * up)  # engine/cpu_exp.py: the CPU's exp is slow
 
     def fuse_projections(self) -> bool:
         return fuse_into(self, ("gate_proj", "up_proj"))
@@ -244,4 +244,4 @@ class Attention(nn.Module):
         return out.transpose(0, 2, 1, 3).reshape(q.shape[0], T, -1)
 
     def output(self, out: mx.array, gate: mx.array | None) -> mx.array:
-        return self.o_proj(out * mx.sigmoid(gate) if gate is not None else out)
+        return self.o_proj(out * sigmoid(gate) if gate is not None else out)

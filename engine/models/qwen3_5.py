@@ -13,8 +13,9 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine import fused_norms
+from engine import cpu_exp, fused_norms
 from engine.cache import GDNCache, KVCache, LayerCache
+from engine.cpu_exp import silu
 from engine.feature_cache import FeatureCache
 from engine.gdn.core import Fold, GDNCore, GDNShape, GDNWeights, TreeInputs, TreeRows
 from engine.kernels import select_gdn_core
@@ -66,7 +67,7 @@ class GatedRMSNorm(nn.Module):
     def __call__(self, o: mx.array, z: mx.array) -> mx.array:
         o = mx.fast.rms_norm(o.astype(mx.float32), self.weight.astype(mx.float32), self.eps)
         z = z.astype(mx.float32)
-        return o * (z * mx.sigmoid(z))
+        return o * silu(z)
 
 
 class GatedDeltaNet(nn.Module):
@@ -197,7 +198,8 @@ class DecoderLayer(nn.Module):
 
     def _functions(self, mode: Mode, folding: bool = False) -> tuple[Callable[..., Any], Callable[..., Any]]:
         compiled = self.compile_decode and mode != "chain"
-        key = (mode, compiled, folding, *fused_norms.traces())  # a trace per setting of the fused norms
+        # a trace per setting of the fused norms and of the CPU's gates (engine/cpu_exp.py)
+        key = (mode, compiled, folding, *fused_norms.traces(), cpu_exp.POW_GATES)
         if key not in self._phases.by_mode:
             before, after = self._pure_functions(mode)
             if compiled:

@@ -24,6 +24,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from engine.cpu_exp import silu
+
 
 class WeaverConfigError(ValueError):
     pass
@@ -107,7 +109,7 @@ class WeaverBlock(nn.Module):
         """attn [heads, T, head_dim] -> the block's output rows [T, d_rank]."""
         x = x + self.o_proj(attn.transpose(1, 0, 2).reshape(x.shape[0], -1))
         gate, up = mx.split(self.gate_up_proj(self.norm_mlp(x)), 2, axis=-1)
-        return x + self.down_proj(nn.silu(gate) * up)
+        return x + self.down_proj(silu(gate) * up)
 
 
 class Weaver(nn.Module):

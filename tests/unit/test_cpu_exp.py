@@ -1,5 +1,5 @@
-"""Softmax and log-sum-exp through a power of two (engine/cpu_exp.py) against MLX's own, both
-ways of the switch, on random inputs with masked (-inf) entries."""
+"""Softmax, log-sum-exp, sigmoid and SiLU through a power of two (engine/cpu_exp.py) against MLX's
+own, both ways of the switches, on random inputs with masked (-inf) entries and saturating ones."""
 
 from __future__ import annotations
 
@@ -48,3 +48,35 @@ def test_top_k_logp_normalises_like_a_full_log_softmax():
     want = np.sort(full, axis=-1)[:, ::-1][:, :32]
     assert np.abs(np.array(top) - want).max() <= 1e-5  # the k largest, most likely first
     assert np.abs(np.take_along_axis(full, np.array(ids), axis=-1) - np.array(top)).max() <= 1e-5  # of these ids
+
+
+def gate_inputs(seed: int) -> mx.array:
+    """Typical pre-activations, plus the extremes where 2^(-x log2 e) overflows or vanishes."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=4000).astype(np.float32) * 4
+    extremes = np.array([0.0, -0.0, 1e-30, -1e-30, 30, -30, 88, -88, 89, -89, 100, -100, 1e4, -1e4, 3e38, -3e38],
+                        dtype=np.float32)
+    return mx.array(np.concatenate([x, extremes]))
+
+
+@pytest.mark.parametrize("pow_gates", [True, False])
+def test_sigmoid_and_silu_equal_mlx_within_rounding(pow_gates, monkeypatch):
+    monkeypatch.setattr(cpu_exp, "POW_GATES", pow_gates)
+    x = gate_inputs(9)
+    with mx.stream(mx.cpu):
+        got_sig, got_silu = np.array(cpu_exp.sigmoid(x)), np.array(cpu_exp.silu(x))
+        ref_sig, ref_silu = np.array(mx.sigmoid(x)), np.array(x * mx.sigmoid(x))
+    assert np.isfinite(got_sig).all() and np.isfinite(got_silu).all()
+    assert np.abs(got_sig - ref_sig).max() <= 4e-7  # a few float32 ulps of values in [0, 1]
+    rel = np.abs(got_silu - ref_silu) / np.maximum(np.abs(ref_silu), 1e-30)
+    assert rel.max() <= 1e-6
+    xs = np.array(x)
+    assert np.all(got_sig[xs >= 89] == 1.0) and np.all(got_sig[xs <= -89] == 0.0)  # saturated, as MLX's
+    assert np.all(got_silu[xs <= -89] == 0.0) and np.all(got_silu[xs >= 89] == xs[xs >= 89])
+
+
+def test_gates_leave_half_precision_to_mlx():
+    """In bf16 x log2 e would round before the power: those arrays take MLX's functions, bit for bit."""
+    x = gate_inputs(10).astype(mx.bfloat16)
+    assert mx.array_equal(cpu_exp.sigmoid(x), mx.sigmoid(x))
+    assert mx.array_equal(cpu_exp.silu(x), x * mx.sigmoid(x))
