@@ -148,7 +148,9 @@ class _Phases:
     """A layer's functions per mode, built once (compiled for decoding)."""
 
     def __init__(self) -> None:
-        self.by_mode: dict[tuple[Mode, bool, bool, bool, bool], tuple[Callable[..., Any], Callable[..., Any]]] = {}
+        # (mode, compiled, folding, fused add + norm, fused gated norm, the CPU's 2^ gates)
+        self.by_mode: dict[tuple[Mode, bool, bool, bool, bool, bool], tuple[Callable[..., Any], Callable[..., Any]]]
+        self.by_mode = {}
 
 
 class DecoderLayer(nn.Module):
