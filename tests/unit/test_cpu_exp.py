@@ -80,3 +80,12 @@ def test_gates_leave_half_precision_to_mlx():
     x = gate_inputs(10).astype(mx.bfloat16)
     assert mx.array_equal(cpu_exp.sigmoid(x), mx.sigmoid(x))
     assert mx.array_equal(cpu_exp.silu(x), x * mx.sigmoid(x))
+
+
+def test_compiled_shifted_power_is_the_plain_spelling_bit_for_bit():
+    """softmax_rows' compiled pass computes what the three separate operations computed."""
+    x, _ = masked_scores(11)
+    with mx.stream(mx.cpu):
+        m = mx.max(x, axis=-1, keepdims=True)
+        plain = mx.power(2.0, (x - m) * cpu_exp.LOG2E)
+        assert mx.array_equal(cpu_exp._exp2_shifted(x, m), plain)
