@@ -49,23 +49,10 @@ def last_cpu() -> int:
 def worker(a: argparse.Namespace) -> None:
     if a.cpus:
         os.sched_setaffinity(0, parse_cpulist(a.cpus))
-    import mlx.core as mx
-    from bench_spec import PROMPTS, render
+    from bench_cuda_graphs import timed_generations  # imports MLX: after the pinning
 
-    from engine.config import EngineConfig, SamplingParams
-    from engine.generate import Engine
-    from engine.types import GenerationRequest
-
-    engine = Engine(EngineConfig(model_path=a.model, dtype=a.dtype))
-    req = GenerationRequest(prompt_ids=render(engine, PROMPTS["code"][0]),
-                            sampling=SamplingParams(temperature=0.0, max_tokens=a.tokens, ignore_eos=True))
-    list(engine.generate(req))  # compiles the shapes
-    tps = []
-    for _ in range(a.runs):
-        for step in engine.generate(req):
-            if step.stats is not None:
-                tps.append(step.stats.decode_tps)
-    print(json.dumps({"tps": tps, "cpu": last_cpu(), "device": str(mx.default_device())}))
+    result = timed_generations(a.model, a.dtype, None, "none", a.tokens, a.runs, ignore_eos=True)
+    print(json.dumps({"tps": result["none"]["tps"], "cpu": last_cpu(), "device": result["_device"]["device"]}))
 
 
 def cpu_sets(kinds: list[str], repeat_all: int) -> list[tuple[str, str]]:

@@ -52,8 +52,10 @@ def parse_settings(text: str) -> list[tuple[str, dict[str, str]]]:
     return out
 
 
-def worker(a: argparse.Namespace) -> None:
-    """One process: every method warmed up, then timed; one JSON line on stdout."""
+def timed_generations(model: str, dtype: str, dflash_model: str | None, methods: str, tokens: int,
+                      runs: int, ignore_eos: bool = False) -> dict[str, dict]:
+    """Every method warmed up, then `runs` greedy generations of bench_spec.py's first code prompt
+    -> {method: {"tps": decode tok/s of each run, "tokens": the last run's, "tok_fwd"}, "_device"}."""
     import mlx.core as mx
     from bench_spec import PROMPTS, parse_methods, render
 
@@ -61,26 +63,32 @@ def worker(a: argparse.Namespace) -> None:
     from engine.generate import Engine
     from engine.types import GenerationRequest
 
-    engine = Engine(EngineConfig(model_path=a.model, dtype=a.dtype, spec=SpecConfig(dflash_model=a.dflash_model)))
-    specs = parse_methods(a.methods, [16], 0, argparse.Namespace(draft_model=None, dflash_model=a.dflash_model,
-                                                                 adaptive=False))
+    engine = Engine(EngineConfig(model_path=model, dtype=dtype, spec=SpecConfig(dflash_model=dflash_model)))
+    specs = parse_methods(methods, [16], 0, argparse.Namespace(draft_model=None, dflash_model=dflash_model,
+                                                               adaptive=False))
     prompt = render(engine, PROMPTS["code"][0])
     result: dict[str, dict] = {}
     for name, spec in specs.items():
-        req = GenerationRequest(prompt_ids=prompt, sampling=SamplingParams(temperature=0.0, max_tokens=a.tokens),
-                                spec=spec)
+        sampling = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=ignore_eos)
+        req = GenerationRequest(prompt_ids=prompt, sampling=sampling, spec=spec)
         list(engine.generate(req))  # compiles this method's shapes
-        tps, tokens, per_forward = [], [], 0.0
-        for _ in range(a.runs):
-            tokens = []
+        tps, per_forward = [], 0.0
+        out: list[int] = []
+        for _ in range(runs):
+            out = []
             for step in engine.generate(req):
-                tokens += step.token_ids
+                out += step.token_ids
                 if step.stats is not None:
                     tps.append(step.stats.decode_tps)
                     per_forward = step.stats.tokens_per_forward
-        result[name] = {"tps": tps, "tokens": tokens, "tok_fwd": per_forward}
+        result[name] = {"tps": tps, "tokens": out, "tok_fwd": per_forward}
     result["_device"] = {"device": str(mx.default_device()), "mlx": mx.__version__}
-    print(json.dumps(result))
+    return result
+
+
+def worker(a: argparse.Namespace) -> None:
+    """One process: timed_generations, one JSON line on stdout."""
+    print(json.dumps(timed_generations(a.model, a.dtype, a.dflash_model, a.methods, a.tokens, a.runs)))
 
 
 def main() -> None:
