@@ -47,11 +47,11 @@ def tree_of(rows: int) -> DraftTree:
 
 
 def logits_of(model, cache, tree: DraftTree, context: int, gates: bool = True) -> mx.array:
-    cpu_exp.POW_GATES = gates
+    saved, cpu_exp.POW_GATES = cpu_exp.POW_GATES, gates
     try:
         return forward.verify(model, cache, tree, context)
     finally:
-        cpu_exp.POW_GATES = True
+        cpu_exp.POW_GATES = saved
 
 
 def timed_whole(model, cache, tree: DraftTree, context: int, gates: bool = True) -> float:
