@@ -15,7 +15,6 @@ import mlx.nn as nn
 
 from engine import cpu_exp, fused_norms
 from engine.cache import GDNCache, KVCache, LayerCache
-from engine.cpu_exp import silu
 from engine.feature_cache import FeatureCache
 from engine.gdn.core import Fold, GDNCore, GDNShape, GDNWeights, TreeInputs, TreeRows
 from engine.kernels import select_gdn_core
@@ -67,7 +66,7 @@ class GatedRMSNorm(nn.Module):
     def __call__(self, o: mx.array, z: mx.array) -> mx.array:
         o = mx.fast.rms_norm(o.astype(mx.float32), self.weight.astype(mx.float32), self.eps)
         z = z.astype(mx.float32)
-        return o * silu(z)
+        return o * cpu_exp.silu(z)
 
 
 class GatedDeltaNet(nn.Module):
@@ -144,13 +143,16 @@ def tree_arrays(batch: Batch) -> tuple[mx.array, ...]:
     return () if batch.gdn is None else batch.gdn.arrays()
 
 
+# what a layer's traced functions depend on: (mode, compiled, folding, fused add + norm, fused gated
+# norm, the CPU's gates through 2^)
+TraceKey = tuple[Mode, bool, bool, bool, bool, bool]
+
+
 class _Phases:
     """A layer's functions per mode, built once (compiled for decoding)."""
 
     def __init__(self) -> None:
-        # (mode, compiled, folding, fused add + norm, fused gated norm, the CPU's 2^ gates)
-        self.by_mode: dict[tuple[Mode, bool, bool, bool, bool, bool], tuple[Callable[..., Any], Callable[..., Any]]]
-        self.by_mode = {}
+        self.by_mode: dict[TraceKey, tuple[Callable[..., Any], Callable[..., Any]]] = {}
 
 
 class DecoderLayer(nn.Module):
@@ -201,7 +203,7 @@ class DecoderLayer(nn.Module):
     def _functions(self, mode: Mode, folding: bool = False) -> tuple[Callable[..., Any], Callable[..., Any]]:
         compiled = self.compile_decode and mode != "chain"
         # a trace per setting of the fused norms and of the CPU's gates (engine/cpu_exp.py)
-        key = (mode, compiled, folding, *fused_norms.traces(), cpu_exp.POW_GATES)
+        key: TraceKey = (mode, compiled, folding, *fused_norms.traces(), cpu_exp.POW_GATES)
         if key not in self._phases.by_mode:
             before, after = self._pure_functions(mode)
             if compiled:
