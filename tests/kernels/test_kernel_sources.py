@@ -6,6 +6,7 @@ arguments, not Metal semantics (metal/README.md says what ran where)."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -119,3 +120,45 @@ def test_a_typo_in_a_body_fails_the_check(tmp_path, monkeypatch):
     cuda = render_cuda(spec, dtypes_for(spec, "float32"), template_for(spec, "bundled"), stub=True)
     assert compile_cxx(metal, tmp_path, [STUB]).returncode != 0
     assert compile_cxx(cuda, tmp_path, [STUB, STUB / "cuda"]).returncode != 0
+
+
+# an independent reading of C tokens: comments (skipped), literals, words, single characters
+TOKEN = re.compile(r"//[^\n]*|/\*.*?\*/|\"(?:\\.|[^\"\\\n])*\"|'(?:\\.|[^'\\\n])*'|\w+|\S", re.S)
+
+
+def tokens(text: str) -> list[str]:
+    return [t for t in TOKEN.findall(text) if not t.startswith(("//", "/*"))]
+
+
+def directives(text: str) -> list[str]:
+    return [" ".join(line.split()) for line in text.splitlines() if line.lstrip().startswith("#")]
+
+
+@pytest.mark.parametrize("spec", KERNELS, ids=[s.name for s in KERNELS])
+def test_compacted_text_keeps_every_token_and_directive(spec):
+    """What MLX is handed (compact_source) is the sources' tokens in order, with each preprocessor
+    directive still a line of its own, and is shorter."""
+    import engine.kernels as kernels
+
+    for backend in spec.backends:
+        header = "".join(kernels.read_source(f) for f in (f"prelude_{backend}.h", *spec.header))
+        body = kernels.read_source(spec.file)
+        compact_header, compact_body = kernels.kernel_text(spec, backend)
+        assert tokens(compact_header) == tokens(header)
+        assert tokens(compact_body) == tokens(kernels.INDEX_NAMES[backend] + "".join(
+            f"#define {d} 1\n" for d in spec.defines) + body)
+        assert [d for d in directives(compact_header) if "//" not in d] == [
+            " ".join(d.split("//")[0].split()) for d in directives(header)]
+        assert len(compact_header) + len(compact_body) < len(header) + len(body)
+
+
+def test_compact_source_keeps_literals_and_macro_lines():
+    from engine.kernels import compact_source
+
+    src = ('#define A(x)   \\\n  (x) /* one */ + 1   \\\n\n  // gone\nconst char* s = "a // b /* c */";  // tail\n'
+           "int   c = '/';\n\n\n#define B \\\n\nint d;\n")
+    out = compact_source(src)
+    assert out == ('#define A(x) \\\n(x) + 1 \\\n\nconst char* s = "a // b /* c */";\nint c = \'/\';\n'
+                   "#define B \\\n\nint d;\n")
+    with pytest.raises(ValueError, match="unterminated"):
+        compact_source("int a; /* never closed")
