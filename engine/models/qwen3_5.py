@@ -144,8 +144,8 @@ def tree_arrays(batch: Batch) -> tuple[mx.array, ...]:
 
 
 # what a layer's traced functions depend on: (mode, compiled, folding, fused add + norm, fused gated
-# norm, the CPU's gates through 2^)
-TraceKey = tuple[Mode, bool, bool, bool, bool, bool]
+# norm, the CPU's gates through 2^, an output of the last layer pending)
+TraceKey = tuple[Mode, bool, bool, bool, bool, bool, bool]
 
 
 class _Phases:
@@ -182,12 +182,20 @@ class DecoderLayer(nn.Module):
         self._phases = _Phases()
 
     def __call__(self, x: mx.array, cache: LayerCache, batch: Batch) -> mx.array:
+        h, pending = self.chained(x, (), cache, batch)
+        return h + pending[0] if pending else h
+
+    def chained(self, x: mx.array, pending: Pending, cache: LayerCache, batch: Batch) -> tuple[mx.array, Pending]:
+        """The layer on the residual stream x + pending (pending: the last layer's MLP output, not
+        added yet, or nothing) -> the stream after it, as (h, pending). With the residual adds
+        fused into the norms after them (engine/fused_norms.py), the MLP's output is left pending,
+        so that the next layer adds it in the launch of its input norm."""
         mode = batch.mode(x.shape[1])
-        before, after = self._functions(mode)
+        before, after = self._functions(mode, chained=bool(pending))
         if self.is_attention:
             assert isinstance(cache, KVCache)
-            q, k, v, *gate = before(x)
-            return after(x, self.self_attn.attend(q, k, v, cache, batch), *gate)
+            x, q, k, v, *gate = before(x, pending)
+            return _split(after(x, self.self_attn.attend(q, k, v, cache, batch), *gate))
         assert isinstance(cache, GDNCache)
         levels = 0 if batch.gdn is None else batch.gdn.levels
         if mode == "tree":
@@ -195,15 +203,18 @@ class DecoderLayer(nn.Module):
         else:
             (conv_state, S), fold = cache.states(x.dtype), None
         if fold is not None:
-            before, after = self._functions(mode, folding=True)
-        h, result = before(x, conv_state, S, tree_arrays(batch), levels, *(() if fold is None else (fold.arrays(),)))
+            before, after = self._functions(mode, folding=True, chained=bool(pending))
+        h, result = before(x, pending, conv_state, S, tree_arrays(batch), levels,
+                           *(() if fold is None else (fold.arrays(),)))
         self.linear_attn.store(cache, batch, mode, result, x.shape[1])
-        return after(h)
+        return _split(after(h))
 
-    def _functions(self, mode: Mode, folding: bool = False) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    def _functions(self, mode: Mode, folding: bool = False,
+                   chained: bool = False) -> tuple[Callable[..., Any], Callable[..., Any]]:
         compiled = self.compile_decode and mode != "chain"
-        # a trace per setting of the fused norms and of the CPU's gates (engine/cpu_exp.py)
-        key: TraceKey = (mode, compiled, folding, *fused_norms.traces(), cpu_exp.POW_GATES)
+        # a trace per setting of the fused norms and of the CPU's gates (engine/cpu_exp.py), and
+        # per input (the stream alone, or with the last layer's output pending)
+        key: TraceKey = (mode, compiled, folding, *fused_norms.traces(), cpu_exp.POW_GATES, chained)
         if key not in self._phases.by_mode:
             before, after = self._pure_functions(mode)
             if compiled:
@@ -214,38 +225,58 @@ class DecoderLayer(nn.Module):
     def _pure_functions(self, mode: Mode) -> tuple[Callable[..., Any], Callable[..., Any]]:
         fused, gated = fused_norms.traces()
 
-        def finish(x: mx.array, out: mx.array) -> mx.array:
-            """The residual add of the mixer's output, then the MLP on its norm (the add and the
-            norm one launch with engine/fused_norms.py, opt-in)."""
-            norm = self.post_attention_layernorm
-            if fused and fused_norms.add_covers(x, out, norm.weight):
-                h, normed = fused_norms.add_norm(x, out, norm.weight, norm.eps)
-            else:
-                h = x + out
-                normed = norm(h)
-            return h + self.mlp(normed)
+        def start(x: mx.array, pending: Pending) -> tuple[mx.array, mx.array]:
+            """(the residual stream, its input norm): the last layer's output added first."""
+            if not pending:
+                return x, self.input_layernorm(x)
+            return residual_norm(x, pending[0], self.input_layernorm, fused)
+
+        def finish(x: mx.array, out: mx.array) -> tuple[mx.array, ...]:
+            """The residual add of the mixer's output, then the MLP on its norm -> the stream, with
+            the MLP's output added, or left pending where the adds are fused."""
+            h, normed = residual_norm(x, out, self.post_attention_layernorm, fused)
+            m = self.mlp(normed)
+            return (h, m) if fused else (h + m,)
 
         if self.is_attention:
             attn = self.self_attn
 
-            def project(x: mx.array) -> list[mx.array]:
-                return attn.project(self.input_layernorm(x))
+            def project(x: mx.array, pending: Pending) -> list[mx.array]:
+                x, normed = start(x, pending)
+                return [x, *attn.project(normed)]
 
-            def output(x: mx.array, out: mx.array, gate: mx.array | None = None) -> mx.array:
+            def output(x: mx.array, out: mx.array, gate: mx.array | None = None) -> tuple[mx.array, ...]:
                 return finish(x, attn.output(out, gate))
 
             return project, output
         gdn = self.linear_attn
 
-        def layer(x: mx.array, conv_state: mx.array, S: mx.array, tree: tuple[mx.array, ...], levels: int,
-                  fold: tuple[mx.array, ...] = ()):
-            out, result = gdn.forward(mode, self.input_layernorm(x), conv_state, S, tree, levels, fold, gated)
+        def layer(x: mx.array, pending: Pending, conv_state: mx.array, S: mx.array, tree: tuple[mx.array, ...],
+                  levels: int, fold: tuple[mx.array, ...] = ()):
+            x, normed = start(x, pending)
+            out, result = gdn.forward(mode, normed, conv_state, S, tree, levels, fold, gated)
             return finish(x, out), result
 
         return layer, _identity
 
 
-def _identity(h: mx.array) -> mx.array:
+Pending = tuple[mx.array, ...]  # a layer's output not yet added to the residual stream: () or (y,)
+
+
+def residual_norm(x: mx.array, y: mx.array, norm: RMSNorm, fused: bool) -> tuple[mx.array, mx.array]:
+    """(h, norm(h)) with h = x + y: one launch where the fused add and norm cover the rows."""
+    if fused and fused_norms.add_covers(x, y, norm.weight):
+        return fused_norms.add_norm(x, y, norm.weight, norm.eps)
+    h = x + y
+    return h, norm(h)
+
+
+def _split(out: tuple[mx.array, ...]) -> tuple[mx.array, Pending]:
+    """A layer's (h,) or (h, pending) -> (h, pending)."""
+    return out[0], tuple(out[1:])
+
+
+def _identity(h: tuple[mx.array, ...]) -> tuple[mx.array, ...]:
     return h
 
 
@@ -263,14 +294,18 @@ class TextModel(nn.Module):
         assert features is None or isinstance(features, FeatureCache)
         taps = features.taps.layers if features is not None else ()
         h, tapped = self.embed_tokens(tokens), []
+        pending: Pending = ()
         every = batch.eval_every
         for i, (layer, c) in enumerate(zip(self.layers, cache[: len(self.layers)], strict=True)):
-            h = layer(h, c, batch)
+            h, pending = layer.chained(h, pending, c, batch)
             if i in taps:
-                tapped.append(h)
+                tapped.append(h + pending[0] if pending else h)
             if every and (i + 1) % every == 0 and i + 1 < len(self.layers):
-                mx.async_eval(h)  # the device starts on these layers while the host builds the next
-        h = self.norm(h)
+                mx.async_eval(h, *pending)  # the device starts on these layers while the host builds the next
+        if pending:  # the last layer's output, added in the final norm's launch
+            _, h = residual_norm(h, pending[0], self.norm, fused=True)
+        else:
+            h = self.norm(h)
         if features is not None:
             rows = mx.concatenate([*tapped, h] if features.taps.final else tapped, axis=-1).squeeze(0)
             features.record(rows, batch.deferred)

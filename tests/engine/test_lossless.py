@@ -210,3 +210,32 @@ def test_opt_in_kernels_change_no_token(tiny_qwen35, sampling, kind, kernel, mon
     engine = Engine(EngineConfig(model_path=str(tiny_qwen35), prefill_chunk=16, dtype="float32"))
     assert_fan_and_random_trees_lossless(engine, sampling, kind)
     assert calls
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "seeded"])
+def test_residual_left_pending_changes_no_token(tiny_qwen35, engine, sampling, monkeypatch):
+    """With the residual adds fused into the norms after them (engine/fused_norms.py), a layer
+    leaves its MLP output pending, added in the next layer's input-norm launch (the last one in the
+    final norm's). Forced on the CPU with the fused call replaced by its twin (the same ops), plain
+    decoding emits exactly what it emits without, fans and random trees match it, and the pending
+    path ran. A fresh engine: the setting is part of the layers' compiled traces."""
+    import mlx.core as mx
+
+    import engine.fused_norms as fused_norms
+
+    want = [generate(engine, prompt, sampling).tokens for prompt in PROMPTS]
+    calls = []
+
+    def twin(x, y, w, eps):
+        calls.append(1)
+        h = x + y
+        return h, mx.fast.rms_norm(h, w, eps)
+
+    monkeypatch.setattr(fused_norms, "traces", lambda: (True, False))
+    monkeypatch.setattr(fused_norms, "add_norm", twin)
+    chained = Engine(EngineConfig(model_path=str(tiny_qwen35), prefill_chunk=16, dtype="float32"))
+    assert [generate(chained, prompt, sampling).tokens for prompt in PROMPTS] == want
+    assert_fan_and_random_trees_lossless(chained, sampling, "fan")
+    assert_fan_and_random_trees_lossless(chained, sampling, "random")
+    # every layer's post-mixer norm and, from the second layer on, its input norm, then the final norm
+    assert len(calls) >= 2 * 4
