@@ -5,15 +5,25 @@ OpenBLAS. libmlx.so resolves cblas_sgemm dynamically, so preloading Debian's Ope
 (`apt-get install libopenblas0-pthread`) takes it over. A preload only works from process
 start, hence a re-exec. Must run before mlx is imported. Never imports mlx itself.
 
+Ahead of OpenBLAS goes a small library of the engine's own (engine/gemv_shim.c, built once per
+user with the C compiler on PATH) that sends one-row products to cblas_sgemv: OpenBLAS 0.3.21
+runs them as full GEMMs, which made a decode step's matmuls several times slower than they need
+be. Without a compiler, or with SPRUCE_NO_GEMV_SHIM set, OpenBLAS is preloaded alone.
+
 OpenBLAS's threads can be set round by round (`pace`; off by default, see ADAPT_THREADS).
 """
 
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
 import platform
+import shutil
+import subprocess
 import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
 CANDIDATES = (
@@ -21,6 +31,8 @@ CANDIDATES = (
     "/usr/lib/aarch64-linux-gnu/openblas-pthread/libblas.so.3",
 )
 OPT_OUT = "SPRUCE_NO_BLAS_PRELOAD"
+SHIM_OPT_OUT = "SPRUCE_NO_GEMV_SHIM"
+SHIM_SOURCE = Path(__file__).with_name("gemv_shim.c")
 HINT = ("spruce: MLX uses a slow reference BLAS on Linux CPUs; "
         "`apt-get install libopenblas0-pthread` makes it much faster")
 
@@ -46,10 +58,56 @@ def reexec_with_openblas(argv: list[str]) -> str | None:
     if lib is None:
         return HINT
     env = dict(os.environ)
-    env["LD_PRELOAD"] = ":".join(p for p in (lib, env.get("LD_PRELOAD", "")) if p)
+    env["LD_PRELOAD"] = ":".join(p for p in (gemv_shim(), lib, env.get("LD_PRELOAD", "")) if p)
     env[OPT_OUT] = "1"  # at most one re-exec, whatever happens
     os.execve(sys.executable, [sys.executable, *argv], env)
     return None  # not reached
+
+
+def gemv_shim() -> str | None:
+    """The one-row shim's library (engine/gemv_shim.c), compiled on first use into the user's cache
+    (or the temporary directory) under a name that hashes its source; None where it is switched off
+    or cannot be built. Building takes a C compiler (`$CC`, cc, gcc or clang) and ~0.1 s, once."""
+    if os.environ.get(SHIM_OPT_OUT) or platform.system() != "Linux":
+        return None
+    try:
+        source = SHIM_SOURCE.read_bytes()
+    except OSError:
+        return None
+    name = f"spruce-gemv-shim-{hashlib.sha256(source).hexdigest()[:16]}-{platform.machine()}.so"
+    homes = [Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "spruce",
+             Path(tempfile.gettempdir()) / f"spruce-{os.getuid()}"]
+    for home in homes:
+        if (home / name).is_file():
+            return str(home / name)
+    compiler = next(filter(None, (shutil.which(c) for c in (os.environ.get("CC", ""), "cc", "gcc", "clang") if c)),
+                    None)
+    if compiler is None:
+        return None
+    for home in homes:
+        try:
+            home.mkdir(parents=True, exist_ok=True)
+            partial = home / f"{name}.{os.getpid()}.part"  # renamed into place whole: builds may race
+            subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-o", str(partial), str(SHIM_SOURCE), "-ldl"],
+                           check=True, capture_output=True, timeout=120)
+            os.replace(partial, home / name)
+            return str(home / name)
+        except (OSError, subprocess.SubprocessError):
+            partial.unlink(missing_ok=True)
+            continue
+    return None
+
+
+def gemv_calls() -> int | None:
+    """How many products the shim sent to cblas_sgemv in this process (None: it is not loaded)."""
+    for path in os.environ.get("LD_PRELOAD", "").split(":"):
+        if "spruce-gemv-shim" in path:
+            try:
+                handle = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_NOW)
+            except OSError:
+                return None
+            return int(ctypes.c_long.in_dll(handle, "spruce_gemv_calls").value)
+    return None
 
 
 # OpenBLAS's threads, by what the host does meanwhile. Plain rounds are pipelined: the host builds
