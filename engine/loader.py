@@ -18,6 +18,7 @@ compute dtype) in memory. When the compute dtype is the stored one nothing is co
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
@@ -30,7 +31,7 @@ from engine.dtypes import DTYPES, resolve_dtype
 from engine.kernels import backend_default
 from engine.models import FAMILIES
 from engine.models.base import ModelArgs
-from engine.models.qlinear import route_quantized_projections
+from engine.models.qlinear import dequantize_projections, float32_bytes, route_quantized_projections
 from engine.rotation import rotate_inputs_of
 
 SKIPPED_PREFIXES = ("model.visual.", "visual.", "vision_tower.", "mtp.", "model.mtp.")
@@ -55,6 +56,7 @@ class LoadedModel:
     rotated_inputs: int = 0  # projections whose inputs are Hadamard-rotated at run time
     fused_projections: int = 0  # groups of same-input projections run as one matmul
     routed_projections: int = 0  # quantized projections on the engine's matmul (engine/models/qlinear.py)
+    dequantized_projections: int = 0  # quantized projections turned float32 on the CPU (cpu_dequantize)
 
     @property
     def nbytes(self) -> int:
@@ -189,7 +191,7 @@ def _check_and_cast(model: nn.Module, weights: dict[str, mx.array], where: dict[
 
 
 def load_model(path: str | Path, dtype: str = "auto", fuse: bool | None = None,
-               routed: bool | None = None) -> LoadedModel:
+               routed: bool | None = None, dequantize: bool | None = None) -> LoadedModel:
     """dtype: a name of engine.config.DTYPE_NAMES ('auto' = bfloat16 on a GPU, float32 on the CPU).
     fuse: run each layer's same-input projections as one matmul (engine/models/fused.py); None =
     SPRUCE_FUSE (0 / 1) if set, else on CUDA only, where it was measured: on the CPU OpenBLAS ran
@@ -197,7 +199,8 @@ def load_model(path: str | Path, dtype: str = "auto", fuse: bool | None = None,
     against 206 for the two), and no Apple GPU was reachable to measure Metal.
     routed: route the quantized projections through the engine's matmul (the small-M tensor-core
     kernel on CUDA, dequantize + GEMM for many rows on the CPU); None = SPRUCE_QMM (0 / 1) if set,
-    else on CUDA and the CPU, where each was measured (engine/models/qlinear.py)."""
+    else on CUDA and the CPU, where each was measured (engine/models/qlinear.py).
+    dequantize: turn quantized projections into float32 ones at load (CPU only); None = cpu_dequantize."""
     fuse = switch("SPRUCE_FUSE") if fuse is None else fuse
     routed = switch("SPRUCE_QMM", on=("cuda", "cpu")) if routed is None else routed
     path = Path(path)
@@ -227,11 +230,44 @@ def load_model(path: str | Path, dtype: str = "auto", fuse: bool | None = None,
     model.load_weights(final, strict=True)
     del final  # the model holds the weights now; fusing below frees each original it replaces
     mx.eval(model.parameters())  # nothing left to compute; a guard against a lazy parameter
+    # float32 weights for float32 activations only (a bf16 request on the CPU keeps its kernels)
+    if loaded.quantization is not None and dtype == "float32" and (
+            cpu_dequantize(model) if dequantize is None else dequantize):
+        loaded.dequantized_projections = dequantize_projections(model)
     if fuse and hasattr(model, "fuse_projections"):
         loaded.fused_projections = model.fuse_projections()
     if routed:
         loaded.routed_projections = route_quantized_projections(model)
     return loaded
+
+
+# On the CPU a quantized checkpoint is turned float32 at load while that takes at most this share of
+# the machine's memory (SPRUCE_CPU_DEQUANT=0 | 1 overrides): MLX's CPU quantized kernels are far
+# slower than a float32 GEMV (engine/models/qlinear.py dequantize_projections). A 4-bit Qwen3.5-0.8B
+# grows to ~3.2 GB, a 4B to ~16 GB.
+CPU_DEQUANT_MEMORY_SHARE = 0.4
+
+
+def cpu_dequantize(model: nn.Module) -> bool:
+    """Whether to turn the model's quantized projections float32 at load: never on a GPU; on the
+    CPU as SPRUCE_CPU_DEQUANT (0 | 1) says, else where the float32 weights fit in
+    CPU_DEQUANT_MEMORY_SHARE of the memory."""
+    choice = os.environ.get("SPRUCE_CPU_DEQUANT")
+    if choice not in (None, "0", "1"):
+        raise CheckpointError(f"SPRUCE_CPU_DEQUANT must be 0 or 1, got {choice!r}")
+    if mx.default_device() != mx.cpu:
+        return False
+    if choice is not None:
+        return choice == "1"
+    return float32_bytes(model) <= CPU_DEQUANT_MEMORY_SHARE * physical_memory()
+
+
+def physical_memory() -> int:
+    """The machine's memory in bytes (0 where it cannot be read)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
 
 
 def switch(name: str, on: tuple[str, ...] = ("cuda",)) -> bool:

@@ -1,6 +1,7 @@
 """The model's quantized projections through the engine's own choice of matmul per backend
 (engine.kernels.quantized_linear), where the loader routes them (SPRUCE_QMM=0|1 overrides:
-engine/loader.py; on by default on CUDA and the CPU, where each was measured).
+engine/loader.py; on by default on CUDA and the CPU, where each was measured). On the CPU the
+loader first turns them into float32 projections where that fits in memory (`dequantize_projections`).
 
 - CUDA: the small-M tensor-core kernel (metal/qmm_mma.kernel). MLX's CUDA quantized matmul
   streams the weights once per activation row below 8 rows and, from 8 rows on, launches one block
@@ -66,6 +67,55 @@ class RowsQuantizedEmbedding(nn.QuantizedEmbedding):
     def as_linear(self, x: mx.array) -> mx.array:
         return quantized_linear(x, self["weight"], self["scales"], self.get("biases"), self.group_size, self.bits,
                                 self.mode)
+
+
+def float32_bytes(model: nn.Module) -> int:
+    """What the model's affine quantized projections and embedding would take in float32."""
+    total = 0
+    for _, module in model.named_modules():
+        if _dequantizable(module):
+            out, packed = module["weight"].shape
+            total += 4 * out * packed * (32 // module.bits)
+    return total
+
+
+def _dequantizable(module: nn.Module) -> bool:
+    """MLX's affine 4/8-bit projection or embedding, routed or not (not a subclass with its own
+    behaviour, such as the Hadamard-rotated projection)."""
+    kinds = (nn.QuantizedLinear, nn.QuantizedEmbedding, RowsQuantizedLinear, RowsQuantizedEmbedding)
+    return type(module) in kinds and module.mode == "affine" and module.bits in (4, 8)
+
+
+def dequantize_projections(model: nn.Module) -> int:
+    """Replace the model's affine 4/8-bit projections and quantized embedding by float32 ones holding
+    the dequantized weights (scale * q + bias, as the quantized matmul computes them: the same
+    model, summed in another order) -> how many were replaced. Each is evaluated as it is made, and
+    the quantized arrays go with the swap. Subclasses (the Hadamard-rotated projection) keep theirs.
+
+    Why: MLX's CPU quantized matmul takes ~0.9 ns a weight at one row (8192 x 384 at 4 bits: 2.7 ms,
+    the same product in float32 through the GEMV shim 0.1 ms) and its dequantize ~1.5-5 ns a weight
+    (scripts/bench_cpu_dequant.py), so on the CPU a quantized checkpoint decodes fastest from
+    float32 weights where memory allows (engine/loader.py decides)."""
+    swaps: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if not _dequantizable(module):
+            continue
+        w = mx.dequantize(module["weight"], module["scales"], module.get("biases"), group_size=module.group_size,
+                          bits=module.bits, mode=module.mode).astype(mx.float32)
+        mx.eval(w)
+        dense: nn.Module
+        if isinstance(module, nn.QuantizedEmbedding):
+            dense = nn.Embedding.__new__(nn.Embedding)
+        else:
+            dense = nn.Linear.__new__(nn.Linear)
+        nn.Module.__init__(dense)
+        dense.weight = w
+        if "bias" in module:
+            dense.bias = module["bias"].astype(mx.float32)
+        swaps.append((name, dense))
+    if swaps:
+        model.update_modules(tree_unflatten(swaps))
+    return len(swaps)
 
 
 def route_quantized_projections(model: nn.Module) -> int:

@@ -25,6 +25,13 @@ PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79]
 TREE = DraftTree((7, 8, 9, 10, 11, 12), (-1, 0, 1, 0, 3, 1))
 
 
+@pytest.fixture(autouse=True)
+def quantized_on_the_cpu_too(monkeypatch):
+    """These tests are about the quantized projections: the CPU keeps them (the loader would turn
+    a small quantized checkpoint float32 there: tests/engine/test_cpu_dequant.py)."""
+    monkeypatch.setenv("SPRUCE_CPU_DEQUANT", "0")
+
+
 @pytest.fixture(scope="module")
 def wide_q4(tmp_path_factory):
     """Hidden 256, so every projection's input is a multiple of 128 and the kernel covers it."""

@@ -124,7 +124,7 @@ def test_a_quantized_wide_target_keeps_the_padding_exact_and_the_tokens(wide8):
     # `--bits`: projections quantized as mlx-community checkpoints are; padded blocks stay exactly
     # zero, so the only change is the real weights' rounding
     small = load_model(BUNDLED / "target", dtype="float32").model
-    big = load_model(wide8 / "target", dtype="float32").model
+    big = load_model(wide8 / "target", dtype="float32", dequantize=False).model  # as stored
     assert isinstance(big.model.layers[0].mlp.down_proj, nn.QuantizedLinear)
     assert not isinstance(big.model.embed_tokens, nn.QuantizedEmbedding)
     tokens = mx.array(np.random.default_rng(1).integers(3, 8000, 64))[None]
