@@ -17,6 +17,7 @@ from engine import rotation
 from engine.convert.rules import ConvertOptions, Rules, folded_norm_names
 from engine.convert.source import Source, open_source
 from engine.convert.writer import ShardWriter
+from engine.drafters.draft_vocab import FILE as DRAFT_VOCAB_FILE
 from engine.loader import CheckpointError
 from engine.models import FAMILIES
 
@@ -165,9 +166,12 @@ def _write_config(source: Source, out: Path, options: ConvertOptions, rules: Rul
 
 
 def _copy_small_files(src: Path, out: Path) -> None:
-    """Tokenizer, generation config, chat template, README...: everything but weights and config."""
+    """Tokenizer, generation config, chat template, README, the draft vocabulary...: everything but
+    weights and config. (The draft vocabulary merged into the weights made mlx-lm refuse the
+    checkpoint: its `ranked_ids` is no parameter of the model.)"""
     for f in sorted(src.iterdir()):
-        if (f.is_file() and f.name not in SKIPPED_FILES and not f.name.endswith(WEIGHT_SUFFIXES)
+        side_file = f.name == DRAFT_VOCAB_FILE
+        if (f.is_file() and f.name not in SKIPPED_FILES and (side_file or not f.name.endswith(WEIGHT_SUFFIXES))
                 and f.stat().st_size <= SMALL_FILE_LIMIT):
             shutil.copyfile(f, out / f.name)
 

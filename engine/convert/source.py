@@ -8,6 +8,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.drafters.draft_vocab import FILE as DRAFT_VOCAB_FILE
 from engine.loader import CheckpointError, canonical_key, read_config, tensor_group
 
 HEADER_LIMIT = 100 << 20  # a safetensors header larger than this is not a header
@@ -49,7 +50,8 @@ class Source:
 def open_source(path: Path) -> Source:
     model_type, text = read_config(path)
     raw = json.loads((path / "config.json").read_text())
-    files = sorted(path.glob("*.safetensors"))
+    # the draft vocabulary beside a checkpoint is not weights: it is copied as it is (run.py)
+    files = sorted(f for f in path.glob("*.safetensors") if f.name != DRAFT_VOCAB_FILE)
     if not files:
         raise CheckpointError(f"{path} has no *.safetensors weight files")
     tensors = [info for f in files for info in _header(f)]

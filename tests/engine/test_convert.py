@@ -165,3 +165,20 @@ def test_a_failed_conversion_leaves_nothing_behind(tiny_qwen35, tmp_path):
     with pytest.raises(ConvertError, match="cannot read model.safetensors: .*incomplete"):
         convert(src, tmp_path / "out", ConvertOptions(bits=8), progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_the_draft_vocabulary_is_copied_beside_not_into_the_weights(tmp_path):
+    """The bundled target carries draft_vocab.safetensors: the output keeps it as a file of its own
+    (merged into the weights, its `ranked_ids` made mlx-lm refuse the checkpoint), Spruce's drafters
+    still find it, and mlx-lm loads the output."""
+    from engine.drafters.draft_vocab import FILE
+    from engine.generate import BUNDLED
+
+    src = BUNDLED / "target"
+    out = tmp_path / "out"
+    convert(src, out, ConvertOptions(bits=4, group_size=64), progress=False)
+    assert (out / FILE).read_bytes() == (src / FILE).read_bytes()
+    keys = set(mx.load(str(out / "model.safetensors")).keys())
+    assert not any("ranked_ids" in k for k in keys)
+    model, _ = parity_module("mlx_lm.utils").load_model(out)
+    assert model is not None
