@@ -6,15 +6,16 @@ OpenBLAS. libmlx.so resolves cblas_sgemm dynamically, so preloading Debian's Ope
 start, hence a re-exec. Must run before mlx is imported. Never imports mlx itself.
 
 Ahead of OpenBLAS goes a small library of the engine's own (engine/gemv_shim.c, built once per
-user with the C compiler on PATH) that sends one-row products to cblas_sgemv: OpenBLAS 0.3.21
-runs them as full GEMMs, which made a decode step's matmuls several times slower than they need
-be. Without a compiler, or with SPRUCE_NO_GEMV_SHIM set, OpenBLAS is preloaded alone.
+user with the C compiler on PATH) that sends products of up to 4 rows to cblas_sgemv, a row at a
+time: OpenBLAS 0.3.21 runs them as full GEMMs, which made a decode step's matmuls several times
+slower than they need be. Without a compiler, or with SPRUCE_NO_GEMV_SHIM set, OpenBLAS is preloaded alone.
 
 OpenBLAS's threads can be set round by round (`pace`; off by default, see ADAPT_THREADS).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -65,7 +66,7 @@ def reexec_with_openblas(argv: list[str]) -> str | None:
 
 
 def gemv_shim() -> str | None:
-    """The one-row shim's library (engine/gemv_shim.c), compiled on first use into the user's cache
+    """The GEMV shim's library (engine/gemv_shim.c), compiled on first use into the user's cache
     (or the temporary directory) under a name that hashes its source; None where it is switched off
     or cannot be built. Building takes a C compiler (`$CC`, cc, gcc or clang) and ~0.1 s, once."""
     if os.environ.get(SHIM_OPT_OUT) or platform.system() != "Linux":
@@ -85,15 +86,16 @@ def gemv_shim() -> str | None:
     if compiler is None:
         return None
     for home in homes:
+        partial = home / f"{name}.{os.getpid()}.part"  # renamed into place whole: builds may race
         try:
             home.mkdir(parents=True, exist_ok=True)
-            partial = home / f"{name}.{os.getpid()}.part"  # renamed into place whole: builds may race
             subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-o", str(partial), str(SHIM_SOURCE), "-ldl"],
                            check=True, capture_output=True, timeout=120)
             os.replace(partial, home / name)
             return str(home / name)
         except (OSError, subprocess.SubprocessError):
-            partial.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # nothing to remove, or no directory to remove it from
+                partial.unlink(missing_ok=True)
             continue
     return None
 

@@ -126,3 +126,17 @@ def test_switched_off_or_without_a_compiler(tmp_path: Path, monkeypatch: pytest.
 def test_not_loaded_means_no_count(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LD_PRELOAD", "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3")
     assert blas.gemv_calls() is None
+
+
+def test_an_unwritable_cache_falls_back_to_the_next_place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cache directory that cannot be made (here: a file in its way) is skipped, not an error."""
+    if sys.platform != "linux":
+        pytest.skip("the shim is for Linux")
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the cache directory would go")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))
+    monkeypatch.setattr(blas.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    shim = blas.gemv_shim()
+    if shim is None and blas.shutil.which("cc") is None and blas.shutil.which("gcc") is None:
+        pytest.skip("no C compiler to build the shim with")
+    assert shim is not None and Path(shim).parent == tmp_path / "tmp" / f"spruce-{os.getuid()}"
