@@ -93,7 +93,7 @@ def dequantize_projections(model: nn.Module) -> int:
     the quantized arrays go with the swap. Subclasses (the Hadamard-rotated projection) keep theirs.
 
     Why: MLX's CPU quantized matmul takes ~0.9 ns a weight at one row (8192 x 384 at 4 bits: 2.7 ms,
-    the same product in float32 through the GEMV shim 0.1 ms) and its dequantize ~1.5-5 ns a weight
+    the same product in float32 through the GEMV shim 0.1 ms) and its dequantize ~1.1-5.5 ns a weight
     (scripts/bench_cpu_dequant.py), so on the CPU a quantized checkpoint decodes fastest from
     float32 weights where memory allows (engine/loader.py decides)."""
     swaps: list[tuple[str, nn.Module]] = []
