@@ -46,6 +46,7 @@ class Engine:
         loaded = load_model(config.model_path, config.dtype)
         self.model: CausalLM = loaded.model
         self.dtype, self.weights_bytes, self.last_cache_bytes = loaded.dtype, loaded.nbytes, 0
+        self.load_notes = loaded.notes  # printed by the CLI at start
         self.tokenizer = Tokenizer.from_dir(config.model_path)
         self.model_id = config.model_id or Path(config.model_path).resolve().name
         self.vocab_size = self.model.args.vocab_size

@@ -59,6 +59,16 @@ class LoadedModel:
     dequantized_projections: int = 0  # quantized projections turned float32 on the CPU (cpu_dequantize)
 
     @property
+    def notes(self) -> tuple[str, ...]:
+        """What a user starting the engine should know about how the checkpoint was loaded."""
+        if not self.dequantized_projections:
+            return ()
+        bits = (self.quantization or {}).get("bits", "?")
+        return (f"the {bits}-bit checkpoint's {self.dequantized_projections} quantized projections run in float32 "
+                f"on the CPU ({self.nbytes / 1e9:.2f} GB of weights; SPRUCE_CPU_DEQUANT=0 keeps them quantized, "
+                "several times slower)",)
+
+    @property
     def nbytes(self) -> int:
         """Bytes of all weights as loaded (quantized ones packed)."""
         return model_nbytes(self.model)
@@ -252,7 +262,7 @@ def cpu_dequantize(model: nn.Module) -> bool:
     """Whether to turn the model's quantized projections float32 at load: never on a GPU; on the
     CPU as SPRUCE_CPU_DEQUANT (0 | 1) says, else where the float32 weights fit in
     CPU_DEQUANT_MEMORY_SHARE of the memory."""
-    choice = os.environ.get("SPRUCE_CPU_DEQUANT")
+    choice = os.environ.get("SPRUCE_CPU_DEQUANT") or None  # set but empty: as if unset
     if choice not in (None, "0", "1"):
         raise CheckpointError(f"SPRUCE_CPU_DEQUANT must be 0 or 1, got {choice!r}")
     if mx.default_device() != mx.cpu:

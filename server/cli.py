@@ -220,10 +220,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
         release_mlx()
         raise
     try:
-        for note in settings.notes:
+        assert bridge.engine is not None  # start() returned: the model is loaded
+        for note in (*settings.notes, *bridge.engine.load_notes):
             print(f"spruce: {note}", file=sys.stderr)
         warn_if_exposed(a.host, options.api_key)
-        assert bridge.engine is not None  # start() returned: the model is loaded
         name = options.served_model_name or bridge.engine.model_id
         print(f"spruce: serving {name} on http://{url_host(a.host)}:{a.port}/v1"
               + (" (API key required)" if options.api_key else ""), file=sys.stderr)
@@ -286,7 +286,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     except CLIError:
         release_mlx()
         raise
-    for note in settings.notes:
+    for note in (*settings.notes, *engine.load_notes):
         print(f"spruce: {note}", file=sys.stderr)
     try:
         ids = engine.tokenizer.encode(prompt) if a.no_chat else _chat_ids(engine.tokenizer, prompt, a.think)

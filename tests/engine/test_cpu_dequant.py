@@ -54,6 +54,8 @@ def test_float32_projections_compute_what_the_quantized_ones_do(quantized):
     assert f.model.model.embed_tokens.weight.dtype == mx.float32
     for ours, ref in zip(logits(f.model), logits(q.model), strict=True):
         assert np.abs(ours - ref).max() <= 1e-4 * max(1.0, float(np.abs(ref).max()))
+    # the CLI tells the user (spruce run / serve print the engine's load notes)
+    assert q.notes == () and len(f.notes) == 1 and "SPRUCE_CPU_DEQUANT=0" in f.notes[0]
 
 
 @cpu_only
