@@ -19,11 +19,12 @@
 enum { ROW_MAJOR = 101 };
 enum { NO_TRANS = 111, TRANS = 112 };
 
-/* Products of up to this many rows run as one GEMV a row. Measured on the dev CPU (OpenBLAS 0.3.21,
- * two threads, MLX's products with the shim; us, GEMM against a GEMV a row): 8192 x 384 at 2 / 4 /
- * 7 rows 561 / 804 / 775 against ~230 / ~460 / ~805; 768 x 384 69 / 84 / 80 against ~40 / ~80 /
- * ~140. So up to 4 rows a row at a time, and such a product's rows are each bitwise what the row
- * alone gives: a verify of up to 4 rows rounds as the one-row steps do. */
+/* Products of up to this many rows run as one GEMV a row. On the dev CPU (OpenBLAS 0.3.21, two
+ * threads; an ad-hoc timing of MLX products, µs, GEMM against separate one-row GEMVs): 8192 x 384 at
+ * 2 / 4 / 7 rows 561 / 804 / 775 against ~230 / ~460 / ~805; 768 x 384 69 / 84 / 80 against ~40 /
+ * ~80 / ~140. So up to 4 rows a row at a time (scripts/bench_gemv_shim.py times the landed form),
+ * and such a product's rows are each bitwise what the row alone gives: a verify of up to 4 rows
+ * rounds as the one-row steps do. */
 #define GEMV_ROWS 4
 
 typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float*, int, const float*, int, float,
