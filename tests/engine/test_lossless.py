@@ -239,3 +239,34 @@ def test_residual_left_pending_changes_no_token(tiny_qwen35, engine, sampling, m
     assert_fan_and_random_trees_lossless(chained, sampling, "random")
     # every layer's post-mixer norm and, from the second layer on, its input norm, then the final norm
     assert len(calls) >= 2 * 4
+
+
+def test_features_with_the_residual_pending_are_the_sums(tiny_qwen35, monkeypatch):
+    """The layers a drafter taps (DFlash) and the final state (MTP) recorded with the MLP outputs
+    left pending are bitwise what the unfused model records: a tap adds the pending output first.
+    (Forced on the CPU with the fused call's twin, whose ops are the unfused ones.)"""
+    import mlx.core as mx
+
+    import engine.fused_norms as fused_norms
+    from engine.feature_cache import FeatureCache, FeatureTaps
+    from engine.loader import load_model
+
+    tokens = mx.array([PROMPTS[0]])
+
+    def recorded() -> np.ndarray:
+        model = load_model(tiny_qwen35, "float32").model
+        features = FeatureCache(FeatureTaps(final=True, layers=(0, 1, 2)))
+        model.hidden(tokens, [*model.make_cache(), features])
+        return np.array(features.read(0))
+
+    want = recorded()
+
+    def twin(x, y, w, eps):
+        h = x + y
+        return h, mx.fast.rms_norm(h, w, eps)
+
+    monkeypatch.setattr(fused_norms, "traces", lambda: (True, False))
+    monkeypatch.setattr(fused_norms, "add_norm", twin)
+    got = recorded()
+    assert want.shape == got.shape and want.shape[1] == 4 * 64
+    np.testing.assert_array_equal(got, want)
