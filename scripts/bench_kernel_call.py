@@ -11,7 +11,7 @@ evaluated; medians of --runs of host time to build the graph and to evaluate it,
 Beside them: the same number of mx.add chains (n - 1 adds a launch) and an empty evaluation.
 
 Then what the length of a kernel's source costs (MLX's CUDA backend hashes the whole source at
-every evaluation of a call: engine.kernels.compact_source): the one-input kernel with a comment of
+every evaluation of a call: engine/kernel_source.py): the one-input kernel with a comment of
 each --source-kb kilobytes in its header, and the engine's small-M matmul (qmm_mma, the 9B shape's
 MLP down projection at one row, CUDA only) built from its sources as written and as compacted,
 the two alternated --qmm-repeats times; host time to build and to hand over (mx.async_eval: the

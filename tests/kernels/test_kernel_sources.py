@@ -153,7 +153,7 @@ def test_compacted_text_keeps_every_token_and_directive(spec):
 
 
 def test_compact_source_keeps_literals_and_macro_lines():
-    from engine.kernels import compact_source
+    from engine.kernel_source import compact_source
 
     src = ('#define A(x)   \\\n  (x) /* one */ + 1   \\\n\n  // gone\nconst char* s = "a // b /* c */";  // tail\n'
            "int   c = '/';\n\n\n#define B \\\n\nint d;\n")
