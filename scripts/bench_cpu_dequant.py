@@ -15,12 +15,11 @@ weight for the quantized matmul at one row and for the float32 product.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engine.blas import reexec_with_openblas  # noqa: E402
 
@@ -28,19 +27,16 @@ if __name__ == "__main__":  # a BLAS preload works only from process start: befo
     reexec_with_openblas(sys.orig_argv[1:])
 
 import mlx.core as mx  # noqa: E402
+from bench_op_costs import timed as op_costs_timed  # noqa: E402
 
 from engine import blas  # noqa: E402
 from engine.kernels import dequantized_matmul  # noqa: E402
 
 
 def timed(fn, reps: int) -> float:
-    times = []
-    for r in range(reps + 2):
-        t = time.perf_counter()
-        mx.eval(fn())
-        if r >= 2:
-            times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e6
+    """Median µs a call takes, graph building and evaluation together (bench_op_costs.timed)."""
+    build, _, evaluation = op_costs_timed(fn, reps)
+    return (build + evaluation) * 1e3
 
 
 def main() -> None:

@@ -22,18 +22,18 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engine.blas import reexec_with_openblas  # noqa: E402
 
 if __name__ == "__main__":  # a BLAS preload works only from process start: before mlx is imported
     reexec_with_openblas(sys.orig_argv[1:])
 
-import time  # noqa: E402
-
 
 def measure(shapes: list[tuple[int, int]], rows: list[int], reps: int, launches: int) -> dict[str, float]:
-    """In this process: µs a product, per 'OxI/M'."""
+    """In this process: µs a product, per 'OxI/M' (graph building and evaluation: bench_op_costs.timed)."""
     import mlx.core as mx
+    from bench_op_costs import timed
 
     out = {}
     for o, i in shapes:
@@ -41,13 +41,8 @@ def measure(shapes: list[tuple[int, int]], rows: list[int], reps: int, launches:
         for m in rows:
             xs = [mx.random.normal((1, m, i)) for _ in range(launches)]
             mx.eval(w, xs)
-            times = []
-            for r in range(reps + 3):
-                t = time.perf_counter()
-                mx.eval([x @ w.T for x in xs])
-                if r >= 3:
-                    times.append((time.perf_counter() - t) / launches)
-            out[f"{o}x{i}/{m}"] = statistics.median(times) * 1e6
+            build, _, evaluation = timed(lambda w=w, xs=xs: [x @ w.T for x in xs], reps)
+            out[f"{o}x{i}/{m}"] = (build + evaluation) * 1e3 / launches
     return out
 
 
