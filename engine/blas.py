@@ -34,6 +34,7 @@ CANDIDATES = (
 OPT_OUT = "SPRUCE_NO_BLAS_PRELOAD"
 SHIM_OPT_OUT = "SPRUCE_NO_GEMV_SHIM"
 SHIM_SOURCE = Path(__file__).with_name("gemv_shim.c")
+SHIM_NAME = "spruce-gemv-shim"  # the built library's file name starts with this
 HINT = ("spruce: MLX uses a slow reference BLAS on Linux CPUs; "
         "`apt-get install libopenblas0-pthread` makes it much faster")
 
@@ -75,7 +76,7 @@ def gemv_shim() -> str | None:
         source = SHIM_SOURCE.read_bytes()
     except OSError:
         return None
-    name = f"spruce-gemv-shim-{hashlib.sha256(source).hexdigest()[:16]}-{platform.machine()}.so"
+    name = f"{SHIM_NAME}-{hashlib.sha256(source).hexdigest()[:16]}-{platform.machine()}.so"
     homes = [Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "spruce",
              Path(tempfile.gettempdir()) / f"spruce-{os.getuid()}"]
     for home in homes:
@@ -103,7 +104,7 @@ def gemv_shim() -> str | None:
 def gemv_calls() -> int | None:
     """How many products the shim sent to cblas_sgemv in this process (None: it is not loaded)."""
     for path in os.environ.get("LD_PRELOAD", "").split(":"):
-        if "spruce-gemv-shim" in path:
+        if SHIM_NAME in os.path.basename(path):
             try:
                 handle = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_NOW)
             except OSError:

@@ -5,7 +5,7 @@
 
 On Linux the MLX CPU wheel ships a slow reference BLAS: when Debian/Ubuntu's OpenBLAS is
 installed the command re-execs itself once with it in LD_PRELOAD, before mlx is imported, with
-the engine's one-row GEMV shim ahead of it where a C compiler could build it (engine/blas.py;
+the engine's GEMV shim for products of a few rows ahead of it where a C compiler could build it (engine/blas.py;
 SPRUCE_NO_BLAS_PRELOAD=1 turns both off, SPRUCE_NO_GEMV_SHIM=1 the shim).
 
 Exit codes: 0, 2 for a usage or load error (one line on stderr), 130 when `run` is interrupted.
