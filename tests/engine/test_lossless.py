@@ -212,19 +212,14 @@ def test_opt_in_kernels_change_no_token(tiny_qwen35, sampling, kind, kernel, mon
     assert calls
 
 
-@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "seeded"])
-def test_residual_left_pending_changes_no_token(tiny_qwen35, engine, sampling, monkeypatch):
-    """With the residual adds fused into the norms after them (engine/fused_norms.py), a layer
-    leaves its MLP output pending, added in the next layer's input-norm launch (the last one in the
-    final norm's). Forced on the CPU with the fused call replaced by its twin (the same ops), plain
-    decoding emits exactly what it emits without, fans and random trees match it, and the pending
-    path ran. A fresh engine: the setting is part of the layers' compiled traces."""
+def force_residual_pending(monkeypatch) -> list[int]:
+    """The fused residual adds switched on in the layers' traces, on the CPU, with the fused call
+    replaced by its twin (the unfused ops) -> a list that grows by one at each call of it."""
     import mlx.core as mx
 
     import engine.fused_norms as fused_norms
 
-    want = [generate(engine, prompt, sampling).tokens for prompt in PROMPTS]
-    calls = []
+    calls: list[int] = []
 
     def twin(x, y, w, eps):
         calls.append(1)
@@ -233,6 +228,18 @@ def test_residual_left_pending_changes_no_token(tiny_qwen35, engine, sampling, m
 
     monkeypatch.setattr(fused_norms, "traces", lambda: (True, False))
     monkeypatch.setattr(fused_norms, "add_norm", twin)
+    return calls
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "seeded"])
+def test_residual_left_pending_changes_no_token(tiny_qwen35, engine, sampling, monkeypatch):
+    """With the residual adds fused into the norms after them (engine/fused_norms.py), a layer
+    leaves its MLP output pending, added in the next layer's input-norm launch (the last one in the
+    final norm's). Forced on the CPU with the fused call replaced by its twin (the same ops), plain
+    decoding emits exactly what it emits without, fans and random trees match it, and the pending
+    path ran. A fresh engine: the setting is part of the layers' compiled traces."""
+    want = [generate(engine, prompt, sampling).tokens for prompt in PROMPTS]
+    calls = force_residual_pending(monkeypatch)
     chained = Engine(EngineConfig(model_path=str(tiny_qwen35), prefill_chunk=16, dtype="float32"))
     assert [generate(chained, prompt, sampling).tokens for prompt in PROMPTS] == want
     assert_fan_and_random_trees_lossless(chained, sampling, "fan")
@@ -247,7 +254,6 @@ def test_features_with_the_residual_pending_are_the_sums(tiny_qwen35, monkeypatc
     (Forced on the CPU with the fused call's twin, whose ops are the unfused ones.)"""
     import mlx.core as mx
 
-    import engine.fused_norms as fused_norms
     from engine.feature_cache import FeatureCache, FeatureTaps
     from engine.loader import load_model
 
@@ -260,13 +266,7 @@ def test_features_with_the_residual_pending_are_the_sums(tiny_qwen35, monkeypatc
         return np.array(features.read(0))
 
     want = recorded()
-
-    def twin(x, y, w, eps):
-        h = x + y
-        return h, mx.fast.rms_norm(h, w, eps)
-
-    monkeypatch.setattr(fused_norms, "traces", lambda: (True, False))
-    monkeypatch.setattr(fused_norms, "add_norm", twin)
+    force_residual_pending(monkeypatch)
     got = recorded()
     assert want.shape == got.shape and want.shape[1] == 4 * 64
     np.testing.assert_array_equal(got, want)
