@@ -6,9 +6,10 @@ OpenBLAS. libmlx.so resolves cblas_sgemm dynamically, so preloading Debian's Ope
 start, hence a re-exec. Must run before mlx is imported. Never imports mlx itself.
 
 Ahead of OpenBLAS goes a small library of the engine's own (engine/gemv_shim.c, built once per
-user with the C compiler on PATH) that sends products of up to 4 rows to cblas_sgemv, a row at a
-time: OpenBLAS 0.3.21 runs them as full GEMMs, which made a decode step's matmuls several times
-slower than they need be. Without a compiler, or with SPRUCE_NO_GEMV_SHIM set, OpenBLAS is preloaded alone.
+user with the C compiler on PATH) that computes products of up to 33 rows itself, on every core,
+reading each weight once: OpenBLAS 0.3.21 runs them as full GEMMs that pack the whole weight
+first, which made a decode step's and a verify's matmuls several times slower than they need be.
+Without a compiler, or with SPRUCE_NO_GEMV_SHIM set, OpenBLAS is preloaded alone.
 
 OpenBLAS's threads can be set round by round (`pace`; off by default, see ADAPT_THREADS).
 """
@@ -90,8 +91,8 @@ def gemv_shim() -> str | None:
         partial = home / f"{name}.{os.getpid()}.part"  # renamed into place whole: builds may race
         try:
             home.mkdir(parents=True, exist_ok=True)
-            subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-o", str(partial), str(SHIM_SOURCE), "-ldl"],
-                           check=True, capture_output=True, timeout=120)
+            subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-o", str(partial), str(SHIM_SOURCE), "-ldl",
+                            "-pthread"], check=True, capture_output=True, timeout=120)
             os.replace(partial, home / name)
             return str(home / name)
         except (OSError, subprocess.SubprocessError):
@@ -101,16 +102,52 @@ def gemv_shim() -> str | None:
     return None
 
 
-def gemv_calls() -> int | None:
-    """How many products the shim sent to cblas_sgemv in this process (None: it is not loaded)."""
+def _shim_handle() -> Any:
+    """The shim this process has preloaded, or None. Never loads a library."""
     for path in os.environ.get("LD_PRELOAD", "").split(":"):
         if SHIM_NAME in os.path.basename(path):
             try:
-                handle = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_NOW)
+                return ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_NOW)
             except OSError:
                 return None
-            return int(ctypes.c_long.in_dll(handle, "spruce_gemv_calls").value)
     return None
+
+
+def gemv_calls() -> int | None:
+    """How many products the shim computed or sent to cblas_sgemv in this process (None: it is not
+    loaded)."""
+    handle = _shim_handle()
+    return None if handle is None else int(ctypes.c_long.in_dll(handle, "spruce_gemv_calls").value)
+
+
+class ShimSetting:
+    """One of the shim's int settings, read and written through ctypes: `value` is None where the
+    shim is not loaded (and setting it then does nothing). Benchmarks set them to compare within one
+    process (scripts/variants.py)."""
+
+    def __init__(self, symbol: str) -> None:
+        self.symbol = symbol
+
+    def _cell(self) -> Any:
+        handle = _shim_handle()
+        return None if handle is None else ctypes.c_int.in_dll(handle, self.symbol)
+
+    @property
+    def value(self) -> int | None:
+        cell = self._cell()
+        return None if cell is None else int(cell.value)
+
+    @value.setter
+    def value(self, v: int | None) -> None:
+        cell = self._cell()
+        if cell is not None and v is not None:
+            cell.value = int(v)
+
+
+# The most rows a product may have to take the shim's small-row path (0: none do: one-row GEMVs
+# and OpenBLAS, as before the path existed), and the threads that path may use (0: every core).
+SMALL_ROWS = ShimSetting("spruce_small_rows")
+GEMM_THREADS = ShimSetting("spruce_gemm_threads")
 
 
 # OpenBLAS's threads, by what the host does meanwhile. Plain rounds are pipelined: the host builds

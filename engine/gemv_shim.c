@@ -1,31 +1,55 @@
-/* cblas_sgemm for MLX's Linux CPU backend, with products of a few rows (or one column) sent to
- * cblas_sgemv, a row at a time.
+/* cblas_sgemm for MLX's Linux CPU backend: products of up to a few dozen rows computed here, on
+ * every core, without packing; products of one column go to cblas_sgemv; the rest to OpenBLAS.
  *
  * Why: MLX's CPU matmul calls cblas_sgemm for every float32 product (mlx 0.32,
- * mlx/backend/cpu/gemms/cblas.cpp), and OpenBLAS 0.3.21 (Debian 12's) runs a one-row product
- * through its full GEMM: it packs the whole weight into panels first and then reads it again. A decode step multiplies one row by every weight, so that packing is most of
- * its matmul time: the bundled model's output projection (8192 x 384) took ~470 us as a GEMM
- * against ~105 us as a GEMV on the dev CPU. engine/blas.py builds this file once per user with
- * the C compiler on PATH and preloads it ahead of OpenBLAS; every other product goes to the next
- * cblas_sgemm in the search order (OpenBLAS's) unchanged.
+ * mlx/backend/cpu/gemms/cblas.cpp). A decode step multiplies one row by every weight, a verify
+ * 2-33 rows, and OpenBLAS 0.3.21 (Debian 12's) runs both through its full GEMM, which first copies
+ * the whole weight into packed panels and then reads it again: in a 9-row verify of the bundled
+ * model on the dev CPU the packing took more time than the arithmetic (perf: sgemm_incopy 25 % of
+ * the samples, sgemm_kernel 17 %). Here a product of up to SMALL_ROWS rows by a weight stored
+ * [N, K] (x @ W.T, MLX's form of a linear layer) streams each weight row once and multiplies it
+ * into every row from cache; products with B stored [K, N] (a verify's attention and GDN heads)
+ * take an outer-product kernel. Both split the output columns over the process's cores.
  *
- * A GEMV sums in another order than a GEMM row, so a one-row product may round differently from
- * the same row inside a product of more than GEMV_ROWS rows (as OpenBLAS's GEMM already does
- * between thread counts): within float32 rounding, which the engine's losslessness rule allows for.
+ * Batch invariance: every output element of x @ W.T is one dot product, summed in the same order
+ * (16 lanes along K, then a fixed tree over the lanes) whatever the row count, the tile it falls
+ * in or the thread that computes it. So a verify row through this path is bitwise the one-row step
+ * for the same input; the tests hold that.
+ *
+ * engine/blas.py builds this file once per user with the C compiler on PATH and preloads it ahead
+ * of OpenBLAS. On x86-64 the vector code is compiled for AVX-512, AVX2 and the baseline, picked at
+ * load time. SPRUCE_SMALL_ROWS=0 turns the small-row path off; SPRUCE_GEMM_THREADS caps its threads.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 enum { ROW_MAJOR = 101 };
 enum { NO_TRANS = 111, TRANS = 112 };
 
-/* Products of up to this many rows run as one GEMV a row. On the dev CPU (OpenBLAS 0.3.21, two
- * threads; an ad-hoc timing of MLX products, µs, GEMM against separate one-row GEMVs): 8192 x 384 at
- * 2 / 4 / 7 rows 561 / 804 / 775 against ~230 / ~460 / ~805; 768 x 384 69 / 84 / 80 against ~40 /
- * ~80 / ~140. So up to 4 rows a row at a time (scripts/bench_gemv_shim.py times the landed form),
- * and such a product's rows are each bitwise what the row alone gives: a verify of up to 4 rows
- * rounds as the one-row steps do. */
+/* Products of up to this many rows take the small-row path (SPRUCE_SMALL_ROWS sets another limit,
+ * 0 turns the path off). Measured on the dev CPU (two hyperthreads of an EPYC with AVX-512), µs a
+ * product, OpenBLAS (a GEMV a row up to 4 rows, its GEMM beyond) against this file, with weights
+ * streamed from memory as a decode step reads them (`python scripts/bench_gemv_shim.py`): a
+ * 768 x 384 weight at 1 / 2 / 4 / 8 / 17 / 33 / 48 rows 67 / 85 / 98 / 133 / 167 / 224 / 272
+ * against 62 / 64 / 75 / 82 / 121 / 190 / 246; the 8192 x 384 output projection 612 / 1024 /
+ * 1393 / 1503 / 1773 / 2309 / 2690 against 546 / 580 / 686 / 749 / 1105 / 1788 / 2375. From a few
+ * dozen rows both are bound by the multiply-adds, and past ~64 OpenBLAS's packed GEMM is faster;
+ * 33 is a tree of 32 drafted nodes and its root. */
+#define SMALL_ROWS 33
+/* Products of up to this many rows in other layouts (A transposed, or B stored [K, N]) run as
+ * one cblas_sgemv a row: OpenBLAS's GEMM packs for them too. */
 #define GEMV_ROWS 4
+/* Below this many multiply-adds a product runs on the calling thread alone: waking a helper costs
+ * a few microseconds. */
+#define THREADED_MACS (1L << 17)
 
 typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float*, int, const float*, int, float,
                          float*, int);
@@ -34,12 +58,395 @@ typedef void (*sgemv_fn)(int, int, int, int, float, const float*, int, const flo
 static sgemm_fn next_sgemm;
 static sgemv_fn next_sgemv;
 
-/* How many products this file sent to cblas_sgemv (read by the tests through ctypes). */
+/* How many products this file computed itself or sent to cblas_sgemv (read by the tests through
+ * ctypes). */
 long spruce_gemv_calls;
+/* Settings, read at every call and written through ctypes by engine/blas.py (benchmarks compare
+ * within one process): the small-row path's row limit (0: off, every product as before it
+ * existed) and the threads it may use, the caller's included (0: every core). */
+int spruce_small_rows = SMALL_ROWS;
+int spruce_gemm_threads = 0;
+
+/* ---- the dot-product kernel ---------------------------------------------------------------- */
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4))); /* an unaligned load */
+#define INL static inline __attribute__((always_inline))
+/* Loops over a tile's rows and columns unrolled, so its accumulators live in registers (at -O2,
+ * GCC 12 kept them on the stack: 2-3x slower). */
+#define UNROLL _Pragma("GCC unroll 4")
+#if defined(__clang__) || __GNUC__ >= 12
+#define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else /* GCC before 12: the same selection through a mask vector */
+typedef int v16i __attribute__((vector_size(64)));
+#define SHUF(a, b, ...) __builtin_shuffle(a, b, (v16i){__VA_ARGS__})
+#endif
+#define LOAD(p) ((v16)(*(const v16u*)(p)))
+/* The next tile's four weight rows, one cache line of each per 16 floats: each tile reads only
+ * K floats of a row, too short a stream for the hardware prefetcher to start on (at 2-8 rows this
+ * made a 768 x 384 product 1.3-1.7x faster on the dev CPU). */
+#define PREFETCH(q, ld)                  \
+  do {                                   \
+    __builtin_prefetch((q));             \
+    __builtin_prefetch((q) + (ld));      \
+    __builtin_prefetch((q) + 2L * (ld)); \
+    __builtin_prefetch((q) + 3L * (ld)); \
+  } while (0)
+
+/* The lane sums as a tree: halves (i, i+8), then (i, i+4), (i, i+2), (i, i+1). Each foldN takes
+ * two vectors and leaves both's partial sums side by side, so hsum16 reduces 16 accumulators in 15
+ * vector adds; hsum is the same tree on one vector, so a sum never depends on its neighbours. */
+INL v16 fold8(v16 a, v16 b) {
+  return SHUF(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+         SHUF(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+INL v16 fold4(v16 a, v16 b) {
+  return SHUF(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+         SHUF(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+}
+INL v16 fold2(v16 a, v16 b) {
+  return SHUF(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+         SHUF(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+}
+INL v16 fold1(v16 a, v16 b) {
+  return SHUF(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+         SHUF(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+}
+INL float hsum(v16 v) {
+  v16 t = fold8(v, v);
+  t = fold4(t, t);
+  t = fold2(t, t);
+  return fold1(t, t)[0];
+}
+/* out[j] = hsum(v[j]) for 16 vectors: after the folds, lane L holds the sum of v[reverse4(L)]. */
+INL void hsum16(const v16* v, float* out) {
+  static const int reversed[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+  v16 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i) a[i] = fold8(v[2 * i], v[2 * i + 1]);
+  for (int i = 0; i < 4; ++i) b[i] = fold4(a[2 * i], a[2 * i + 1]);
+  for (int i = 0; i < 2; ++i) c[i] = fold2(b[2 * i], b[2 * i + 1]);
+  v16 h = fold1(c[0], c[1]);
+  for (int j = 0; j < 16; ++j) out[j] = h[reversed[j]];
+}
+
+/* out[j] = hsum(v[j]) for 8 vectors, the same tree. */
+INL void hsum8(const v16* v, float* out) {
+  v16 a[4], b[2];
+  for (int i = 0; i < 4; ++i) a[i] = fold8(v[2 * i], v[2 * i + 1]);
+  for (int i = 0; i < 2; ++i) b[i] = fold4(a[2 * i], a[2 * i + 1]);
+  v16 c = fold2(b[0], b[1]);
+  v16 h = fold1(c, c);
+  static const int at[8] = {0, 8, 4, 12, 2, 10, 6, 14};
+  for (int j = 0; j < 8; ++j) out[j] = h[at[j]];
+}
+/* out[j] = hsum(v[j]) for n vectors. */
+INL void hsum_n(const v16* v, float* out, int n) {
+  int i = 0;
+  for (; i + 16 <= n; i += 16) hsum16(v + i, out + i);
+  for (; i + 8 <= n; i += 8) hsum8(v + i, out + i);
+  for (; i < n; ++i) out[i] = hsum(v[i]);
+}
+
+typedef struct {
+  int M, N, K;
+  float alpha, beta;
+  const float* A; /* [M, K] with row stride lda; for the outer form also [K, M] (a_transposed) */
+  const float* B; /* [N, K] with row stride ldb; for the outer form [K, N] */
+  float* C;       /* [M, N], row stride ldc */
+  int lda, ldb, ldc;
+  int a_transposed;
+} product;
+
+/* C[r, n] = alpha * s + beta * C[r, n], with beta 0 overwriting (MLX's output buffer is
+ * uninitialised: NaN * 0 would be NaN). K's tail past the last 16 is added after the lane sum. */
+INL void store(const product* p, int r, int n, float s, int k) {
+  const float* a = p->A + (long)r * p->lda;
+  const float* b = p->B + (long)n * p->ldb;
+  for (int kk = k; kk < p->K; ++kk) s += a[kk] * b[kk];
+  float* c = p->C + (long)r * p->ldc + n;
+  *c = p->beta == 0.0f ? p->alpha * s : p->alpha * s + p->beta * *c;
+}
+
+/* R rows (r0..; R <= 4, a constant once inlined) times 4 weight rows (n..): 4R accumulators that
+ * stay in registers, each weight vector loaded once for all R rows. */
+INL void tile(const product* p, int r0, int n, const int R) {
+  const int K = p->K;
+  const long ldb = p->ldb;
+  const float* b = p->B + n * ldb;
+  const float* a = p->A + (long)r0 * p->lda;
+  v16 acc[4][4];
+  UNROLL for (int r = 0; r < R; ++r) {
+    UNROLL for (int c = 0; c < 4; ++c) acc[r][c] = (v16){0};
+  }
+  int k = 0;
+  for (; k + 16 <= K; k += 16) {
+    const v16 b0 = LOAD(b + k), b1 = LOAD(b + ldb + k), b2 = LOAD(b + 2 * ldb + k), b3 = LOAD(b + 3 * ldb + k);
+    PREFETCH(b + 4 * ldb + k, ldb);
+    UNROLL for (int r = 0; r < R; ++r) {
+      const v16 x = LOAD(a + (long)r * p->lda + k);
+      acc[r][0] += x * b0;
+      acc[r][1] += x * b1;
+      acc[r][2] += x * b2;
+      acc[r][3] += x * b3;
+    }
+  }
+  float s[16];
+  hsum_n(&acc[0][0], s, 4 * R);
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < 4; ++c) store(p, r0 + r, n + c, s[4 * r + c], k);
+  }
+}
+
+/* One weight row (the last N % 4) times every row. */
+INL void column(const product* p, int n) {
+  const float* b = p->B + (long)n * p->ldb;
+  for (int r = 0; r < p->M; ++r) {
+    const float* a = p->A + (long)r * p->lda;
+    v16 acc = (v16){0};
+    int k = 0;
+    for (; k + 16 <= p->K; k += 16) acc += LOAD(a + k) * LOAD(b + k);
+    store(p, r, n, hsum(acc), k);
+  }
+}
+
+/* Output columns [n0, n1) of the product, every row. n0 is a multiple of 4. */
+#if defined(__x86_64__) && (defined(__clang__) || __GNUC__ >= 6)
+#define VECTOR_VARIANTS __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define VECTOR_VARIANTS /* one build: NEON on arm64 */
+#endif
+
+VECTOR_VARIANTS static void columns(const product* p, int n0, int n1) {
+  int n = n0;
+  for (; n + 4 <= n1; n += 4) {
+    int r = 0;
+    for (; r + 4 <= p->M; r += 4) tile(p, r, n, 4);
+    switch (p->M - r) { /* each with its own constant R, so each compiles to its own unrolled loop */
+      case 3: tile(p, r, n, 3); break;
+      case 2: tile(p, r, n, 2); break;
+      case 1: tile(p, r, n, 1); break;
+      default: break;
+    }
+  }
+  for (; n < n1; ++n) column(p, n);
+}
+
+/* ---- the outer-product kernel: B stored [K, N] --------------------------------------------- */
+
+/* The small products of a verify's attention and GDN heads (scores @ V, per-head state reads) come
+ * with B stored [K, N]. They are cheap; they run here so that a decode step or a verify never
+ * wakes OpenBLAS's threads, whose spinning afterwards takes the core from this file's helpers. A
+ * row of C is a sum over k of A[r, k] * B[k, :], 16 columns a vector, in k's order. */
+INL float a_at(const product* p, int r, int k) {
+  return p->a_transposed ? p->A[(long)k * p->lda + r] : p->A[(long)r * p->lda + k];
+}
+
+INL void store_vector(const product* p, int r, int n, v16 s) {
+  float* c = p->C + (long)r * p->ldc + n;
+  v16 out = s * p->alpha;
+  if (p->beta != 0.0f) {
+    out += LOAD(c) * p->beta;
+  }
+  *(v16u*)c = out;
+}
+
+/* R rows (r0..) times V vectors of 16 columns (n..); R <= 4, V <= 4, constants once inlined. */
+INL void outer_tile(const product* p, int r0, int n, const int R, const int V) {
+  v16 acc[4][4];
+  UNROLL for (int r = 0; r < R; ++r) {
+    UNROLL for (int j = 0; j < V; ++j) acc[r][j] = (v16){0};
+  }
+  for (int k = 0; k < p->K; ++k) {
+    const float* b = p->B + (long)k * p->ldb + n;
+    v16 bv[4];
+    UNROLL for (int j = 0; j < V; ++j) bv[j] = LOAD(b + 16 * j);
+    UNROLL for (int r = 0; r < R; ++r) {
+      const float a = a_at(p, r0 + r, k);
+      UNROLL for (int j = 0; j < V; ++j) acc[r][j] += a * bv[j];
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < V; ++j) store_vector(p, r0 + r, n + 16 * j, acc[r][j]);
+  }
+}
+
+INL void outer_rows(const product* p, int n, const int V) {
+  int r = 0;
+  for (; r + 4 <= p->M; r += 4) outer_tile(p, r, n, 4, V);
+  switch (p->M - r) {
+    case 3: outer_tile(p, r, n, 3, V); break;
+    case 2: outer_tile(p, r, n, 2, V); break;
+    case 1: outer_tile(p, r, n, 1, V); break;
+    default: break;
+  }
+}
+
+/* Output columns [n0, n1) of an outer-form product, every row. n0 is a multiple of 16. */
+VECTOR_VARIANTS static void outer_columns(const product* p, int n0, int n1) {
+  int n = n0;
+  for (; n + 64 <= n1; n += 64) outer_rows(p, n, 4);
+  switch ((n1 - n) / 16) {
+    case 3: outer_rows(p, n, 3); break;
+    case 2: outer_rows(p, n, 2); break;
+    case 1: outer_rows(p, n, 1); break;
+    default: break;
+  }
+  for (n += (n1 - n) / 16 * 16; n < n1; ++n) { /* the last N % 16 columns */
+    for (int r = 0; r < p->M; ++r) {
+      float s = 0.0f;
+      for (int k = 0; k < p->K; ++k) s += a_at(p, r, k) * p->B[(long)k * p->ldb + n];
+      float* c = p->C + (long)r * p->ldc + n;
+      *c = p->beta == 0.0f ? p->alpha * s : p->alpha * s + p->beta * *c;
+    }
+  }
+}
+
+/* ---- the helper threads -------------------------------------------------------------------- */
+
+/* A product is cut into blocks of columns that the calling thread and the helpers claim one at a
+ * time, so a helper the OS has not scheduled yet only means the caller does more of the blocks.
+ * The caller returns once every block is claimed and no helper is inside one. Helpers spin a
+ * while between products (a forward pass calls dozens back to back) and then sleep on a futex. */
+#define MAX_THREADS 16
+/* A claim past every block: a helper that wakes late, between products, claims nothing. */
+#define CLOSED (INT_MAX / 2)
+#define SPINS 20000 /* sched_yield calls: tens of microseconds when nothing else wants the core */
+
+typedef void (*kernel_fn)(const product*, int, int); /* columns [n0, n1) of every row */
+
+static struct {
+  pthread_mutex_t busy; /* one product at a time; a second caller computes alone */
+  pthread_once_t once;
+  int helpers;
+  int threads; /* threads this product may use, the caller's included: helpers of index >= threads - 1 sit it out */
+  product job;
+  kernel_fn kernel;
+  int block;
+  int blocks;          /* read by helpers before they own a block: atomic */
+  unsigned generation; /* futex word: bumped once a product is set up */
+  int next;            /* next block to claim; CLOSED between products */
+  int active;          /* helpers inside a block */
+  int sleeping;
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_ONCE_INIT, 0, 1, {0}, 0, 0, 0, 0, CLOSED, 0, 0};
+
+static void run_blocks(void) {
+  for (;;) {
+    const int i = __atomic_fetch_add(&pool.next, 1, __ATOMIC_ACQ_REL);
+    if (i >= __atomic_load_n(&pool.blocks, __ATOMIC_RELAXED)) {
+      return;
+    }
+    const int n0 = i * pool.block;
+    const int n1 = n0 + pool.block < pool.job.N ? n0 + pool.block : pool.job.N;
+    pool.kernel(&pool.job, n0, n1);
+  }
+}
+
+static void* helper(void* arg) {
+  const int index = (int)(long)arg;
+  unsigned seen = __atomic_load_n(&pool.generation, __ATOMIC_ACQUIRE);
+  for (;;) {
+    unsigned now = seen;
+    for (int spin = 0; spin < SPINS && now == seen; ++spin) {
+      sched_yield();
+      now = __atomic_load_n(&pool.generation, __ATOMIC_ACQUIRE);
+    }
+    if (now == seen) {
+      __atomic_add_fetch(&pool.sleeping, 1, __ATOMIC_ACQ_REL);
+      syscall(SYS_futex, &pool.generation, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
+      __atomic_sub_fetch(&pool.sleeping, 1, __ATOMIC_ACQ_REL);
+      continue; /* woken, or the word had already moved: look again */
+    }
+    seen = now;
+    if (index >= __atomic_load_n(&pool.threads, __ATOMIC_RELAXED) - 1) {
+      continue;
+    }
+    __atomic_add_fetch(&pool.active, 1, __ATOMIC_ACQ_REL);
+    run_blocks();
+    __atomic_sub_fetch(&pool.active, 1, __ATOMIC_ACQ_REL);
+  }
+  return NULL;
+}
+
+/* Threads: SPRUCE_GEMM_THREADS, else OPENBLAS_NUM_THREADS or OMP_NUM_THREADS where set (the tests
+ * pin them), else the CPUs this process may run on. */
+static int thread_count(void) {
+  const char* names[] = {"SPRUCE_GEMM_THREADS", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"};
+  for (int i = 0; i < 3; ++i) {
+    const char* v = getenv(names[i]);
+    if (v != NULL && atoi(v) > 0) {
+      return atoi(v) < MAX_THREADS ? atoi(v) : MAX_THREADS;
+    }
+  }
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) != 0) {
+    return 1;
+  }
+  const int n = CPU_COUNT(&set);
+  return n < 1 ? 1 : n < MAX_THREADS ? n : MAX_THREADS;
+}
+
+static void start_helpers(void) {
+  const int want = thread_count() - 1;
+  pthread_attr_t attr;
+  pthread_attr_init(&attr);
+  pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+  for (int i = 0; i < want; ++i) {
+    pthread_t t;
+    if (pthread_create(&t, &attr, helper, (void*)(long)pool.helpers) == 0) {
+      pool.helpers += 1;
+    }
+  }
+  pthread_attr_destroy(&attr);
+}
+
+/* The product on this thread and the helpers, `kernel` over blocks of columns that are multiples
+ * of `align` (its widest step). */
+static void pooled(const product* p, kernel_fn kernel, int align) {
+  const long macs = (long)p->M * p->N * p->K;
+  const int limit = __atomic_load_n(&spruce_gemm_threads, __ATOMIC_RELAXED);
+  if (macs < THREADED_MACS || limit == 1 || pthread_mutex_trylock(&pool.busy) != 0) {
+    kernel(p, 0, p->N);
+    return;
+  }
+  pthread_once(&pool.once, start_helpers);
+  const int threads = limit > 1 && limit <= pool.helpers ? limit : pool.helpers + 1;
+  if (threads == 1) {
+    pthread_mutex_unlock(&pool.busy);
+    kernel(p, 0, p->N);
+    return;
+  }
+  __atomic_store_n(&pool.threads, threads, __ATOMIC_RELAXED); /* published by the generation's bump */
+  /* ~4 blocks a thread, whole steps of the kernel */
+  int block = (p->N + 4 * threads - 1) / (4 * threads);
+  block = (block + align - 1) / align * align;
+  /* No helper reads these until it claims a block below `blocks`, which the release of `next`
+   * orders after them; the last product closed `next`, so until then every claim fails. */
+  pool.job = *p;
+  pool.kernel = kernel;
+  pool.block = block;
+  __atomic_store_n(&pool.blocks, (p->N + block - 1) / block, __ATOMIC_RELAXED);
+  __atomic_store_n(&pool.next, 0, __ATOMIC_RELEASE);
+  __atomic_add_fetch(&pool.generation, 1, __ATOMIC_ACQ_REL);
+  if (__atomic_load_n(&pool.sleeping, __ATOMIC_ACQUIRE) > 0) {
+    syscall(SYS_futex, &pool.generation, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+  }
+  run_blocks();
+  while (__atomic_load_n(&pool.active, __ATOMIC_ACQUIRE) > 0) {
+    sched_yield(); /* a helper is finishing its last block */
+  }
+  __atomic_store_n(&pool.next, CLOSED, __ATOMIC_RELEASE);
+  pthread_mutex_unlock(&pool.busy);
+}
+
+/* ---- the entry point ----------------------------------------------------------------------- */
 
 __attribute__((constructor)) static void find_next(void) {
   next_sgemm = (sgemm_fn)dlsym(RTLD_NEXT, "cblas_sgemm");
   next_sgemv = (sgemv_fn)dlsym(RTLD_NEXT, "cblas_sgemv");
+  const char* rows = getenv("SPRUCE_SMALL_ROWS");
+  if (rows != NULL && *rows != '\0') {
+    spruce_small_rows = atoi(rows) < 0 ? 0 : atoi(rows);
+  }
 }
 
 /* y = 0 where beta is 0: the output MLX hands over is uninitialised memory, and a BLAS may scale
@@ -68,6 +475,20 @@ static void row_times_b(int trans_a, int trans_b, int r, int N, int K, float alp
 
 void cblas_sgemm(int order, int trans_a, int trans_b, int M, int N, int K, float alpha, const float* A, int lda,
                  const float* B, int ldb, float beta, float* C, int ldc) {
+  const int small = order == ROW_MAJOR && M >= 1 && N >= 1 && K >= 1 &&
+                    M <= __atomic_load_n(&spruce_small_rows, __ATOMIC_RELAXED);
+  if (small && trans_a == NO_TRANS && trans_b == TRANS) { /* x @ W.T: a linear layer */
+    const product p = {M, N, K, alpha, beta, A, B, C, lda, ldb, ldc, 0};
+    pooled(&p, columns, 4);
+    __atomic_add_fetch(&spruce_gemv_calls, 1, __ATOMIC_RELAXED);
+    return;
+  }
+  if (small && trans_b == NO_TRANS) { /* B stored [K, N]: attention's scores @ V, the GDN heads' */
+    const product p = {M, N, K, alpha, beta, A, B, C, lda, ldb, ldc, trans_a != NO_TRANS};
+    pooled(&p, outer_columns, 16);
+    __atomic_add_fetch(&spruce_gemv_calls, 1, __ATOMIC_RELAXED);
+    return;
+  }
   if (order == ROW_MAJOR && next_sgemv != 0 && K > 0 && M >= 1 && M <= GEMV_ROWS) {
     for (int r = 0; r < M; ++r) {
       row_times_b(trans_a, trans_b, r, N, K, alpha, A, lda, B, ldb, beta, C, ldc);

@@ -1,14 +1,23 @@
-"""MLX's CPU float32 products with and without the engine's GEMV shim (engine/gemv_shim.c),
-each setting in its own process (a preload is fixed at process start), the two alternated.
+"""MLX's CPU float32 products through the engine's BLAS shim (engine/gemv_shim.c): its small-row
+path against OpenBLAS, each setting in its own process, the processes alternated.
 
-    python scripts/bench_gemv_shim.py [--rounds 2] [--rows 1,2,4,7,17] [--reps 100]
-        [--shapes 8192x384,1176x384,768x384,384x768]
+    python scripts/bench_gemv_shim.py [--rows 1,2,4,8,17,33,48] [--reps 15] [--rounds 2]
+        [--shapes 8192x384,1176x384,768x384,384x768] [--settings off,small,small-1thread] [--warm]
 
-Each product is `x @ W.T` (W [out x in], x [1, M, in]: what nn.Linear runs), `--launches`
-independent products an evaluation, median µs a product over --reps evaluations. Default shapes:
-the bundled model's output projection, its GDN input projections (stacked), its MLP gate / up and
-down. Prints one table: per shape and row count, without / with the shim per round, and the ratio
-of the medians. Linux with OpenBLAS (the script re-execs itself with it preloaded).
+Each product is `x @ W.T` (W [out x in], x [1, M, in]: what nn.Linear runs). Default shapes: the
+bundled model's output projection, its GDN input projections (stacked), its MLP gate / up and
+down. Settings (engine.blas.SMALL_ROWS and GEMM_THREADS, written into the loaded shim):
+- off: the small-row path off: products of up to 4 rows as one OpenBLAS GEMV a row, larger ones
+  through OpenBLAS's GEMM (the shim as it was before the path existed);
+- small: products of up to --rows' largest through the small-row path, on every core;
+- small-1thread: the same on the calling thread alone.
+A decode step reads a model's weights from memory, not from cache, so by default an evaluation
+multiplies by distinct weights that add up to 64 MB or more (--warm: one weight, over and over).
+One process a setting: OpenBLAS's threads spin for a while after each of its products, and on a
+machine of two cores that takes the core from the shim's helper thread, which a decode step (one
+that never calls OpenBLAS) does not see. Median µs a product over --reps evaluations; per setting
+the median of the rounds, and off / small. Linux with OpenBLAS and a C compiler (the script
+re-execs itself with both preloaded).
 """
 
 from __future__ import annotations
@@ -19,74 +28,82 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engine.blas import reexec_with_openblas  # noqa: E402
 
 if __name__ == "__main__":  # a BLAS preload works only from process start: before mlx is imported
     reexec_with_openblas(sys.orig_argv[1:])
 
+import mlx.core as mx  # noqa: E402
 
-def measure(shapes: list[tuple[int, int]], rows: list[int], reps: int, launches: int) -> dict[str, float]:
-    """In this process: µs a product, per 'OxI/M' (graph building and evaluation: bench_op_costs.timed)."""
-    import mlx.core as mx
-    from bench_op_costs import timed
+from engine import blas  # noqa: E402
 
+SETTINGS = {"off": (0, 0), "small": (None, 0), "small-1thread": (None, 1)}  # name -> (rows, threads)
+COLD_BYTES = 64 << 20
+
+
+def measure(shapes: list[tuple[int, int]], rows: list[int], reps: int, warm: bool) -> dict[str, float]:
+    """In this process, at its settings: median µs a product, per 'OxI/M'."""
     out = {}
     for o, i in shapes:
-        w = mx.random.normal((o, i))
+        count = 1 if warm else -(-COLD_BYTES // (o * i * 4))
+        weights = [mx.random.normal((o, i)) for _ in range(count)]
+        mx.eval(weights)
         for m in rows:
-            xs = [mx.random.normal((1, m, i)) for _ in range(launches)]
-            mx.eval(w, xs)
-            build, _, evaluation = timed(lambda w=w, xs=xs: [x @ w.T for x in xs], reps)
-            out[f"{o}x{i}/{m}"] = (build + evaluation) * 1e3 / launches
+            x = mx.random.normal((1, m, i))
+            mx.eval(x)
+            times = []
+            for rep in range(reps + 2):
+                t0 = time.perf_counter()
+                mx.eval([x @ w.T for w in weights])
+                if rep >= 2:  # two warm-ups
+                    times.append((time.perf_counter() - t0) * 1e6 / count)
+            out[f"{o}x{i}/{m}"] = statistics.median(times)
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=2, help="alternations of the two settings")
-    ap.add_argument("--rows", default="1,2,4,7,17")
+    ap.add_argument("--rows", default="1,2,4,8,17,33,48")
     ap.add_argument("--shapes", default="8192x384,1176x384,768x384,384x768")
-    ap.add_argument("--reps", type=int, default=100)
-    ap.add_argument("--launches", type=int, default=8, help="independent products an evaluation")
+    ap.add_argument("--settings", default="off,small,small-1thread")
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--rounds", type=int, default=2, help="alternations of the settings' processes")
+    ap.add_argument("--warm", action="store_true", help="one weight, read from cache")
+    ap.add_argument("--child", help=argparse.SUPPRESS)  # the setting this process measures
     args = ap.parse_args()
+    if blas.SMALL_ROWS.value is None:
+        sys.exit("the shim is not loaded here: Linux with OpenBLAS and a C compiler needed")
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     rows = [int(r) for r in args.rows.split(",")]
-    if os.environ.get("SPRUCE_BENCH_CHILD"):
-        from engine import blas
-
-        result = measure(shapes, rows, args.reps, args.launches)  # type: ignore[arg-type]
-        print(json.dumps({"shim": blas.gemv_calls() is not None, "us": result}))
+    if args.child:
+        limit, threads = SETTINGS[args.child]
+        blas.SMALL_ROWS.value = max(rows) if limit is None else limit
+        blas.GEMM_THREADS.value = threads
+        print(json.dumps(measure(shapes, rows, args.reps, args.warm)))  # type: ignore[arg-type]
         return
-    seen: dict[bool, list[dict[str, float]]] = {False: [], True: []}
+    settings = args.settings.split(",")
+    unknown = [s for s in settings if s not in SETTINGS]
+    if unknown:
+        sys.exit(f"unknown settings {unknown}; known: {', '.join(SETTINGS)}")
+    seen: dict[str, list[dict[str, float]]] = {s: [] for s in settings}
     for _ in range(args.rounds):
-        for shim in (False, True):
-            env = dict(os.environ, SPRUCE_BENCH_CHILD="1")
-            env.pop("LD_PRELOAD", None)
-            env.pop("SPRUCE_NO_BLAS_PRELOAD", None)
-            if not shim:
-                env["SPRUCE_NO_GEMV_SHIM"] = "1"
-            else:
-                env.pop("SPRUCE_NO_GEMV_SHIM", None)
-            p = subprocess.run([sys.executable, *sys.orig_argv[1:]], env=env, capture_output=True, text=True,
-                               check=True)
-            report = json.loads(p.stdout.strip().splitlines()[-1])
-            if report["shim"] != shim:
-                sys.exit(f"the child {'lacks' if shim else 'has'} the shim: no C compiler, or no OpenBLAS?")
-            seen[shim].append(report["us"])
-    print(f"x @ W.T, fp32, µs a product (median of {args.reps} evaluations of {args.launches}); "
-          f"without / with the shim, {args.rounds} rounds alternated")
-    print("| weight | rows | without | with | with / without |\n|---|---|---|---|---|")
-    for key in seen[False][0]:
+        for name in settings:
+            p = subprocess.run([sys.executable, *sys.orig_argv[1:], "--child", name], capture_output=True, text=True,
+                               check=True, env=dict(os.environ))
+            seen[name].append(json.loads(p.stdout.strip().splitlines()[-1]))
+    print(f"x @ W.T, fp32, µs a product (median of {args.reps}; of {args.rounds} processes a setting, alternated); "
+          f"weights {'from cache' if args.warm else 'distinct, 64 MB an evaluation'}")
+    print("| weight | rows | " + " | ".join(settings) + " | off / small |\n|---|---|" + "---|" * (len(settings) + 1))
+    for key in seen[settings[0]][0]:
         w, m = key.split("/")
-        off = [r[key] for r in seen[False]]
-        on = [r[key] for r in seen[True]]
-        print(f"| {w} | {m} | {', '.join(f'{v:.1f}' for v in off)} | {', '.join(f'{v:.1f}' for v in on)} | "
-              f"{statistics.median(on) / statistics.median(off):.2f} |", flush=True)
+        med = {s: statistics.median(r[key] for r in seen[s]) for s in settings}
+        ratio = f"{med['off'] / med['small']:.2f}" if {"off", "small"} <= med.keys() else "-"
+        print(f"| {w} | {m} | " + " | ".join(f"{med[s]:.1f}" for s in settings) + f" | {ratio} |", flush=True)
 
 
 if __name__ == "__main__":

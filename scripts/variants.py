@@ -14,7 +14,10 @@
 - "-an0" / "-an1": each layer's residual add fused with its norm (engine.fused_norms.ADD);
 - "-gn0" / "-gn1": the GDN output's norm fused with its gate (engine.fused_norms.GATED);
 - "-pg0" / "-pg1": the CPU's sigmoid and SiLU through MLX's own functions / through 2^
-  (engine.cpu_exp.POW_GATES).
+  (engine.cpu_exp.POW_GATES);
+- "-srN": products of up to N rows through the GEMV shim's small-row path on the CPU, 0 = none
+  (engine.blas.SMALL_ROWS; a no-op without the shim);
+- "-stN": that path on at most N threads, 0 = every core (engine.blas.GEMM_THREADS).
 
 Other suffixes are left to the caller (bench_gpu's "-mlxqmm", profile_rounds' own probes).
 Compiled layer graphs are per model instance and trace on first use, so each engine's graphs carry
@@ -31,7 +34,7 @@ from typing import Any
 
 def _settings() -> dict[str, tuple[list[tuple[Any, str]], Callable[[str], tuple[Any, ...]]]]:
     """suffix prefix -> (the (owner, attribute) pairs it sets, the values from the suffix's rest)."""
-    from engine import attention_rows, cpu_exp, forward, fused_norms, kernels
+    from engine import attention_rows, blas, cpu_exp, forward, fused_norms, kernels
     from engine import round as rounds
     from engine.cache import GDNCache
     from engine.drafters import mtp
@@ -50,6 +53,8 @@ def _settings() -> dict[str, tuple[list[tuple[Any, str]], Callable[[str], tuple[
         "an": ([(fused_norms.ADD, "value")], on),
         "gn": ([(fused_norms.GATED, "value")], on),
         "pg": ([(cpu_exp, "POW_GATES")], on),
+        "sr": ([(blas.SMALL_ROWS, "value")], lambda rest: (int(rest),)),
+        "st": ([(blas.GEMM_THREADS, "value")], lambda rest: (int(rest),)),
     }
 
 
