@@ -1,5 +1,5 @@
-/* cblas_sgemm for MLX's Linux CPU backend: products of up to a few dozen rows computed here, on
- * every core, without packing; products of one column go to cblas_sgemv; the rest to OpenBLAS.
+/* cblas_sgemm for MLX's Linux CPU backend: products of 2 to 33 rows computed here, on every core,
+ * without packing; products of one row or one column go to cblas_sgemv; the rest to OpenBLAS.
  *
  * Why: MLX's CPU matmul calls cblas_sgemm for every float32 product (mlx 0.32,
  * mlx/backend/cpu/gemms/cblas.cpp). A decode step multiplies one row by every weight, a verify
@@ -13,8 +13,9 @@
  *
  * Batch invariance: every output element of x @ W.T is one dot product, summed in the same order
  * (16 lanes along K, then a fixed tree over the lanes) whatever the row count, the tile it falls
- * in or the thread that computes it. So a verify row through this path is bitwise the one-row step
- * for the same input; the tests hold that.
+ * in or the thread that computes it. So a row's result is bitwise the same in a verify of 2 rows
+ * or of 33; the tests hold that. (The one-row step goes through OpenBLAS's GEMV, which sums in
+ * its own order: see SMALL_ROWS_FROM.)
  *
  * engine/blas.py builds this file once per user with the C compiler on PATH and preloads it ahead
  * of OpenBLAS. On x86-64 the vector code is compiled for AVX-512, AVX2 and the baseline, picked at
@@ -38,14 +39,21 @@ enum { NO_TRANS = 111, TRANS = 112 };
  * 0 turns the path off). Measured on the dev CPU (two hyperthreads of an EPYC with AVX-512), µs a
  * product, OpenBLAS (a GEMV a row up to 4 rows, its GEMM beyond) against this file, with weights
  * streamed from memory as a decode step reads them (`python scripts/bench_gemv_shim.py`): a
- * 768 x 384 weight at 1 / 2 / 4 / 8 / 17 / 33 / 48 rows 67 / 85 / 98 / 133 / 167 / 224 / 272
- * against 62 / 64 / 75 / 82 / 121 / 190 / 246; the 8192 x 384 output projection 612 / 1024 /
- * 1393 / 1503 / 1773 / 2309 / 2690 against 546 / 580 / 686 / 749 / 1105 / 1788 / 2375. From a few
- * dozen rows both are bound by the multiply-adds, and past ~64 OpenBLAS's packed GEMM is faster;
- * 33 is a tree of 32 drafted nodes and its root. */
+ * 768 x 384 weight at 2 / 4 / 8 / 17 / 33 / 48 rows 85 / 98 / 133 / 167 / 224 / 272 against
+ * 64 / 75 / 82 / 121 / 190 / 246; the 8192 x 384 output projection 1024 / 1393 / 1503 / 1773 /
+ * 2309 / 2690 against 580 / 686 / 749 / 1105 / 1788 / 2375. From a few dozen rows both are bound
+ * by the multiply-adds, and past ~64 OpenBLAS's packed GEMM is faster; 33 is a tree of 32 drafted
+ * nodes and its root. */
 #define SMALL_ROWS 33
-/* Products of up to this many rows in other layouts (A transposed, or B stored [K, N]) run as
- * one cblas_sgemv a row: OpenBLAS's GEMM packs for them too. */
+/* One-row products stay with OpenBLAS's GEMV (threaded like this file): it streams a weight as fast
+ * as this file does alone, but a decode step's host thread builds the next step's graph meanwhile,
+ * and on two cores that starved this file's helper more than OpenBLAS's. The "mid" checkpoint of
+ * scripts/bench_decode.py (150 M parameters, hidden 1024) decoded at 33.1-33.6 tok/s with one-row
+ * products here against 36.3-37.5 through the GEMV, alternated twice; the bundled model, within
+ * the noise either way. */
+#define SMALL_ROWS_FROM 2
+/* Products of up to this many rows that the kernels here do not take (one row; A and B both
+ * transposed) run as one cblas_sgemv a row: OpenBLAS's GEMM packs for them too. */
 #define GEMV_ROWS 4
 /* Below this many multiply-adds a product runs on the calling thread alone: waking a helper costs
  * a few microseconds. */
@@ -181,7 +189,7 @@ INL void tile(const product* p, int r0, int n, const int R) {
   int k = 0;
   for (; k + 16 <= K; k += 16) {
     const v16 b0 = LOAD(b + k), b1 = LOAD(b + ldb + k), b2 = LOAD(b + 2 * ldb + k), b3 = LOAD(b + 3 * ldb + k);
-    PREFETCH(b + 4 * ldb + k, ldb);
+    PREFETCH(b + 8 * ldb + k, ldb);
     UNROLL for (int r = 0; r < R; ++r) {
       const v16 x = LOAD(a + (long)r * p->lda + k);
       acc[r][0] += x * b0;
@@ -475,7 +483,7 @@ static void row_times_b(int trans_a, int trans_b, int r, int N, int K, float alp
 
 void cblas_sgemm(int order, int trans_a, int trans_b, int M, int N, int K, float alpha, const float* A, int lda,
                  const float* B, int ldb, float beta, float* C, int ldc) {
-  const int small = order == ROW_MAJOR && M >= 1 && N >= 1 && K >= 1 &&
+  const int small = order == ROW_MAJOR && M >= SMALL_ROWS_FROM && N >= 1 && K >= 1 &&
                     M <= __atomic_load_n(&spruce_small_rows, __ATOMIC_RELAXED);
   if (small && trans_a == NO_TRANS && trans_b == TRANS) { /* x @ W.T: a linear layer */
     const product p = {M, N, K, alpha, beta, A, B, C, lda, ldb, ldc, 0};
