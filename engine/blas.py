@@ -9,8 +9,8 @@ Ahead of OpenBLAS goes a small library of the engine's own (engine/gemv_shim.c, 
 user with the C compiler on PATH) that runs one-row products as GEMVs and computes products of 2
 to 33 rows itself, on every core, reading each weight once: OpenBLAS 0.3.21 runs them all as full
 GEMMs that pack the whole weight first, which made a decode step's and a verify's matmuls several
-times slower than they need be.
-Without a compiler, or with SPRUCE_NO_GEMV_SHIM set, OpenBLAS is preloaded alone.
+times slower than they need be. Without a compiler, or with SPRUCE_NO_GEMV_SHIM set, OpenBLAS is
+preloaded alone.
 
 OpenBLAS's threads can be set round by round (`pace`; off by default, see ADAPT_THREADS).
 """

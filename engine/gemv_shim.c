@@ -90,9 +90,10 @@ typedef int v16i __attribute__((vector_size(64)));
 #define SHUF(a, b, ...) __builtin_shuffle(a, b, (v16i){__VA_ARGS__})
 #endif
 #define LOAD(p) ((v16)(*(const v16u*)(p)))
-/* The next tile's four weight rows, one cache line of each per 16 floats: each tile reads only
- * K floats of a row, too short a stream for the hardware prefetcher to start on (at 2-8 rows this
- * made a 768 x 384 product 1.3-1.7x faster on the dev CPU). */
+/* Four weight rows of the tile after next, one cache line of each per 16 floats: each tile reads
+ * only K floats of a row, too short a stream for the hardware prefetcher to start on (at 2-8 rows
+ * prefetching the next tile made a 768 x 384 product 1.3-1.7x faster on the dev CPU, and the one
+ * after it a 8192 x 1024 product another ~6 %). */
 #define PREFETCH(q, ld)                  \
   do {                                   \
     __builtin_prefetch((q));             \
@@ -424,9 +425,14 @@ static void pooled(const product* p, kernel_fn kernel, int align) {
     return;
   }
   __atomic_store_n(&pool.threads, threads, __ATOMIC_RELAXED); /* published by the generation's bump */
-  /* ~4 blocks a thread, whole steps of the kernel */
+  /* ~4 blocks a thread, whole steps of the kernel; a product of one block is not worth a wake-up */
   int block = (p->N + 4 * threads - 1) / (4 * threads);
   block = (block + align - 1) / align * align;
+  if (block >= p->N) {
+    pthread_mutex_unlock(&pool.busy);
+    kernel(p, 0, p->N);
+    return;
+  }
   /* No helper reads these until it claims a block below `blocks`, which the release of `next`
    * orders after them; the last product closed `next`, so until then every claim fails. */
   pool.job = *p;
