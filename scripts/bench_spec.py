@@ -6,6 +6,8 @@ run, per prompt kind.
         [--methods none,ngram,draft,draft-tree,mtp:chain,mtp:ddtree,dflash:chain,dflash:ddtree,dflash:weaver]
         [--temperature 0 --seed 0] [--defaults] [--adaptive] [--mlx-lm] [--json OUT.json] [--png OUT.png]
 
+A method is METHOD[:TREE], optionally with /vN (a draft vocabulary of N tokens) and /dN (its own
+tree depth, else --depth's): `mtp:chain,mtp:chain/d10` compares two depths in one run.
 Defaults to the bundled target and its drafters. Greedy decoding (or sampling with --temperature and a
 fixed seed: position-keyed noise makes every method emit the same tokens; --defaults samples with
 the checkpoint's generation_config.json, as a request that sets nothing does), chat template with
@@ -164,14 +166,18 @@ def percentile(xs: list[float], q: float) -> float:
 def parse_methods(text: str, budgets: list[int], depth: int, a) -> dict[str, SpecConfig]:
     specs = {}
     for item in text.split(","):
-        # METHOD[:TREE][/vN]: /vN a draft vocabulary of N tokens (v0 the whole vocabulary)
-        head, _, vocab = item.partition("/")
+        # METHOD[:TREE][/vN][/dN]: /vN a draft vocabulary of N tokens (v0 the whole vocabulary),
+        # /dN this method's tree depth (else --depth's)
+        head, *options = item.split("/")
         method, _, tree = head.partition(":")
+        known = {o[0]: int(o[1:]) for o in options if o[:1] in ("v", "d") and o[1:].isdigit()}
+        if len(known) != len(options):
+            raise SystemExit(f"unknown option in method {item!r}: /vN (draft vocabulary) and /dN (depth) are known")
         for budget in ([16] if method == "none" else budgets):
             name = method if method == "none" else f"{item}@{budget}"
-            specs[name] = SpecConfig(method=method, tree=tree or "ddtree", budget=budget, max_depth=depth,
-                                     draft_model=a.draft_model, dflash_model=a.dflash_model,
-                                     adaptive=a.adaptive, draft_vocab=int(vocab[1:]) if vocab else None)
+            specs[name] = SpecConfig(method=method, tree=tree or "ddtree", budget=budget,
+                                     max_depth=known.get("d", depth), draft_model=a.draft_model,
+                                     dflash_model=a.dflash_model, adaptive=a.adaptive, draft_vocab=known.get("v"))
     return specs
 
 
