@@ -103,8 +103,8 @@ typedef int v16i __attribute__((vector_size(64)));
   } while (0)
 
 /* The lane sums as a tree: halves (i, i+8), then (i, i+4), (i, i+2), (i, i+1). Each foldN takes
- * two vectors and leaves both's partial sums side by side, so hsum16 reduces 16 accumulators in 15
- * vector adds; hsum is the same tree on one vector, so a sum never depends on its neighbours. */
+ * two vectors and leaves both's partial sums side by side, so hsum_group reduces 16 accumulators in
+ * 15 vector adds; hsum is the same tree on one vector, so a sum never depends on its neighbours. */
 INL v16 fold8(v16 a, v16 b) {
   return SHUF(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
          SHUF(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
@@ -127,32 +127,23 @@ INL float hsum(v16 v) {
   t = fold2(t, t);
   return fold1(t, t)[0];
 }
-/* out[j] = hsum(v[j]) for 16 vectors: after the folds, lane L holds the sum of v[reverse4(L)]. */
-INL void hsum16(const v16* v, float* out) {
+/* out[j] = hsum(v[j]) for a group of 16 or 8 vectors (a constant once inlined): after the folds,
+ * lane L holds the sum of v[reverse4(L)]; a group of 8 folds its last level onto itself, so its
+ * sums sit in the even lanes, at the same places. */
+INL void hsum_group(const v16* v, float* out, const int n) {
   static const int reversed[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
   v16 a[8], b[4], c[2];
-  for (int i = 0; i < 8; ++i) a[i] = fold8(v[2 * i], v[2 * i + 1]);
-  for (int i = 0; i < 4; ++i) b[i] = fold4(a[2 * i], a[2 * i + 1]);
-  for (int i = 0; i < 2; ++i) c[i] = fold2(b[2 * i], b[2 * i + 1]);
-  v16 h = fold1(c[0], c[1]);
-  for (int j = 0; j < 16; ++j) out[j] = h[reversed[j]];
-}
-
-/* out[j] = hsum(v[j]) for 8 vectors, the same tree. */
-INL void hsum8(const v16* v, float* out) {
-  v16 a[4], b[2];
-  for (int i = 0; i < 4; ++i) a[i] = fold8(v[2 * i], v[2 * i + 1]);
-  for (int i = 0; i < 2; ++i) b[i] = fold4(a[2 * i], a[2 * i + 1]);
-  v16 c = fold2(b[0], b[1]);
-  v16 h = fold1(c, c);
-  static const int at[8] = {0, 8, 4, 12, 2, 10, 6, 14};
-  for (int j = 0; j < 8; ++j) out[j] = h[at[j]];
+  for (int i = 0; i < n / 2; ++i) a[i] = fold8(v[2 * i], v[2 * i + 1]);
+  for (int i = 0; i < n / 4; ++i) b[i] = fold4(a[2 * i], a[2 * i + 1]);
+  for (int i = 0; i < n / 8; ++i) c[i] = fold2(b[2 * i], b[2 * i + 1]);
+  const v16 h = fold1(c[0], c[n / 8 - 1]);
+  for (int j = 0; j < n; ++j) out[j] = h[reversed[j]];
 }
 /* out[j] = hsum(v[j]) for n vectors. */
 INL void hsum_n(const v16* v, float* out, int n) {
   int i = 0;
-  for (; i + 16 <= n; i += 16) hsum16(v + i, out + i);
-  for (; i + 8 <= n; i += 8) hsum8(v + i, out + i);
+  for (; i + 16 <= n; i += 16) hsum_group(v + i, out + i, 16);
+  for (; i + 8 <= n; i += 8) hsum_group(v + i, out + i, 8);
   for (; i < n; ++i) out[i] = hsum(v[i]);
 }
 
@@ -413,26 +404,21 @@ static void start_helpers(void) {
 static void pooled(const product* p, kernel_fn kernel, int align) {
   const long macs = (long)p->M * p->N * p->K;
   const int limit = __atomic_load_n(&spruce_gemm_threads, __ATOMIC_RELAXED);
-  if (macs < THREADED_MACS || limit == 1 || pthread_mutex_trylock(&pool.busy) != 0) {
-    kernel(p, 0, p->N);
-    return;
+  int threads = 1, block = p->N;
+  if (macs >= THREADED_MACS && limit != 1) {
+    pthread_once(&pool.once, start_helpers);
+    threads = limit > 1 && limit <= pool.helpers ? limit : pool.helpers + 1;
+    /* ~4 blocks a thread, whole steps of the kernel */
+    block = (p->N + 4 * threads - 1) / (4 * threads);
+    block = (block + align - 1) / align * align;
   }
-  pthread_once(&pool.once, start_helpers);
-  const int threads = limit > 1 && limit <= pool.helpers ? limit : pool.helpers + 1;
-  if (threads == 1) {
-    pthread_mutex_unlock(&pool.busy);
+  /* alone: a small product, one thread, a product of one block (not worth a wake-up), or the pool
+   * busy with another caller's product */
+  if (threads == 1 || block >= p->N || pthread_mutex_trylock(&pool.busy) != 0) {
     kernel(p, 0, p->N);
     return;
   }
   __atomic_store_n(&pool.threads, threads, __ATOMIC_RELAXED); /* published by the generation's bump */
-  /* ~4 blocks a thread, whole steps of the kernel; a product of one block is not worth a wake-up */
-  int block = (p->N + 4 * threads - 1) / (4 * threads);
-  block = (block + align - 1) / align * align;
-  if (block >= p->N) {
-    pthread_mutex_unlock(&pool.busy);
-    kernel(p, 0, p->N);
-    return;
-  }
   /* No helper reads these until it claims a block below `blocks`, which the release of `next`
    * orders after them; the last product closed `next`, so until then every claim fails. */
   pool.job = *p;

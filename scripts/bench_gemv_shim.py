@@ -16,9 +16,9 @@ A decode step reads a model's weights from memory, not from cache, so by default
 multiplies by distinct weights that add up to 64 MB or more (--warm: one weight, over and over).
 One process a setting: OpenBLAS's threads spin for a while after each of its products, and on a
 machine of two cores that takes the core from the shim's helper thread, which a verify (whose
-products of 2-33 rows never call OpenBLAS) sees less of. Median µs a product over --reps evaluations; per setting
-the median of the rounds, and off / small. Linux with OpenBLAS and a C compiler (the script
-re-execs itself with both preloaded).
+products of 2-33 rows never call OpenBLAS) sees less of. Median µs a product over --reps
+evaluations (after three warm-ups); per setting the median of the rounds, and off / small.
+Linux with OpenBLAS and a C compiler (the script re-execs itself with both preloaded).
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engine.blas import reexec_with_openblas  # noqa: E402
 
@@ -40,6 +40,7 @@ if __name__ == "__main__":  # a BLAS preload works only from process start: befo
     reexec_with_openblas(sys.orig_argv[1:])
 
 import mlx.core as mx  # noqa: E402
+from bench_op_costs import timed  # noqa: E402
 
 from engine import blas  # noqa: E402
 
@@ -48,7 +49,8 @@ COLD_BYTES = 64 << 20
 
 
 def measure(shapes: list[tuple[int, int]], rows: list[int], reps: int, warm: bool) -> dict[str, float]:
-    """In this process, at its settings: median µs a product, per 'OxI/M'."""
+    """In this process, at its settings: median µs a product, per 'OxI/M' (graph building and
+    evaluation: bench_op_costs.timed)."""
     out = {}
     for o, i in shapes:
         count = 1 if warm else -(-COLD_BYTES // (o * i * 4))
@@ -57,13 +59,8 @@ def measure(shapes: list[tuple[int, int]], rows: list[int], reps: int, warm: boo
         for m in rows:
             x = mx.random.normal((1, m, i))
             mx.eval(x)
-            times = []
-            for rep in range(reps + 2):
-                t0 = time.perf_counter()
-                mx.eval([x @ w.T for w in weights])
-                if rep >= 2:  # two warm-ups
-                    times.append((time.perf_counter() - t0) * 1e6 / count)
-            out[f"{o}x{i}/{m}"] = statistics.median(times)
+            build, _, evaluation = timed(lambda x=x, ws=weights: [x @ w.T for w in ws], reps)
+            out[f"{o}x{i}/{m}"] = (build + evaluation) * 1e3 / count
     return out
 
 
