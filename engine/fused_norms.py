@@ -53,12 +53,18 @@ def add_norm(x: mx.array, y: mx.array, w: mx.array, eps: float,
     """(h, rms_norm(h) * w) with h = x + y, rows [1, T, Hd]; the caller checks add_covers()."""
     backend = backend or gpu_backend()
     assert backend is not None, "a GPU kernel"
-    T = x.shape[1]
-    groups = -(-T // WPG)
+    T, Hd = x.shape[1], x.shape[2]
+    threads = add_norm_threads(Hd)
     h, out = compiled_kernel(ADD_NORM, backend)(
-        inputs=[x, y, w, eps_array(eps)], template=[("OutT", x.dtype)], grid=(groups * WPG * 32, 1, 1),
-        threadgroup=(WPG * 32, 1, 1), output_shapes=[x.shape, x.shape], output_dtypes=[x.dtype, x.dtype])
+        inputs=[x, y, w, eps_array(eps)], template=[("OutT", x.dtype)], grid=(T * threads, 1, 1),
+        threadgroup=(threads, 1, 1), output_shapes=[x.shape, x.shape], output_dtypes=[x.dtype, x.dtype])
     return h, out
+
+
+def add_norm_threads(Hd: int) -> int:
+    """Threads of add_norm's threadgroup (one a row): about four elements a thread, whole SIMD
+    groups, 32 to 1024. Set by the row's width alone, so a row sums in one order whatever T is."""
+    return max(32, min(1024, -(-Hd // 4 // 32) * 32))
 
 
 def gated_covers(o: mx.array, z: mx.array, w: mx.array) -> bool:

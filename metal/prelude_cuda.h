@@ -19,6 +19,7 @@ SPR_FN float spr_simd_sum(float x) {
   }
   return x;
 }
+SPR_FN void spr_barrier() { __syncthreads(); }  // a threadgroup's threads meet; its memory is visible
 SPR_FN float spr_fma(float a, float b, float c) { return fmaf(a, b, c); }
 SPR_FN float spr_exp(float x) { return expf(x); }
 SPR_FN float spr_log(float x) { return logf(x); }

@@ -9,6 +9,7 @@
 #define SPR_THREAD thread
 
 inline float spr_simd_sum(float x) { return metal::simd_sum(x); }
+inline void spr_barrier() { metal::threadgroup_barrier(metal::mem_flags::mem_threadgroup); }  // a threadgroup's threads meet
 inline float spr_fma(float a, float b, float c) { return metal::fma(a, b, c); }
 inline float spr_exp(float x) { return metal::exp(x); }
 inline float spr_log(float x) { return metal::log(x); }

@@ -28,11 +28,10 @@ struct half {
   half(float f) : v(f) {}
   explicit operator float() const { return v; }
 };
+namespace metal {
 enum class mem_flags { mem_none, mem_device, mem_threadgroup };
 inline void threadgroup_barrier(mem_flags) {}
 inline void simdgroup_barrier(mem_flags) {}
-
-namespace metal {
 inline float simd_sum(float x) { return x; }
 inline float exp(float x) { return std::exp(x); }
 inline float log(float x) { return std::log(x); }
