@@ -9,7 +9,10 @@ these save 32 and 24 launches a step. Opt-in (SPRUCE_ADD_NORM=1, SPRUCE_GATED_NO
 twin tests pass on the CPU (emulated) and on the H200, but there they did not measurably shorten a
 round (BENCHMARKS.md, issue 13, twenty-fifth session), and in bf16 they round differently from
 MLX's norms (the order of the sum of squares; the product with the weight rounded once), which
-changed one prompt's output of four from its 62nd token on.
+changed one prompt's output of four from its 62nd token on. With the residual left pending (65
+add_norm launches a 9B step) the first add_norm, one SIMD group a row, made the step device-bound:
+118 tok/s against 224 without (BENCHMARKS.md, issue 13, twenty-ninth session). It now gives a row
+a whole threadgroup; that build has not run on a GPU yet.
 """
 
 from __future__ import annotations
