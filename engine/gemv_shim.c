@@ -158,13 +158,18 @@ typedef struct {
 } product;
 
 /* C[r, n] = alpha * s + beta * C[r, n], with beta 0 overwriting (MLX's output buffer is
- * uninitialised: NaN * 0 would be NaN). K's tail past the last 16 is added after the lane sum. */
+ * uninitialised: NaN * 0 would be NaN). */
+INL void put(const product* p, int r, int n, float s) {
+  float* c = p->C + (long)r * p->ldc + n;
+  *c = p->beta == 0.0f ? p->alpha * s : p->alpha * s + p->beta * *c;
+}
+
+/* put() of a dot product whose K's tail past the last 16 is added after the lane sum. */
 INL void store(const product* p, int r, int n, float s, int k) {
   const float* a = p->A + (long)r * p->lda;
   const float* b = p->B + (long)n * p->ldb;
   for (int kk = k; kk < p->K; ++kk) s += a[kk] * b[kk];
-  float* c = p->C + (long)r * p->ldc + n;
-  *c = p->beta == 0.0f ? p->alpha * s : p->alpha * s + p->beta * *c;
+  put(p, r, n, s);
 }
 
 /* R rows (r0..; R <= 4, a constant once inlined) times 4 weight rows (n..): 4R accumulators that
@@ -295,8 +300,7 @@ VECTOR_VARIANTS static void outer_columns(const product* p, int n0, int n1) {
     for (int r = 0; r < p->M; ++r) {
       float s = 0.0f;
       for (int k = 0; k < p->K; ++k) s += a_at(p, r, k) * p->B[(long)k * p->ldb + n];
-      float* c = p->C + (long)r * p->ldc + n;
-      *c = p->beta == 0.0f ? p->alpha * s : p->alpha * s + p->beta * *c;
+      put(p, r, n, s);
     }
   }
 }
