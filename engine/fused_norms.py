@@ -18,11 +18,9 @@ with no gain measured yet in the encoding.
 
 from __future__ import annotations
 
-import functools
-
 import mlx.core as mx
 
-from engine.kernels import ADD_NORM, GATED_NORM, FastPath, compiled_kernel, gpu_backend
+from engine.kernels import ADD_NORM, GATED_NORM, FastPath, compiled_kernel, eps_array, gpu_backend
 
 WPG = 4  # rows (SIMD groups) a threadgroup
 DTYPES = (mx.float32, mx.bfloat16, mx.float16)
@@ -43,13 +41,6 @@ def add_covers(x: mx.array, y: mx.array, w: mx.array) -> bool:
     """Rows [1, T, Hd] of one float dtype, and a norm weight [Hd]."""
     return (x.ndim == 3 and x.shape[0] == 1 and y.shape == x.shape and y.dtype == x.dtype and x.dtype in DTYPES
             and w.shape == (x.shape[2],) and w.dtype in DTYPES)
-
-
-@functools.cache
-def eps_array(eps: float) -> mx.array:
-    """The norm's epsilon as an array, made once (a kernel takes no float arguments); built from
-    host data, it holds its value already, so a compiled layer's trace can capture it."""
-    return mx.array([eps], dtype=mx.float32)
 
 
 def add_norm(x: mx.array, y: mx.array, w: mx.array, eps: float,

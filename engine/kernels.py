@@ -83,6 +83,16 @@ READ_STREAM = KernelSpec("spruce_read_stream", "read_stream.kernel", ("w", "scal
                          backends=("cuda",))
 QMM_MMA = KernelSpec("spruce_qmm_mma", "qmm_mma.kernel", ("x", "w", "scales", "biases"), ("y",),
                      header=("qmm_mma_cuda.h",), backends=("cuda",))
+# the same body with the RMS norm before it, the residual add after it, or the MLP's SwiGLU before
+# and the residual add after (quantized_matmul_mma's norm, res, swiglu): launches a layer saves
+QMM_MMA_NORM = KernelSpec("spruce_qmm_mma_norm", "qmm_mma.kernel", (*QMM_MMA.inputs, "nw", "eps"), ("y",),
+                          header=QMM_MMA.header, backends=("cuda",), defines=("SPR_NORM_IN",))
+QMM_MMA_RES = KernelSpec("spruce_qmm_mma_res", "qmm_mma.kernel", (*QMM_MMA.inputs, "res"), ("y",),
+                         header=QMM_MMA.header, backends=("cuda",), defines=("SPR_RES_OUT",))
+QMM_MMA_SWIGLU = KernelSpec("spruce_qmm_mma_swiglu", "qmm_mma.kernel", QMM_MMA.inputs, ("y",),
+                            header=QMM_MMA.header, backends=("cuda",), defines=("SPR_SWIGLU_IN",))
+QMM_MMA_SWIGLU_RES = KernelSpec("spruce_qmm_mma_swiglu_res", "qmm_mma.kernel", (*QMM_MMA.inputs, "res"), ("y",),
+                                header=QMM_MMA.header, backends=("cuda",), defines=("SPR_SWIGLU_IN", "SPR_RES_OUT"))
 # attention of decode and tree rows over the KV cache (engine/attention_rows.py): the chunks'
 # partial softmaxes and their join, and the one-chunk build that writes the output itself
 ATTN_ROWS = KernelSpec("spruce_attn_rows", "attn_rows.kernel", ("q", "keys", "values", "ancestors"),
@@ -95,7 +105,8 @@ ADD_NORM = KernelSpec("spruce_add_norm", "add_norm.kernel", ("x", "y", "w", "eps
 GATED_NORM = KernelSpec("spruce_gated_norm", "gated_norm.kernel", ("o", "z", "w", "eps"), ("out",), header=(),
                         contiguous=False)
 KERNELS = (GDN_STEP, GDN_CHAIN, GDN_TREE_FRONT, GDN_TREE, GDN_TREE_FRONT_FOLD, GDN_TREE_FOLD, GDN_COMMIT, QMM_ROWS,
-           READ_FLOOR, READ_STREAM, QMM_MMA, ATTN_ROWS, ATTN_ONE, ATTN_MERGE,
+           READ_FLOOR, READ_STREAM, QMM_MMA, QMM_MMA_NORM, QMM_MMA_RES, QMM_MMA_SWIGLU, QMM_MMA_SWIGLU_RES,
+           ATTN_ROWS, ATTN_ONE, ATTN_MERGE,
            ADD_NORM, GATED_NORM)
 QMM_MAX_ROWS = 32
 MMA_DTYPES = (mx.bfloat16, mx.float16)
@@ -344,11 +355,17 @@ MMA_PAIRED_DEQUANT = True
 
 
 def quantized_matmul_mma(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
-                         bits: int, config: tuple[int, int] | None = None, paired: bool | None = None) -> mx.array:
+                         bits: int, config: tuple[int, int] | None = None, paired: bool | None = None, *,
+                         norm: tuple[mx.array, float] | None = None, swiglu: bool = False,
+                         res: mx.array | None = None) -> mx.array:
     """x [M, I] @ dequantize(w)^T on CUDA tensor cores (metal/qmm_mma.kernel), batch-invariant;
     the caller checks mma_covers. config: (RT, KW), for the micro-benchmark's sweep; paired:
-    MMA_PAIRED_DEQUANT unless given (4-bit weights only)."""
-    m, i = x.shape
+    MMA_PAIRED_DEQUANT unless given (4-bit weights only). The fused builds, one launch each:
+    norm (weight [I], eps): rms_norm(x) * weight first; swiglu: x is gate | up [M, 2 I], silu(gate)
+    * up first; res [M, O]: res + the product (MLX's rounding of that add). norm and swiglu exclude
+    each other."""
+    assert norm is None or not swiglu, "one prologue: the norm or the SwiGLU"
+    m, i = x.shape[0], x.shape[1] // (2 if swiglu else 1)
     o = w.shape[0]
     rt, kw = config or mma_config(o, i, bits)
     nt = -(-m // 8)
@@ -356,9 +373,26 @@ def quantized_matmul_mma(x: mx.array, w: mx.array, scales: mx.array, biases: mx.
     dq = int(bits == 4 and (MMA_PAIRED_DEQUANT if paired is None else paired))
     template = [("OutT", x.dtype), ("GS", group_size), ("BITS", bits), ("NT", nt), ("RT", rt), ("KW", kw),
                 ("DQ", dq)]
-    return compiled_kernel(QMM_MMA, "cuda")(
-        inputs=[x, w, scales, biases], template=template, grid=(blocks * kw * 32, 1, 1), threadgroup=(kw * 32, 1, 1),
+    spec, inputs = QMM_MMA, [x, w, scales, biases]
+    if norm is not None:
+        spec = QMM_MMA_NORM
+        inputs += [norm[0], eps_array(norm[1])]
+    elif swiglu:
+        spec = QMM_MMA_SWIGLU if res is None else QMM_MMA_SWIGLU_RES
+    if res is not None:
+        assert spec is not QMM_MMA_NORM, "a norm build has no residual add"
+        spec = QMM_MMA_RES if spec is QMM_MMA else spec
+        inputs.append(res)
+    return compiled_kernel(spec, "cuda")(
+        inputs=inputs, template=template, grid=(blocks * kw * 32, 1, 1), threadgroup=(kw * 32, 1, 1),
         output_shapes=[(m, o)], output_dtypes=[x.dtype])[0]
+
+
+@functools.cache
+def eps_array(eps: float) -> mx.array:
+    """A norm's epsilon as an array, made once (a kernel takes no float arguments); built from host
+    data, it holds its value already, so a compiled layer's trace can capture it."""
+    return mx.array([eps], dtype=mx.float32)
 
 
 # From this many activation rows the CPU dequantizes the weight and runs a BLAS GEMM: MLX's CPU

@@ -1,6 +1,7 @@
 // Helpers of qmm_mma.kernel, CUDA only: the tensor-core MMA (m16n8k16, fp32 accumulators) and
 // packing two floats into the register pair of the activation type. Under NVRTC (__CUDACC__)
-// they are PTX; elsewhere (the g++ check against metal/stub/) a scalar stand-in with the same
+// they are PTX; in the CPU's lockstep emulation (SPR_SIMT) the warp computes the MMA from the
+// fragments; elsewhere (the g++ check against metal/stub/) a scalar stand-in with the same
 // signature, so the body's names and types are still checked.
 
 template <typename T>
@@ -35,6 +36,12 @@ SPR_FN void spr_mma(float* d, uint a0, uint a1, uint a2, uint a3, uint b0, uint 
 SPR_MMA_FOR(__nv_bfloat16, "bf16")
 SPR_MMA_FOR(__half, "f16")
 #undef SPR_MMA_FOR
+#elif defined(SPR_SIMT)
+// the lockstep emulation (tests/kernels/simt/simt.h): the warp's lanes compute it together
+template <typename T>
+SPR_FN void spr_mma(float* d, uint a0, uint a1, uint a2, uint a3, uint b0, uint b1) {
+  simt::mma<T>(d, a0, a1, a2, a3, b0, b1);
+}
 #else
 template <typename T>
 SPR_FN void spr_mma(float* d, uint a0, uint a1, uint a2, uint a3, uint b0, uint b1) {
@@ -77,3 +84,46 @@ SPR_FN uint spr_dequant_pair4(uint w, int i, uint scale2, uint bias2);
 SPR_DEQUANT_PAIR4_FOR(__nv_bfloat16, __nv_bfloat162, 0x43004300u)
 SPR_DEQUANT_PAIR4_FOR(__half, __half2, 0x64006400u)
 #undef SPR_DEQUANT_PAIR4_FOR
+
+// value hi (0: the low half, 1: the high) of a register pair of the activation type, as a float
+template <typename T>
+SPR_FN float spr_half_of(uint word, int hi) {
+  const unsigned short bits = static_cast<unsigned short>(hi ? word >> 16 : word & 0xFFFFu);
+  return spr_to_float(*reinterpret_cast<const T*>(&bits));
+}
+
+// SPR_NORM_IN: a 16-byte load of eight activations -> the eight times the norm's weights (each
+// product rounded to T), adding the activations' squares to ssq in order
+template <typename T, typename W>
+SPR_FN uint4 spr_norm_in8(const uint4& v, const W* nw, float& ssq) {
+  uint out[4];
+  for (int j = 0; j < 4; ++j) {
+    const uint word = spr_word(v, j);
+    const float lo = spr_half_of<T>(word, 0);
+    const float hi = spr_half_of<T>(word, 1);
+    ssq = fmaf(lo, lo, ssq);
+    ssq = fmaf(hi, hi, ssq);
+    out[j] = spr_pack2<T>(lo * spr_to_float(nw[2 * j]), hi * spr_to_float(nw[2 * j + 1]));
+  }
+  return make_uint4(out[0], out[1], out[2], out[3]);
+}
+
+// SPR_SWIGLU_IN: silu(gate) * up as MLX's ops compute it on rows of T: sigmoid, times the gate,
+// times up, each rounded to T (the last rounding is the pack's)
+template <typename T>
+SPR_FN float spr_silu_times(float gate, float up) {
+  const float sig = spr_to_float(static_cast<T>(1.0f / (1.0f + expf(-gate))));
+  return spr_to_float(static_cast<T>(gate * sig)) * up;
+}
+
+template <typename T>
+SPR_FN uint4 spr_swiglu8(const uint4& gate, const uint4& up) {
+  uint out[4];
+  for (int j = 0; j < 4; ++j) {
+    const uint gw = spr_word(gate, j);
+    const uint uw = spr_word(up, j);
+    out[j] = spr_pack2<T>(spr_silu_times<T>(spr_half_of<T>(gw, 0), spr_half_of<T>(uw, 0)),
+                          spr_silu_times<T>(spr_half_of<T>(gw, 1), spr_half_of<T>(uw, 1)));
+  }
+  return make_uint4(out[0], out[1], out[2], out[3]);
+}

@@ -50,7 +50,10 @@ def render_metal(spec: KernelSpec, dtypes: dict[str, str], sizes: dict[str, int]
             f"template void {name}<{tvals}>({', '.join(types)});\n")
 
 
-def render_cuda(spec: KernelSpec, dtypes: dict[str, str], template: dict[str, int | str], stub: bool) -> str:
+def render_cuda(spec: KernelSpec, dtypes: dict[str, str], template: dict[str, int | str], stub: bool,
+                include: str = "cuda_stub.h") -> str:
+    """include: the header standing in for CUDA where stub is True (metal/stub/'s for the g++
+    check, tests/kernels/simt/'s for the lockstep emulation)."""
     header, body = kernel_text(spec, "cuda")
     params = []
     for n in spec.inputs:
@@ -63,7 +66,7 @@ def render_cuda(spec: KernelSpec, dtypes: dict[str, str], template: dict[str, in
     consts = "".join(f"  using {k} = {CUDA_TYPES[v]};\n" if isinstance(v, str) else f"  constexpr int {k} = {v};\n"
                      for k, v in template.items())
     # MLX's own device header defines Shape; outside MLX a stand-in with the same use
-    prefix = "#include \"cuda_stub.h\"\n" if stub else (
+    prefix = f"#include \"{include}\"\n" if stub else (
         "struct Shape {\n  int dims[8];\n  __device__ int operator[](int i) const { return dims[i]; }\n};\n"
         "struct Strides {\n  long long dims[8];\n"
         "  __device__ long long operator[](int i) const { return dims[i]; }\n};\n")

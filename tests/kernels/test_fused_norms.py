@@ -10,7 +10,7 @@ import pytest
 import engine.fused_norms as fused
 from engine.fused_norms import WPG, add_covers, add_norm, add_norm_threads, gated_covers, gated_norm
 from engine.kernels import ADD_NORM, GATED_NORM, gpu_backend
-from tests.kernels.emulate import emulate
+from tests.kernels.emulate import SIMT_AVAILABLE, emulate, emulate_simt
 
 EPS = np.array([1e-6], dtype=np.float32)
 
@@ -39,6 +39,22 @@ def test_emulated_add_norm_equals_twin(rows, dims, rng, tmp_path):
     assert np.abs(got["out"] - want).max() < 1e-5 * max(1.0, np.abs(want).max())
     one = run(x[:, :1], y[:, :1])  # a row's result does not depend on the launch's other rows
     np.testing.assert_array_equal(one["out"][0, 0], got["out"][0, 0])
+
+
+@pytest.mark.skipif(not SIMT_AVAILABLE, reason="the lockstep emulation needs g++ and Linux's ucontext")
+@pytest.mark.parametrize(("rows", "dims"), [(1, 384), (5, 4096)])
+def test_lockstep_add_norm_with_its_threadgroups(rows, dims, rng, tmp_path):
+    """The threadgroup a row as launched (96 / 1024 threads): SIMD sums across 32 lanes, then the
+    groups' sums through threadgroup memory after the barrier."""
+    x, y = (rng.normal(size=(1, rows, dims)).astype(np.float32) for _ in range(2))
+    w = rng.normal(size=(dims,)).astype(np.float32)
+    got = emulate_simt(ADD_NORM, {"x": x, "y": y, "w": w, "eps": EPS},
+                       {"h": ((1, rows, dims), np.float32), "out": ((1, rows, dims), np.float32)},
+                       {"OutT": "float32"}, rows, add_norm_threads(dims), tmp_path)
+    h = x + y
+    np.testing.assert_array_equal(got["h"], h)
+    want = h / rms(h) * w
+    assert np.abs(got["out"] - want).max() < 1e-5 * max(1.0, np.abs(want).max())
 
 
 @pytest.mark.parametrize(("rows", "heads", "dv"), [(1, 12, 32), (9, 4, 128)])

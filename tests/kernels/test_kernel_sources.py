@@ -31,9 +31,10 @@ def dtypes_for(spec: KernelSpec, activations: str) -> dict[str, str]:
             out[n] = activations if n in ("x", "y", "h", "out", "z") else "float32"
         elif spec.name.startswith("spruce_attn"):  # rows and cache in the activations' dtype, the mask bool
             out[n] = "bool" if n == "ancestors" else activations if n in ("q", "keys", "values", "o") else "float32"
-        elif spec.name.endswith(("qmm_rows", "read_floor", "read_stream", "qmm_mma")):
+        elif spec.name.endswith(("qmm_rows", "read_floor", "read_stream")) or "qmm_mma" in spec.name:
             out[n] = ("uint32" if n == "w" or (n == "y" and spec.name.endswith("stream"))
-                      else "float32" if n == "y" and spec.name.endswith("floor") else activations)
+                      else "float32" if (n == "y" and spec.name.endswith("floor")) or n in ("nw", "eps")
+                      else activations)
         else:
             out[n] = "int32" if n in INT_INPUTS else activations if n in ACTIVATIONS else "float32"
     return out
@@ -42,7 +43,7 @@ def dtypes_for(spec: KernelSpec, activations: str) -> dict[str, str]:
 def template_for(spec: KernelSpec, shape: str, activations: str = "float32") -> dict[str, int | str]:
     if spec.name.endswith("qmm_rows"):
         return dict(OutT=activations, I=4096 if shape == "9b" else 384, O=256, GS=64, BITS=4, MAXM=8, R=4, RPG=4)
-    if spec.name.endswith("qmm_mma"):
+    if "qmm_mma" in spec.name:
         return dict(OutT=activations, GS=64, BITS=4, NT=3 if shape == "9b" else 1, RT=2, KW=8,
                     DQ=1 if shape == "9b" else 0)
     if spec.name.endswith("read_stream"):
@@ -76,7 +77,7 @@ def ids(cases: list) -> list[str]:
 
 # qmm_mma is CUDA only and takes bf16 / fp16 activations (tensor-core MMA)
 METAL_CASES = [c for c in CASES if "metal" in c[0].backends]
-CUDA_CASES = [c for c in CASES if "cuda" in c[0].backends and not (c[0].name.endswith("mma") and c[1] == "float32")]
+CUDA_CASES = [c for c in CASES if "cuda" in c[0].backends and not ("qmm_mma" in c[0].name and c[1] == "float32")]
 
 
 @needs_gxx

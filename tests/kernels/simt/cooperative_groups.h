@@ -1,0 +1,2 @@
+// Stub for the SIMT emulation (simt.h).
+#pragma once
