@@ -13,6 +13,8 @@
 - "-at0" / "-at1": the attention kernels off / on (engine.attention_rows.SWITCH);
 - "-an0" / "-an1": each layer's residual add fused with its norm (engine.fused_norms.ADD);
 - "-gn0" / "-gn1": the GDN output's norm fused with its gate (engine.fused_norms.GATED);
+- "-qf0" / "-qf1": the quantized projections fused with the norms before them and the residual
+  adds after them (engine.models.fused_qmm.SWITCH);
 - "-pg0" / "-pg1": the CPU's sigmoid and SiLU through MLX's own functions / through 2^
   (engine.cpu_exp.POW_GATES);
 - "-srN": products of up to N rows through the GEMV shim's small-row path on the CPU, 0 = none
@@ -38,6 +40,7 @@ def _settings() -> dict[str, tuple[list[tuple[Any, str]], Callable[[str], tuple[
     from engine import round as rounds
     from engine.cache import GDNCache
     from engine.drafters import mtp
+    from engine.models import fused_qmm
 
     def on(rest: str) -> tuple[bool]:
         return (rest == "1",)
@@ -52,6 +55,7 @@ def _settings() -> dict[str, tuple[list[tuple[Any, str]], Callable[[str], tuple[
         "at": ([(attention_rows.SWITCH, "value")], on),
         "an": ([(fused_norms.ADD, "value")], on),
         "gn": ([(fused_norms.GATED, "value")], on),
+        "qf": ([(fused_qmm.SWITCH, "value")], on),
         "pg": ([(cpu_exp, "POW_GATES")], on),
         "sr": ([(blas.SMALL_ROWS, "value")], lambda rest: (int(rest),)),
         "st": ([(blas.GEMM_THREADS, "value")], lambda rest: (int(rest),)),

@@ -14,6 +14,7 @@ from engine import blas
 from engine.cache import KVCache
 from engine.cpu_exp import sigmoid, silu, softmax_rows
 from engine.gdn.core import TreeInputs
+from engine.models import fused_qmm
 from engine.models.fused import fuse_into
 
 Mode = Literal["chain", "token", "tree"]
@@ -199,10 +200,15 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(head_dim, eps)
         self.k_norm = RMSNorm(head_dim, eps)
 
-    def project(self, x: mx.array) -> list[mx.array]:
-        """x [1, T, H] -> [q, k, v] as [1, heads, T, D] before RoPE (+ gate [1, T, H*D])."""
+    def project(self, x: mx.array, norm: RMSNorm | None = None) -> list[mx.array]:
+        """x [1, T, H] (norm(x) where a norm is given: one launch with the fused projections, by
+        engine/models/fused_qmm.py) -> [q, k, v] as [1, heads, T, D] before RoPE (+ gate [1, T, H*D])."""
         B, T, _ = x.shape
-        q, k, v = self.fused(x) if "fused" in self else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        if "fused" in self:
+            q, k, v = fused_qmm.project(self.fused, x, norm=norm)
+        else:
+            x = x if norm is None else norm(x)
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.reshape(B, T, self.heads, -1)
         if self.output_gate:
             q, gate = mx.split(q, 2, axis=-1)
@@ -243,5 +249,7 @@ class Attention(nn.Module):
             out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
         return out.transpose(0, 2, 1, 3).reshape(q.shape[0], T, -1)
 
-    def output(self, out: mx.array, gate: mx.array | None) -> mx.array:
-        return self.o_proj(out * sigmoid(gate) if gate is not None else out)
+    def output(self, out: mx.array, gate: mx.array | None, residual: mx.array | None = None) -> mx.array:
+        """The output projection (plus residual where given: one launch by engine/models/fused_qmm.py)."""
+        out = out * sigmoid(gate) if gate is not None else out
+        return self.o_proj(out) if residual is None else fused_qmm.linear_res(self.o_proj, out, residual)

@@ -18,6 +18,7 @@ from engine.cache import GDNCache, KVCache, LayerCache
 from engine.feature_cache import FeatureCache
 from engine.gdn.core import Fold, GDNCore, GDNShape, GDNWeights, TreeInputs, TreeRows
 from engine.kernels import select_gdn_core
+from engine.models import fused_qmm
 from engine.models.base import ModelArgs, decoder_fields
 from engine.models.fused import fuse_into
 from engine.models.layers import CHAIN, MLP, Attention, Batch, Mode, RMSNorm, RopeSpec
@@ -88,16 +89,19 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(s.value_dim, H, bias=False)
 
     def forward(self, mode: Mode, x: mx.array, conv_state: mx.array, S: mx.array, tree: tuple[mx.array, ...],
-                levels: int, fold: tuple[mx.array, ...] = (),
-                gated_kernel: bool = False) -> tuple[mx.array, tuple[mx.array, ...]]:
+                levels: int, fold: tuple[mx.array, ...] = (), gated_kernel: bool = False, norm: RMSNorm | None = None,
+                residual: mx.array | None = None) -> tuple[mx.array, tuple[mx.array, ...]]:
         """Pure (compilable): x [1, T, H] -> (out [1, T, H], what the cache keeps: the new
         (conv state, state) for a token or a chain, the TreeRows fields for a tree, followed by
         the states after `fold` (Fold's arrays: the last commit, run inside this verify) if given).
-        gated_kernel: the output norm and gate in one launch (engine/fused_norms.py, opt-in)."""
+        gated_kernel: the output norm and gate in one launch (engine/fused_norms.py, opt-in).
+        norm: applied to x first; residual: added to out (each in the projection's launch where
+        engine/models/fused_qmm.py's builds run)."""
         s, T = self.shape, x.shape[1]
         if "fused" in self:
-            qkv, z, b, a = (y.squeeze(0) for y in self.fused(x))
+            qkv, z, b, a = (y.squeeze(0) for y in fused_qmm.project(self.fused, x, norm=norm))
         else:
+            x = x if norm is None else norm(x)
             qkv, z, b, a = (p(x).squeeze(0) for p in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b,
                                                             self.in_proj_a))
         w = GDNWeights(self.conv1d.weight, self.A_log, self.dt_bias)
@@ -117,6 +121,8 @@ class GatedDeltaNet(nn.Module):
             out = fused_norms.gated_norm(o, z, self.norm.weight, self.norm.eps)
         else:
             out = self.norm(o, z.reshape(T, s.Hv, s.Dv)).astype(x.dtype).reshape(1, T, -1)
+        if residual is not None:
+            return fused_qmm.linear_res(self.out_proj, out, residual), result
         return self.out_proj(out), result
 
     def fuse_projections(self) -> bool:
@@ -144,8 +150,9 @@ def tree_arrays(batch: Batch) -> tuple[mx.array, ...]:
 
 
 # what a layer's traced functions depend on: (mode, compiled, folding, fused add + norm, fused gated
-# norm, the CPU's gates through 2^, an output of the last layer pending)
-TraceKey = tuple[Mode, bool, bool, bool, bool, bool, bool]
+# norm, the CPU's gates through 2^, an output of the last layer pending, projections fused with
+# their norms and residual adds)
+TraceKey = tuple[Mode, bool, bool, bool, bool, bool, bool, bool]
 
 
 class _Phases:
@@ -214,7 +221,8 @@ class DecoderLayer(nn.Module):
         compiled = self.compile_decode and mode != "chain"
         # a trace per setting of the fused norms and of the CPU's gates (engine/cpu_exp.py), and
         # per input (the stream alone, or with the last layer's output pending)
-        key: TraceKey = (mode, compiled, folding, *fused_norms.traces(), cpu_exp.POW_GATES, chained)
+        key: TraceKey = (mode, compiled, folding, *fused_norms.traces(), cpu_exp.POW_GATES, chained,
+                         fused_qmm.SWITCH.enabled())
         if key not in self._phases.by_mode:
             before, after = self._pure_functions(mode)
             if compiled:
@@ -224,6 +232,8 @@ class DecoderLayer(nn.Module):
 
     def _pure_functions(self, mode: Mode) -> tuple[Callable[..., Any], Callable[..., Any]]:
         fused, gated = fused_norms.traces()
+        if mode != "chain" and fused_qmm.SWITCH.enabled():
+            return self._qmm_fused_functions(mode, gated)
 
         def start(x: mx.array, pending: Pending) -> tuple[mx.array, mx.array]:
             """(the residual stream, its input norm): the last layer's output added first."""
@@ -256,6 +266,36 @@ class DecoderLayer(nn.Module):
             x, normed = start(x, pending)
             out, result = gdn.forward(mode, normed, conv_state, S, tree, levels, fold, gated)
             return finish(x, out), result
+
+        return layer, _identity
+
+    def _qmm_fused_functions(self, mode: Mode, gated: bool) -> tuple[Callable[..., Any], Callable[..., Any]]:
+        """The layer with each norm in the launch of the projection after it and each residual add
+        in the launch of the projection before it (engine/models/fused_qmm.py): no output is left
+        pending. Where a build does not cover a projection, the same ops run unfused."""
+        norm, post, mlp = self.input_layernorm, self.post_attention_layernorm, self.mlp
+
+        def no_pending(x: mx.array, pending: Pending) -> mx.array:
+            return x + pending[0] if pending else x
+
+        if self.is_attention:
+            attn = self.self_attn
+
+            def project(x: mx.array, pending: Pending) -> list[mx.array]:
+                x = no_pending(x, pending)
+                return [x, *attn.project(x, norm)]
+
+            def output(x: mx.array, out: mx.array, gate: mx.array | None = None) -> tuple[mx.array, ...]:
+                return (fused_qmm.mlp_residual(mlp, attn.output(out, gate, residual=x), post),)
+
+            return project, output
+        gdn = self.linear_attn
+
+        def layer(x: mx.array, pending: Pending, conv_state: mx.array, S: mx.array, tree: tuple[mx.array, ...],
+                  levels: int, fold: tuple[mx.array, ...] = ()):
+            x = no_pending(x, pending)
+            h, result = gdn.forward(mode, x, conv_state, S, tree, levels, fold, gated, norm=norm, residual=x)
+            return (fused_qmm.mlp_residual(mlp, h, post),), result
 
         return layer, _identity
 

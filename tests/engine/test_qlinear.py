@@ -135,6 +135,36 @@ def test_speculation_with_the_kernel_flips_only_at_near_ties(wide_q4, method):
 
 
 @needs_cuda
+def test_fused_builds_in_the_model(wide_q4, monkeypatch):
+    """With the projections fused with their norms and residual adds (engine/models/fused_qmm.py):
+    the builds run, the logits stay close to the unfused model's in bf16, and ngram speculation
+    flips tokens only at near ties."""
+    from engine.models import fused_qmm
+
+    chain_ref, tree_ref, _ = outputs(wide_q4, "bfloat16", True)
+    calls: list[int] = []
+    real = fused_qmm.fused
+    monkeypatch.setattr(fused_qmm.SWITCH, "value", True)
+    monkeypatch.setattr(fused_qmm, "fused", lambda *a, **k: calls.append(1) or real(*a, **k))
+    chain, tree, _ = outputs(wide_q4, "bfloat16", True)
+    assert calls
+    scale = max(1.0, float(np.abs(chain_ref).max()))
+    assert np.abs(chain - chain_ref).max() <= 0.1 * scale
+    assert np.abs(tree - tree_ref).max() <= 0.1 * scale
+    engine = Engine(EngineConfig(model_path=str(wide_q4), dtype="bfloat16"))
+    spec = SpecConfig(method="ngram", budget=8, max_depth=4, tree="ddtree", adaptive=False)
+    sampling = SamplingParams(max_tokens=48, ignore_eos=True, logprobs=2)
+    for seed in range(3):
+        rng = np.random.RandomState(seed)
+        prompt = [int(t) for t in list(rng.randint(0, 500, size=5)) * 3 + list(rng.randint(0, 500, size=10))]
+        plain, fast = generate(engine, prompt, sampling), generate(engine, prompt, sampling, spec)
+        i = next((k for k, (a, b) in enumerate(zip(plain.tokens, fast.tokens)) if a != b), None)
+        if i is not None:
+            top = plain.logprobs[i].top
+            assert top[0][1] - top[1][1] <= NEAR_TIE, f"prompt {seed}: flip at {i} with a clear winner"
+
+
+@needs_cuda
 @pytest.mark.parametrize("bits", [4, 8])
 def test_prefill_rows_dequantize_on_cuda(bits):
     """From CUDA_DEQUANT_ROWS rows on (a prefill chunk) the routed projection is the dequantize +

@@ -1,0 +1,110 @@
+"""Quantized projections that take in the norm before them, the SwiGLU before them or the residual
+add after them, one CUDA launch each (metal/qmm_mma.kernel's SPR_NORM_IN, SPR_SWIGLU_IN and
+SPR_RES_OUT builds, engine.kernels.quantized_matmul_mma).
+
+Why: on the H200 a 9B-shaped step waits for the host encoding its ~420 launching operations
+(~10 µs each: BENCHMARKS.md, issue 13, twenty-fourth session). A decoder layer runs its input norm,
+the input projection, the output projection, the residual add, the post-attention norm, gate|up,
+the SwiGLU, down and a second residual add as nine launches; with these builds they are four
+(norm + in-proj, out-proj + add, norm + gate|up, SwiGLU + down + add), ~5 fewer a layer, ~160 a
+9B step.
+
+`project` is the one entry point: it runs the fused build where the projection is a routed affine
+quantized one the kernel covers (CUDA, bf16 / fp16 rows, at most 32 of them) and the switch is on,
+and otherwise the same ops unfused, so a layer calls it unconditionally. Each build keeps qmm_mma's
+batch invariance (a verify row equals the one-row step bitwise); the norm build rounds differently
+from `mx.fast.rms_norm` followed by the product (x * w rounded to the row type, 1 / rms applied to
+the fp32 sums), like the fused add + norm before it.
+
+Opt-in (SPRUCE_QMM_FUSE=1): emulated on the CPU against the op twins (tests/kernels/
+test_qmm_mma_emulated.py), compiled by nvcc, not yet run on a GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from engine.cpu_exp import silu
+from engine.kernels import FastPath, gpu_backend, mma_covers, quantized_matmul_mma
+from engine.models.fused import FusedProjection
+from engine.models.qlinear import RowsQuantizedLinear
+
+# on with SPRUCE_QMM_FUSE=1 on CUDA; benchmarks set the value (scripts/variants.py's "-qf1"). Read
+# when a layer's compiled functions are traced: a layer keeps one trace per setting.
+SWITCH = FastPath("SPRUCE_QMM_FUSE")
+
+
+class Norm(Protocol):  # engine.models.layers.RMSNorm
+    weight: mx.array
+    eps: float
+
+    def __call__(self, x: mx.array) -> mx.array: ...
+
+
+def _quantized(proj: nn.Module) -> tuple[mx.array, mx.array, mx.array, int, int] | None:
+    """(weight, scales, biases, group size, bits) of a routed affine quantized projection."""
+    if isinstance(proj, RowsQuantizedLinear):
+        ok = proj.mode == "affine" and "bias" not in proj
+    elif isinstance(proj, FusedProjection):
+        ok = proj.quantized and proj.routed and proj.mode == "affine"
+    else:
+        return None
+    if not ok or "biases" not in proj:
+        return None
+    return proj["weight"], proj["scales"], proj["biases"], proj.group_size, proj.bits
+
+
+def covers(proj: nn.Module, x: mx.array, swiglu: bool = False) -> bool:
+    """Whether a fused build computes proj on rows x [..., I] ([..., 2 I] with swiglu): switched
+    on, CUDA, a routed affine quantized projection qmm_mma covers."""
+    q = _quantized(proj)
+    if q is None or not SWITCH.enabled() or gpu_backend() != "cuda":
+        return False
+    rows = x.reshape(-1, x.shape[-1])
+    return mma_covers(rows[:, : rows.shape[1] // 2] if swiglu else rows, *q)
+
+
+def fused(proj: nn.Module, x: mx.array, *, norm: Norm | None = None, swiglu: bool = False,
+          res: mx.array | None = None) -> mx.array:
+    """The fused build, one launch, where covers(proj, x, swiglu): proj(norm(x)), proj(silu(gate)
+    * up) with x = gate | up along the last axis, or proj(x), plus res where given -> [..., O],
+    unsplit."""
+    q = _quantized(proj)
+    assert q is not None
+    w, scales, biases, group_size, bits = q
+    y = quantized_matmul_mma(x.reshape(-1, x.shape[-1]), w, scales, biases, group_size, bits,
+                             norm=None if norm is None else (norm.weight, norm.eps), swiglu=swiglu,
+                             res=None if res is None else res.reshape(-1, w.shape[0]))
+    return y.reshape(*x.shape[:-1], w.shape[0])
+
+
+def project(proj: nn.Module, x: mx.array, norm: Norm | None = None) -> mx.array | list[mx.array]:
+    """proj(norm(x)), or proj(x) without a norm: the fused build where it covers, else the same ops
+    unfused. A FusedProjection's outputs come back split, as it returns them."""
+    if norm is not None and covers(proj, x):
+        y = fused(proj, x, norm=norm)
+        return list(mx.split(y, list(proj.split_at), axis=-1)) if isinstance(proj, FusedProjection) else y
+    return proj(norm(x) if norm is not None else x)
+
+
+def linear_res(proj: nn.Module, x: mx.array, res: mx.array) -> mx.array:
+    """res + proj(x) for one projection: the fused build where it covers, else the same ops."""
+    if covers(proj, x) and res.dtype == x.dtype and not isinstance(proj, FusedProjection):
+        return fused(proj, x, res=res)
+    return res + proj(x)
+
+
+def mlp_residual(mlp: nn.Module, h: mx.array, norm: Norm) -> mx.array:
+    """h + mlp(norm(h)): two launches (norm + gate|up, SwiGLU + down + add) where the builds cover
+    the MLP's fused gate|up and its down projection, else the MLP's own ops."""
+    gate_up = mlp["fused"] if "fused" in mlp else None
+    if gate_up is not None and covers(gate_up, h):
+        y = fused(gate_up, h, norm=norm)
+        if covers(mlp.down_proj, y, swiglu=True) and h.dtype == y.dtype:
+            return fused(mlp.down_proj, y, swiglu=True, res=h)
+        gate, up = mx.split(y, 2, axis=-1)
+        return h + mlp.down_proj(silu(gate) * up)
+    return h + mlp(norm(h))
