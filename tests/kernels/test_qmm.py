@@ -162,3 +162,41 @@ def test_mma_config_depends_on_the_weight_only():
     assert kernels.mma_config(528, 384, 4) == (1, 3)
     assert kernels.mma_config(4096, 12288, 4)[1] == max(4, min(kernels.MMA_LONG_KW, 96 // 6))
     assert kernels.mma_config(4096, 12288, 8)[1] == max(4, min(kernels.MMA_LONG_KW, 192 // 6))
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+@pytest.mark.parametrize(("out", "inp"), [(1030, 4096), (528, 384)])
+def test_mma_fused_builds_equal_their_twins_and_are_batch_invariant(dtype, out, inp, rng):
+    """The norm, SwiGLU and residual builds (engine/models/fused_qmm.py) against the ops they
+    replace, computed in fp32 on the CPU, and rows bitwise equal whatever M is."""
+    from engine.kernels import quantized_matmul_mma
+
+    wq, scales, biases = mx.quantize(mx.array(rng.normal(size=(out, inp)).astype(np.float32) * 0.05),
+                                     group_size=64, bits=4)
+    scales, biases = scales.astype(dtype), biases.astype(dtype)
+    x = mx.array(rng.normal(size=(32, inp)).astype(np.float32) * 2).astype(dtype)
+    gate_up = mx.array(rng.normal(size=(32, 2 * inp)).astype(np.float32) * 2).astype(dtype)
+    res = mx.array(rng.normal(size=(32, out)).astype(np.float32)).astype(dtype)
+    nw = mx.array((1 + 0.3 * rng.normal(size=inp)).astype(np.float32))
+    runs = {"norm": lambda m: quantized_matmul_mma(x[:m], wq, scales, biases, 64, 4, norm=(nw, 1e-6)),
+            "swiglu_res": lambda m: quantized_matmul_mma(gate_up[:m], wq, scales, biases, 64, 4, swiglu=True,
+                                                         res=res[:m]),
+            "res": lambda m: quantized_matmul_mma(x[:m], wq, scales, biases, 64, 4, res=res[:m])}
+    with mx.stream(mx.cpu):
+        f32 = [a.astype(mx.float32) for a in (x, gate_up, res, scales, biases)]
+        xf, gu, rf, sf, bf = f32
+
+        def product(a: mx.array) -> mx.array:
+            return mx.quantized_matmul(a, wq, sf, bf, transpose=True, group_size=64, bits=4)
+
+        gate, up = gu[:, :inp], gu[:, inp:]
+        twins = {"norm": product(mx.fast.rms_norm(xf, nw, 1e-6)),
+                 "swiglu_res": rf + product(gate * mx.sigmoid(gate) * up), "res": rf + product(xf)}
+    for name, run in runs.items():
+        full = run(32)
+        scale = max(1.0, float(mx.abs(twins[name]).max()))
+        err = float(mx.abs(full.astype(mx.float32) - twins[name]).max())
+        assert err <= 3e-2 * scale, (name, err, scale)
+        for m in (1, 2, 7, 9, 17):
+            assert mx.array_equal(run(m), full[:m]), (name, m)
