@@ -115,7 +115,7 @@ def _run(spec: KernelSpec, inputs: dict[str, np.ndarray], outputs: dict[str, tup
         + "\n".join(lines) + "\n"
     (tmp / "emulate.cpp").write_text(source)
     exe = tmp / "emulate"
-    includes = [f"-I{SIMT}"] if simt else [f"-I{STUB}", f"-I{STUB / 'cuda'}"]
+    includes = [f"-I{SIMT}", f"-I{STUB}"] if simt else [f"-I{STUB}", f"-I{STUB / 'cuda'}"]
     build = subprocess.run(["g++", "-std=c++17", "-O1", "-Wno-attributes", *includes, "-o", str(exe),
                             str(tmp / "emulate.cpp")], capture_output=True, text=True)
     if build.returncode:

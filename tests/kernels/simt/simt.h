@@ -19,30 +19,8 @@
 #include <type_traits>
 #include <vector>
 
-#define __global__
-#define __device__
-#define __forceinline__ inline
-#define __shared__ static  // one block runs at a time, so a function-static array is the block's
-#define __grid_constant__
+#include "cuda_common.h"  // metal/stub/: the qualifiers, types and math every stand-in shares
 
-struct dim3 {
-  unsigned x, y, z;
-};
-extern dim3 blockIdx, threadIdx, blockDim, gridDim;
-struct uint4 {
-  unsigned x, y, z, w;
-};
-inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return uint4{x, y, z, w}; }
-
-template <typename To, typename From>
-inline To simt_bits(From v) {
-  static_assert(sizeof(To) == sizeof(From), "a bit cast keeps the size");
-  To out;
-  std::memcpy(&out, &v, sizeof out);
-  return out;
-}
-inline float __uint_as_float(unsigned x) { return simt_bits<float>(x); }
-inline float __int_as_float(int x) { return simt_bits<float>(x); }
 inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
   const uint64_t both = uint64_t(x) | (uint64_t(y) << 32);
   unsigned out = 0;
@@ -52,26 +30,9 @@ inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
   }
   return out;
 }
-inline float expf(float x) { return std::exp(x); }
-inline float logf(float x) { return std::log(x); }
-inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
-inline float sqrtf(float x) { return std::sqrt(x); }
-inline float fabsf(float x) { return std::fabs(x); }
-inline float fmaxf(float a, float b) { return a > b ? a : b; }
-inline float fmaf(float a, float b, float c) { return std::fma(a, b, c); }
-using std::max;
-using std::min;
-namespace cooperative_groups {}
-struct Shape {
-  int dims[8];
-  int operator[](int i) const { return dims[i]; }
-};
-struct Strides {
-  int64_t dims[8];
-  int64_t operator[](int i) const { return dims[i]; }
-};
 
-// ---- the machine: fibers, barriers ----
+// ---- the machine: fibers, barriers (one block runs at a time, so a function-static __shared__
+// array is the running block's) ----
 namespace simt {
 struct Fiber {
   ucontext_t ctx;
