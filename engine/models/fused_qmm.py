@@ -1,6 +1,6 @@
 """Quantized projections that take in the norm before them, the SwiGLU before them or the residual
 add after them, one CUDA launch each (metal/qmm_mma.kernel's SPR_NORM_IN, SPR_SWIGLU_IN and
-SPR_RES_OUT builds, engine.kernels.quantized_matmul_mma).
+SPR_RES_OUT builds, engine.qmm.quantized_matmul_mma).
 
 Why: on the H200 a 9B-shaped step waits for the host encoding its ~420 launching operations
 (~10 µs each: BENCHMARKS.md, issue 13, twenty-fourth session). A decoder layer runs its input norm,
@@ -9,9 +9,10 @@ the SwiGLU, down and a second residual add as nine launches; with these builds t
 (norm + in-proj, out-proj + add, norm + gate|up, SwiGLU + down + add), ~5 fewer a layer, ~160 a
 9B step.
 
-`project` is the one entry point: it runs the fused build where the projection is a routed affine
-quantized one the kernel covers (CUDA, bf16 / fp16 rows, at most 32 of them) and the switch is on,
-and otherwise the same ops unfused, so a layer calls it unconditionally. Each build keeps qmm_mma's
+`project`, `linear_res` and `mlp_residual` run the fused build where the projection is a routed
+affine quantized one the kernel covers (CUDA, bf16 / fp16 rows, at most 32 of them), and otherwise
+the same ops unfused. The switch is read once, where a decoder layer picks its wiring
+(engine/models/qwen3_5.py); only that wiring hands norms and residuals to these functions. Each build keeps qmm_mma's
 batch invariance (a verify row equals the one-row step bitwise); the norm build rounds differently
 from `mx.fast.rms_norm` followed by the product (x * w rounded to the row type, 1 / rms applied to
 the fp32 sums), like the fused add + norm before it.
@@ -28,9 +29,10 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.cpu_exp import silu
-from engine.kernels import FastPath, gpu_backend, mma_covers, quantized_matmul_mma
+from engine.kernels import FastPath, gpu_backend
 from engine.models.fused import FusedProjection
 from engine.models.qlinear import RowsQuantizedLinear
+from engine.qmm import mma_covers, quantized_matmul_mma
 
 # on with SPRUCE_QMM_FUSE=1 on CUDA; benchmarks set the value (scripts/variants.py's "-qf1"). Read
 # when a layer's compiled functions are traced: a layer keeps one trace per setting.
@@ -58,10 +60,10 @@ def _quantized(proj: nn.Module) -> tuple[mx.array, mx.array, mx.array, int, int]
 
 
 def covers(proj: nn.Module, x: mx.array, swiglu: bool = False) -> bool:
-    """Whether a fused build computes proj on rows x [..., I] ([..., 2 I] with swiglu): switched
-    on, CUDA, a routed affine quantized projection qmm_mma covers."""
+    """Whether a fused build computes proj on rows x [..., I] ([..., 2 I] with swiglu): CUDA, a
+    routed affine quantized projection qmm_mma covers."""
     q = _quantized(proj)
-    if q is None or not SWITCH.enabled() or gpu_backend() != "cuda":
+    if q is None or gpu_backend() != "cuda":
         return False
     rows = x.reshape(-1, x.shape[-1])
     return mma_covers(rows[:, : rows.shape[1] // 2] if swiglu else rows, *q)
@@ -103,7 +105,7 @@ def mlp_residual(mlp: nn.Module, h: mx.array, norm: Norm) -> mx.array:
     gate_up = mlp["fused"] if "fused" in mlp else None
     if gate_up is not None and covers(gate_up, h):
         y = fused(gate_up, h, norm=norm)
-        if covers(mlp.down_proj, y, swiglu=True) and h.dtype == y.dtype:
+        if covers(mlp.down_proj, y, swiglu=True):
             return fused(mlp.down_proj, y, swiglu=True, res=h)
         gate, up = mx.split(y, 2, axis=-1)
         return h + mlp.down_proj(silu(gate) * up)

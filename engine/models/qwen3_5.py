@@ -272,17 +272,15 @@ class DecoderLayer(nn.Module):
     def _qmm_fused_functions(self, mode: Mode, gated: bool) -> tuple[Callable[..., Any], Callable[..., Any]]:
         """The layer with each norm in the launch of the projection after it and each residual add
         in the launch of the projection before it (engine/models/fused_qmm.py): no output is left
-        pending. Where a build does not cover a projection, the same ops run unfused."""
+        pending, and none comes in (every decode layer of a model is wired alike). Where a build does
+        not cover a projection, the same ops run unfused."""
         norm, post, mlp = self.input_layernorm, self.post_attention_layernorm, self.mlp
-
-        def no_pending(x: mx.array, pending: Pending) -> mx.array:
-            return x + pending[0] if pending else x
 
         if self.is_attention:
             attn = self.self_attn
 
             def project(x: mx.array, pending: Pending) -> list[mx.array]:
-                x = no_pending(x, pending)
+                assert not pending, "no layer of this wiring leaves its output pending"
                 return [x, *attn.project(x, norm)]
 
             def output(x: mx.array, out: mx.array, gate: mx.array | None = None) -> tuple[mx.array, ...]:
@@ -293,7 +291,7 @@ class DecoderLayer(nn.Module):
 
         def layer(x: mx.array, pending: Pending, conv_state: mx.array, S: mx.array, tree: tuple[mx.array, ...],
                   levels: int, fold: tuple[mx.array, ...] = ()):
-            x = no_pending(x, pending)
+            assert not pending, "no layer of this wiring leaves its output pending"
             h, result = gdn.forward(mode, x, conv_state, S, tree, levels, fold, gated, norm=norm, residual=x)
             return (fused_qmm.mlp_residual(mlp, h, post),), result
 
