@@ -1,5 +1,6 @@
 """GPU kernels: loads the sources in metal/ once, compiles them for the backend MLX runs on, and
-picks the implementation of the GDN recurrent core.
+picks the implementation of the GDN recurrent core. The quantized matmuls that launch these
+kernels are chosen in engine/qmm.py.
 
 Each kernel body in metal/ is written once. For Metal it is compiled by mx.fast.metal_kernel,
 for CUDA by mx.fast.cuda_kernel, each with a small prelude (metal/prelude_*.h) that maps the
@@ -84,7 +85,7 @@ READ_STREAM = KernelSpec("spruce_read_stream", "read_stream.kernel", ("w", "scal
 QMM_MMA = KernelSpec("spruce_qmm_mma", "qmm_mma.kernel", ("x", "w", "scales", "biases"), ("y",),
                      header=("qmm_mma_cuda.h",), backends=("cuda",))
 # the same body with the RMS norm before it, the residual add after it, or the MLP's SwiGLU before
-# and the residual add after (quantized_matmul_mma's norm, res, swiglu): launches a layer saves
+# and the residual add after (engine.qmm.quantized_matmul_mma's norm, res, swiglu): launches a layer saves
 QMM_MMA_NORM = KernelSpec("spruce_qmm_mma_norm", "qmm_mma.kernel", (*QMM_MMA.inputs, "nw", "eps"), ("y",),
                           header=QMM_MMA.header, backends=("cuda",), defines=("SPR_NORM_IN",))
 QMM_MMA_RES = KernelSpec("spruce_qmm_mma_res", "qmm_mma.kernel", (*QMM_MMA.inputs, "res"), ("y",),
@@ -108,8 +109,6 @@ KERNELS = (GDN_STEP, GDN_CHAIN, GDN_TREE_FRONT, GDN_TREE, GDN_TREE_FRONT_FOLD, G
            READ_FLOOR, READ_STREAM, QMM_MMA, QMM_MMA_NORM, QMM_MMA_RES, QMM_MMA_SWIGLU, QMM_MMA_SWIGLU_RES,
            ATTN_ROWS, ATTN_ONE, ATTN_MERGE,
            ADD_NORM, GATED_NORM)
-QMM_MAX_ROWS = 32
-MMA_DTYPES = (mx.bfloat16, mx.float16)
 
 
 def read_source(file: str) -> str:
@@ -130,6 +129,13 @@ def compiled_kernel(spec: KernelSpec, backend: str) -> Any:
     make = mx.fast.metal_kernel if backend == "metal" else mx.fast.cuda_kernel
     return make(name=spec.name, input_names=list(spec.inputs), output_names=list(spec.outputs),
                 source=body, header=header, ensure_row_contiguous=spec.contiguous)
+
+
+@functools.cache
+def eps_array(eps: float) -> mx.array:
+    """A norm's epsilon as an array, made once (a kernel takes no float arguments); built from host
+    data, it holds its value already, so a compiled layer's trace can capture it."""
+    return mx.array([eps], dtype=mx.float32)
 
 
 def backend_default(switch: str, on: tuple[str, ...] = ("cuda",)) -> bool:
@@ -290,181 +296,6 @@ class KernelCore(OpsCore):
             [(tuple(conv_state.shape), conv_state.dtype), (tuple(S0.shape), mx.float32)],
             self._rows_per_group(shape, 4))
         return conv, S
-
-
-def qmm_rows_for(m: int) -> tuple[int, int]:
-    """(MAXM, R) for m activation rows: MAXM rounds m up to a power of two (few compiled
-    variants); R output rows per SIMD group shrink as MAXM grows, so the registers stay bounded."""
-    maxm = 1 << max(0, (m - 1).bit_length())
-    return maxm, 8 if maxm <= 4 else 4 if maxm == 8 else 2
-
-
-def quantized_matmul_rows(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
-                          bits: int, backend: str) -> mx.array:
-    """x [M, I] @ dequantize(w)^T with the batch-invariant small-M kernel (metal/qmm_rows.kernel);
-    shapes it does not cover go to mx.quantized_matmul."""
-    m, i = x.shape
-    o = w.shape[0]
-    if m > QMM_MAX_ROWS or bits not in (4, 8) or i % (32 * (32 // bits)) or i % group_size:
-        return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
-    maxm, r = qmm_rows_for(m)
-    rpg = 4
-    groups = -(-o // r)
-    template = [("OutT", x.dtype), ("I", i), ("O", o), ("GS", group_size), ("BITS", bits), ("MAXM", maxm), ("R", r),
-                ("RPG", rpg)]
-    return compiled_kernel(QMM_ROWS, backend)(
-        inputs=[x, w, scales, biases], template=template, grid=(groups * 32, 1, 1), threadgroup=(rpg * 32, 1, 1),
-        output_shapes=[(m, o)], output_dtypes=[x.dtype])[0]
-
-
-def mma_config(o: int, i: int, bits: int) -> tuple[int, int]:
-    """(RT, KW) of qmm_mma for a weight [o x i]: 16-row tiles per warp and warps splitting the
-    reduction. From the weight's shape only, never from the row count: a row's result must not
-    depend on M. Measured on the H200 (scripts/bench_qmm.py --configs, 9B shapes, M = 1 and 17):
-    one tile a warp and four warps a block were best or within 5 % of it on every shape; two
-    tiles (fewer blocks) lost 20-35 % at M = 1. Long reductions (MMA_LONG_STEPS steps or more,
-    the 9B down_proj's 12288 inputs) take MMA_LONG_KW warps: one warp walks fewer dependent steps."""
-    steps = i // (16 * (32 // bits))
-    if steps >= MMA_LONG_STEPS:
-        return 1, max(4, min(MMA_LONG_KW, steps // 6))
-    return 1, max(1, min(4, steps))
-
-
-MMA_LONG_STEPS = 64  # 8192 inputs at 4 bits
-# Warps a block for long reductions. H200, 9B shape, one process, runs interleaved
-# (scripts/bench_gpu.py --cores kernels-kw4,kernels-kw16): plain decode 179.0 tok/s with 16
-# against 148.4 with 4 (faster in 5 of 5 paired runs), 17-node round 12.65 ms against 14.16;
-# the down_proj's 96 steps at one row: 6 dependent steps a warp instead of 24.
-MMA_LONG_KW = 16
-
-
-def mma_covers(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, group_size: int,
-               bits: int) -> bool:
-    """Whether qmm_mma computes x @ dequantize(w)^T (x already [M, I])."""
-    m, i = x.shape
-    return (1 <= m <= QMM_MAX_ROWS and bits in (4, 8) and group_size in (32, 64, 128) and biases is not None
-            and x.dtype in MMA_DTYPES and scales.dtype == x.dtype and biases.dtype == x.dtype
-            and i % (16 * (32 // bits)) == 0 and w.shape[1] * (32 // bits) == i)
-
-
-# Paired dequantization in qmm_mma (DQ in metal/qmm_mma.kernel), for 4-bit weights: two weights
-# a mask-and-or, a subtraction and an FMA in the activation type, instead of six fp32 instructions
-# a weight. Rows stay bitwise equal whatever M is; the rounding differs from DQ = 0 (one bf16
-# rounding of scale * q + bias instead of fp32 then bf16), within the twin's tolerance.
-MMA_PAIRED_DEQUANT = True
-
-
-def quantized_matmul_mma(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
-                         bits: int, config: tuple[int, int] | None = None, paired: bool | None = None, *,
-                         norm: tuple[mx.array, float] | None = None, swiglu: bool = False,
-                         res: mx.array | None = None) -> mx.array:
-    """x [M, I] @ dequantize(w)^T on CUDA tensor cores (metal/qmm_mma.kernel), batch-invariant;
-    the caller checks mma_covers. config: (RT, KW), for the micro-benchmark's sweep; paired:
-    MMA_PAIRED_DEQUANT unless given (4-bit weights only). The fused builds, one launch each:
-    norm (weight [I], eps): rms_norm(x) * weight first; swiglu: x is gate | up [M, 2 I], silu(gate)
-    * up first; res [M, O]: res + the product (MLX's rounding of that add). norm and swiglu exclude
-    each other."""
-    assert norm is None or not swiglu, "one prologue: the norm or the SwiGLU"
-    m, i = x.shape[0], x.shape[1] // (2 if swiglu else 1)
-    o = w.shape[0]
-    rt, kw = config or mma_config(o, i, bits)
-    nt = -(-m // 8)
-    blocks = -(-o // (16 * rt))
-    dq = int(bits == 4 and (MMA_PAIRED_DEQUANT if paired is None else paired))
-    template = [("OutT", x.dtype), ("GS", group_size), ("BITS", bits), ("NT", nt), ("RT", rt), ("KW", kw),
-                ("DQ", dq)]
-    spec, inputs = QMM_MMA, [x, w, scales, biases]
-    if norm is not None:
-        spec = QMM_MMA_NORM
-        inputs += [norm[0], eps_array(norm[1])]
-    elif swiglu:
-        spec = QMM_MMA_SWIGLU if res is None else QMM_MMA_SWIGLU_RES
-    if res is not None:
-        assert spec is not QMM_MMA_NORM, "a norm build has no residual add"
-        spec = QMM_MMA_RES if spec is QMM_MMA else spec
-        inputs.append(res)
-    return compiled_kernel(spec, "cuda")(
-        inputs=inputs, template=template, grid=(blocks * kw * 32, 1, 1), threadgroup=(kw * 32, 1, 1),
-        output_shapes=[(m, o)], output_dtypes=[x.dtype])[0]
-
-
-@functools.cache
-def eps_array(eps: float) -> mx.array:
-    """A norm's epsilon as an array, made once (a kernel takes no float arguments); built from host
-    data, it holds its value already, so a compiled layer's trace can capture it."""
-    return mx.array([eps], dtype=mx.float32)
-
-
-# From this many activation rows the CPU dequantizes the weight and runs a BLAS GEMM: MLX's CPU
-# quantized matmul costs each row about what one row costs (512 rows: 32-60x dequantize + GEMM,
-# OpenBLAS, fp32, dev CPU), while dequantizing costs about 2-9 rows' worth (the crossover measured
-# at 4 rows for 1536 x 384 and 2048 x 2048, 9 rows for 5632 x 2048; 16 rows: 1.9-7.1x).
-CPU_DEQUANT_ROWS = 9
-# On CUDA the same from this many rows (a prefill chunk): MLX's quantized matmul for many rows
-# runs far below the tensor cores' bf16 throughput, while dequantizing a weight costs one pass over
-# it. Up to QMM_MAX_ROWS rows qmm_mma runs (decode, verify). H200, 9B shape 4-bit, 4k prompt:
-# 8,295 tok/s against 5,443 with MLX's kernel at 512-token chunks, 13,359 against 6,396 at 2048
-# (scripts/bench_prefill.py; BENCHMARKS.md, "prefill").
-CUDA_DEQUANT_ROWS = 64
-DEQUANT_BLOCK = 1 << 24  # weight elements dequantized at once (64 MiB in fp32): a big lm_head in slices
-GPU_DEQUANT_BLOCK = 1 << 28  # on a GPU, whose memory is large: every 9B projection in one slice
-
-
-def dequantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, group_size: int,
-                       bits: int, mode: str = "affine", block: int | None = None) -> mx.array:
-    """x [..., I] @ dequantize(w)^T, the weight dequantized in slices of `block` elements (default
-    DEQUANT_BLOCK) of output rows: each slice's copy is freed once its product exists, so memory
-    grows by one slice, not the whole weight."""
-    o, i = w.shape[0], x.shape[-1]
-    step = max(1, (block or DEQUANT_BLOCK) // i)
-    parts = []
-    for start in range(0, o, step):
-        rows = slice(start, min(start + step, o))
-        dense = mx.dequantize(w[rows], scales[rows], None if biases is None else biases[rows], group_size=group_size,
-                              bits=bits, mode=mode)
-        parts.append(x @ dense.astype(x.dtype).T)
-    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
-
-
-def quantized_linear(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, group_size: int,
-                     bits: int, mode: str = "affine", routed: bool = True) -> mx.array:
-    """x [..., I] @ dequantize(w)^T for the model's quantized projections, where the loader routes
-    them (`routed`): on CUDA qmm_mma where it covers the call, dequantize + GEMM from
-    CUDA_DEQUANT_ROWS rows on; on the CPU dequantize + GEMM from CPU_DEQUANT_ROWS rows on; else
-    (and unrouted) mx.quantized_matmul."""
-    if routed:
-        backend = gpu_backend()
-        rows = x.reshape(-1, x.shape[-1])
-        if backend == "cuda" and mode == "affine" and biases is not None and mma_covers(rows, w, scales, biases,
-                                                                                        group_size, bits):
-            return quantized_matmul_mma(rows, w, scales, biases, group_size, bits).reshape(*x.shape[:-1], w.shape[0])
-        if backend == "cuda" and rows.shape[0] >= CUDA_DEQUANT_ROWS:
-            return dequantized_matmul(x, w, scales, biases, group_size, bits, mode, block=GPU_DEQUANT_BLOCK)
-        if backend is None and rows.shape[0] >= CPU_DEQUANT_ROWS:
-            return dequantized_matmul(x, w, scales, biases, group_size, bits, mode)
-    return mx.quantized_matmul(x, w, scales=scales, biases=biases, transpose=True, group_size=group_size, bits=bits,
-                               mode=mode)
-
-
-def read_floor(w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int, backend: str) -> mx.array:
-    """Streams the packed weights once (the read floor of a matmul with them), launched like qmm_rows."""
-    o, words = w.shape
-    template = [("OutT", scales.dtype), ("WORDS", words), ("O", o), ("GS", group_size), ("BITS", bits), ("R", 8),
-                ("RPG", 4)]
-    return compiled_kernel(READ_FLOOR, backend)(
-        inputs=[w, scales, biases], template=template, grid=(-(-o // 8) * 32, 1, 1), threadgroup=(128, 1, 1),
-        output_shapes=[(o,)], output_dtypes=[mx.float32])[0]
-
-
-def read_stream(w: mx.array, scales: mx.array, biases: mx.array) -> mx.array:
-    """Streams the packed weights, scales and biases once at the memory's streaming rate
-    (CUDA, metal/read_stream.kernel): the honest read floor of a matmul with them."""
-    threads = 256
-    chunks = (w.nbytes + scales.nbytes + biases.nbytes) // 16
-    blocks = max(1, min(2048, -(-chunks // (threads * 4))))
-    return compiled_kernel(READ_STREAM, "cuda")(
-        inputs=[w, scales, biases], template=[("OutT", scales.dtype)], grid=(blocks * threads, 1, 1),
-        threadgroup=(threads, 1, 1), output_shapes=[(blocks * threads // 32,)], output_dtypes=[mx.uint32])[0]
 
 
 def select_gdn_core() -> GDNCore:

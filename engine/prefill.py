@@ -29,7 +29,7 @@ TURN_MARKERS = ("<|im_start|>",)
 
 
 # Tokens a prefill forward pass takes. On a GPU a long chunk pays: a pass dequantizes each weight
-# once for all its rows (engine/kernels.py, CUDA_DEQUANT_ROWS), and mlx-lm prefills 2048 at a time
+# once for all its rows (engine/qmm.py, CUDA_DEQUANT_ROWS), and mlx-lm prefills 2048 at a time
 # too (H200, 9B shape 4-bit, 4k prompt: 13,359 tok/s at 2048 against 8,295 at 512). On the CPU the
 # attention over a longer chunk costs more than it saves (4-bit bundled target, 4k prompt: 623
 # tok/s at 2048 against 706 at 512). scripts/bench_prefill.py; BENCHMARKS.md, "prefill".

@@ -30,7 +30,7 @@ import mlx.core as mx  # noqa: E402
 from bench_op_costs import timed as op_costs_timed  # noqa: E402
 
 from engine import blas  # noqa: E402
-from engine.kernels import dequantized_matmul  # noqa: E402
+from engine.qmm import dequantized_matmul  # noqa: E402
 
 
 def timed(fn, reps: int) -> float:

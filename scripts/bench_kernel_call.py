@@ -27,7 +27,7 @@ from typing import Any
 import mlx.core as mx
 from bench_op_costs import timed
 
-from engine import kernels
+from engine import kernels, qmm
 
 
 def adder(n: int, backend: str, header: str = "", tag: str = "") -> Any:
@@ -79,8 +79,8 @@ def qmm_text(args: argparse.Namespace) -> None:
             kernels.compact_source = compact if text == "compacted" else (lambda t: t)
             try:
                 lengths[text] = sum(len(t) for t in kernels.kernel_text(kernels.QMM_MMA, "cuda"))
-                kernels.quantized_matmul_mma(xs[0], w, scales, biases, 64, 4)  # compiled once, outside the timing
-                b, a, _ = timed(lambda: [kernels.quantized_matmul_mma(x, w, scales, biases, 64, 4) for x in xs],
+                qmm.quantized_matmul_mma(xs[0], w, scales, biases, 64, 4)  # compiled once, outside the timing
+                b, a, _ = timed(lambda: [qmm.quantized_matmul_mma(x, w, scales, biases, 64, 4) for x in xs],
                                 args.runs)
             finally:
                 kernels.compact_source = compact

@@ -31,7 +31,8 @@ if __name__ == "__main__":  # a BLAS preload works only from process start: befo
 
 import mlx.core as mx  # noqa: E402
 
-from engine.kernels import gpu_backend, quantized_linear, quantized_matmul_mma  # noqa: E402
+from engine.kernels import gpu_backend  # noqa: E402
+from engine.qmm import quantized_linear, quantized_matmul_mma  # noqa: E402
 
 KINDS = ("empty", "reshape", "transpose", "add", "astype", "compiled3", "rms_norm", "matmul2d", "linear3d",
          "linear3d_compiled", "linear3d_rows17", "qlinear3d", "qlinear3d_rows17", "routed_qlinear3d",

@@ -7,7 +7,7 @@ mlx-lm in the same run.
 DIR: an MLX-layout checkpoint (e.g. `python scripts/shaped_checkpoint.py DIR --shape 9b`, the
 Qwen3.5-9B shape in 4-bit). Each variant is one (chunk, dequant-rows) pair: `dequant-rows` is the
 row count from which the model's quantized projections dequantize their weight and run a GEMM
-(engine.kernels.CUDA_DEQUANT_ROWS on CUDA, CPU_DEQUANT_ROWS on the CPU); `off` keeps MLX's
+(engine.qmm.CUDA_DEQUANT_ROWS on CUDA, CPU_DEQUANT_ROWS on the CPU); `off` keeps MLX's
 quantized matmul for every row count above the small-M kernel's. The variants run interleaved,
 `--runs` times each after a warm-up; prints the median tok/s of each (prompt of random ids, fresh
 caches every run, prefix cache off) and a split of one chunk into its GDN and attention layers'
@@ -36,7 +36,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 
-from engine import forward, kernels  # noqa: E402
+from engine import forward, kernels, qmm  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.generate import Engine  # noqa: E402
 from engine.models.layers import CHAIN  # noqa: E402
@@ -46,9 +46,9 @@ OFF = 1 << 30  # a row count no chunk reaches
 
 def set_dequant_rows(rows: int) -> None:
     if kernels.gpu_backend() == "cuda":
-        kernels.CUDA_DEQUANT_ROWS = rows
+        qmm.CUDA_DEQUANT_ROWS = rows
     else:
-        kernels.CPU_DEQUANT_ROWS = rows
+        qmm.CPU_DEQUANT_ROWS = rows
 
 
 def spruce_tok_s(engine: Any, ids: list[int], chunk: int) -> float:

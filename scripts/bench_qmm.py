@@ -36,8 +36,8 @@ if __name__ == "__main__":  # a BLAS preload works only from process start: befo
 
 import mlx.core as mx
 
-from engine.kernels import (  # noqa: E402
-    gpu_backend,
+from engine.kernels import gpu_backend  # noqa: E402
+from engine.qmm import (  # noqa: E402
     mma_config,
     mma_covers,
     quantized_matmul_mma,
@@ -92,7 +92,7 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--configs", default="", help="qmm_mma (RT x KW) settings to sweep, e.g. 1x8,2x8,1x4")
     ap.add_argument("--paired", default="", help="qmm_mma's paired dequantization (DQ), each setting in turn: "
-                                                 "e.g. 1,0 (default: the engine's, engine.kernels.MMA_PAIRED_DEQUANT)")
+                                                 "e.g. 1,0 (default: the engine's, engine.qmm.MMA_PAIRED_DEQUANT)")
     ap.add_argument("--shapes", default="", help="comma-separated names of SHAPES (default: all)")
     ap.add_argument("--no-rows-kernel", action="store_true", help="leave out the scalar qmm_rows kernel")
     ap.add_argument("--dequant", action="store_true",

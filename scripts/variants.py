@@ -1,8 +1,8 @@
 """The engine settings a benchmark variant names, one "-" suffix each (scripts/bench_gpu.py's
 `--cores`, scripts/profile_rounds.py's `--variants`), set around each of its engine's calls:
 
-- "-kwN": qmm_mma's long reductions with N warps a block (engine.kernels.MMA_LONG_KW);
-- "-dq0" / "-dq1": its paired dequantization off / on (engine.kernels.MMA_PAIRED_DEQUANT);
+- "-kwN": qmm_mma's long reductions with N warps a block (engine.qmm.MMA_LONG_KW);
+- "-dq0" / "-dq1": its paired dequantization off / on (engine.qmm.MMA_PAIRED_DEQUANT);
 - "-evN": a multi-node verify handed to the device every N layers whatever the model's layer size
   (engine.forward.VERIFY_EVAL_EVERY; 0 = at the end);
 - "-fold0" / "-fold1": each commit on its own / folded into the next verify (GDNCache.fold_commits);
@@ -36,7 +36,7 @@ from typing import Any
 
 def _settings() -> dict[str, tuple[list[tuple[Any, str]], Callable[[str], tuple[Any, ...]]]]:
     """suffix prefix -> (the (owner, attribute) pairs it sets, the values from the suffix's rest)."""
-    from engine import attention_rows, blas, cpu_exp, forward, fused_norms, kernels
+    from engine import attention_rows, blas, cpu_exp, forward, fused_norms, qmm
     from engine import round as rounds
     from engine.cache import GDNCache
     from engine.drafters import mtp
@@ -46,8 +46,8 @@ def _settings() -> dict[str, tuple[list[tuple[Any, str]], Callable[[str], tuple[
         return (rest == "1",)
 
     return {
-        "kw": ([(kernels, "MMA_LONG_KW")], lambda rest: (int(rest),)),
-        "dq": ([(kernels, "MMA_PAIRED_DEQUANT")], on),
+        "kw": ([(qmm, "MMA_LONG_KW")], lambda rest: (int(rest),)),
+        "dq": ([(qmm, "MMA_PAIRED_DEQUANT")], on),
         "ev": ([(forward, "VERIFY_EVAL_EVERY"), (forward, "VERIFY_EVAL_MIN_LAYER_BYTES")], lambda rest: (int(rest), 0)),
         "fold": ([(GDNCache, "fold_commits")], on),
         "sd": ([(mtp, "SYNC_EACH_DEPTH_ON_GPU")], on),

@@ -25,9 +25,9 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.kernels import quantized_linear
 from engine.models.base import CausalLM
 from engine.models.qlinear import RowsQuantizedEmbedding, RowsQuantizedLinear
+from engine.qmm import quantized_linear
 from engine.rotation import RotatedLinear, RotatedQuantizedLinear
 
 FILE = "draft_vocab.safetensors"

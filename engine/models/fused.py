@@ -22,7 +22,7 @@ from itertools import accumulate
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.kernels import quantized_linear
+from engine.qmm import quantized_linear
 
 
 class FusedProjection(nn.Module):

@@ -1,5 +1,5 @@
 """The model's quantized projections through the engine's own choice of matmul per backend
-(engine.kernels.quantized_linear), where the loader routes them (SPRUCE_QMM=0|1 overrides:
+(engine.qmm.quantized_linear), where the loader routes them (SPRUCE_QMM=0|1 overrides:
 engine/loader.py; on by default on CUDA and the CPU, where each was measured). On the CPU the
 loader first turns them into float32 projections where that fits in memory (`dequantize_projections`).
 
@@ -22,8 +22,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
-from engine.kernels import quantized_linear
 from engine.models.fused import FusedProjection
+from engine.qmm import quantized_linear
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -43,7 +43,7 @@ def same_weights(cls: type[M], q: nn.Module, attributes: tuple[str, ...]) -> M:
 
 
 class RowsQuantizedLinear(nn.QuantizedLinear):
-    """nn.QuantizedLinear whose matmul goes through engine.kernels.quantized_linear."""
+    """nn.QuantizedLinear whose matmul goes through engine.qmm.quantized_linear."""
 
     @classmethod
     def of(cls, q: nn.QuantizedLinear) -> RowsQuantizedLinear:
@@ -58,7 +58,7 @@ class RowsQuantizedLinear(nn.QuantizedLinear):
 class RowsQuantizedEmbedding(nn.QuantizedEmbedding):
     """nn.QuantizedEmbedding whose `as_linear` (the output projection of a model with tied
     embeddings: a verify's or a prefill's last rows times the whole vocabulary) goes through
-    engine.kernels.quantized_linear; the lookup is unchanged."""
+    engine.qmm.quantized_linear; the lookup is unchanged."""
 
     @classmethod
     def of(cls, q: nn.QuantizedEmbedding) -> RowsQuantizedEmbedding:
@@ -120,7 +120,7 @@ def dequantize_projections(model: nn.Module) -> int:
 
 def route_quantized_projections(model: nn.Module) -> int:
     """Route the model's affine 4/8-bit projections (fused ones and a tied embedding's output
-    projection included) through engine.kernels.quantized_linear; -> how many modules now do.
+    projection included) through engine.qmm.quantized_linear; -> how many modules now do.
     Subclasses (the Hadamard-rotated projection) keep theirs."""
     swaps: list[tuple[str, nn.Module]] = []
     count = 0

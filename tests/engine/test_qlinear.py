@@ -10,14 +10,15 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from engine import forward, kernels
+from engine import forward, qmm
 from engine.config import EngineConfig, SamplingParams, SpecConfig
 from engine.convert import ConvertOptions, convert
 from engine.dtypes import BF16_NEAR_TIE as NEAR_TIE
 from engine.generate import Engine
-from engine.kernels import CPU_DEQUANT_ROWS, gpu_backend
+from engine.kernels import gpu_backend
 from engine.loader import load_model
 from engine.models.qlinear import RowsQuantizedEmbedding, RowsQuantizedLinear
+from engine.qmm import CPU_DEQUANT_ROWS
 from engine.tree import DraftTree
 from tests.helpers import check_backend_default_switch, checkpoint_maker, generate
 
@@ -73,12 +74,12 @@ def test_swapped_projections_compute_what_they_did(wide_q4):
 def test_dequantized_matmul_equals_mlx(bits, group_size, rows, monkeypatch):
     """The CPU's many-row path (dequantize in slices, then GEMM) against mx.quantized_matmul, with
     slices small enough that a weight takes several."""
-    monkeypatch.setattr(kernels, "DEQUANT_BLOCK", 256 * 50)  # 50 output rows a slice
+    monkeypatch.setattr(qmm, "DEQUANT_BLOCK", 256 * 50)  # 50 output rows a slice
     rng = np.random.default_rng(bits * 1000 + group_size + rows)
     w = mx.array(rng.normal(size=(130, 256)).astype(np.float32) * 0.1)
     wq, scales, biases = mx.quantize(w, group_size=group_size, bits=bits)
     x = mx.array(rng.normal(size=(1, rows, 256)).astype(np.float32))
-    ours = kernels.dequantized_matmul(x, wq, scales, biases, group_size, bits)
+    ours = qmm.dequantized_matmul(x, wq, scales, biases, group_size, bits)
     ref = mx.quantized_matmul(x, wq, scales, biases, transpose=True, group_size=group_size, bits=bits)
     assert ours.shape == ref.shape == (1, rows, 130)
     assert np.abs(np.array(ours) - np.array(ref)).max() <= 1e-4
@@ -172,11 +173,11 @@ def test_prefill_rows_dequantize_on_cuda(bits):
     rng = np.random.default_rng(bits)
     w = mx.array(rng.normal(size=(384, 256)).astype(np.float32) * 0.1)
     wq, scales, biases = mx.quantize(w.astype(mx.bfloat16), group_size=64, bits=bits)
-    for rows in (kernels.CUDA_DEQUANT_ROWS, 3 * kernels.CUDA_DEQUANT_ROWS + 1):
+    for rows in (qmm.CUDA_DEQUANT_ROWS, 3 * qmm.CUDA_DEQUANT_ROWS + 1):
         x = mx.array(rng.normal(size=(1, rows, 256)).astype(np.float32)).astype(mx.bfloat16)
-        got = kernels.quantized_linear(x, wq, scales, biases, 64, bits)
-        assert mx.array_equal(got, kernels.dequantized_matmul(x, wq, scales, biases, 64, bits,
-                                                              block=kernels.GPU_DEQUANT_BLOCK))
+        got = qmm.quantized_linear(x, wq, scales, biases, 64, bits)
+        assert mx.array_equal(got, qmm.dequantized_matmul(x, wq, scales, biases, 64, bits,
+                                                          block=qmm.GPU_DEQUANT_BLOCK))
         ref = mx.quantized_matmul(x, wq, scales, biases, transpose=True, group_size=64, bits=bits)
         scale = max(1.0, float(mx.abs(ref).max()))
         assert float(mx.abs(got.astype(mx.float32) - ref.astype(mx.float32)).max()) <= 0.02 * scale

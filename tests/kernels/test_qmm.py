@@ -11,7 +11,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.kernels import QMM_ROWS, gpu_backend, qmm_rows_for, quantized_matmul_rows
+from engine.kernels import QMM_ROWS, gpu_backend
+from engine.qmm import qmm_rows_for, quantized_matmul_rows
 from tests.kernels.emulate import emulate
 
 
@@ -83,10 +84,10 @@ def test_mma_kernel_equals_twin_and_is_batch_invariant(dtype, bits, group_size, 
 @pytest.mark.parametrize(("bits", "group_size"), [(4, 64), (8, 64), (4, 128)])
 def test_mma_long_reductions_with_sixteen_warps(bits, group_size, rng, monkeypatch):
     """The same with MMA_LONG_KW = 16 (the candidate for long reductions), on the 9B down_proj."""
-    from engine import kernels
+    from engine import qmm
 
-    monkeypatch.setattr(kernels, "MMA_LONG_KW", 16)
-    assert kernels.mma_config(4096, 12288, bits)[1] == 16
+    monkeypatch.setattr(qmm, "MMA_LONG_KW", 16)
+    assert qmm.mma_config(4096, 12288, bits)[1] == 16
     check_mma_against_twin(mx.bfloat16, bits, group_size, 4096, 12288, rng)
 
 
@@ -99,7 +100,7 @@ def test_mma_kernel_without_paired_dequantization(dtype, out, inp, rng):
 
 
 def check_mma_against_twin(dtype, bits, group_size, out, inp, rng, paired=None):
-    from engine.kernels import mma_covers, quantized_matmul_mma
+    from engine.qmm import mma_covers, quantized_matmul_mma
 
     w = mx.array(rng.normal(size=(out, inp)).astype(np.float32) * 0.05)
     wq, scales, biases = mx.quantize(w, group_size=group_size, bits=bits)
@@ -123,7 +124,7 @@ def check_mma_against_twin(dtype, bits, group_size, out, inp, rng, paired=None):
 def test_mma_kernel_configs_agree(config, rng):
     """Every (tiles a warp, warps a block) computes the same product up to rounding: the config
     only changes the order of the sum."""
-    from engine.kernels import quantized_matmul_mma
+    from engine.qmm import quantized_matmul_mma
 
     wq, scales, biases = mx.quantize(mx.array(rng.normal(size=(1024, 2048)).astype(np.float32) * 0.05),
                                      group_size=64, bits=4)
@@ -136,7 +137,7 @@ def test_mma_kernel_configs_agree(config, rng):
 
 def test_mma_kernel_covers_only_what_it_computes():
     """fp32 activations, mismatched scale dtypes, other widths and more than 32 rows go to MLX."""
-    from engine.kernels import mma_covers
+    from engine.qmm import mma_covers
 
     wq, scales, biases = mx.quantize(mx.zeros((64, 256)), group_size=64, bits=4)
     bf = scales.astype(mx.bfloat16), biases.astype(mx.bfloat16)
@@ -155,13 +156,13 @@ def test_mma_kernel_covers_only_what_it_computes():
 def test_mma_config_depends_on_the_weight_only():
     """Long reductions take MMA_LONG_KW warps (at least four), the rest at most four; the choice
     never depends on the number of rows (the function does not take it)."""
-    from engine import kernels
+    from engine import qmm
 
-    assert kernels.mma_config(4096, 4096, 4) == (1, 4)
-    assert kernels.mma_config(1024, 1024, 4) == (1, 4)
-    assert kernels.mma_config(528, 384, 4) == (1, 3)
-    assert kernels.mma_config(4096, 12288, 4)[1] == max(4, min(kernels.MMA_LONG_KW, 96 // 6))
-    assert kernels.mma_config(4096, 12288, 8)[1] == max(4, min(kernels.MMA_LONG_KW, 192 // 6))
+    assert qmm.mma_config(4096, 4096, 4) == (1, 4)
+    assert qmm.mma_config(1024, 1024, 4) == (1, 4)
+    assert qmm.mma_config(528, 384, 4) == (1, 3)
+    assert qmm.mma_config(4096, 12288, 4)[1] == max(4, min(qmm.MMA_LONG_KW, 96 // 6))
+    assert qmm.mma_config(4096, 12288, 8)[1] == max(4, min(qmm.MMA_LONG_KW, 192 // 6))
 
 
 @needs_cuda
@@ -170,7 +171,7 @@ def test_mma_config_depends_on_the_weight_only():
 def test_mma_fused_builds_equal_their_twins_and_are_batch_invariant(dtype, out, inp, rng):
     """The norm, SwiGLU and residual builds (engine/models/fused_qmm.py) against the ops they
     replace, computed in fp32 on the CPU, and rows bitwise equal whatever M is."""
-    from engine.kernels import quantized_matmul_mma
+    from engine.qmm import quantized_matmul_mma
 
     wq, scales, biases = mx.quantize(mx.array(rng.normal(size=(out, inp)).astype(np.float32) * 0.05),
                                      group_size=64, bits=4)

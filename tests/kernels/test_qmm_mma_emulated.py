@@ -10,15 +10,8 @@ import numpy as np
 import pytest
 
 from engine import kernels
-from engine.kernels import (
-    QMM_MMA,
-    QMM_MMA_NORM,
-    QMM_MMA_RES,
-    QMM_MMA_SWIGLU,
-    QMM_MMA_SWIGLU_RES,
-    KernelSpec,
-    mma_config,
-)
+from engine.kernels import QMM_MMA, QMM_MMA_NORM, QMM_MMA_RES, QMM_MMA_SWIGLU, QMM_MMA_SWIGLU_RES, KernelSpec
+from engine.qmm import mma_config
 from tests.kernels.emulate import SIMT_AVAILABLE, emulate_simt, from_bf16_bits, to_bf16_bits
 
 pytestmark = pytest.mark.skipif(not SIMT_AVAILABLE, reason="the lockstep emulation needs g++ and Linux's ucontext")
