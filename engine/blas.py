@@ -12,6 +12,14 @@ GEMMs that pack the whole weight first, which made a decode step's and a verify'
 times slower than they need be. Without a compiler, or with SPRUCE_NO_GEMV_SHIM set, OpenBLAS is
 preloaded alone.
 
+With them goes jemalloc where it is installed (`apt-get install libjemalloc2`). MLX's CPU backend
+allocates every operation's output on the thread that builds the graph and frees it on its stream's
+thread; glibc's malloc serialises those two threads on its arena lock, and with ~900 operations a
+decode step of the bundled target (most of them a few hundred floats), that lock, not the
+arithmetic, is much of what a small model's step costs. With jemalloc an operation's evaluation
+took ~2 µs instead of ~3.3, and the bundled target decoded 1.14x faster (BENCHMARKS.md, "Plain
+decoding", thirty-first session). SPRUCE_NO_MALLOC_PRELOAD keeps glibc's malloc.
+
 OpenBLAS's threads can be set round by round (`pace`; off by default, see ADAPT_THREADS).
 """
 
@@ -33,16 +41,32 @@ CANDIDATES = (
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3",
     "/usr/lib/aarch64-linux-gnu/openblas-pthread/libblas.so.3",
 )
+ALLOCATORS = (
+    "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",
+    "/usr/lib/aarch64-linux-gnu/libjemalloc.so.2",
+)
 OPT_OUT = "SPRUCE_NO_BLAS_PRELOAD"
+MALLOC_OPT_OUT = "SPRUCE_NO_MALLOC_PRELOAD"
 SHIM_OPT_OUT = "SPRUCE_NO_GEMV_SHIM"
 SHIM_SOURCE = Path(__file__).with_name("gemv_shim.c")
 SHIM_NAME = "spruce-gemv-shim"  # the built library's file name starts with this
 HINT = ("spruce: MLX uses a slow reference BLAS on Linux CPUs; "
-        "`apt-get install libopenblas0-pthread` makes it much faster")
+        "`apt-get install libopenblas0-pthread libjemalloc2` makes it much faster")
 
 
 def find_openblas() -> str | None:
     return next((p for p in CANDIDATES if os.path.exists(p)), None)
+
+
+def find_allocator() -> str | None:
+    """jemalloc's library where it is installed and not switched off (MALLOC_OPT_OUT), else None."""
+    if os.environ.get(MALLOC_OPT_OUT):
+        return None
+    return next((p for p in ALLOCATORS if os.path.exists(p)), None)
+
+
+def allocator_preloaded() -> bool:
+    return any("jemalloc" in os.path.basename(p) for p in os.environ.get("LD_PRELOAD", "").split(":"))
 
 
 def preloaded() -> bool:
@@ -55,14 +79,17 @@ def fast() -> bool:
 
 
 def reexec_with_openblas(argv: list[str]) -> str | None:
-    """Re-exec `argv` with OpenBLAS preloaded when it helps. Returns a hint to print when it can't."""
+    """Re-exec `argv` with OpenBLAS preloaded when it helps (and with it jemalloc and the GEMV shim,
+    where they are there). Returns a hint to print when it can't."""
     if platform.system() != "Linux" or os.environ.get(OPT_OUT) or preloaded() or "mlx.core" in sys.modules:
         return None
     lib = find_openblas()
     if lib is None:
         return HINT
     env = dict(os.environ)
-    env["LD_PRELOAD"] = ":".join(p for p in (gemv_shim(), lib, env.get("LD_PRELOAD", "")) if p)
+    # the allocator first: it must be loaded before anything allocates
+    allocator = None if allocator_preloaded() else find_allocator()
+    env["LD_PRELOAD"] = ":".join(p for p in (allocator, gemv_shim(), lib, env.get("LD_PRELOAD", "")) if p)
     env[OPT_OUT] = "1"  # at most one re-exec, whatever happens
     os.execve(sys.executable, [sys.executable, *argv], env)
     return None  # not reached

@@ -3,6 +3,8 @@ cached keys the CPU's one-row attention runs in ops (engine/models/layers.py).""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from engine import blas
@@ -84,3 +86,45 @@ def test_pace_reaches_the_loaded_openblas(monkeypatch) -> None:
     finally:
         lib.openblas_set_num_threads(every)
 
+
+
+def _reexec_env(monkeypatch, tmp_path, allocator: bool, opt_out: bool, preload: str = "") -> dict[str, str]:
+    """What reexec_with_openblas would exec with, on a Linux whose OpenBLAS (and jemalloc) exist."""
+    openblas, jemalloc = tmp_path / "libblas.so.3", tmp_path / "libjemalloc.so.2"
+    openblas.touch()
+    if allocator:
+        jemalloc.touch()
+    monkeypatch.setattr(blas.platform, "system", lambda: "Linux")
+    monkeypatch.setattr(blas, "CANDIDATES", (str(openblas),))
+    monkeypatch.setattr(blas, "ALLOCATORS", (str(jemalloc),))
+    monkeypatch.setattr(blas, "gemv_shim", lambda: None)
+    monkeypatch.setattr(blas.sys, "modules", {k: v for k, v in blas.sys.modules.items() if k != "mlx.core"})
+    for name in (blas.OPT_OUT, blas.MALLOC_OPT_OUT):
+        monkeypatch.delenv(name, raising=False)
+    if opt_out:
+        monkeypatch.setenv(blas.MALLOC_OPT_OUT, "1")
+    monkeypatch.setenv("LD_PRELOAD", preload)
+    seen: dict[str, dict[str, str]] = {}
+
+    def execve(path, argv, env):
+        seen["env"] = env
+        raise SystemExit(0)
+
+    monkeypatch.setattr(blas.os, "execve", execve)
+    with pytest.raises(SystemExit):
+        blas.reexec_with_openblas(["x.py"])
+    return seen["env"]
+
+
+@pytest.mark.parametrize(("allocator", "opt_out", "preload", "first"), [
+    (True, False, "", "libjemalloc.so.2"),  # the allocator goes first, ahead of OpenBLAS
+    (True, True, "", "libblas.so.3"),  # switched off
+    (False, False, "", "libblas.so.3"),  # not installed
+    (True, False, "/opt/x/libjemalloc.so.2", "libblas.so.3"),  # the user's own: kept, not added twice
+])
+def test_reexec_preloads_jemalloc_where_installed(monkeypatch, tmp_path, allocator, opt_out, preload, first) -> None:
+    env = _reexec_env(monkeypatch, tmp_path, allocator, opt_out, preload)
+    paths = env["LD_PRELOAD"].split(":")
+    assert paths[0].endswith(first)
+    assert sum("jemalloc" in Path(p).name for p in paths) == (1 if (allocator and not opt_out) or preload else 0)
+    assert any(p.endswith("libblas.so.3") for p in paths)
