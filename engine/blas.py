@@ -13,12 +13,14 @@ times slower than they need be. Without a compiler, or with SPRUCE_NO_GEMV_SHIM 
 preloaded alone.
 
 With them goes jemalloc where it is installed (`apt-get install libjemalloc2`). MLX's CPU backend
-allocates every operation's output on the thread that builds the graph and frees it on its stream's
-thread; glibc's malloc serialises those two threads on its arena lock, and with ~900 operations a
-decode step of the bundled target (most of them a few hundred floats), that lock, not the
-arithmetic, is much of what a small model's step costs. With jemalloc an operation's evaluation
-took ~2 µs instead of ~3.3, and the bundled target decoded 1.14x faster (BENCHMARKS.md, "Plain
-decoding", thirty-first session). SPRUCE_NO_MALLOC_PRELOAD keeps glibc's malloc.
+allocates each operation's output on the thread that evaluates the graph and frees the inputs on
+its stream's thread, and glibc's malloc makes the two meet on its arena lock at every operation. A
+decode step of the bundled target is ~900 operations, most of them a few hundred floats, so that
+cost is a good part of its step: with jemalloc an operation took 3.3-3.4 µs to build and evaluate
+instead of 4.1-4.2 (an add; a view 1.2 instead of 1.5-1.6), and the bundled target decoded
+1.05-1.14x faster (BENCHMARKS.md, "Plain decoding", thirty-first session; no difference on a
+150 M-parameter model, whose step is bound by reading its weights). SPRUCE_NO_MALLOC_PRELOAD keeps
+glibc's malloc.
 
 OpenBLAS's threads can be set round by round (`pace`; off by default, see ADAPT_THREADS).
 """
