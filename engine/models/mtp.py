@@ -25,7 +25,7 @@ import mlx.nn as nn
 from engine.cache import KVCache
 from engine.gdn.core import OpsCore
 from engine.models.base import ModelArgs
-from engine.models.layers import CHAIN, Batch, RMSNorm, apply_rope
+from engine.models.layers import CHAIN, Batch, RMSNorm, apply_rope, apply_rope_pair
 from engine.models.qwen3_5 import DecoderLayer
 
 # every RMSNorm of the head: its own three and the decoder layer's four
@@ -93,7 +93,7 @@ class MTPHead(nn.Module):
         for layer, (keys, values), (skeys, svalues) in zip(self.layers, committed, scratch, strict=True):
             attn = layer.self_attn
             q, k, v, *gate = attn.project(layer.input_layernorm(x))
-            q, k = (apply_rope(t, attn.rope, length + j, CHAIN) for t in (q, k))
+            q, k = apply_rope_pair(q, k, attn.rope, length + j, CHAIN)
             skeys = mx.slice_update(skeys, k, j.reshape(1), axes=(2,))
             svalues = mx.slice_update(svalues, v, j.reshape(1), axes=(2,))
             out = scratch_attention(q, keys, values, length, skeys, svalues, j, attn.scale)

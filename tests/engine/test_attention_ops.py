@@ -95,3 +95,24 @@ def test_prefill_is_the_same_through_either(tiny_qwen35, monkeypatch):
         states[name] = [np.array(a) for c in cache for a in c.arrays()]
     for a, b in zip(states["ops"], states["fused"], strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(("rows", "tree"), [(1, False), (5, False), (7, True)])
+@pytest.mark.parametrize("offset", [0, 3000, "array"])
+def test_rope_of_q_and_k_together_is_bitwise_the_rope_of_each(rows, tree, offset):
+    """apply_rope_pair (one rope call over q and k stacked on the CPU) against two calls: per head
+    the same arithmetic, so the same bits, for a chain at an int or array offset and for a verify's
+    rows at their own positions."""
+    rng = np.random.default_rng(rows)
+    q = mx.array(rng.normal(size=(1, 6, rows, 64)).astype(np.float32))
+    k = mx.array(rng.normal(size=(1, 2, rows, 64)).astype(np.float32))
+    rope = layers.RopeSpec(16, 1e7)
+    off = mx.array(211, dtype=mx.int32) if offset == "array" else offset
+    batch = layers.CHAIN
+    if tree:
+        positions = mx.array(rng.integers(0, 4000, size=rows).astype(np.int32))
+        batch = layers.Batch(deferred=True, positions=positions)
+    got_q, got_k = layers.apply_rope_pair(q, k, rope, off, batch)
+    want_q, want_k = (layers.apply_rope(t, rope, off, batch) for t in (q, k))
+    assert np.array_equal(np.array(got_q), np.array(want_q))
+    assert np.array_equal(np.array(got_k), np.array(want_k))
