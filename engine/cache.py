@@ -292,6 +292,14 @@ class GDNCache:
     def defer(self, result: tuple[mx.array, mx.array] | TreeRows) -> None:
         self.pending = result
 
+    def commits_together(self) -> bool:
+        """Whether this layer's pending commit may run joined with other layers' (commit_all): a
+        multi-node verify's rows committed at once (not folded) by a core whose commit is per head
+        and per conv channel."""
+        return (isinstance(self.pending, TreeRows) and not self.folds and self.unfolded is None
+                and self.conv_state is not None and self.state is not None
+                and bool(getattr(self.core, "commits_by_head", False)))
+
     def commit(self, path: AcceptedPath) -> None:
         if self.pending is None or self.conv_state is None or self.state is None:
             raise RuntimeError("commit without a pending verify")
@@ -344,9 +352,66 @@ class GDNCache:
         return sum(a.nbytes for a in self.arrays())
 
 
+# The GDN layers' commits as one, their heads and conv channels side by side, where the core's
+# commit is per head and per channel (`commits_by_head`: the plain core, the CPU's): a layer's
+# commit is ~25 graph nodes (gathers, a cumulative sum, the fold's product) of a few hundred floats
+# each, and on the CPU evaluating a node costs more than its arithmetic. Six layers committed
+# together are ~45 nodes instead of ~150; the same arithmetic head by head, so the same bits (tests
+# hold the two equal). Module switch: tests and benchmarks compare with it off.
+COMMIT_TOGETHER = True
+
+
 def commit_all(cache: Sequence[LayerCache], path: AcceptedPath) -> None:
+    together = _commit_together(cache, path)
     for c in cache:
-        c.commit(path)
+        if id(c) not in together:
+            c.commit(path)
+
+
+def _commit_together(cache: Sequence[LayerCache], path: AcceptedPath) -> set[int]:
+    """Commit the GDN layers that can go together (GDNCache.commits_together, one core, one shape,
+    one conv-state dtype) as one -> the ids of the caches committed."""
+    layers = [c for c in cache if isinstance(c, GDNCache) and c.commits_together()] if COMMIT_TOGETHER else []
+    if len(layers) < 2:
+        return set()
+    first = layers[0]
+    assert first.conv_state is not None
+    layers = [c for c in layers if c.core is first.core and c.shape == first.shape
+              and c.conv_state is not None and c.conv_state.dtype == first.conv_state.dtype]
+    if len(layers) < 2:
+        return set()
+    rows = [c.pending for c in layers]
+    assert all(isinstance(r, TreeRows) for r in rows)
+    outs = together_function(first.core, GDNCache.compile_commit)(
+        [r.x for r in rows], [r.k for r in rows], [r.u for r in rows], [r.g for r in rows],  # type: ignore[union-attr]
+        path.index, [c.conv_state for c in layers], [c.state for c in layers])
+    for c, (conv, S) in zip(layers, outs, strict=True):
+        c.pending = None
+        c.write(conv, S, len(path))
+    return {id(c) for c in layers}
+
+
+_TOGETHER: dict[tuple[GDNCore, bool], Callable[..., Any]] = {}
+
+
+def together_function(core: GDNCore, compiled: bool) -> Callable[..., Any]:
+    """core.commit of several layers at once, over lists of their arrays (x, k, u, g per layer, the
+    path, conv states, states) -> [(conv state, state)] per layer; compiled or not, one per core
+    (a trace per layer count and shape). The layers' rows are joined along their head and channel
+    axes, committed as one layer's, and the results split back: each layer's state is a view of
+    the joint one."""
+    key = (core, compiled)
+    if key not in _TOGETHER:
+
+        def together(xs: list[mx.array], ks: list[mx.array], us: list[mx.array], gs: list[mx.array],
+                     path: mx.array, convs: list[mx.array], states: list[mx.array]) -> list[tuple[mx.array, mx.array]]:
+            rows = TreeRows(*(mx.concatenate(a, axis=1) for a in (xs, ks, us, gs)))
+            conv, S = core.commit(rows, path, mx.concatenate(convs, axis=1), mx.concatenate(states, axis=0))
+            C, Hv = convs[0].shape[1], states[0].shape[0]
+            return [(conv[:, i * C : (i + 1) * C], S[i * Hv : (i + 1) * Hv]) for i in range(len(xs))]
+
+        _TOGETHER[key] = mx.compile(together) if compiled else together
+    return _TOGETHER[key]
 
 
 def snapshot_all(cache: Sequence[LayerCache], length: int) -> tuple[LayerSnapshot, ...]:

@@ -168,6 +168,9 @@ class OpsCore:
     # the fold costs the CPU the same ops whether it runs alone or inside the next verify, so the
     # caches commit at once here; tests turn it on to hold the deferred path to the direct one
     folds_commit = False
+    # its commit treats every head and conv channel alike and apart, so the layers' commits can run
+    # as one with their heads and channels side by side (engine/cache.py commit_all)
+    commits_by_head = True
 
     def step(self, shape, w, qkv, a, b, conv_state, S):
         g, beta = ops.gates(a, b, w.A_log, w.dt_bias)

@@ -134,3 +134,38 @@ def test_snapshots_and_marks_survive_later_writes(tiny_qwen35):
         c.rewind(m)
     after = [np.array(a) for s in snapshot_all(cache, len(prompt)) for a in s.arrays()]
     assert all(np.array_equal(a, b) for a, b in zip(before, after))
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_layers_committed_together_equal_each_committed_alone(tiny_qwen35, compiled, monkeypatch):
+    """commit_all runs the GDN layers' commits as one (their heads and channels side by side); the
+    states it leaves are bitwise each layer's own commit's, round after round of random trees."""
+    from engine import cache as cache_module
+
+    monkeypatch.setattr(GDNCache, "compile_commit", compiled)
+    monkeypatch.setattr(GDNCache, "fold_commits", False)
+    model = load_model(tiny_qwen35, "float32").model
+    rng = np.random.default_rng(11)
+    prompt = [int(t) for t in rng.integers(0, 500, size=9)]
+    caches = []
+    for _ in range(2):
+        c = model.make_cache()
+        forward.extend(model, c, prompt)
+        caches.append(c)
+    together = []
+    real = cache_module._commit_together
+    monkeypatch.setattr(cache_module, "_commit_together", lambda c, p: together.append(real(c, p)) or together[-1])
+    committed = len(prompt)
+    for _ in range(5):
+        tree = random_tree(rng, int(rng.integers(0, 500)), int(rng.integers(1, 10)), 512, [])
+        path = tree.path_to(int(rng.integers(0, tree.size)))
+        for joint, c in zip((False, True), caches, strict=True):
+            monkeypatch.setattr(cache_module, "COMMIT_TOGETHER", joint)
+            forward.verify(model, c, tree, committed)
+            forward.commit(c, path)
+        committed += len(path)
+        for a, b in zip(*caches, strict=True):
+            for x, y in zip(a.snapshot(committed).arrays(), b.snapshot(committed).arrays(), strict=True):
+                assert np.array_equal(np.array(x), np.array(y))
+    gdn = sum(isinstance(c, GDNCache) for c in caches[0])
+    assert any(len(ids) == gdn for ids in together), "the joint commit ran"
