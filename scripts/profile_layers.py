@@ -8,7 +8,9 @@ verify plain decoding runs) after `--context` committed tokens. Two measurements
 interleaved, medians over `--reps`:
 - `layers`: every layer evaluated on its own (an mx.eval after each, so each includes one sync),
   then the final norm, the output projection and the argmax: where a row's cost goes. The same
-  verify without the syncs is `whole`.
+  verify without the syncs is `whole`. For N > 1 also `commit`: the commit of the whole chain
+  after its verify, with the GDN layers' commits joined (engine/cache.py COMMIT_TOGETHER, the
+  engine's way) and each layer's alone, alternated.
 - `--gates`: whole verifies with engine.cpu_exp.POW_GATES on (SiLU and sigmoid through 2^ on the
   CPU) and off (MLX's functions), alternated; prints both, their ratio, whether the greedy argmaxes
   agree and the largest logit difference. The switch is part of each layer's trace key and read
@@ -35,6 +37,7 @@ if __name__ == "__main__":  # a BLAS preload works only from process start: befo
 
 import mlx.core as mx  # noqa: E402
 
+from engine import cache as cache_module  # noqa: E402
 from engine import cpu_exp, forward  # noqa: E402
 from engine.loader import load_model  # noqa: E402
 from engine.tree import DraftTree  # noqa: E402
@@ -80,6 +83,23 @@ def timed_layers(model, cache, tree: DraftTree, context: int) -> list[float]:
     return times
 
 
+def timed_commit(model, cache, tree: DraftTree, context: int, together: bool) -> float:
+    """ms of the commit of the whole chain after its verify (evaluated first), the GDN layers'
+    commits joined (engine/cache.py COMMIT_TOGETHER) or each alone; the cache is rewound after."""
+    marks = [c.mark() for c in cache]
+    mx.eval(logits_of(model, cache, tree, context), forward.state_arrays(cache))
+    saved, cache_module.COMMIT_TOGETHER = cache_module.COMMIT_TOGETHER, together
+    try:
+        t0 = time.perf_counter()
+        forward.commit(cache, tree.path_to(tree.size - 1))
+        ms = (time.perf_counter() - t0) * 1e3
+    finally:
+        cache_module.COMMIT_TOGETHER = saved
+    for c, m in zip(cache, marks, strict=True):
+        c.rewind(m)
+    return ms
+
+
 def loaded(path: str, dtype: str, context: int) -> tuple:
     """The model and its cache holding `context` tokens."""
     model = load_model(path, dtype=dtype).model
@@ -112,17 +132,24 @@ def main() -> None:
     for n in rows:
         tree = tree_of(n)
         layers, whole, ours, theirs = [], [], [], []
+        commits: dict[bool, list[float]] = {True: [], False: []}
         for rep in range(a.reps):
             layers.append(timed_layers(model, cache, tree, a.context))
             whole.append(timed_whole(model, cache, tree, a.context))
+            if n > 1:
+                for together in (rep % 2 == 0, rep % 2 == 1):
+                    commits[together].append(timed_commit(model, cache, tree, a.context, together))
             if other is not None:
                 pair = [(ours, model, cache, True), (theirs, *other, False)]
                 for out, m, c, gates in pair if rep % 2 else pair[::-1]:
                     out.append(timed_whole(m, c, tree, a.context, gates))
         per = [statistics.median(x[i] for x in layers) for i in range(len(layers[0]))]
         entry: dict = {"whole_ms": statistics.median(whole), "layers_ms": per[:-1], "head_ms": per[-1]}
+        if n > 1:
+            entry.update(commit_ms=statistics.median(commits[True]), commit_apart_ms=statistics.median(commits[False]))
+        commit = f"; commit {entry['commit_ms']:.2f} (layers apart {entry['commit_apart_ms']:.2f})" if n > 1 else ""
         print(f"{n:3d} rows: whole {entry['whole_ms']:.2f}; layers " + " ".join(f"{v:.2f}" for v in per[:-1])
-              + f"; head {per[-1]:.2f}")
+              + f"; head {per[-1]:.2f}{commit}")
         if other is not None:
             la, lb = logits_of(model, cache, tree, a.context), logits_of(*other, tree, a.context, gates=False)
             same = bool(mx.array_equal(mx.argmax(la, axis=-1), mx.argmax(lb, axis=-1)))
