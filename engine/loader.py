@@ -31,6 +31,7 @@ from engine.dtypes import DTYPES, resolve_dtype
 from engine.kernels import backend_default
 from engine.models import FAMILIES
 from engine.models.base import ModelArgs
+from engine.models.linear import hold_transposes
 from engine.models.qlinear import dequantize_projections, float32_bytes, route_quantized_projections
 from engine.rotation import rotate_inputs_of
 
@@ -248,6 +249,7 @@ def load_model(path: str | Path, dtype: str = "auto", fuse: bool | None = None,
         loaded.fused_projections = model.fuse_projections()
     if routed:
         loaded.routed_projections = route_quantized_projections(model)
+    hold_transposes(model)  # last: the weights are final
     return loaded
 
 
@@ -354,6 +356,7 @@ def load_mtp(path: str | Path, args: ModelArgs, dtype: str = "float32", fuse: bo
     _fill(head, tensors, origin, path, dtype)
     if switch("SPRUCE_FUSE", on=()) if fuse is None else fuse:
         head.fuse_projections()
+    hold_transposes(head)
     return head
 
 
@@ -380,6 +383,7 @@ def load_dflash(path: str | Path, dtype: str = "float32"):
     cfg = json.loads((path / "config.json").read_text())
     _quantize(model, cfg, tensors)
     _fill(model, tensors, origin, path, dtype)
+    hold_transposes(model)
     return model
 
 
@@ -396,4 +400,5 @@ def load_weaver(path: str | Path, dtype: str = "float32"):
     model = Weaver(config)
     tensors, origin = _read_tensors(path)
     _fill(model, tensors, origin, path, dtype)
+    hold_transposes(model)
     return model

@@ -30,6 +30,7 @@ import numpy as np
 
 from engine.cache import KVCache
 from engine.models.layers import MLP, RMSNorm, attention_parts
+from engine.models.linear import Linear
 
 SUPPORTED_ARCHITECTURES = ("DFlashDraftModel",)
 # module switch, read when a block is traced: on the CPU the block attends over the context buffer
@@ -155,10 +156,10 @@ class DFlashAttention(nn.Module):
         self.theta, self.scale = c.rope_theta, c.head_dim**-0.5
         self.causal, self.window = c.layer_is_causal(index), c.layer_window(index)
         H = c.hidden_size
-        self.q_proj = nn.Linear(H, self.heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(H, self.kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(H, self.kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, H, bias=False)
+        self.q_proj = Linear(H, self.heads * self.head_dim, bias=False)
+        self.k_proj = Linear(H, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = Linear(H, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = Linear(self.heads * self.head_dim, H, bias=False)
         self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
 
@@ -213,7 +214,7 @@ class DFlashModel(nn.Module):
         super().__init__()
         self.config = config
         H = config.hidden_size
-        self.fc = nn.Linear(len(config.target_layer_ids) * H, H, bias=False)
+        self.fc = Linear(len(config.target_layer_ids) * H, H, bias=False)
         self.hidden_norm = RMSNorm(H, config.rms_norm_eps)
         self.layers = [DFlashLayer(config, i) for i in range(config.num_hidden_layers)]
         self.norm = RMSNorm(H, config.rms_norm_eps)

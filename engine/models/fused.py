@@ -8,10 +8,11 @@ kernel (92 us each) and each small projection alone filled a fraction of the SMs
 
 Weights are stacked along the output axis, so each output column is the same dot product over
 the same input as before; the split hands back views in the original order. Only projections
-of one kind fuse: all plain `nn.Linear` without bias, or all `nn.QuantizedLinear` with the same
-group size, bits and mode (a Hadamard-rotated one keeps its own module). The loader fuses on CUDA
-only unless SPRUCE_FUSE says otherwise: on the CPU, OpenBLAS ran some stacked one-row products
-several times slower than the parts, and Metal could not be measured here.
+of one kind fuse: all plain float linear layers without bias (`nn.Linear`, or the engine's
+`Linear`), or all `nn.QuantizedLinear` with the same group size, bits and mode (a
+Hadamard-rotated one keeps its own module). The loader fuses on CUDA only unless SPRUCE_FUSE says
+otherwise: on the CPU, OpenBLAS ran some stacked one-row products several times slower than the
+parts, and Metal could not be measured here.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from itertools import accumulate
 import mlx.core as mx
 import mlx.nn as nn
 
+from engine.models.linear import Linear
 from engine.qmm import quantized_linear
 
 
@@ -55,7 +57,7 @@ class FusedProjection(nn.Module):
 def can_fuse(parts: Sequence[nn.Module]) -> bool:
     """Same kind, no bias, same input width, same quantization."""
     kinds = {type(p) for p in parts}
-    if len(kinds) != 1 or kinds.pop() not in (nn.Linear, nn.QuantizedLinear) or any("bias" in p for p in parts):
+    if len(kinds) != 1 or kinds.pop() not in (nn.Linear, Linear, nn.QuantizedLinear) or any("bias" in p for p in parts):
         return False
     if isinstance(parts[0], nn.QuantizedLinear):
         settings = {(p.group_size, p.bits, p.mode, "biases" in p, p["weight"].shape[1]) for p in parts}

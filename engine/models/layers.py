@@ -16,6 +16,7 @@ from engine.cpu_exp import sigmoid, silu, softmax_rows
 from engine.gdn.core import TreeInputs
 from engine.models import fused_qmm
 from engine.models.fused import fuse_into
+from engine.models.linear import Linear
 
 Mode = Literal["chain", "token", "tree"]
 
@@ -78,9 +79,9 @@ class RMSNorm(nn.Module):
 class MLP(nn.Module):
     def __init__(self, dims: int, hidden: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(dims, hidden, bias=False)
-        self.up_proj = nn.Linear(dims, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dims, bias=False)
+        self.gate_proj = Linear(dims, hidden, bias=False)
+        self.up_proj = Linear(dims, hidden, bias=False)
+        self.down_proj = Linear(hidden, dims, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
         gate, up = self.fused(x) if "fused" in self else (self.gate_proj(x), self.up_proj(x))
@@ -206,10 +207,10 @@ class Attention(nn.Module):
         self.output_gate = output_gate
         self.rope = rope
         self.scale = head_dim**-0.5
-        self.q_proj = nn.Linear(dims, heads * head_dim * (2 if output_gate else 1), bias=False)
-        self.k_proj = nn.Linear(dims, kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(dims, kv_heads * head_dim, bias=False)
-        self.o_proj = nn.Linear(heads * head_dim, dims, bias=False)
+        self.q_proj = Linear(dims, heads * head_dim * (2 if output_gate else 1), bias=False)
+        self.k_proj = Linear(dims, kv_heads * head_dim, bias=False)
+        self.v_proj = Linear(dims, kv_heads * head_dim, bias=False)
+        self.o_proj = Linear(heads * head_dim, dims, bias=False)
         self.q_norm = RMSNorm(head_dim, eps)
         self.k_norm = RMSNorm(head_dim, eps)
 

@@ -26,6 +26,7 @@ from engine.cache import KVCache
 from engine.gdn.core import OpsCore
 from engine.models.base import ModelArgs
 from engine.models.layers import CHAIN, Batch, RMSNorm, apply_rope, apply_rope_pair
+from engine.models.linear import Linear
 from engine.models.qwen3_5 import DecoderLayer
 
 # every RMSNorm of the head: its own three and the decoder layer's four
@@ -36,7 +37,7 @@ class MTPHead(nn.Module):
     def __init__(self, args: ModelArgs, layers: int = 1) -> None:
         super().__init__()
         H, eps = args.hidden_size, args.rms_norm_eps
-        self.fc = nn.Linear(2 * H, H, bias=False)
+        self.fc = Linear(2 * H, H, bias=False)
         self.pre_fc_norm_embedding = RMSNorm(H, eps)
         self.pre_fc_norm_hidden = RMSNorm(H, eps)
         # attention layers never call their GDN core: any core will do

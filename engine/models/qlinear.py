@@ -23,6 +23,7 @@ import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
 from engine.models.fused import FusedProjection
+from engine.models.linear import Linear
 from engine.qmm import quantized_linear
 
 M = TypeVar("M", bound=nn.Module)
@@ -107,7 +108,7 @@ def dequantize_projections(model: nn.Module) -> int:
         if isinstance(module, nn.QuantizedEmbedding):
             dense = nn.Embedding.__new__(nn.Embedding)
         else:
-            dense = nn.Linear.__new__(nn.Linear)
+            dense = Linear.__new__(Linear)
         nn.Module.__init__(dense)
         dense.weight = w
         if "bias" in module:

@@ -22,6 +22,7 @@ from engine.models import fused_qmm
 from engine.models.base import ModelArgs, decoder_fields
 from engine.models.fused import fuse_into
 from engine.models.layers import CHAIN, MLP, Attention, Batch, Mode, RMSNorm, RopeSpec
+from engine.models.linear import Linear
 
 
 def args_from_config(cfg: dict[str, Any]) -> ModelArgs:
@@ -78,15 +79,15 @@ class GatedDeltaNet(nn.Module):
         self.shape = gdn_shape(a)
         self.core = core
         s, H = self.shape, a.hidden_size
-        self.in_proj_qkv = nn.Linear(H, s.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(H, s.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(H, s.Hv, bias=False)
-        self.in_proj_a = nn.Linear(H, s.Hv, bias=False)
+        self.in_proj_qkv = Linear(H, s.conv_dim, bias=False)
+        self.in_proj_z = Linear(H, s.value_dim, bias=False)
+        self.in_proj_b = Linear(H, s.Hv, bias=False)
+        self.in_proj_a = Linear(H, s.Hv, bias=False)
         self.conv1d = DepthwiseConv(s.conv_dim, s.K)
         self.A_log = mx.zeros((s.Hv,))
         self.dt_bias = mx.ones((s.Hv,))
         self.norm = GatedRMSNorm(s.Dv, a.rms_norm_eps)
-        self.out_proj = nn.Linear(s.value_dim, H, bias=False)
+        self.out_proj = Linear(s.value_dim, H, bias=False)
 
     def forward(self, mode: Mode, x: mx.array, conv_state: mx.array, S: mx.array, tree: tuple[mx.array, ...],
                 levels: int, fold: tuple[mx.array, ...] = (), gated_kernel: bool = False, norm: RMSNorm | None = None,
@@ -366,7 +367,7 @@ class Model(nn.Module):
         self.core = core or select_gdn_core()
         self.model = TextModel(args, self.layer_class, self.core)
         if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+            self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
 
     def fuse_projections(self) -> int:
         """Fuse each layer's same-input projections (engine/models/fused.py) -> how many fused."""

@@ -25,6 +25,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.cpu_exp import silu
+from engine.models.linear import Linear
 
 
 class WeaverConfigError(ValueError):
@@ -90,11 +91,11 @@ class WeaverBlock(nn.Module):
         super().__init__()
         self.c = c
         self.norm_attn = BiasRMSNorm(c.d_rank, c.norm_eps)
-        self.qkv_proj = nn.Linear(c.d_rank, 3 * c.d_rank, bias=False)
-        self.o_proj = nn.Linear(c.d_rank, c.d_rank, bias=False)
+        self.qkv_proj = Linear(c.d_rank, 3 * c.d_rank, bias=False)
+        self.o_proj = Linear(c.d_rank, c.d_rank, bias=False)
         self.norm_mlp = BiasRMSNorm(c.d_rank, c.norm_eps)
-        self.gate_up_proj = nn.Linear(c.d_rank, 2 * c.mlp_dim)
-        self.down_proj = nn.Linear(c.mlp_dim, c.d_rank)
+        self.gate_up_proj = Linear(c.d_rank, 2 * c.mlp_dim)
+        self.down_proj = Linear(c.mlp_dim, c.d_rank)
 
     def qkv(self, x: mx.array, positions: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """x [T, d_rank] at positions [T] -> q, k, v [heads, T, head_dim] (q and k rotated)."""
@@ -118,11 +119,11 @@ class Weaver(nn.Module):
         c = self.config = config
         self.output_norm = BiasRMSNorm(c.d_model, c.norm_eps)
         self.embed_norm = BiasRMSNorm(c.d_embed, c.norm_eps)
-        self.token_in = nn.Linear(c.d_embed, c.d_rank)
-        self.proposal_in = nn.Linear(c.d_model, c.d_rank)
+        self.token_in = Linear(c.d_embed, c.d_rank)
+        self.proposal_in = Linear(c.d_model, c.d_rank)
         self.blocks = [WeaverBlock(c) for _ in range(c.num_layers)]
         self.out_norm = BiasRMSNorm(c.d_rank, c.norm_eps)
-        self.lm_head_query_in = nn.Linear(c.d_rank, c.d_model, bias=False)
+        self.lm_head_query_in = Linear(c.d_rank, c.d_model, bias=False)
 
     def prompt_kv(self, h_target: mx.array, dflash_hidden: mx.array) -> list[tuple[mx.array, mx.array]]:
         """h_target [d_model], dflash_hidden [D, d_model] -> per block the prompt's (K, V) [heads, 1+D, hd]."""
