@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import math
+import zlib
 
 import mlx.core as mx
 import numpy as np
@@ -33,7 +34,7 @@ def engine(tiny_qwen35_mtp):
 
 @pytest.mark.parametrize("context", [1, 37, KV_STEP - 2, KV_STEP + 5])
 def test_compiled_steps_equal_plain(engine, context):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(context)
     head, target = engine.mtp_head(), engine.model
     embed = target.model.embed_tokens
     H, D, k = target.args.hidden_size, 5, 8
@@ -94,7 +95,11 @@ class Lockstep(MTPDrafter):
 
 
 def lockstep(engine, tree: str, config: MTPConfig, other: MTPConfig, sampling: SamplingParams):
-    rng = np.random.default_rng()
+    # a seeded prompt: identity with plain decoding holds in float32 up to a sampled token whose
+    # uniform falls within float32 rounding of a CDF boundary (a verify folds the GDN state and sums
+    # its rows with another kernel than the one-row step); one prompt in 150 drawn this way met one
+    # (uniform - CDF = 6.5e-8), and an unseeded prompt made that a failure now and then
+    rng = np.random.default_rng(zlib.crc32(f"{tree} {config} {other}".encode()))  # one prompt per case
     prompt = [int(t) for t in rng.integers(0, 500, size=int(rng.integers(3, 40)))]
     drafter = Lockstep(engine, tree, config, other)
     out = generate(engine, prompt, sampling, SpecConfig(method="mtp", tree=tree, budget=10, max_depth=6,
