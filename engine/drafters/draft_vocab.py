@@ -103,10 +103,11 @@ def sub_logits(target: CausalLM, vocab: DraftVocab) -> Logits:
             return y if bias is None else y + bias
 
         return quantized
-    mx.eval(weight, *([] if bias is None else [bias]))
+    transposed = weight.T  # made once: a view built in every depth's graph is a node the CPU evaluates
+    mx.eval(weight, transposed, *([] if bias is None else [bias]))
 
     def dense(h: mx.array) -> mx.array:
-        y = h @ weight.T
+        y = h @ transposed
         return y if bias is None else y + bias
 
     return dense
