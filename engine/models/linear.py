@@ -8,10 +8,10 @@ multiplies 63 weights. `hold_transposes(model)`, run once the weights are final 
 gives every `Linear` of a model an evaluated transposed view of its weight (the weight's buffer,
 no copy), which `__call__` multiplies by while the weight is still the array it was made from: a
 weight replaced afterwards (loaded, quantized into another module, fused) is multiplied through
-`weight.T` again, as by `nn.Linear`. The product is the same call on the same strides either way,
-so the same bits (tests/engine/test_linear.py). Writing into a weight in place would leave the held
-view on the old values: nothing in the engine does, and a module whose weight changes should run
-`hold_transpose` again.
+`weight.T` again, as by `nn.Linear` (the held view keeps the old buffer alive until
+`hold_transpose` runs again). The product is the same call on the same strides either way, so the
+same bits (tests/engine/test_linear.py). Writing into a weight in place would leave the held view
+on the old values: nothing in the engine does.
 """
 
 from __future__ import annotations
