@@ -3,6 +3,8 @@ embedding, and attention with a KV cache."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -104,10 +106,28 @@ def apply_rope(x: mx.array, rope: RopeSpec, offset: int | mx.array, batch: Batch
     the same kernel as the chain path, hence the same rounding.
     """
     if batch.positions is None:
-        return mx.fast.rope(x, rope.dims, traditional=False, base=rope.base, scale=1.0, offset=offset)
+        return _rope(x, rope, offset)
     rows = x.swapaxes(0, 2)  # [T, H, 1, D]
-    rows = mx.fast.rope(rows, rope.dims, traditional=False, base=rope.base, scale=1.0, offset=batch.positions)
-    return rows.swapaxes(0, 2)
+    return _rope(rows, rope, batch.positions).swapaxes(0, 2)
+
+
+def _rope(x: mx.array, rope: RopeSpec, offset: int | mx.array) -> mx.array:
+    """mx.fast.rope; on the CPU compiled, with the offset as an array (one trace per shape)."""
+    if mx.default_device() != mx.cpu:
+        return mx.fast.rope(x, rope.dims, traditional=False, base=rope.base, scale=1.0, offset=offset)
+    if not isinstance(offset, mx.array):
+        offset = mx.array(offset, dtype=mx.int32)
+    return _cpu_rope(rope.dims, rope.base)(x, offset)
+
+
+@functools.cache
+def _cpu_rope(dims: int, base: float) -> Callable[[mx.array, mx.array], mx.array]:
+    """MLX's rope, compiled for the CPU: there it is no kernel but ~30 graph nodes built on every
+    call (the attention layers call it outside their compiled functions, around the KV cache), which
+    a compiled graph fuses to ~15. Bitwise the eager rope's, int or array offset
+    (tests/engine/test_attention_ops.py)."""
+    return mx.compile(lambda x, offset: mx.fast.rope(x, dims, traditional=False, base=base, scale=1.0,
+                                                     offset=offset))
 
 
 def apply_rope_pair(q: mx.array, k: mx.array, rope: RopeSpec, offset: int | mx.array,

@@ -116,3 +116,23 @@ def test_rope_of_q_and_k_together_is_bitwise_the_rope_of_each(rows, tree, offset
     want_q, want_k = (layers.apply_rope(t, rope, off, batch) for t in (q, k))
     assert np.array_equal(np.array(got_q), np.array(want_q))
     assert np.array_equal(np.array(got_k), np.array(want_k))
+
+
+@pytest.mark.parametrize("rows", [1, 7, 40])
+@pytest.mark.parametrize("offset", [0, 195, 4000, "array", "positions"])
+def test_the_cpu_rope_compiled_is_bitwise_mlx_rope(rows, offset):
+    """apply_rope on the CPU runs MLX's rope compiled (its ~30 eager operations fused); each row's
+    rotation is bitwise the eager one's, at an int offset, an array offset and a verify's positions."""
+    rng = np.random.default_rng(rows)
+    x = mx.array(rng.normal(size=(1, 6, rows, 64)).astype(np.float32))
+    rope = layers.RopeSpec(16, 1e7)
+    if offset == "positions":
+        positions = mx.array(rng.integers(0, 4000, size=rows).astype(np.int32))
+        got = layers.apply_rope(x, rope, 0, layers.Batch(deferred=True, positions=positions))
+        want = mx.fast.rope(x.swapaxes(0, 2), 16, traditional=False, base=1e7, scale=1.0,
+                            offset=positions).swapaxes(0, 2)
+    else:
+        off = mx.array(211, dtype=mx.int32) if offset == "array" else offset
+        got = layers.apply_rope(x, rope, off, layers.CHAIN)
+        want = mx.fast.rope(x, 16, traditional=False, base=1e7, scale=1.0, offset=211 if offset == "array" else offset)
+    assert np.array_equal(np.array(got), np.array(want))
