@@ -371,18 +371,15 @@ def commit_all(cache: Sequence[LayerCache], path: AcceptedPath) -> None:
 def _commit_together(cache: Sequence[LayerCache], path: AcceptedPath) -> set[int]:
     """Commit the GDN layers that can go together (GDNCache.commits_together, one core, one shape,
     one conv-state dtype) as one -> the ids of the caches committed."""
-    layers = [c for c in cache if isinstance(c, GDNCache) and c.commits_together()] if COMMIT_TOGETHER else []
-    if len(layers) < 2:
+    if not COMMIT_TOGETHER:
         return set()
-    first = layers[0]
-    assert first.conv_state is not None
-    layers = [c for c in layers if c.core is first.core and c.shape == first.shape
-              and c.conv_state is not None and c.conv_state.dtype == first.conv_state.dtype]
+    layers = [c for c in cache if isinstance(c, GDNCache) and c.commits_together()]
+    kind = [(c.core, c.shape, c.conv_state.dtype) for c in layers]  # type: ignore[union-attr]
+    layers = [c for c, k in zip(layers, kind, strict=True) if k == kind[0]]
     if len(layers) < 2:
         return set()
     rows = [c.pending for c in layers]
-    assert all(isinstance(r, TreeRows) for r in rows)
-    outs = together_function(first.core, GDNCache.compile_commit)(
+    outs = together_function(layers[0].core, GDNCache.compile_commit)(
         [r.x for r in rows], [r.k for r in rows], [r.u for r in rows], [r.g for r in rows],  # type: ignore[union-attr]
         path.index, [c.conv_state for c in layers], [c.state for c in layers])
     for c, (conv, S) in zip(layers, outs, strict=True):

@@ -133,9 +133,9 @@ def _cpu_rope(dims: int, base: float) -> Callable[[mx.array, mx.array], mx.array
 def apply_rope_pair(q: mx.array, k: mx.array, rope: RopeSpec, offset: int | mx.array,
                     batch: Batch) -> tuple[mx.array, mx.array]:
     """apply_rope of q [1, H, T, D] and k [1, Hkv, T, D]. On the CPU MLX's rope is not one kernel
-    but a dozen operations that compute the angles anew on every call, so there q and k go through
-    one call, stacked on the head axis: each head's arithmetic is the same, so are the bits, and a
-    step or a verify saves ~11 graph nodes an attention layer (a draft depth of the MTP head too).
+    but ~15 graph nodes even compiled (_cpu_rope), the angles computed anew on every call, so there
+    q and k go through one call, stacked on the head axis: each head's arithmetic is the same, so
+    are the bits, and a step, a verify or an MTP draft depth saves a dozen nodes an attention layer.
     Elsewhere the rope is one launch each."""
     if mx.default_device() != mx.cpu:
         return apply_rope(q, rope, offset, batch), apply_rope(k, rope, offset, batch)

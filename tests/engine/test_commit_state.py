@@ -152,9 +152,14 @@ def test_layers_committed_together_equal_each_committed_alone(tiny_qwen35, compi
         c = model.make_cache()
         forward.extend(model, c, prompt)
         caches.append(c)
-    together = []
+    together: list[set[int]] = []  # what each joint commit committed
     real = cache_module._commit_together
-    monkeypatch.setattr(cache_module, "_commit_together", lambda c, p: together.append(real(c, p)) or together[-1])
+
+    def recorded(cache, path):
+        together.append(real(cache, path))
+        return together[-1]
+
+    monkeypatch.setattr(cache_module, "_commit_together", recorded)
     committed = len(prompt)
     for _ in range(5):
         tree = random_tree(rng, int(rng.integers(0, 500)), int(rng.integers(1, 10)), 512, [])
