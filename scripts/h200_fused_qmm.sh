@@ -13,7 +13,7 @@ for stage in $stages; do
   start=$(date +%s)
   case $stage in
     widen) [ -f /tmp/q9/target/config.json ] || timeout 120 python scripts/widen_checkpoint.py /tmp/q9 --shape 9b --bits 4 ;;
-    tests) timeout 170 python -m pytest -q -x tests/kernels/test_qmm.py tests/engine/test_qlinear.py -k "mma or fused" ;;
+    tests) timeout 170 python -m pytest -q -p no:cacheprovider tests/kernels/test_qmm.py tests/engine/test_qlinear.py -k "mma or fused" ;;
     ops) SPRUCE_QMM_FUSE=1 timeout 90 python scripts/count_graph_ops.py --model /tmp/q9/target --dtype bfloat16 --sizes 1,17
          timeout 90 python scripts/count_graph_ops.py --model /tmp/q9/target --dtype bfloat16 --sizes 1,17 ;;
     e2e) timeout 280 python scripts/bench_gpu.py --out "$OUT/e2e" --targets "" --checkpoint q9=/tmp/q9/target \
