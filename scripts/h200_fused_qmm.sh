@@ -2,7 +2,8 @@
 # The H200 measurements of the fused qmm_mma builds (issue 13), as BENCHMARKS.md's thirtieth
 # session lists them, stage by stage with a time limit each and one log each under $OUT.
 #   source .whl/setup.sh && bash scripts/h200_fused_qmm.sh [stage ...]
-# Stages: widen tests ops e2e rounds (default: all, in that order). `widen` writes the 4-bit
+# Stages: widen tests ops e2e rounds (default: all, in that order). e2e and rounds also run the
+# twenty-ninth session's add + norm kernel (-an1), whose rounds were not measured after its fix. `widen` writes the 4-bit
 # 9B-shaped pair to /tmp/q9, which the later stages read.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -18,10 +19,10 @@ for stage in $stages; do
          timeout 90 python scripts/count_graph_ops.py --model /tmp/q9/target --dtype bfloat16 --sizes 1,17 ;;
     e2e) timeout 280 python scripts/bench_gpu.py --out "$OUT/e2e" --targets "" --checkpoint q9=/tmp/q9/target \
            --skip-draft --runs 5 --tokens 128 --tree-sizes 1,17 --ops-tree-sizes "" --micro "" \
-           --prefill-tokens 0 --cores kernels,kernels-qf1 ;;
+           --prefill-tokens 0 --cores kernels,kernels-qf1,kernels-an1 ;;
     rounds) timeout 400 python scripts/profile_rounds.py --model /tmp/q9/target --dflash-model /tmp/q9/dflash \
            --dtype bfloat16 --methods none,mtp:chain --kinds code,chat --runs 3 --tokens 128 \
-           --variants engine,qf1,qf1-gn1 --json "$OUT/rounds.json" ;;
+           --variants engine,qf1,qf1-gn1,an1 --json "$OUT/rounds.json" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac > "$OUT/$stage.log" 2>&1
   echo "$stage: rc $? in $(( $(date +%s) - start )) s" | tee -a "$OUT/stages.log"
