@@ -2,9 +2,9 @@
 # The H200 measurements of the fused qmm_mma builds (issue 13), as BENCHMARKS.md's thirtieth
 # session lists them, stage by stage with a time limit each and one log each under $OUT.
 #   source .whl/setup.sh && bash scripts/h200_fused_qmm.sh [stage ...]
-# Stages: widen tests ops e2e rounds (default: all, in that order). e2e and rounds also run the
-# twenty-ninth session's add + norm kernel (-an1), whose rounds were not measured after its fix. `widen` writes the 4-bit
-# 9B-shaped pair to /tmp/q9, which the later stages read.
+# Stages: widen tests ops e2e rounds (default: all, in that order). `widen` writes the 4-bit
+# 9B-shaped pair to /tmp/q9, which the later stages read. e2e and rounds also run the twenty-ninth
+# session's add + norm kernel (-an1), whose rounds were not measured after its fix.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
