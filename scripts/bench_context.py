@@ -10,8 +10,10 @@ mostly miss there: the honest case for speculation). Runs interleave methods and
 Without --model it uses the bundled target; lengths past a checkpoint's context need a checkpoint
 with a longer one (e.g. `scripts/make_tiny_checkpoint.py` with the bundled shape), since the
 bundled model was trained on 4096 tokens. Prints decode tok/s, its ratio to the shortest length,
-the ratio to plain decoding, tokens per forward, and p50 / p99 inter-token latency (the gap between
-the token batches the loop emits, spread over their tokens).
+the ratio to plain decoding (of the medians, and the median of each run's ratio to the plain run on
+the same prompt, next to it in the interleaving: requests on a busy machine drift by 10-20 % from one to the next,
+and pairing cancels what the two share), tokens per forward, and p50 / p99 inter-token latency (the
+gap between the token batches the loop emits, spread over their tokens).
 """
 
 from __future__ import annotations
@@ -84,6 +86,12 @@ def pooled_p99(runs: list[list[float]]) -> float:
     return gaps[int(len(gaps) * 0.99)] if gaps else 0.0
 
 
+def paired_ratio(runs: list[dict[str, float]], plain: list[dict[str, float]]) -> float:
+    """The median over runs of a method's tok/s against plain decoding's run on the same prompt
+    (the runs of both are in the same order, one of each per prompt)."""
+    return statistics.median(r["tps"] / p["tps"] for r, p in zip(runs, plain, strict=True))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=BUNDLED / "target")
@@ -114,17 +122,18 @@ def main() -> None:
     med = {k: {f: statistics.median(x[f] for x in v) for f in v[0]} for k, v in results.items()}
     decoding = "greedy" if a.temperature == 0 else f"temperature {a.temperature}, seed {a.seed}"
     print(f"model {a.model.name}, {a.tokens} new tokens ({decoding}) after random-id prompts, medians of {a.runs}")
-    print("| method | prompt tokens | decode tok/s | vs shortest | vs plain | tokens/forward | ITL p50 / p99 ms "
-          "| p99 pooled ms (vs plain) | distinct 8-grams |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| method | prompt tokens | decode tok/s | vs shortest | vs plain | vs plain, paired | tokens/forward "
+          "| ITL p50 / p99 ms | p99 pooled ms (vs plain) | distinct 8-grams |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for m in methods:
         for n in lengths:
             x = med[(m, n)]
             plain = med.get(("none", n), x)["tps"]
             p99 = pooled_p99(gaps[(m, n)])
             p99_plain = pooled_p99(gaps.get(("none", n), gaps[(m, n)]))
+            paired = paired_ratio(results[(m, n)], results.get(("none", n), results[(m, n)]))
             print(f"| {m} | {n} | {x['tps']:.1f} | {x['tps'] / med[(m, lengths[0])]['tps']:.2f} | "
-                  f"{x['tps'] / plain:.2f} | {x['tpf']:.2f} | {x['p50']:.1f} / {x['p99']:.1f} | "
+                  f"{x['tps'] / plain:.2f} | {paired:.2f} | {x['tpf']:.2f} | {x['p50']:.1f} / {x['p99']:.1f} | "
                   f"{p99:.1f} ({p99 / p99_plain:.2f}x) | {x['grams']:.2f} |")
 
 
