@@ -192,6 +192,11 @@ class SpecController:
     last: int = 0  # the budget of the last round recorded (0 before the first)
     reclimb: int = 0  # the budget of a re-climb's next try (0: none under way)
     gate: ConfidenceGate = field(default_factory=ConfidenceGate)  # the target's confidence
+    # the answer of `budget` until the next record, observe or confide (the only calls that change
+    # what it depends on): a round asks it three to four times (engine/round.py), and on the dev
+    # CPU each answer was ~15 µs of Python that the host took from the two cores computing the
+    # round in flight (~1 % of a plain round, more for the n-gram drafter's hindsight controller)
+    _budget: int | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         budgets = {0, min(FIRST, self.max_budget), self.max_budget}
@@ -208,6 +213,7 @@ class SpecController:
     def confide(self, probabilities: Sequence[float]) -> None:
         """After a round's record: the probability of the target's most likely token (its raw
         distribution) at each position the round emitted, in order."""
+        self._budget = None
         self.gate.confide(probabilities)
         if self.gate.wake_due() and self._climbing() is None and not self.reclimb:
             self.gate.wake()
@@ -336,7 +342,13 @@ class SpecController:
         return self.next_revisit > 0 and self.rounds >= self.next_revisit
 
     def budget(self) -> int:
-        """The budget of the next round (pure: asking twice without a record gives the same answer)."""
+        """The budget of the next round (pure: asking twice without a record gives the same answer,
+        kept from the first time)."""
+        if self._budget is None:
+            self._budget = self._choose()
+        return self._budget
+
+    def _choose(self) -> int:
         if self.gated():
             return 0
         if self.gate.doubting():  # the smallest tree again, a plain round after the last try
@@ -383,6 +395,7 @@ class SpecController:
         turn right during plain rounds makes the trees climb without a re-try."""
         if not seen:
             return
+        self._budget = None
         before = self.best() if self._climbing() is None else None
         for budget, tokens in seen:
             arm = next((a for a in self.arms if a.budget == budget), None)
@@ -401,6 +414,7 @@ class SpecController:
 
     def record(self, budget: int, tokens: int, ms: float) -> None:
         """A round ran with `budget` (the arm it was given), emitted `tokens` in `ms`."""
+        self._budget = None
         arm = next((a for a in self.arms if a.budget == budget), None)
         if budget == 0 and self.gated():
             # a gated round times plain rounds and is nothing else: the re-tries' clock (pushed on

@@ -386,3 +386,19 @@ def test_a_trees_rounds_from_other_text_age():
                             [(FIRST, 2)], 60)  # a drafter that watches the one-guess tree only
     assert chosen[-30:].count(16) >= 27
 
+
+
+def test_the_kept_budget_is_the_one_chosen_afresh():
+    # budget() keeps its answer until record / observe / confide: after any sequence of them it
+    # must equal a fresh choice over the same state (a mutation that forgot to drop it would not)
+    rng = random.Random(7)
+    for _ in range(40):
+        c = SpecController(16, max_stall=rng.choice([None, 2.0]))
+        for _ in range(200):
+            assert c.budget() == c._choose() == c.budget()
+            b = c.budget() if rng.random() < 0.8 else rng.choice([a.budget for a in c.arms])
+            c.record(b, rng.randint(1, 1 + b), rng.uniform(4.0, 6.0 + b))
+            if rng.random() < 0.5:
+                c.confide([rng.random() for _ in range(rng.randint(1, 3))])
+            if rng.random() < 0.3:
+                c.observe([(a.budget, rng.randint(1, 1 + a.budget)) for a in c.arms[1:]])
