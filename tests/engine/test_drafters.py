@@ -51,6 +51,36 @@ def test_ngram_builds_branches():
     assert d.ctx[-2:] == [4, 7]
 
 
+
+def trie_by_scan(root: int, continuations: list[list[int]], budget: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The n-gram drafter's trie built the obvious way: each token's child looked for among the
+    nodes so far."""
+    tokens, parents = [root], [-1]
+    for cont in continuations:
+        node = 0
+        for t in cont:
+            child = next((i for i in range(1, len(tokens)) if parents[i] == node and tokens[i] == t), None)
+            if child is None:
+                if len(tokens) > budget:
+                    break
+                tokens.append(t)
+                parents.append(node)
+                child = len(tokens) - 1
+            node = child
+    return tuple(tokens), tuple(parents)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_ngram_trie_equals_its_scanning_twin(seed):
+    rng = np.random.RandomState(seed)
+    d = NgramDrafter(max_sites=int(rng.randint(1, 9)))
+    d.begin([int(t) for t in rng.randint(0, 6, size=300)])  # a small vocabulary: many shared prefixes
+    for _ in range(20):
+        budget, depth = int(rng.randint(0, 33)), int(rng.randint(1, 9))
+        tree = d.propose(int(d.ctx[-1]), budget, depth)
+        assert (tree.tokens, tree.parents) == trie_by_scan(d.ctx[-1], d.continuations(depth), budget)
+        d.observe([int(t) for t in rng.randint(0, 6, size=3)])
+
 def accepted_tokens(tree, future: list[int]) -> int:
     """What a round with `tree` emits where the tokens after its root are `future`: its path
     along them, and the token after."""
