@@ -1,7 +1,7 @@
 """The late start of pipelined rounds on the CPU (engine.round.START_LATE_ON_CPU) on and off, in
-one process, alternating: decode tok/s and pooled inter-token gaps (p50 / p99 / max), on text
-sampled at temperature 1 after random ids (guesses miss), with the distinct 8-gram share of the
-output.
+one process, alternating with plain decoding: decode tok/s (each repetition's against plain
+decoding's of the same repetition) and pooled inter-token gaps (p50 / p99 / max), on text sampled
+at temperature 1 after random ids (guesses miss), with the distinct 8-gram share of the output.
 
     python scripts/bench_start_late.py [--method mtp|ngram|none] [--reps 7] [--tokens 96]
     python scripts/bench_start_late.py --method mtp --ahead-layers 0,2 --reps 30
@@ -54,8 +54,9 @@ def main() -> None:
         setups = [("plain decoding", SpecConfig(), True, 0)] + [
             (f"{a.method}, {n} layers ahead", spec, True, n) for n in map(int, a.ahead_layers.split(","))]
     else:
-        setups = [(f"{a.method}, late start {'on ' if late else 'off'}", spec, late, rounds.START_AHEAD_LAYERS)
-                  for late in (True, False)]
+        setups = [("plain decoding", SpecConfig(), True, rounds.START_AHEAD_LAYERS)] + [
+            (f"{a.method}, late start {'on ' if late else 'off'}", spec, late, rounds.START_AHEAD_LAYERS)
+            for late in (True, False)]
     tps: dict[str, list[float]] = {s[0]: [] for s in setups}
     tpf: dict[str, list[float]] = {s[0]: [] for s in setups}  # tokens per forward pass
     gaps: dict[str, list[float]] = {s[0]: [] for s in setups}
