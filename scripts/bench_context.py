@@ -10,10 +10,10 @@ mostly miss there: the honest case for speculation). Runs interleave methods and
 Without --model it uses the bundled target; lengths past a checkpoint's context need a checkpoint
 with a longer one (e.g. `scripts/make_tiny_checkpoint.py` with the bundled shape), since the
 bundled model was trained on 4096 tokens. Prints decode tok/s, its ratio to the shortest length,
-the ratio to plain decoding (of the medians, and the median of each run's ratio to the plain run on
-the same prompt, next to it in the interleaving: requests on a busy machine drift by 10-20 % from one to the next,
-and pairing cancels what the two share), tokens per forward, and p50 / p99 inter-token latency (the
-gap between the token batches the loop emits, spread over their tokens).
+the ratio to plain decoding (of the medians, and the median of each run's ratio to the plain run
+on the same prompt, next to it in the interleaving: requests on a busy machine drift by 10-20 %
+from one to the next, and pairing cancels what the two share), tokens per forward, and p50 / p99
+inter-token latency (the gap between the token batches the loop emits, spread over their tokens).
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
     lengths = [int(n) for n in a.lengths.split(",")]
-    methods = a.methods.split(",")
+    methods = list(dict.fromkeys(a.methods.split(",")))  # each once: runs pair by position
     engine = Engine(EngineConfig(model_path=str(a.model), prefix_cache=False, dtype="float32",
                                  max_context=max(lengths) + a.tokens + 1))
     vocab = engine.vocab_size

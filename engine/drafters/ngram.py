@@ -107,8 +107,8 @@ class NgramDrafter:
 
     def propose(self, root: int, budget: int, max_depth: int) -> DraftTree:
         tokens, parents = [root], [-1]
-        # (parent, token) -> node: the trie's edges (a scan of the nodes for each token was ~20 µs
-        # a plain round on the dev CPU, where skip proposes a watched tree every round)
+        # (parent, token) -> node: the trie's edges, instead of a scan of the nodes for each token
+        # (quadratic in the nodes; skip proposes a watched tree every plain round)
         edges: dict[tuple[int, int], int] = {}
         for cont in self.continuations(max_depth):
             node = 0
