@@ -2,7 +2,8 @@
 # The H200 measurements of the fused qmm_mma builds (issue 13), as BENCHMARKS.md's thirtieth
 # session lists them, stage by stage with a time limit each and one log each under $OUT.
 #   source .whl/setup.sh && bash scripts/h200_fused_qmm.sh [stage ...]
-# Stages: widen tests ops e2e rounds (default: all, in that order). `widen` writes the 4-bit
+# Stages: widen tests ops e2e rounds (default: all, in that order); rounds-short: the rounds of
+# the default engine and the fused builds only, two runs (for a lease with little time left). `widen` writes the 4-bit
 # 9B-shaped pair to /tmp/q9, which the later stages read. e2e and rounds also run the twenty-ninth
 # session's add + norm kernel (-an1), whose rounds were not measured after its fix.
 set -u
@@ -23,6 +24,9 @@ for stage in $stages; do
     rounds) timeout 400 python scripts/profile_rounds.py --model /tmp/q9/target --dflash-model /tmp/q9/dflash \
            --dtype bfloat16 --methods none,mtp:chain --kinds code,chat --runs 3 --tokens 128 \
            --variants engine,qf1,qf1-gn1,an1 --json "$OUT/rounds.json" ;;
+    rounds-short) timeout 300 python scripts/profile_rounds.py --model /tmp/q9/target --dflash-model /tmp/q9/dflash \
+           --dtype bfloat16 --methods none,mtp:chain --kinds code,chat --runs 2 --tokens 128 \
+           --variants engine,qf1 --json "$OUT/rounds.json" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac > "$OUT/$stage.log" 2>&1
   echo "$stage: rc $? in $(( $(date +%s) - start )) s" | tee -a "$OUT/stages.log"
