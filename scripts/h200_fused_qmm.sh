@@ -3,9 +3,10 @@
 # session lists them, stage by stage with a time limit each and one log each under $OUT.
 #   source .whl/setup.sh && bash scripts/h200_fused_qmm.sh [stage ...]
 # Stages: widen tests ops e2e rounds (default: all, in that order); rounds-short: the rounds of
-# the default engine and the fused builds only, two runs (for a lease with little time left). `widen` writes the 4-bit
-# 9B-shaped pair to /tmp/q9, which the later stages read. e2e and rounds also run the twenty-ninth
-# session's add + norm kernel (-an1), whose rounds were not measured after its fix.
+# the default engine and the fused builds only, two runs (for a lease with little time left).
+# `widen` writes the 4-bit 9B-shaped pair to /tmp/q9, which the later stages read. e2e and rounds
+# also run the twenty-ninth session's add + norm kernel (-an1), whose rounds were not measured
+# after its fix.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
