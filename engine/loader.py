@@ -33,6 +33,7 @@ from engine.models import FAMILIES
 from engine.models.base import ModelArgs
 from engine.models.linear import hold_transposes
 from engine.models.qlinear import dequantize_projections, float32_bytes, route_quantized_projections
+from engine.models.qwen3_5 import hold_conv_views
 from engine.rotation import rotate_inputs_of
 
 SKIPPED_PREFIXES = ("model.visual.", "visual.", "vision_tower.", "mtp.", "model.mtp.")
@@ -250,6 +251,7 @@ def load_model(path: str | Path, dtype: str = "auto", fuse: bool | None = None,
     if routed:
         loaded.routed_projections = route_quantized_projections(model)
     hold_transposes(model)  # last: the weights are final
+    hold_conv_views(model)
     return loaded
 
 

@@ -61,6 +61,7 @@ class GDNWeights:
     conv: mx.array  # [C, K] depthwise conv taps (tap K-1 = the token itself)
     A_log: mx.array  # [Hv]
     dt_bias: mx.array  # [Hv]
+    conv_views: ops.ConvViews | None = None  # `conv`'s views held since loading, if any (the ops core's)
 
 
 @dataclass(frozen=True)
@@ -174,21 +175,21 @@ class OpsCore:
 
     def step(self, shape, w, qkv, a, b, conv_state, S):
         g, beta = ops.gates(a, b, w.A_log, w.dt_bias)
-        y, conv_state = ops.causal_conv(qkv, conv_state, w.conv)
+        y, conv_state = ops.causal_conv(qkv, conv_state, w.conv, w.conv_views)
         q, k, v = split_heads(shape, y)
         o, S = ops.step(q.squeeze(0), k.squeeze(0), v.squeeze(0), g.squeeze(0), beta.squeeze(0), S)
         return o[None], conv_state, S
 
     def chain(self, shape, w, qkv, a, b, conv_state, S):
         g, beta = ops.gates(a, b, w.A_log, w.dt_bias)
-        y, conv_state = ops.causal_conv(qkv, conv_state, w.conv)
+        y, conv_state = ops.causal_conv(qkv, conv_state, w.conv, w.conv_views)
         q, k, v = split_heads(shape, y)
         o, S = ops.chain(q, k, v, g, beta, S)
         return o, conv_state, S
 
     def tree(self, shape, w, qkv, a, b, conv_state, S0, tree):
         g, beta = ops.gates(a, b, w.A_log, w.dt_bias)
-        y = ops.tree_conv(qkv, conv_state, w.conv, tree.conv_taps)
+        y = ops.tree_conv(qkv, conv_state, w.conv, tree.conv_taps, w.conv_views)
         q, k, v = split_heads(shape, y)
         o, u = ops.tree_dense(q, k, v, g, beta, tree.masks, S0)
         return o, TreeRows(x=qkv, k=k, u=u, g=g)

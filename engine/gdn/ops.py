@@ -49,20 +49,50 @@ def gates(a: mx.array, b: mx.array, A_log: mx.array, dt_bias: mx.array) -> tuple
     return g, mx.sigmoid(b.astype(mx.float32))
 
 
-def causal_conv(x: mx.array, conv_state: mx.array, weight: mx.array) -> tuple[mx.array, mx.array]:
+@dataclass(frozen=True)
+class ConvViews:
+    """Views of a float32 conv weight [C, K] that the convolutions below would otherwise build in
+    every graph, made and evaluated once (engine/models/qwen3_5.py holds them after loading): its
+    columns for the chain conv, its transpose for the tree conv. On the CPU every graph node costs
+    a few microseconds whatever its size, and the columns alone were 48 of a decode step's 734
+    nodes (a slice and a squeeze for each of 4 taps in 6 layers). Evaluated views share the
+    weight's buffer and read the same values, so the results are bitwise the same."""
+
+    weight: mx.array  # the array they are views of (a weight replaced later no longer matches)
+    columns: tuple[mx.array, ...]  # weight[:, j], [C] each
+    by_tap: mx.array  # weight.T[None], [1, K, C]
+
+    @staticmethod
+    def of(weight: mx.array) -> ConvViews | None:
+        """The views of `weight`, evaluated; None unless it is float32 (the convolutions cast to
+        float32 first, and a cast of a view is not a view of the cast)."""
+        if weight.dtype != mx.float32 or weight.ndim != 2:
+            return None
+        views = ConvViews(weight, tuple(weight[:, j] for j in range(weight.shape[1])), weight.T[None])
+        mx.eval(views.columns, views.by_tap)
+        return views
+
+
+def causal_conv(x: mx.array, conv_state: mx.array, weight: mx.array,
+                views: ConvViews | None = None) -> tuple[mx.array, mx.array]:
     """Depthwise causal conv + SiLU along a chain, computed in fp32 like the tree conv.
 
     x [T, C] pre-conv rows, conv_state [K-1, C] (the last K-1 pre-conv rows), weight [C, K]
-    (tap K-1 is the token itself) -> (y [T, C] fp32, new conv_state [K-1, C] in x's dtype).
+    (tap K-1 is the token itself), views: `weight`'s held views, if any -> (y [T, C] fp32, new
+    conv_state [K-1, C] in x's dtype).
     """
     K = weight.shape[1]
     T = x.shape[0]
     window = mx.concatenate([conv_state.astype(x.dtype), x], axis=0)  # [K-1+T, C]
-    w = f32(weight)
+    if views is not None and views.weight is weight:
+        columns = views.columns
+    else:
+        w = f32(weight)
+        columns = tuple(w[:, j] for j in range(K))
     rows = f32(window)
-    y = rows[0:T] * w[:, 0]
+    y = rows[0:T] * columns[0]
     for j in range(1, K):
-        y = y + rows[j : j + T] * w[:, j]
+        y = y + rows[j : j + T] * columns[j]
     return silu(y), window[T:]
 
 
@@ -96,9 +126,12 @@ def _conv_taps(parents: tuple[int, ...], kernel_size: int) -> np.ndarray:
     return taps
 
 
-def tree_conv(x: mx.array, conv_state: mx.array, weight: mx.array, taps: mx.array) -> mx.array:
+def tree_conv(x: mx.array, conv_state: mx.array, weight: mx.array, taps: mx.array,
+              views: ConvViews | None = None) -> mx.array:
     """silu(depthwise causal conv along each node's ancestor chain). x [N, C] pre-conv rows,
-    conv_state [K-1, C], weight [C, K] (tap K-1 = the node), taps [N, K] from tree_conv_taps."""
+    conv_state [K-1, C], weight [C, K] (tap K-1 = the node), taps [N, K] from tree_conv_taps,
+    views: `weight`'s held views, if any."""
+    by_tap = views.by_tap if views is not None and views.weight is weight else None
     x, conv_state, weight = f32(x), f32(conv_state), f32(weight)
     if weight.ndim != 2 or x.ndim != 2 or weight.shape[0] != x.shape[1]:
         raise ValueError(f"need x [N, C] and weight [C, K], got {x.shape} and {weight.shape}")
@@ -106,7 +139,7 @@ def tree_conv(x: mx.array, conv_state: mx.array, weight: mx.array, taps: mx.arra
     if tuple(conv_state.shape) != (K - 1, x.shape[1]):
         raise ValueError(f"conv_state must be [{K - 1}, {x.shape[1]}], got {conv_state.shape}")
     windows = mx.concatenate([conv_state, x])[taps]  # [N, K, C]
-    y = (windows * weight.T[None]).sum(axis=1)
+    y = (windows * (weight.T[None] if by_tap is None else by_tap)).sum(axis=1)
     return silu(y)
 
 

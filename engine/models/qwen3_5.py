@@ -17,6 +17,7 @@ from engine import cpu_exp, fused_norms
 from engine.cache import GDNCache, KVCache, LayerCache
 from engine.feature_cache import FeatureCache
 from engine.gdn.core import Fold, GDNCore, GDNShape, GDNWeights, TreeInputs, TreeRows
+from engine.gdn.ops import ConvViews
 from engine.kernels import select_gdn_core
 from engine.models import fused_qmm
 from engine.models.base import ModelArgs, decoder_fields
@@ -50,11 +51,32 @@ def gdn_shape(a: ModelArgs) -> GDNShape:
 
 
 class DepthwiseConv(nn.Module):
-    """Holds the short-conv weight as [C, K] (HF stores [C, 1, K], mlx-lm [C, K, 1])."""
+    """Holds the short-conv weight as [C, K] (HF stores [C, 1, K], mlx-lm [C, K, 1]), and, once the
+    weights are final (`hold_conv_views`), its views that the plain-ops convolutions read
+    (engine/gdn/ops.py ConvViews: fewer graph nodes a step on the CPU, the same bits)."""
 
     def __init__(self, channels: int, kernel: int) -> None:
         super().__init__()
         self.weight = mx.zeros((channels, kernel))
+
+    @property
+    def views(self) -> ConvViews | None:
+        # a plain attribute, not a parameter (nn.Module keeps arrays and containers of them as
+        # parameters; ConvViews is neither), checked against the weight it was made of
+        views: ConvViews | None = getattr(self, "_views", None)
+        return views if views is not None and views.weight is self["weight"] else None
+
+    def hold_views(self) -> None:
+        """Make (again) the views of the weight: outside any traced function."""
+        self._views = ConvViews.of(self["weight"])
+
+
+def hold_conv_views(model: nn.Module) -> int:
+    """hold_views on every DepthwiseConv of `model` -> how many."""
+    convs = [m for m in model.modules() if isinstance(m, DepthwiseConv)]
+    for m in convs:
+        m.hold_views()
+    return len(convs)
 
 
 class GatedRMSNorm(nn.Module):
@@ -105,7 +127,7 @@ class GatedDeltaNet(nn.Module):
             x = x if norm is None else norm(x)
             qkv, z, b, a = (p(x).squeeze(0) for p in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b,
                                                             self.in_proj_a))
-        w = GDNWeights(self.conv1d.weight, self.A_log, self.dt_bias)
+        w = GDNWeights(self.conv1d.weight, self.A_log, self.dt_bias, self.conv1d.views)
         result: tuple[mx.array, ...]
         if mode == "tree" and fold:
             o, rows, conv_state, S = self.core.tree_after(s, w, qkv, a, b, conv_state, S,
