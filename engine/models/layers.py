@@ -86,8 +86,12 @@ class MLP(nn.Module):
         self.down_proj = Linear(hidden, dims, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
-        gate, up = self.fused(x) if "fused" in self else (self.gate_proj(x), self.up_proj(x))
-        return self.down_proj(silu(gate) * up)  # engine/cpu_exp.py: the CPU's exp is slow
+        # on 2-D rows: a product of [1, T, H] flattens its input and unflattens its output, two
+        # graph nodes each that the CPU evaluates at a few µs apiece (the same GEMM either way)
+        rows = x.reshape(-1, x.shape[-1])
+        gate, up = self.fused(rows) if "fused" in self else (self.gate_proj(rows), self.up_proj(rows))
+        out = self.down_proj(silu(gate) * up)  # engine/cpu_exp.py: the CPU's exp is slow
+        return out.reshape(*x.shape[:-1], out.shape[-1])
 
     def fuse_projections(self) -> bool:
         return fuse_into(self, ("gate_proj", "up_proj"))

@@ -125,8 +125,11 @@ class GatedDeltaNet(nn.Module):
             qkv, z, b, a = (y.squeeze(0) for y in fused_qmm.project(self.fused, x, norm=norm))
         else:
             x = x if norm is None else norm(x)
-            qkv, z, b, a = (p(x).squeeze(0) for p in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b,
-                                                            self.in_proj_a))
+            # the products of one [T, H] view: of x [1, T, H], each flattened its input, unflattened
+            # its output and was squeezed, three graph nodes a product that the CPU evaluates at a
+            # few µs each (the same GEMM on the same rows either way)
+            rows = x.reshape(T, -1)
+            qkv, z, b, a = (p(rows) for p in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a))
         w = GDNWeights(self.conv1d.weight, self.A_log, self.dt_bias, self.conv1d.views)
         result: tuple[mx.array, ...]
         if mode == "tree" and fold:

@@ -54,3 +54,23 @@ def test_the_loader_holds_every_linear_and_logits_do_not_move(tiny_qwen35):
         forward.extend(model, cache, [1, 2, 3, 4, 5, 6])
         logits.append(np.array(forward.verify(model, cache, DraftTree.chain(3, [5, 9, 11]), 6)))
     assert np.array_equal(*logits)
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_the_mlp_on_flattened_rows_is_bitwise_the_batched_products(rows):
+    """MLP multiplies [T, H] rows (fewer graph nodes on the CPU); the products of the [1, T, H]
+    input give the same bits."""
+    from engine.cpu_exp import silu
+    from engine.models.layers import MLP
+
+    rng = np.random.default_rng(rows)
+    mlp = MLP(64, 96)
+    mlp.update({name: {"weight": mx.array(rng.normal(size=p["weight"].shape).astype(np.float32))}
+                for name, p in mlp.children().items()})
+    hold_transposes(mlp)
+    x = mx.array(rng.normal(size=(1, rows, 64)).astype(np.float32))
+    batched = (x @ mlp.gate_proj.weight.T, x @ mlp.up_proj.weight.T)
+    expected = (silu(batched[0]) * batched[1]) @ mlp.down_proj.weight.T
+    out = mlp(x)
+    assert out.shape == (1, rows, 64)
+    assert np.array_equal(np.array(out), np.array(expected))
