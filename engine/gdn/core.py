@@ -177,8 +177,8 @@ class OpsCore:
         g, beta = ops.gates(a, b, w.A_log, w.dt_bias)
         y, conv_state = ops.causal_conv(qkv, conv_state, w.conv, w.conv_views)
         q, k, v = split_heads(shape, y)
-        o, S = ops.step(q.squeeze(0), k.squeeze(0), v.squeeze(0), g.squeeze(0), beta.squeeze(0), S)
-        return o[None], conv_state, S
+        o, S = ops.step(q, k, v, g, beta, S)
+        return o, conv_state, S
 
     def chain(self, shape, w, qkv, a, b, conv_state, S):
         g, beta = ops.gates(a, b, w.A_log, w.dt_bias)

@@ -163,12 +163,16 @@ def conv_state_after_padded(x: mx.array, path: mx.array, conv_state: mx.array) -
 
 @mx.compile
 def step(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, S: mx.array):
-    """One token. q, k [Hv, Dk]; v [Hv, Dv]; g, beta [Hv]; S [Hv, Dv, Dk] -> (o [Hv, Dv], S')."""
-    S = mx.exp(g)[:, None, None] * S
-    kv = (S @ k[:, :, None])[..., 0]  # [Hv, Dv]
-    delta = beta[:, None] * (v - kv)
-    S = S + delta[:, :, None] * k[:, None, :]
-    o = (S @ q[:, :, None])[..., 0]
+    """One token, its rows as split_heads gives them. q, k [1, Hv, Dk]; v [1, Hv, Dv]; g, beta
+    [1, Hv]; S [Hv, Dv, Dk] -> (o [1, Hv, Dv], S'). Each operand is shaped for its product or
+    broadcast by one reshape (squeezing the row away and indexing the head axes apart was twice the
+    views, graph nodes the CPU evaluates at a few µs each; the arithmetic is the same)."""
+    Hv, Dk = q.shape[1], q.shape[2]
+    S = mx.exp(g).reshape(Hv, 1, 1) * S
+    kv = (S @ k.reshape(Hv, Dk, 1)).reshape(Hv, -1)  # [Hv, Dv]
+    delta = beta.reshape(Hv, 1) * (v.reshape(Hv, -1) - kv)
+    S = S + delta.reshape(Hv, -1, 1) * k.reshape(Hv, 1, Dk)
+    o = (S @ q.reshape(Hv, Dk, 1)).reshape(1, Hv, -1)
     return o, S
 
 

@@ -128,8 +128,8 @@ class GatedDeltaNet(nn.Module):
             # the products of one [T, H] view: of x [1, T, H], each flattened its input, unflattened
             # its output and was squeezed, three graph nodes a product that the CPU evaluates at a
             # few µs each (the same GEMM on the same rows either way)
-            rows = x.reshape(T, -1)
-            qkv, z, b, a = (p(rows) for p in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a))
+            flat = x.reshape(T, -1)
+            qkv, z, b, a = (p(flat) for p in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a))
         w = GDNWeights(self.conv1d.weight, self.A_log, self.dt_bias, self.conv1d.views)
         result: tuple[mx.array, ...]
         if mode == "tree" and fold:
