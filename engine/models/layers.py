@@ -246,7 +246,8 @@ class Attention(nn.Module):
             q, k, v = fused_qmm.project(self.fused, x, norm=norm)
         else:
             x = x if norm is None else norm(x)
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            flat = x.reshape(B * T, -1)  # 2-D rows: no flatten and unflatten around each product (MLP)
+            q, k, v = self.q_proj(flat), self.k_proj(flat), self.v_proj(flat)
         q = q.reshape(B, T, self.heads, -1)
         if self.output_gate:
             q, gate = mx.split(q, 2, axis=-1)
