@@ -151,9 +151,10 @@ def split_heads(shape: GDNShape, y: mx.array) -> tuple[mx.array, mx.array, mx.ar
     """Post-conv rows [T, C] -> q, k [T, Hv, Dk] (normalised, q scaled, repeated to Hv heads)
     and v [T, Hv, Dv] fp32."""
     T, kd = y.shape[0], shape.key_dim
-    q = y[:, :kd].reshape(T, shape.Hk, shape.Dk)
-    k = y[:, kd : 2 * kd].reshape(T, shape.Hk, shape.Dk)
-    v = y[:, 2 * kd :].reshape(T, shape.Hv, shape.Dv).astype(mx.float32)
+    q, k, v = mx.split(y, [kd, 2 * kd], axis=1)  # one graph node for the three views, not three
+    q = q.reshape(T, shape.Hk, shape.Dk)
+    k = k.reshape(T, shape.Hk, shape.Dk)
+    v = v.reshape(T, shape.Hv, shape.Dv).astype(mx.float32)
     q = ops.l2norm(q) * (shape.Dk**-0.5)
     k = ops.l2norm(k)
     if shape.Hv != shape.Hk:
