@@ -31,9 +31,8 @@ from engine.dtypes import DTYPES, resolve_dtype
 from engine.kernels import backend_default
 from engine.models import FAMILIES
 from engine.models.base import ModelArgs
-from engine.models.linear import hold_transposes
+from engine.models.linear import hold_views
 from engine.models.qlinear import dequantize_projections, float32_bytes, route_quantized_projections
-from engine.models.qwen3_5 import hold_conv_views
 from engine.rotation import rotate_inputs_of
 
 SKIPPED_PREFIXES = ("model.visual.", "visual.", "vision_tower.", "mtp.", "model.mtp.")
@@ -250,8 +249,7 @@ def load_model(path: str | Path, dtype: str = "auto", fuse: bool | None = None,
         loaded.fused_projections = model.fuse_projections()
     if routed:
         loaded.routed_projections = route_quantized_projections(model)
-    hold_transposes(model)  # last: the weights are final
-    hold_conv_views(model)
+    hold_views(model)  # last: the weights are final
     return loaded
 
 
@@ -358,7 +356,7 @@ def load_mtp(path: str | Path, args: ModelArgs, dtype: str = "float32", fuse: bo
     _fill(head, tensors, origin, path, dtype)
     if switch("SPRUCE_FUSE", on=()) if fuse is None else fuse:
         head.fuse_projections()
-    hold_transposes(head)
+    hold_views(head)
     return head
 
 
@@ -385,7 +383,7 @@ def load_dflash(path: str | Path, dtype: str = "float32"):
     cfg = json.loads((path / "config.json").read_text())
     _quantize(model, cfg, tensors)
     _fill(model, tensors, origin, path, dtype)
-    hold_transposes(model)
+    hold_views(model)
     return model
 
 
@@ -402,5 +400,5 @@ def load_weaver(path: str | Path, dtype: str = "float32"):
     model = Weaver(config)
     tensors, origin = _read_tensors(path)
     _fill(model, tensors, origin, path, dtype)
-    hold_transposes(model)
+    hold_views(model)
     return model

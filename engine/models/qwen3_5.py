@@ -52,7 +52,7 @@ def gdn_shape(a: ModelArgs) -> GDNShape:
 
 class DepthwiseConv(nn.Module):
     """Holds the short-conv weight as [C, K] (HF stores [C, 1, K], mlx-lm [C, K, 1]), and, once the
-    weights are final (`hold_conv_views`), its views that the plain-ops convolutions read
+    weights are final (engine/models/linear.py `hold_views`), its views that the plain-ops convolutions read
     (engine/gdn/ops.py ConvViews: fewer graph nodes a step on the CPU, the same bits)."""
 
     def __init__(self, channels: int, kernel: int) -> None:
@@ -69,14 +69,6 @@ class DepthwiseConv(nn.Module):
     def hold_views(self) -> None:
         """Make (again) the views of the weight: outside any traced function."""
         self._views = ConvViews.of(self["weight"])
-
-
-def hold_conv_views(model: nn.Module) -> int:
-    """hold_views on every DepthwiseConv of `model` -> how many."""
-    convs = [m for m in model.modules() if isinstance(m, DepthwiseConv)]
-    for m in convs:
-        m.hold_views()
-    return len(convs)
 
 
 class GatedRMSNorm(nn.Module):

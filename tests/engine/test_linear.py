@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from engine.loader import load_model
-from engine.models.linear import Linear, hold_transposes
+from engine.models.linear import Linear, hold_views
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -18,7 +18,7 @@ def test_held_transpose_is_bitwise_nn_linear(bias, rows):
     rng = np.random.default_rng(rows)
     ours, theirs = Linear(96, 160, bias=bias), nn.Linear(96, 160, bias=bias)
     theirs.update(ours.parameters())
-    assert hold_transposes(ours) == 1
+    assert hold_views(ours) == 1
     x = mx.array(rng.normal(size=(1, rows, 96)).astype(np.float32))
     assert np.array_equal(np.array(ours(x)), np.array(theirs(x)))
     compiled = mx.compile(lambda x: ours(x))  # the held view is a constant of the trace, not a node
@@ -28,7 +28,7 @@ def test_held_transpose_is_bitwise_nn_linear(bias, rows):
 def test_a_weight_replaced_after_holding_is_used_as_it_is():
     rng = np.random.default_rng(0)
     layer = Linear(32, 8, bias=False)
-    hold_transposes(layer)
+    hold_views(layer)
     x = mx.array(rng.normal(size=(1, 2, 32)).astype(np.float32))
     layer.weight = mx.array(rng.normal(size=(8, 32)).astype(np.float32))  # e.g. load_weights after loading
     np.testing.assert_allclose(np.array(layer(x)), np.array(x) @ np.array(layer.weight).T, rtol=1e-5, atol=1e-5)
@@ -67,7 +67,7 @@ def test_the_mlp_on_flattened_rows_is_bitwise_the_batched_products(rows):
     mlp = MLP(64, 96)
     mlp.update({name: {"weight": mx.array(rng.normal(size=p["weight"].shape).astype(np.float32))}
                 for name, p in mlp.children().items()})
-    hold_transposes(mlp)
+    hold_views(mlp)
     x = mx.array(rng.normal(size=(1, rows, 64)).astype(np.float32))
     batched = (x @ mlp.gate_proj.weight.T, x @ mlp.up_proj.weight.T)
     expected = (silu(batched[0]) * batched[1]) @ mlp.down_proj.weight.T
