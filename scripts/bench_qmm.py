@@ -102,6 +102,9 @@ def main() -> None:
     ap.add_argument("--dense", action="store_true",
                     help="add the bf16 matmul over the unquantized weight (x @ w.T), last in each cell: what a "
                          "bf16 checkpoint's projections cost at each row count")
+    ap.add_argument("--builds", default="",
+                    help="qmm_mma's fused builds instead of the kernels above, each cell their µs in this order "
+                         "(engine.models.fused_qmm): e.g. plain,norm,res,swiglu-res")
     a = ap.parse_args()
     backend = gpu_backend()
     if backend is None:
@@ -112,6 +115,8 @@ def main() -> None:
     names = [s.strip() for s in a.shapes.split(",") if s.strip()] or list(SHAPES)
     kernels = ("built-in" + ("" if a.no_rows_kernel else " / qmm_rows") + (" / dequant+matmul" if a.dequant else "")
                + (" / qmm_mma" if backend == "cuda" else "") + (" / bf16 dense" if a.dense else ""))
+    if a.builds:
+        kernels = f"qmm_mma builds {a.builds.replace(',', ' / ')}"
     print(f"{mx.default_device()}, {a.bits}-bit g{a.group_size}, bf16 activations, {a.mode}; us per launch "
           f"({kernels}); read floor and its TB/s")
     print("| weight | read floor | " + " | ".join(f"M={m}" for m in rows) + " |")
@@ -133,6 +138,9 @@ def row(name: str, out: int, inp: int, rows: list[int], a: argparse.Namespace, b
     floor = timed(floor_fn, a.launches)
     cells = []
     for m in rows:
+        if a.builds:
+            cells.append(" / ".join(f"{t:.1f}" for t in build_times(m, out, inp, wq, scales, biases, a, timed)))
+            continue
         x = mx.random.normal((m, inp)).astype(mx.bfloat16)
         times = [timed(partial(mx.quantized_matmul, x, wq, scales, biases, transpose=True, group_size=a.group_size,
                                bits=a.bits), a.launches)]
@@ -154,6 +162,20 @@ def row(name: str, out: int, inp: int, rows: list[int], a: argparse.Namespace, b
     if a.paired:
         label += f" (paired dequantization {a.paired})"
     return f"| {label} | {floor:.1f} us ({nbytes / floor / 1e6:.2f} TB/s) | " + " | ".join(cells) + " |"
+
+
+def build_times(m: int, out: int, inp: int, wq: mx.array, scales: mx.array, biases: mx.array,
+                a: argparse.Namespace, timed: Callable[[Callable[[], mx.array], int], float]) -> list[float]:
+    """µs of each of --builds' qmm_mma builds on m random rows: plain, norm (rms norm first), res
+    (a residual added after), swiglu-res (silu(gate) * up first, then the residual)."""
+    x = mx.random.normal((m, inp)).astype(mx.bfloat16)
+    gate_up = mx.random.normal((m, 2 * inp)).astype(mx.bfloat16)
+    res = mx.random.normal((m, out)).astype(mx.bfloat16)
+    norm = (mx.ones((inp,), mx.bfloat16), 1e-6)
+    mma = partial(quantized_matmul_mma, w=wq, scales=scales, biases=biases, group_size=a.group_size, bits=a.bits)
+    fns = {"plain": lambda: mma(x), "norm": lambda: mma(x, norm=norm), "res": lambda: mma(x, res=res),
+           "swiglu-res": lambda: mma(gate_up, swiglu=True, res=res)}
+    return [timed(fns[b], a.launches) for b in a.builds.split(",")]
 
 
 if __name__ == "__main__":

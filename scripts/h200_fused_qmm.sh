@@ -3,7 +3,9 @@
 # session lists them, stage by stage with a time limit each and one log each under $OUT.
 #   source .whl/setup.sh && bash scripts/h200_fused_qmm.sh [stage ...]
 # Stages: widen tests ops e2e rounds (default: all, in that order); rounds-short: the rounds of
-# the default engine and the fused builds only, two runs (for a lease with little time left).
+# the default engine and the fused builds only, two runs (for a lease with little time left);
+# qf-ab: the default engine against the fused builds alone, more runs of rounds and end to end;
+# qr-ab: the residual builds alone (-qr1) against the default engine and all builds.
 # `widen` writes the 4-bit 9B-shaped pair to /tmp/q9, which the later stages read. e2e and rounds
 # also run the twenty-ninth session's add + norm kernel (-an1), whose rounds were not measured
 # after its fix.
@@ -28,6 +30,19 @@ for stage in $stages; do
     rounds-short) timeout 300 python scripts/profile_rounds.py --model /tmp/q9/target --dflash-model /tmp/q9/dflash \
            --dtype bfloat16 --methods none,mtp:chain --kinds code,chat --runs 2 --tokens 128 \
            --variants engine,qf1 --json "$OUT/rounds.json" ;;
+    qf-ab) timeout 240 python scripts/profile_rounds.py --model /tmp/q9/target --dflash-model /tmp/q9/dflash \
+           --dtype bfloat16 --methods none,mtp:chain --kinds code,chat --runs 5 --tokens 128 \
+           --variants engine,qf1 --json "$OUT/qf-ab.json"
+         timeout 200 python scripts/bench_gpu.py --out "$OUT/e2e-qf" --targets "" --checkpoint q9=/tmp/q9/target \
+           --skip-draft --runs 7 --tokens 128 --tree-sizes 1,17 --ops-tree-sizes "" --micro "" \
+           --prefill-tokens 0 --cores kernels,kernels-qf1 ;;
+    qr-ab) timeout 100 python -m pytest -q -p no:cacheprovider tests/engine/test_qlinear.py -k "residual_builds or fused_builds"
+         timeout 200 python scripts/profile_rounds.py --model /tmp/q9/target --dflash-model /tmp/q9/dflash \
+           --dtype bfloat16 --methods none,mtp:chain --kinds code,chat --runs 3 --tokens 128 \
+           --variants engine,qr1,qf1 --json "$OUT/qr-ab.json"
+         timeout 150 python scripts/bench_gpu.py --out "$OUT/e2e-qr" --targets "" --checkpoint q9=/tmp/q9/target \
+           --skip-draft --runs 5 --tokens 128 --tree-sizes 1,17 --ops-tree-sizes "" --micro "" \
+           --prefill-tokens 0 --cores kernels,kernels-qr1 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac > "$OUT/$stage.log" 2>&1
   echo "$stage: rc $? in $(( $(date +%s) - start )) s" | tee -a "$OUT/stages.log"
