@@ -15,6 +15,8 @@
 - "-gn0" / "-gn1": the GDN output's norm fused with its gate (engine.fused_norms.GATED);
 - "-qf0" / "-qf1": the quantized projections fused with the norms before them and the residual
   adds after them (engine.models.fused_qmm.SWITCH);
+- "-qr0" / "-qr1": the residual adds alone fused with the projections before them
+  (engine.models.fused_qmm.RES);
 - "-pg0" / "-pg1": the CPU's sigmoid and SiLU through MLX's own functions / through 2^
   (engine.cpu_exp.POW_GATES);
 - "-srN": products of up to N rows through the GEMV shim's small-row path on the CPU, 0 = none
@@ -56,6 +58,7 @@ def _settings() -> dict[str, tuple[list[tuple[Any, str]], Callable[[str], tuple[
         "an": ([(fused_norms.ADD, "value")], on),
         "gn": ([(fused_norms.GATED, "value")], on),
         "qf": ([(fused_qmm.SWITCH, "value")], on),
+        "qr": ([(fused_qmm.RES, "value")], on),
         "pg": ([(cpu_exp, "POW_GATES")], on),
         "sr": ([(blas.SMALL_ROWS, "value")], lambda rest: (int(rest),)),
         "st": ([(blas.GEMM_THREADS, "value")], lambda rest: (int(rest),)),

@@ -17,8 +17,9 @@ batch invariance (a verify row equals the one-row step bitwise); the norm build 
 from `mx.fast.rms_norm` followed by the product (x * w rounded to the row type, 1 / rms applied to
 the fp32 sums), like the fused add + norm before it.
 
-Opt-in (SPRUCE_QMM_FUSE=1): emulated on the CPU against the op twins (tests/kernels/
-test_qmm_mma_emulated.py), compiled by nvcc, not yet run on a GPU.
+Opt-in (SPRUCE_QMM_FUSE=1 all builds, SPRUCE_QMM_RES=1 the residual builds alone): emulated on
+the CPU against the op twins (tests/kernels/test_qmm_mma_emulated.py), run on the H200 in the
+thirty-third session (BENCHMARKS.md, issue 13).
 """
 
 from __future__ import annotations
@@ -37,6 +38,20 @@ from engine.qmm import mma_covers, quantized_matmul_mma
 # on with SPRUCE_QMM_FUSE=1 on CUDA; benchmarks set the value (scripts/variants.py's "-qf1"). Read
 # when a layer's compiled functions are traced: a layer keeps one trace per setting.
 SWITCH = FastPath("SPRUCE_QMM_FUSE")
+# The residual builds alone (SPRUCE_QMM_RES=1, "-qr1"): out-projection + add and down + add, the
+# norms and the SwiGLU as their own launches, 7 launches a layer instead of 9. Why apart: on the
+# H200 (thirty-third session) the norm and SwiGLU builds cost 1.4-2.4x the plain build on the
+# device at one row, because every block redoes the activations' prologue for its 16 output rows
+# and at one row 28 of a warp's 32 lanes do it for nothing; the residual build costs what the
+# plain one costs.
+RES = FastPath("SPRUCE_QMM_RES")
+
+
+def wiring() -> tuple[bool, bool]:
+    """(the residual builds, the norm and SwiGLU builds) a decoder layer is wired for: both with
+    SWITCH, the first alone with RES."""
+    prologues = SWITCH.enabled()
+    return prologues or RES.enabled(), prologues
 
 
 class Norm(Protocol):  # engine.models.layers.RMSNorm
@@ -84,9 +99,10 @@ def fused(proj: nn.Module, x: mx.array, *, norm: Norm | None = None, swiglu: boo
 
 
 def project(proj: nn.Module, x: mx.array, norm: Norm | None = None) -> mx.array | list[mx.array]:
-    """proj(norm(x)), or proj(x) without a norm: the fused build where it covers, else the same ops
-    unfused. A FusedProjection's outputs come back split, as it returns them."""
-    if norm is not None and covers(proj, x):
+    """proj(norm(x)), or proj(x) without a norm: the fused build where it covers and the norm
+    builds are on (SWITCH), else the same ops unfused. A FusedProjection's outputs come back split,
+    as it returns them."""
+    if norm is not None and SWITCH.enabled() and covers(proj, x):
         y = fused(proj, x, norm=norm)
         return list(mx.split(y, list(proj.split_at), axis=-1)) if isinstance(proj, FusedProjection) else y
     return proj(norm(x) if norm is not None else x)
@@ -101,8 +117,14 @@ def linear_res(proj: nn.Module, x: mx.array, res: mx.array) -> mx.array:
 
 def mlp_residual(mlp: nn.Module, h: mx.array, norm: Norm) -> mx.array:
     """h + mlp(norm(h)): two launches (norm + gate|up, SwiGLU + down + add) where the builds cover
-    the MLP's fused gate|up and its down projection, else the MLP's own ops."""
+    the MLP's fused gate|up and its down projection and SWITCH is on; with the residual builds
+    alone, norm, gate|up, SwiGLU and down + add; else the MLP's own ops."""
     gate_up = mlp["fused"] if "fused" in mlp else None
+    if gate_up is not None and not SWITCH.enabled():
+        rows = norm(h).reshape(-1, h.shape[-1])
+        gate, up = gate_up(rows)
+        act = (silu(gate) * up).reshape(*h.shape[:-1], -1)
+        return linear_res(mlp.down_proj, act, h)
     if gate_up is not None and covers(gate_up, h):
         y = fused(gate_up, h, norm=norm)
         if covers(mlp.down_proj, y, swiglu=True):

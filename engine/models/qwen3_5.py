@@ -170,7 +170,7 @@ def tree_arrays(batch: Batch) -> tuple[mx.array, ...]:
 # what a layer's traced functions depend on: (mode, compiled, folding, fused add + norm, fused gated
 # norm, the CPU's gates through 2^, an output of the last layer pending, projections fused with
 # their norms and residual adds)
-TraceKey = tuple[Mode, bool, bool, bool, bool, bool, bool, bool]
+TraceKey = tuple[Mode, bool, bool, bool, bool, bool, bool, bool, bool]
 
 
 class _Phases:
@@ -240,7 +240,7 @@ class DecoderLayer(nn.Module):
         # a trace per setting of the fused norms and of the CPU's gates (engine/cpu_exp.py), and
         # per input (the stream alone, or with the last layer's output pending)
         key: TraceKey = (mode, compiled, folding, *fused_norms.traces(), cpu_exp.POW_GATES, chained,
-                         fused_qmm.SWITCH.enabled())
+                         *fused_qmm.wiring())
         if key not in self._phases.by_mode:
             before, after = self._pure_functions(mode)
             if compiled:
@@ -250,7 +250,7 @@ class DecoderLayer(nn.Module):
 
     def _pure_functions(self, mode: Mode) -> tuple[Callable[..., Any], Callable[..., Any]]:
         fused, gated = fused_norms.traces()
-        if mode != "chain" and fused_qmm.SWITCH.enabled():
+        if mode != "chain" and fused_qmm.wiring()[0]:
             return self._qmm_fused_functions(mode, gated)
 
         def start(x: mx.array, pending: Pending) -> tuple[mx.array, mx.array]:

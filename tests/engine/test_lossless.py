@@ -272,19 +272,20 @@ def test_features_with_the_residual_pending_are_the_sums(tiny_qwen35, monkeypatc
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("switch", ["SWITCH", "RES"], ids=["all-builds", "residual-builds"])
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "seeded"])
-def test_layers_with_fused_projections_change_no_token(tiny_qwen35, engine, sampling, monkeypatch):
+def test_layers_with_fused_projections_change_no_token(tiny_qwen35, engine, sampling, switch, monkeypatch):
     """The layer wiring of engine/models/fused_qmm.py (each norm handed to the projection after it,
-    each residual add to the projection before it) forced on on the CPU, where the builds do not
-    cover the projections and the same ops run unfused: plain decoding emits exactly what the
-    default layers emit, fans and random trees match it, and the wiring ran. A fresh engine: the
-    setting is part of the layers' compiled traces."""
+    each residual add to the projection before it; or the residual adds alone) forced on on the
+    CPU, where the builds do not cover the projections and the same ops run unfused: plain decoding
+    emits exactly what the default layers emit, fans and random trees match it, and the wiring ran.
+    A fresh engine: the setting is part of the layers' compiled traces."""
     from engine.models import fused_qmm
 
     want = [generate(engine, prompt, sampling).tokens for prompt in PROMPTS]
     calls: list[int] = []
     real = fused_qmm.mlp_residual
-    monkeypatch.setattr(fused_qmm.SWITCH, "enabled", lambda: True)
+    monkeypatch.setattr(getattr(fused_qmm, switch), "enabled", lambda: True)
     monkeypatch.setattr(fused_qmm, "mlp_residual", lambda *a: calls.append(1) or real(*a))
     wired = Engine(EngineConfig(model_path=str(tiny_qwen35), prefill_chunk=16, dtype="float32"))
     assert [generate(wired, prompt, sampling).tokens for prompt in PROMPTS] == want

@@ -166,6 +166,23 @@ def test_fused_builds_in_the_model(wide_q4, monkeypatch):
 
 
 @needs_cuda
+def test_residual_builds_alone_change_no_bit(wide_q4, monkeypatch):
+    """The residual builds alone (fused_qmm.RES: out-projection + add, down + add; the norms and
+    the SwiGLU unfused) round the add as MLX's `res + y` does, so a verify's logits are the
+    default model's bit for bit, and the builds ran."""
+    from engine.models import fused_qmm
+
+    _, tree_ref, _ = outputs(wide_q4, "bfloat16", True)
+    calls: list[bool] = []
+    real = fused_qmm.fused
+    monkeypatch.setattr(fused_qmm.RES, "value", True)
+    monkeypatch.setattr(fused_qmm, "fused", lambda *a, **k: calls.append(k.get("res") is not None) or real(*a, **k))
+    _, tree, _ = outputs(wide_q4, "bfloat16", True)
+    assert calls and all(calls)
+    np.testing.assert_array_equal(tree, tree_ref)
+
+
+@needs_cuda
 @pytest.mark.parametrize("bits", [4, 8])
 def test_prefill_rows_dequantize_on_cuda(bits):
     """From CUDA_DEQUANT_ROWS rows on (a prefill chunk) the routed projection is the dequantize +
