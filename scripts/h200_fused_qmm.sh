@@ -5,7 +5,8 @@
 # Stages: widen tests ops e2e rounds (default: all, in that order); rounds-short: the rounds of
 # the default engine and the fused builds only, two runs (for a lease with little time left);
 # qf-ab: the default engine against the fused builds alone, more runs of rounds and end to end;
-# qr-ab: the residual builds alone (-qr1) against the default engine and all builds.
+# qr-ab: the residual builds alone (-qr1) against the default engine and all builds; qr-host:
+# their test and the host's and device's share of random-weight verifies (no bundled weights).
 # `widen` writes the 4-bit 9B-shaped pair to /tmp/q9, which the later stages read. e2e and rounds
 # also run the twenty-ninth session's add + norm kernel (-an1), whose rounds were not measured
 # after its fix.
@@ -43,6 +44,11 @@ for stage in $stages; do
          timeout 150 python scripts/bench_gpu.py --out "$OUT/e2e-qr" --targets "" --checkpoint q9=/tmp/q9/target \
            --skip-draft --runs 5 --tokens 128 --tree-sizes 1,17 --ops-tree-sizes "" --micro "" \
            --prefill-tokens 0 --cores kernels,kernels-qr1 ;;
+    qr-host) timeout 80 python -m pytest -q -p no:cacheprovider tests/engine/test_qlinear.py -k "residual_builds"
+         for i in 1 2; do for f in 0 1; do
+           SPRUCE_QMM_RES=$f timeout 45 python scripts/profile_host.py --out "$OUT/host-res$f-$i" --shape 9b \
+             --rows 1,17 --runs 6 | grep -v "^ "
+         done; done ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac > "$OUT/$stage.log" 2>&1
   echo "$stage: rc $? in $(( $(date +%s) - start )) s" | tee -a "$OUT/stages.log"

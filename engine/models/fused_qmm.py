@@ -40,7 +40,7 @@ from engine.qmm import mma_covers, quantized_matmul_mma
 SWITCH = FastPath("SPRUCE_QMM_FUSE")
 # The residual builds alone (SPRUCE_QMM_RES=1, "-qr1"): out-projection + add and down + add, the
 # norms and the SwiGLU as their own launches, 7 launches a layer instead of 9. Why apart: on the
-# H200 (thirty-third session) the norm and SwiGLU builds cost 1.4-2.4x the plain build on the
+# H200 (thirty-third session) the norm and SwiGLU builds cost 1.7-2.3x the plain build on the
 # device at one row, because every block redoes the activations' prologue for its 16 output rows
 # and at one row 28 of a warp's 32 lanes do it for nothing; the residual build costs what the
 # plain one costs.

@@ -169,7 +169,7 @@ def tree_arrays(batch: Batch) -> tuple[mx.array, ...]:
 
 # what a layer's traced functions depend on: (mode, compiled, folding, fused add + norm, fused gated
 # norm, the CPU's gates through 2^, an output of the last layer pending, projections fused with
-# their norms and residual adds)
+# the residual adds after them, and with the norms and SwiGLU before them: fused_qmm.wiring())
 TraceKey = tuple[Mode, bool, bool, bool, bool, bool, bool, bool, bool]
 
 
