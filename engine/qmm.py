@@ -159,6 +159,13 @@ def dequantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.ar
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
 
 
+def as_rows(x: mx.array) -> mx.array:
+    """x [..., I] as rows [M, I]; x itself where it is 2-D already: MLX makes a graph node of a
+    reshape whose shape holds a -1 even when nothing changes, and every node is a step of the
+    host's evaluation (on the H200 the host's encoding bounds a decode step)."""
+    return x if x.ndim == 2 else x.reshape(-1, x.shape[-1])
+
+
 def quantized_linear(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, group_size: int,
                      bits: int, mode: str = "affine", routed: bool = True) -> mx.array:
     """x [..., I] @ dequantize(w)^T for the model's quantized projections, where the loader routes
@@ -167,7 +174,7 @@ def quantized_linear(x: mx.array, w: mx.array, scales: mx.array, biases: mx.arra
     (and unrouted) mx.quantized_matmul."""
     if routed:
         backend = gpu_backend()
-        rows = x.reshape(-1, x.shape[-1])
+        rows = as_rows(x)
         if backend == "cuda" and mode == "affine" and biases is not None and mma_covers(rows, w, scales, biases,
                                                                                         group_size, bits):
             return quantized_matmul_mma(rows, w, scales, biases, group_size, bits).reshape(*x.shape[:-1], w.shape[0])

@@ -33,7 +33,7 @@ from engine.cpu_exp import silu
 from engine.kernels import FastPath, gpu_backend
 from engine.models.fused import FusedProjection
 from engine.models.qlinear import RowsQuantizedLinear
-from engine.qmm import mma_covers, quantized_matmul_mma
+from engine.qmm import as_rows, mma_covers, quantized_matmul_mma
 
 # on with SPRUCE_QMM_FUSE=1 on CUDA; benchmarks set the value (scripts/variants.py's "-qf1"). Read
 # when a layer's compiled functions are traced: a layer keeps one trace per setting.
@@ -80,7 +80,7 @@ def covers(proj: nn.Module, x: mx.array, swiglu: bool = False) -> bool:
     q = _quantized(proj)
     if q is None or gpu_backend() != "cuda":
         return False
-    rows = x.reshape(-1, x.shape[-1])
+    rows = as_rows(x)
     return mma_covers(rows[:, : rows.shape[1] // 2] if swiglu else rows, *q)
 
 
@@ -92,9 +92,9 @@ def fused(proj: nn.Module, x: mx.array, *, norm: Norm | None = None, swiglu: boo
     q = _quantized(proj)
     assert q is not None
     w, scales, biases, group_size, bits = q
-    y = quantized_matmul_mma(x.reshape(-1, x.shape[-1]), w, scales, biases, group_size, bits,
+    y = quantized_matmul_mma(as_rows(x), w, scales, biases, group_size, bits,
                              norm=None if norm is None else (norm.weight, norm.eps), swiglu=swiglu,
-                             res=None if res is None else res.reshape(-1, w.shape[0]))
+                             res=None if res is None else as_rows(res))
     return y.reshape(*x.shape[:-1], w.shape[0])
 
 
@@ -121,7 +121,7 @@ def mlp_residual(mlp: nn.Module, h: mx.array, norm: Norm) -> mx.array:
     alone, norm, gate|up, SwiGLU and down + add; else the MLP's own ops."""
     gate_up = mlp["fused"] if "fused" in mlp else None
     if gate_up is not None and not SWITCH.enabled():
-        rows = norm(h).reshape(-1, h.shape[-1])
+        rows = as_rows(norm(h))
         gate, up = gate_up(rows)
         act = (silu(gate) * up).reshape(*h.shape[:-1], -1)
         return linear_res(mlp.down_proj, act, h)

@@ -19,6 +19,7 @@ from engine.gdn.core import TreeInputs
 from engine.models import fused_qmm
 from engine.models.fused import fuse_into
 from engine.models.linear import Linear
+from engine.qmm import as_rows
 
 Mode = Literal["chain", "token", "tree"]
 
@@ -88,7 +89,7 @@ class MLP(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         # on 2-D rows: a product of [1, T, H] flattens its input and unflattens its output, two
         # graph nodes each that the CPU evaluates at a few µs apiece (the same GEMM either way)
-        rows = x.reshape(-1, x.shape[-1])
+        rows = as_rows(x)
         gate, up = self.fused(rows) if "fused" in self else (self.gate_proj(rows), self.up_proj(rows))
         out = self.down_proj(silu(gate) * up)  # engine/cpu_exp.py: the CPU's exp is slow
         return out.reshape(*x.shape[:-1], out.shape[-1])

@@ -114,7 +114,9 @@ class GatedDeltaNet(nn.Module):
         engine/models/fused_qmm.py's builds run)."""
         s, T = self.shape, x.shape[1]
         if "fused" in self:
-            qkv, z, b, a = (y.squeeze(0) for y in fused_qmm.project(self.fused, x, norm=norm))
+            # on [T, H] rows, as below: of [1, T, H], the product unflattened its output and each of
+            # the four parts was squeezed, five graph nodes a layer
+            qkv, z, b, a = fused_qmm.project(self.fused, x.reshape(T, -1), norm=norm)
         else:
             x = x if norm is None else norm(x)
             # the products of one [T, H] view: of x [1, T, H], each flattened its input, unflattened

@@ -85,3 +85,19 @@ def test_mixed_kinds_stay_separate():
     assert not can_fuse([nn.Linear(32, 8, bias=True), nn.Linear(32, 8, bias=True)])
     assert not can_fuse([nn.QuantizedLinear(64, 8, bias=False, group_size=32, bits=4),
                          nn.QuantizedLinear(64, 8, bias=False, group_size=64, bits=4)])
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["float", "q4"])
+def test_gdn_fused_projection_on_rows_is_the_batched_one(quantized):
+    """The GDN layer hands its fused projection [T, H] rows (engine/models/qwen3_5.py): each part
+    is bitwise the part of the [1, T, H] call it replaced, squeezed."""
+    rng = np.random.default_rng(1)
+    if quantized:
+        parts = [nn.QuantizedLinear(64, n, bias=False, group_size=32, bits=4) for n in (96, 32, 8, 8)]
+    else:
+        parts = [nn.Linear(64, n, bias=False) for n in (96, 32, 8, 8)]
+    fused = FusedProjection(parts)
+    for t in (1, 7):
+        x = mx.array(rng.normal(size=(1, t, 64)).astype(np.float32))
+        for got, want in zip(fused(x.reshape(t, -1)), fused(x), strict=True):
+            np.testing.assert_array_equal(np.array(got), np.array(want.squeeze(0)))
