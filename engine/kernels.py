@@ -216,11 +216,13 @@ class KernelCore(OpsCore):
     def step(self, shape, w, qkv, a, b, conv_state, S):
         if not self.covers(shape) or qkv.dtype != conv_state.dtype:
             return super().step(shape, w, qkv, a, b, conv_state, S)
+        # o is made [1, Hv, Dv] by the launch itself (the same buffer): an `o[None]` after it was
+        # a graph node a layer for the host to evaluate
         o, conv, S = self._launch(
             GDN_STEP, shape, [qkv, a, b, conv_state, w.conv, w.A_log, w.dt_bias, S],
-            [((shape.Hv, shape.Dv), mx.float32), (tuple(conv_state.shape), conv_state.dtype),
+            [((1, shape.Hv, shape.Dv), mx.float32), (tuple(conv_state.shape), conv_state.dtype),
              (tuple(S.shape), mx.float32)], self._rows_per_group(shape, 4))
-        return o[None], conv, S
+        return o, conv, S
 
     def chain(self, shape, w, qkv, a, b, conv_state, S):
         if qkv.shape[0] == 1:
