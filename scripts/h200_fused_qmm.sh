@@ -6,7 +6,9 @@
 # the default engine and the fused builds only, two runs (for a lease with little time left);
 # qf-ab: the default engine against the fused builds alone, more runs of rounds and end to end;
 # qr-ab: the residual builds alone (-qr1) against the default engine and all builds; qr-host:
-# their test and the host's and device's share of random-weight verifies (no bundled weights).
+# their test and the host's and device's share of random-weight verifies (no bundled weights);
+# host-ab: the host's share of random-weight verifies, this tree against ab_old/, and where the
+# graph's views come from (scripts/view_sites.py).
 # `widen` writes the 4-bit 9B-shaped pair to /tmp/q9, which the later stages read. e2e and rounds
 # also run the twenty-ninth session's add + norm kernel (-an1), whose rounds were not measured
 # after its fix.
@@ -49,6 +51,14 @@ for stage in $stages; do
            SPRUCE_QMM_RES=$f timeout 45 python scripts/profile_host.py --out "$OUT/host-res$f-$i" --shape 9b \
              --rows 1,17 --runs 6 | grep -v "^ "
          done; done ;;
+    host-ab) # this tree against an older one unpacked in ab_old/ (`git archive REV engine scripts
+         # ':!engine/bundled/*/*.safetensors' | tar -x -C ab_old`), random 9B weights, alternated
+         for i in 1 2; do for dir in . ab_old; do
+           [ -d "$dir/engine" ] || continue
+           timeout 50 python "$dir/scripts/profile_host.py" --out "$OUT/host-$i-${dir//[.\/]/}" --shape 9b \
+             --rows 1,17 --runs 6 | grep -v "^ "
+         done; done
+         timeout 60 python scripts/view_sites.py --rows 1,17 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac > "$OUT/$stage.log" 2>&1
   echo "$stage: rc $? in $(( $(date +%s) - start )) s" | tee -a "$OUT/stages.log"
