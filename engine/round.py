@@ -175,7 +175,8 @@ class Rounds:
     def launch(self, room: int) -> InFlight:
         """Draft a tree of at most `room` emitted tokens from the last token and queue its verify."""
         t0 = time.perf_counter()
-        arm = self.controller.budget() if self.controller else self.spec.budget
+        # with a controller, an arm that fits the room left (one cut to fit credits no arm)
+        arm = self.controller.fitting(room - 1) if self.controller else self.spec.budget
         budget = max(0, min(arm, room - 1))
         root = self.seq.tokens[-1]
         drafted = budget > 0 and not isinstance(self.drafter, NoDrafter)
@@ -210,9 +211,14 @@ class Rounds:
             return True
         if self.controller is None or not skips(self.drafter):
             return False
-        budget = self.controller.budget()
-        return budget == 0 or (budget == 1 and isinstance(self.drafter, GuessesAhead)
-                               and self.seq.end - len(self.seq.tokens) - 1 >= 2)
+        budget = self._budget_after()
+        return budget == 0 or (budget == 1 and isinstance(self.drafter, GuessesAhead))
+
+    def _budget_after(self) -> int:
+        """The controller's budget for the round after the one-node round in flight, among the arms
+        that fit the room left once that round's token is out."""
+        assert self.controller is not None
+        return self.controller.fitting(self.seq.end - len(self.seq.tokens) - 2)
 
     def launch_after(self, flight: InFlight) -> InFlight:
         """Pipelined: the next round, rooted at `flight`'s token while still on the device.
@@ -227,7 +233,7 @@ class Rounds:
         t0 = time.perf_counter()
         root = flight.choices[:1].reshape(1, 1)
         guess = None
-        if self.controller is not None and self.controller.budget() == 1:
+        if self.controller is not None and self._budget_after() == 1:
             guess = cast(GuessesAhead, self.drafter).guess_after(root)
         if guess is None:
             ahead = self._queue(DraftTree.single(0), root, t0, 0.0)

@@ -128,6 +128,26 @@ def test_a_budget_cut_by_the_room_left_credits_no_arm():
     assert all(a.rounds == 0 for a in c.arms)
 
 
+def test_near_the_end_a_fitting_arm_is_chosen_and_credited():
+    # trees of 4 emit 3 tokens in 12 ms, trees of 16 emit 6 in 20 ms, plain rounds 1 in 10 ms
+    c = SpecController(16)
+    drive(c, lambda b: {0: (1, 10.0), 1: (2, 11.0), 4: (3, 12.0)}.get(b, (6, 20.0)), 60)
+    assert c.budget() == 16 and c.fitting(16) == 16 and c.fitting(40) == 16
+    assert c.fitting(10) == 4  # the fastest arm that fits
+    rounds = c.arms[2].rounds
+    c.record(c.fitting(10), 3, 12.0)
+    assert c.arms[2].rounds == rounds + 1  # credited to the 4-node arm, unlike a cut tree
+    assert c.fitting(0) == 0
+
+
+def test_near_the_end_trees_that_lose_give_way_to_plain_rounds():
+    # a re-climb to 16 under way when the room runs out, and the small trees lose to plain rounds
+    c = SpecController(16)
+    drive(c, lambda b: (1, 10.0) if b == 0 else (1, 14.0), 40)
+    c.reclimb = 16
+    assert c.budget() == 16 and c.fitting(10) == 0 and c.fitting(1) == 0
+
+
 def test_jitter_alone_does_not_keep_a_tree():
     # all guesses miss and a tree costs what a plain round costs, up to +-8% noise: plain wins
     rng = random.Random(0)
