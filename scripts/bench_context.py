@@ -1,7 +1,7 @@
 """Decode speed against context length, plain and with speculation, side by side.
 
     python scripts/bench_context.py [--model DIR] [--lengths 64,2048,4000,8000] [--tokens 96] [--runs 3]
-                                    [--temperature 1.0 --seed 0]
+                                    [--temperature 1.0 --seed 0] [--text long]
                                     [--methods none,ngram,ngram-fixed]   (also: draft, mtp, dflash, each -fixed;
                                                                           mtp-v0, dflash-v0: no draft vocabulary)
 
@@ -14,6 +14,9 @@ the ratio to plain decoding (of the medians, and the median of each run's ratio 
 on the same prompt, next to it in the interleaving: requests on a busy machine drift by 10-20 %
 from one to the next, and pairing cancels what the two share), tokens per forward, and p50 / p99
 inter-token latency (the gap between the token batches the loop emits, spread over their tokens).
+`--text KIND` uses bench_spec.py's prompt of that kind (e.g. `long`: 1.8k tokens of Python source
+and a question) in place of random ids, at its own length: real text, where the drafters find
+matches, propose and miss.
 """
 
 from __future__ import annotations
@@ -102,18 +105,25 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0, help="sampled with --seed: every method emits "
                     "the same tokens (greedy output after random ids tends to loop)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--text", default="", help="a prompt kind of bench_spec.py instead of random ids")
     a = ap.parse_args()
     lengths = [int(n) for n in a.lengths.split(",")]
     methods = list(dict.fromkeys(a.methods.split(",")))  # each once: runs pair by position
-    engine = Engine(EngineConfig(model_path=str(a.model), prefix_cache=False, dtype="float32",
-                                 max_context=max(lengths) + a.tokens + 1))
+    context = {} if a.text else {"max_context": max(lengths) + a.tokens + 1}  # a text: the default
+    engine = Engine(EngineConfig(model_path=str(a.model), prefix_cache=False, dtype="float32", **context))
     vocab = engine.vocab_size
+    text: list[int] = []
+    if a.text:
+        from scripts.bench_spec import PROMPTS, render
+
+        text = render(engine, PROMPTS[a.text][0])
+        lengths = [len(text)]
     base = SamplingParams(temperature=a.temperature, seed=a.seed)
     results: dict[tuple[str, int], list[dict[str, float]]] = {}
     gaps: dict[tuple[str, int], list[list[float]]] = {}
     for r in range(a.runs + 1):  # the first round warms up (compiles) and is dropped
         for n in lengths:
-            prompt = [int(t) for t in np.random.RandomState(r * 1000 + n).randint(0, vocab, size=n)]
+            prompt = text or [int(t) for t in np.random.RandomState(r * 1000 + n).randint(0, vocab, size=n)]
             for m in methods:
                 out = run(engine, prompt, METHODS[m], a.tokens, base)
                 if r:
@@ -121,7 +131,8 @@ def main() -> None:
                     gaps.setdefault((m, n), []).append(GAPS[-1])
     med = {k: {f: statistics.median(x[f] for x in v) for f in v[0]} for k, v in results.items()}
     decoding = "greedy" if a.temperature == 0 else f"temperature {a.temperature}, seed {a.seed}"
-    print(f"model {a.model.name}, {a.tokens} new tokens ({decoding}) after random-id prompts, medians of {a.runs}")
+    prompts = f"the {a.text} prompt" if a.text else "random-id prompts"
+    print(f"model {a.model.name}, {a.tokens} new tokens ({decoding}) after {prompts}, medians of {a.runs}")
     print("| method | prompt tokens | decode tok/s | vs shortest | vs plain | vs plain, paired | tokens/forward "
           "| ITL p50 / p99 ms | p99 pooled ms (vs plain) | distinct 8-grams |")
     print("|---|---|---|---|---|---|---|---|---|---|")
