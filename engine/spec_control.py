@@ -277,6 +277,18 @@ class SpecController:
             tokens = (tokens * weight + PRIOR) / (weight + PRIOR)
         return tokens / ms
 
+    def plain_rate(self) -> float:
+        """Plain rounds' tokens per ms, their time taken as no more than any tree's round: a tree's
+        round runs the plain round's row and more, so a plain time above a tree's is stale. Plain
+        rounds are measured on their own rounds only, so where a tree is chosen its time stays
+        fresh while the plain time dates from the request's slower first rounds: 9.1 ms against
+        5.9 later, on the dev CPU at 1.8k tokens of context, and a one-guess tree that emitted 1.02
+        tokens in 7.5 ms looked faster and ran 35 rounds in a row (BENCHMARKS.md, issue 17)."""
+        plain = self.arms[0]
+        if not plain.rounds:
+            return 0.0
+        return plain.tokens / min([plain.ms, *(a.ms for a in self.arms[1:] if a.rounds)])
+
     def _allowed(self, arm: Arm) -> bool:
         """Whether `arm`'s rounds stay within max_stall plain rounds: measured where it ran, else
         predicted from the per-node cost of the biggest tree measured below it. Before a plain
@@ -331,7 +343,7 @@ class SpecController:
         trees = [a for a in self.arms[1:] if self.ms(a) > 0 and self._allowed(a)]
         if plain.rounds:
             trees = [a for a in trees if (a.tokens if a.weight >= WMIN else self.tokens(a)[0]) > 1.0
-                     and self.rate(a, cautious=True) * (1 - MARGIN) > plain.rate]
+                     and self.rate(a, cautious=True) * (1 - MARGIN) > self.plain_rate()]
         if not trees:
             return plain
         top = max(self.rate(a) for a in trees)
@@ -363,7 +375,7 @@ class SpecController:
         if not plain.rounds:
             return 0
         fits = [a for a in self.arms[1:] if a.budget <= limit and a.rounds and self._allowed(a)
-                and self.rate(a, cautious=True) * (1 - MARGIN) > plain.rate]
+                and self.rate(a, cautious=True) * (1 - MARGIN) > self.plain_rate()]
         return max(fits, key=self.rate).budget if fits else 0
 
     def _choose(self) -> int:

@@ -148,6 +148,25 @@ def test_near_the_end_trees_that_lose_give_way_to_plain_rounds():
     assert c.budget() == 16 and c.fitting(10) == 0 and c.fitting(1) == 0
 
 
+def test_plain_rounds_timed_slow_at_the_start_do_not_keep_a_losing_tree():
+    # the request's first plain rounds take 9 ms and later ones 5.9; a one-guess tree emits ~1.1
+    # tokens in 7.5 ms: it loses, and the plain time measured at the start must not say otherwise
+    # (a tree's round bounds a plain round's time from above)
+    c = SpecController(16)
+    chosen = []
+    for i in range(90):
+        b = c.budget()
+        chosen.append(b)
+        if b == 0:
+            c.record(b, 1, 9.0 if i < 6 else 5.9)
+        elif b == FIRST:
+            c.record(b, 2 if i % 10 == 0 else 1, 7.5)
+        else:
+            c.record(b, 7 if i < 8 else 1, 9.4 if b == 4 else 16.0)
+    assert chosen[20:].count(0) >= 0.9 * len(chosen[20:])
+    assert c.plain_rate() == pytest.approx(1 / min(a.ms for a in c.arms if a.rounds))
+
+
 def test_jitter_alone_does_not_keep_a_tree():
     # all guesses miss and a tree costs what a plain round costs, up to +-8% noise: plain wins
     rng = random.Random(0)
