@@ -23,6 +23,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.blas import reexec_with_openblas  # noqa: E402
+
+if __name__ == "__main__":  # a BLAS preload works only from process start: before mlx is imported
+    reexec_with_openblas(sys.orig_argv[1:])
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -34,6 +41,9 @@ def main() -> None:
     a = ap.parse_args()
     repo = a.repo.resolve()
     sys.path[:0] = [str(repo), str(repo / "scripts")]
+    if repo != Path(__file__).resolve().parents[1]:  # the other checkout's engine, not this one's
+        for name in [m for m in sys.modules if m == "engine" or m.startswith("engine.")]:
+            del sys.modules[name]
 
     import mlx.core as mx
     import numpy as np
