@@ -331,16 +331,18 @@ class SpecController:
                 break
         return self.arms[0] if self.arms[0].rounds < TRIES else None
 
-    def best(self) -> Arm:
+    def best(self, limit: int | None = None) -> Arm:
         """Plain rounds, unless a tree's cautious rate beats theirs by more than MARGIN; then the
-        smallest of those trees within MARGIN of the fastest. Trees whose time is neither measured
+        smallest of those trees within MARGIN of the fastest (of those of at most `limit` guesses,
+        where given). Trees whose time is neither measured
         nor predictable are not candidates, nor, once the root was tried, is a tree whose recent own
         rounds emit no more than the root alone (it accepts nothing, whatever the smaller trees
         predict; WMIN): it costs more for the same tokens, and only a slow outlier among the root's
         rounds could make it look faster (one did in a test, and trees stayed on until the next
         re-try)."""
         plain = self.arms[0]
-        trees = [a for a in self.arms[1:] if self.ms(a) > 0 and self._allowed(a)]
+        trees = [a for a in self.arms[1:] if self.ms(a) > 0 and self._allowed(a)
+                 and (limit is None or a.budget <= limit)]
         if plain.rounds:
             trees = [a for a in trees if (a.tokens if a.weight >= WMIN else self.tokens(a)[0]) > 1.0
                      and self.rate(a, cautious=True) * (1 - MARGIN) > self.plain_rate()]
@@ -362,21 +364,13 @@ class SpecController:
 
     def fitting(self, limit: int) -> int:
         """The next round's budget where at most `limit` guesses fit (the last tokens a request may
-        emit): budget() where it fits, else the fastest arm that fits, judged as best() judges
-        (the root alone unless a tree's cautious rate beats plain rounds' by MARGIN). Why: a tree
+        emit): budget() where it fits, else best() among the arms that fit. Why: a tree
         cut to fit is no arm's measurement, so the controller never saw that the trees it kept
         cutting lost, and a re-climb it had under way stayed under way: on the dev CPU, the n-gram
         drafter on a 1.8k-token prompt ended each 96-token request with 11 cut 16-node trees at
         1.6-2.3x a plain round's time for 1.45 tokens each."""
         want = self.budget()
-        if want <= limit:
-            return want
-        plain = self.arms[0]
-        if not plain.rounds:
-            return 0
-        fits = [a for a in self.arms[1:] if a.budget <= limit and a.rounds and self._allowed(a)
-                and self.rate(a, cautious=True) * (1 - MARGIN) > self.plain_rate()]
-        return max(fits, key=self.rate).budget if fits else 0
+        return want if want <= limit else self.best(limit).budget
 
     def _choose(self) -> int:
         if self.gated():
