@@ -117,18 +117,13 @@ def linear_res(proj: nn.Module, x: mx.array, res: mx.array) -> mx.array:
 
 def mlp_residual(mlp: nn.Module, h: mx.array, norm: Norm) -> mx.array:
     """h + mlp(norm(h)): two launches (norm + gate|up, SwiGLU + down + add) where the builds cover
-    the MLP's fused gate|up and its down projection and SWITCH is on; with the residual builds
-    alone, norm, gate|up, SwiGLU and down + add; else the MLP's own ops."""
+    the MLP's fused gate|up and its down projection and SWITCH is on; else norm, gate|up, SwiGLU
+    (the MLP's own) and down + add (one launch where the residual build covers it)."""
     gate_up = mlp["fused"] if "fused" in mlp else None
-    if gate_up is not None and not SWITCH.enabled():
-        rows = as_rows(norm(h))
-        gate, up = gate_up(rows)
-        act = (silu(gate) * up).reshape(*h.shape[:-1], -1)
-        return linear_res(mlp.down_proj, act, h)
-    if gate_up is not None and covers(gate_up, h):
+    if SWITCH.enabled() and gate_up is not None and covers(gate_up, h):
         y = fused(gate_up, h, norm=norm)
         if covers(mlp.down_proj, y, swiglu=True):
             return fused(mlp.down_proj, y, swiglu=True, res=h)
         gate, up = mx.split(y, 2, axis=-1)
         return h + mlp.down_proj(silu(gate) * up)
-    return h + mlp(norm(h))
+    return linear_res(mlp.down_proj, mlp.hidden(as_rows(norm(h))).reshape(*h.shape[:-1], -1), h)

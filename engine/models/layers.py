@@ -89,10 +89,13 @@ class MLP(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         # on 2-D rows: a product of [1, T, H] flattens its input and unflattens its output, two
         # graph nodes each that the CPU evaluates at a few µs apiece (the same GEMM either way)
-        rows = as_rows(x)
-        gate, up = self.fused(rows) if "fused" in self else (self.gate_proj(rows), self.up_proj(rows))
-        out = self.down_proj(silu(gate) * up)  # engine/cpu_exp.py: the CPU's exp is slow
+        out = self.down_proj(self.hidden(as_rows(x)))
         return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    def hidden(self, rows: mx.array) -> mx.array:
+        """silu(gate) * up of rows [M, H] -> [M, hidden]: what down_proj takes."""
+        gate, up = self.fused(rows) if "fused" in self else (self.gate_proj(rows), self.up_proj(rows))
+        return silu(gate) * up  # engine/cpu_exp.py: the CPU's exp is slow
 
     def fuse_projections(self) -> bool:
         return fuse_into(self, ("gate_proj", "up_proj"))
@@ -243,11 +246,11 @@ class Attention(nn.Module):
         """x [1, T, H] (norm(x) where a norm is given: one launch with the fused projections, by
         engine/models/fused_qmm.py) -> [q, k, v] as [1, heads, T, D] before RoPE (+ gate [1, T, H*D])."""
         B, T, _ = x.shape
+        flat = x.reshape(B * T, -1)  # 2-D rows: no flatten and unflatten around each product (MLP)
         if "fused" in self:
-            q, k, v = fused_qmm.project(self.fused, x, norm=norm)
+            q, k, v = fused_qmm.project(self.fused, flat, norm=norm)
         else:
-            x = x if norm is None else norm(x)
-            flat = x.reshape(B * T, -1)  # 2-D rows: no flatten and unflatten around each product (MLP)
+            flat = flat if norm is None else norm(flat)
             q, k, v = self.q_proj(flat), self.k_proj(flat), self.v_proj(flat)
         q = q.reshape(B, T, self.heads, -1)
         if self.output_gate:

@@ -113,16 +113,14 @@ class GatedDeltaNet(nn.Module):
         norm: applied to x first; residual: added to out (each in the projection's launch where
         engine/models/fused_qmm.py's builds run)."""
         s, T = self.shape, x.shape[1]
+        # the products of one [T, H] view: of x [1, T, H], each product flattened its input,
+        # unflattened its output and was squeezed, graph nodes that the CPU evaluates at a few µs
+        # each and the GPU's host encodes one by one (the same GEMM on the same rows either way)
+        flat = x.reshape(T, -1)
         if "fused" in self:
-            # on [T, H] rows, as below: of [1, T, H], the product unflattened its output and each of
-            # the four parts was squeezed, five graph nodes a layer
-            qkv, z, b, a = fused_qmm.project(self.fused, x.reshape(T, -1), norm=norm)
+            qkv, z, b, a = fused_qmm.project(self.fused, flat, norm=norm)
         else:
-            x = x if norm is None else norm(x)
-            # the products of one [T, H] view: of x [1, T, H], each flattened its input, unflattened
-            # its output and was squeezed, three graph nodes a product that the CPU evaluates at a
-            # few µs each (the same GEMM on the same rows either way)
-            flat = x.reshape(T, -1)
+            flat = flat if norm is None else norm(flat)
             qkv, z, b, a = (p(flat) for p in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a))
         w = GDNWeights(self.conv1d.weight, self.A_log, self.dt_bias, self.conv1d.views)
         result: tuple[mx.array, ...]
