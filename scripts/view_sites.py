@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import collections
 import sys
-import tempfile
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -47,6 +46,7 @@ def main() -> None:
 
     import mlx.core as mx
     import numpy as np
+    from count_graph_ops import count as count_ops
     from profile_gpu import build_model
 
     from engine import forward
@@ -84,11 +84,7 @@ def main() -> None:
         recording[0] = True
         out = forward.verify(model, cache, tree, len(prompt))
         recording[0] = False
-        with tempfile.TemporaryDirectory() as tmp:
-            dot = Path(tmp) / "graph.dot"
-            mx.export_to_dot(str(dot), out)
-            kinds = collections.Counter(line.split('"')[1] for line in dot.read_text().splitlines()
-                                        if "label" in line)
+        kinds = count_ops([out])
         # a verify of several rows is handed to the device every few layers (forward.verify_eval_every):
         # its graph then holds the last stretch of layers only
         print(f"== {n}-row verify, {a.layers} layers, {mx.default_device()}: {sum(kinds.values())} nodes; "
