@@ -92,20 +92,32 @@ SPR_FN float spr_half_of(uint word, int hi) {
   return spr_to_float(*reinterpret_cast<const T*>(&bits));
 }
 
-// SPR_NORM_IN: a 16-byte load of eight activations -> the eight times the norm's weights (each
-// product rounded to T), adding the activations' squares to ssq in order
-template <typename T, typename W>
-SPR_FN uint4 spr_norm_in8(const uint4& v, const W* nw, float& ssq) {
-  uint out[4];
+// SPR_NORM_IN: a register pair of two activations -> the two times the norm's weights (w0, w1),
+// each product rounded to T
+template <typename T>
+SPR_FN uint spr_norm_in2(uint word, float w0, float w1) {
+  return spr_pack2<T>(spr_half_of<T>(word, 0) * w0, spr_half_of<T>(word, 1) * w1);
+}
+
+// SPR_NORM_IN: the squares of a 16-byte load of eight activations added to ssq, in order
+template <typename T>
+SPR_FN void spr_ssq8(const uint4& v, float& ssq) {
   for (int j = 0; j < 4; ++j) {
     const uint word = spr_word(v, j);
     const float lo = spr_half_of<T>(word, 0);
     const float hi = spr_half_of<T>(word, 1);
     ssq = fmaf(lo, lo, ssq);
     ssq = fmaf(hi, hi, ssq);
-    out[j] = spr_pack2<T>(lo * spr_to_float(nw[2 * j]), hi * spr_to_float(nw[2 * j + 1]));
   }
-  return make_uint4(out[0], out[1], out[2], out[3]);
+}
+
+// SPR_NORM_IN: a 16-byte load of eight activations -> the eight times the norm's weights nwf,
+// adding the activations' squares to ssq in order
+template <typename T>
+SPR_FN uint4 spr_norm_in8(const uint4& v, const float* nwf, float& ssq) {
+  spr_ssq8<T>(v, ssq);
+  return make_uint4(spr_norm_in2<T>(v.x, nwf[0], nwf[1]), spr_norm_in2<T>(v.y, nwf[2], nwf[3]),
+                    spr_norm_in2<T>(v.z, nwf[4], nwf[5]), spr_norm_in2<T>(v.w, nwf[6], nwf[7]));
 }
 
 // SPR_SWIGLU_IN: silu(gate) * up as MLX's ops compute it on rows of T: sigmoid, times the gate,
@@ -116,14 +128,15 @@ SPR_FN float spr_silu_times(float gate, float up) {
   return spr_to_float(static_cast<T>(gate * sig)) * up;
 }
 
+// two of them: register pairs of gate and up values -> one of silu(gate) * up
+template <typename T>
+SPR_FN uint spr_swiglu2(uint gate, uint up) {
+  return spr_pack2<T>(spr_silu_times<T>(spr_half_of<T>(gate, 0), spr_half_of<T>(up, 0)),
+                      spr_silu_times<T>(spr_half_of<T>(gate, 1), spr_half_of<T>(up, 1)));
+}
+
 template <typename T>
 SPR_FN uint4 spr_swiglu8(const uint4& gate, const uint4& up) {
-  uint out[4];
-  for (int j = 0; j < 4; ++j) {
-    const uint gw = spr_word(gate, j);
-    const uint uw = spr_word(up, j);
-    out[j] = spr_pack2<T>(spr_silu_times<T>(spr_half_of<T>(gw, 0), spr_half_of<T>(uw, 0)),
-                          spr_silu_times<T>(spr_half_of<T>(gw, 1), spr_half_of<T>(uw, 1)));
-  }
-  return make_uint4(out[0], out[1], out[2], out[3]);
+  return make_uint4(spr_swiglu2<T>(gate.x, up.x), spr_swiglu2<T>(gate.y, up.y), spr_swiglu2<T>(gate.z, up.z),
+                    spr_swiglu2<T>(gate.w, up.w));
 }

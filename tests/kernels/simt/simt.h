@@ -84,8 +84,9 @@ inline void block_sync() {
   }
   while (b.block_gen == gen) yield();
 }
+// v of lane src_lane of this warp (__shfl_sync), every lane of the warp taking part
 template <typename T>
-inline T shfl_xor(T v, int mask) {
+inline T shfl(T v, int src_lane) {
   static_assert(sizeof(T) <= 8, "a shuffled value fits 8 bytes");
   Block& b = *block();
   uint64_t word = 0;
@@ -93,12 +94,16 @@ inline T shfl_xor(T v, int mask) {
   b.exchange[b.current] = word;
   warp_sync();
   const int lane = b.current % 32;
-  const int from = (b.current - lane) + ((lane ^ mask) % 32);
+  const int from = (b.current - lane) + (src_lane % 32);
   uint64_t got = b.exchange[std::min<int>(from, int(b.fibers.size()) - 1)];
   warp_sync();  // nobody overwrites the exchange before every lane has read it
   T out;
   std::memcpy(&out, &got, sizeof out);
   return out;
+}
+template <typename T>
+inline T shfl_xor(T v, int mask) {
+  return shfl(v, (block()->current % 32) ^ mask);
 }
 
 using Kernel = void (*)();
@@ -161,6 +166,8 @@ inline void __syncthreads() { simt::block_sync(); }
 inline float __shfl_xor_sync(unsigned, float x, int m) { return simt::shfl_xor(x, m); }
 inline unsigned __shfl_xor_sync(unsigned, unsigned x, int m) { return simt::shfl_xor(x, m); }
 inline int __shfl_xor_sync(unsigned, int x, int m) { return simt::shfl_xor(x, m); }
+inline unsigned __shfl_sync(unsigned, unsigned x, int src) { return simt::shfl(x, src); }
+inline float __shfl_sync(unsigned, float x, int src) { return simt::shfl(x, src); }
 #define SPR_SIMT 1
 
 // ---- the tensor-core MMA of metal/qmm_mma_cuda.h (mma.sync.m16n8k16.row.col, fp32 accumulators) ----
