@@ -17,9 +17,10 @@ batch invariance (a verify row equals the one-row step bitwise); the norm build 
 from `mx.fast.rms_norm` followed by the product (x * w rounded to the row type, 1 / rms applied to
 the fp32 sums), like the fused add + norm before it.
 
-Opt-in (SPRUCE_QMM_FUSE=1 all builds, SPRUCE_QMM_RES=1 the residual builds alone): emulated on
-the CPU against the op twins (tests/kernels/test_qmm_mma_emulated.py), run on the H200 in the
-thirty-third session (BENCHMARKS.md, issue 13).
+The residual builds alone are on by default on CUDA (SPRUCE_QMM_RES=0 turns them off); all builds
+are opt-in (SPRUCE_QMM_FUSE=1). Emulated on the CPU against the op twins
+(tests/kernels/test_qmm_mma_emulated.py), run on the H200 in the thirty-third and thirty-fourth
+sessions (BENCHMARKS.md, issue 13).
 """
 
 from __future__ import annotations
@@ -38,13 +39,15 @@ from engine.qmm import as_rows, mma_covers, quantized_matmul_mma
 # on with SPRUCE_QMM_FUSE=1 on CUDA; benchmarks set the value (scripts/variants.py's "-qf1"). Read
 # when a layer's compiled functions are traced: a layer keeps one trace per setting.
 SWITCH = FastPath("SPRUCE_QMM_FUSE")
-# The residual builds alone (SPRUCE_QMM_RES=1, "-qr1"): out-projection + add and down + add, the
-# norms and the SwiGLU as their own launches, 7 launches a layer instead of 9. Why apart: on the
-# H200 (thirty-third session) the norm and SwiGLU builds cost 1.7-2.3x the plain build on the
-# device at one row, because every block redoes the activations' prologue for its 16 output rows
-# and at one row 28 of a warp's 32 lanes do it for nothing; the residual build costs what the
-# plain one costs.
-RES = FastPath("SPRUCE_QMM_RES")
+# The residual builds alone ("-qr1"; SPRUCE_QMM_RES=0 turns them off): out-projection + add and
+# down + add, the norms and the SwiGLU as their own launches, 7 launches a layer instead of 9. Why
+# apart: on the H200 the norm and SwiGLU builds cost 1.5-2.3x the plain build on the device at one
+# row (thirty-third and thirty-fourth sessions: at one row the plain build is already bound by the
+# instructions it issues, and the prologue adds to them), while the residual build costs what the
+# plain one costs. On by default on CUDA since the thirty-fourth session: its verify logits are
+# the default's bit for bit on the H200 (tests/engine/test_qlinear.py), and end to end it was
+# 2.17x mlx-lm against the unfused wiring's 2.12x (run-by-run medians, one process; BENCHMARKS.md).
+RES = FastPath("SPRUCE_QMM_RES", on=("cuda",))
 
 
 def wiring() -> tuple[bool, bool]:

@@ -172,6 +172,7 @@ def test_residual_builds_alone_change_no_bit(wide_q4, monkeypatch):
     default model's bit for bit, and the builds ran."""
     from engine.models import fused_qmm
 
+    monkeypatch.setattr(fused_qmm.RES, "value", False)
     _, tree_ref, _ = outputs(wide_q4, "bfloat16", True)
     calls: list[bool] = []
     real = fused_qmm.fused
