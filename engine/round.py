@@ -32,11 +32,12 @@ from engine import blas, device_sampler, forward, sampler
 from engine.cache import LayerCache
 from engine.config import SamplingParams, SpecConfig
 from engine.device_penalties import DevicePenalties
-from engine.drafters.base import ChainsOnDevice, Drafter, GuessesAhead, Hindsight, NoDrafter, Skips, skips
+from engine.drafters.base import ChainsOnDevice, Drafter, Evidence, GuessesAhead, Hindsight, NoDrafter, Skips, skips
 from engine.logits_extras import token_logprobs, top_probabilities
 from engine.models.base import CausalLM
 from engine.sampler import TokenConstraint
 from engine.spec_control import SpecController
+from engine.spec_evidence import ByEvidence
 from engine.tree import DraftTree
 from engine.types import Stats, TokenLogprob
 
@@ -69,6 +70,7 @@ class InFlight:
     draft_ms: float
     proposed: bool = True  # the drafter's propose ran for this round (False: it is told with skip)
     arm: int = -1  # the budget the controller chose for this round (-1: none to credit)
+    evidence: int = 0  # the drafter's evidence class the round was chosen under (engine/spec_evidence.py)
     ahead_ms: float = 0.0  # a pipelined round: how long queueing it took, before the previous one landed
     tokens: mx.array | None = None  # [1, N] the tree's tokens, where they were still on the device at launch
     top: mx.array | None = None  # [N] the target's top-token probability by node, read on the device
@@ -154,7 +156,11 @@ class Rounds:
         self.draw_visited = DRAW_VISITED_ON_CPU and self.on_device and not params.greedy \
             and mx.default_device() == mx.cpu
         drafts = not isinstance(drafter, NoDrafter)
-        self.controller = SpecController(spec.budget, spec.max_stall) if spec.adaptive and drafts else None
+        self.controller: SpecController | ByEvidence | None = None
+        if spec.adaptive and drafts:
+            # a drafter that tells how good its next guesses are gets one controller per class
+            self.controller = ByEvidence(drafter, spec.budget, spec.max_stall) if isinstance(drafter, Evidence) \
+                else SpecController(spec.budget, spec.max_stall)
         # a drafter that tells what its trees would have done in plain rounds checks the controller's
         self.hindsight = drafter if isinstance(drafter, Hindsight) else None
         if self.hindsight is not None:
@@ -176,7 +182,8 @@ class Rounds:
         """Draft a tree of at most `room` emitted tokens from the last token and queue its verify."""
         t0 = time.perf_counter()
         # with a controller, an arm that fits the room left (one cut to fit credits no arm)
-        arm = self.controller.fitting(room - 1) if self.controller else self.spec.budget
+        evidence = self._evidence()
+        arm = self._controller(evidence).fitting(room - 1) if self.controller else self.spec.budget
         budget = max(0, min(arm, room - 1))
         root = self.seq.tokens[-1]
         drafted = budget > 0 and not isinstance(self.drafter, NoDrafter)
@@ -195,7 +202,7 @@ class Rounds:
             self.drafter.propose(root, 0, self.spec.max_depth)
         t1 = time.perf_counter()
         flight = self._queue(tree, tokens, t0, (t1 - t0) * 1e3)
-        flight.proposed, flight.arm = proposed, arm if budget == arm else -1
+        flight.proposed, flight.arm, flight.evidence = proposed, arm if budget == arm else -1, evidence
         blas.pace(host_busy=self.can_pipeline(flight))  # the host builds the next round meanwhile
         self.start(flight)
         return flight
@@ -218,7 +225,17 @@ class Rounds:
         """The controller's budget for the round after the one-node round in flight, among the arms
         that fit the room left once that round's token is out."""
         assert self.controller is not None
-        return self.controller.fitting(self.seq.end - len(self.seq.tokens) - 2)
+        return self._controller(self._evidence()).fitting(self.seq.end - len(self.seq.tokens) - 2)
+
+    def _evidence(self) -> int:
+        """The drafter's evidence class for a round rooted at the last token it has seen: before a
+        pipelined round, the token before its root (the root is still on the device), which stands
+        for it (a match that held at one token mostly holds at the next)."""
+        return self.controller.now() if isinstance(self.controller, ByEvidence) else 0
+
+    def _controller(self, evidence: int) -> SpecController:
+        assert self.controller is not None
+        return self.controller.at(evidence) if isinstance(self.controller, ByEvidence) else self.controller
 
     def launch_after(self, flight: InFlight) -> InFlight:
         """Pipelined: the next round, rooted at `flight`'s token while still on the device.
@@ -235,6 +252,7 @@ class Rounds:
         guess = None
         if self.controller is not None and self._budget_after() == 1:
             guess = cast(GuessesAhead, self.drafter).guess_after(root)
+        evidence = self._evidence()
         if guess is None:
             ahead = self._queue(DraftTree.single(0), root, t0, 0.0)
             ahead.proposed, ahead.arm = False, 0 if self.controller else -1
@@ -244,6 +262,7 @@ class Rounds:
             ahead = self._queue(DraftTree.chain(0, [0]), tokens, t0, (time.perf_counter() - t0) * 1e3)
             ahead.arm = 1
             ahead.unstarted = [ahead.choices if ahead.choices is not None else ahead.logits]
+        ahead.evidence = evidence
         blas.pace(host_busy=self.can_pipeline(ahead))
         if not self.start_late:
             self.start(ahead)
@@ -384,6 +403,10 @@ class Rounds:
         self._last_landed = end
         self._ahead_ms = 0.0
         if self.controller is not None:
-            self.controller.record(flight.arm, emitted, round_ms)
+            self._controller(flight.evidence).record(flight.arm, emitted, round_ms)
             if self.hindsight is not None:
-                self.controller.observe(self.hindsight.hindsight())
+                seen = self.hindsight.hindsight()
+                if isinstance(self.controller, ByEvidence):
+                    self.controller.observe(seen)
+                else:
+                    self.controller.observe([(b, n) for b, n, _ in seen])

@@ -75,10 +75,26 @@ class Hindsight(Protocol):
         """From the next round on, check in every round told with `skip` the trees `propose` would
         have drafted with these budgets (none: check nothing, at no cost)."""
 
-    def hindsight(self) -> list[tuple[int, int]]:
-        """(budget, tokens a round with that tree would have emitted) for each watched budget and
-        skipped round whose outcome became known since the last call (a tree's outcome is known
-        once a token after it missed it or it ran out of nodes, a round or a few later)."""
+    def hindsight(self) -> list[tuple[int, int, int]]:
+        """(budget, tokens a round with that tree would have emitted, the round's evidence class)
+        for each watched budget and skipped round whose outcome became known since the last call
+        (a tree's outcome is known once a token after it missed it or it ran out of nodes, a round
+        or a few later). The class is `Evidence.evidence()`'s at that round, 0 for a drafter
+        without it."""
+        ...
+
+
+@runtime_checkable
+class Evidence(Protocol):
+    """A drafter that tells, for free, how good its next guesses are likely to be, as one of
+    `classes` classes (the n-gram drafter: how long a match its continuations come from). The
+    tree-size controller keeps one controller per class (engine/spec_evidence.py)."""
+
+    classes: int
+
+    def evidence(self) -> int:
+        """The class (0 .. classes - 1, higher: stronger) of a round rooted at the last token the
+        drafter has seen."""
         ...
 
 

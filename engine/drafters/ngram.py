@@ -21,10 +21,20 @@ class Watched:
     came after it: its accepted path so far (node indices, the root's excluded)."""
 
     tree: DraftTree
+    evidence: int = 0  # the drafter's evidence class for that round
     path: list[int] = field(default_factory=list)
 
 
+# Matches of this many tokens or more make a round's evidence strong (class 1; shorter ones class
+# 0): on the bundled target's output the top continuation after a match of 1-2 tokens was accepted
+# for 0.2-0.3 tokens a round on real long text and after 3-4 for 1.1-1.2 (4.7-7.4 on code), so one
+# controller per class sizes the trees of each (engine/spec_evidence.py; BENCHMARKS.md, issue 17).
+STRONG_MATCH = 3
+
+
 class NgramDrafter:
+    classes = 2  # evidence: a longest match shorter than STRONG_MATCH, or not
+
     def __init__(self, max_ngram: int = 4, min_ngram: int = 1, max_sites: int = 6) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
@@ -33,7 +43,7 @@ class NgramDrafter:
         self.budgets: tuple[int, ...] = ()  # the trees checked in skipped rounds (watch)
         self.max_depth = 0
         self.watched: list[Watched] = []  # trees of skipped rounds whose outcome is not known yet
-        self.seen: list[tuple[int, int]] = []  # known outcomes since the last hindsight()
+        self.seen: list[tuple[int, int, int]] = []  # known outcomes since the last hindsight()
         # n -> n-gram -> end positions of its occurrences in ctx (ascending)
         self.index: dict[int, dict[tuple[int, ...], list[int]]] = {}
 
@@ -53,16 +63,28 @@ class NgramDrafter:
         if self.budgets:
             # the biggest watched tree holds the smaller ones: propose adds nodes in the same order
             # whatever the budget, so the tree of budget b is its nodes 0..b (tens of microseconds)
-            self.watched.append(Watched(self.propose(root, max(self.budgets), self.max_depth)))
+            self.watched.append(Watched(self.propose(root, max(self.budgets), self.max_depth), self.evidence()))
         self.observe(emitted)  # the index is the context: nothing to gain by waiting
 
     def watch(self, budgets: Sequence[int], max_depth: int) -> None:
         self.budgets, self.max_depth = tuple(budgets), max_depth
         self.watched = []
 
-    def hindsight(self) -> list[tuple[int, int]]:
+    def hindsight(self) -> list[tuple[int, int, int]]:
         out, self.seen = self.seen, []
         return out
+
+    def evidence(self) -> int:
+        """1 where the context's last STRONG_MATCH tokens or more occurred before with a token
+        after them (a continuation to propose), else 0: a few dictionary lookups."""
+        last = len(self.ctx) - 1
+        for n in range(self.max_ngram, min(STRONG_MATCH, self.max_ngram + 1) - 1, -1):
+            if last + 1 < n or n not in self.index:
+                continue
+            ends = self.index[n].get(tuple(self.ctx[last + 1 - n :]), ())
+            if ends and ends[0] < last:  # ascending: the earliest occurrence has tokens after it
+                return 1
+        return 0
 
     def _match(self, tokens: list[int]) -> None:
         """Walk the watched trees along the tokens that came; one that misses a token (or has no
@@ -74,7 +96,7 @@ class NgramDrafter:
                 child = next((c for c in w.tree.children(node) if w.tree.tokens[c] == t), None)
                 if child is None:
                     # node indices grow along a path: the tree of budget b matched its first nodes <= b
-                    self.seen += [(b, 1 + sum(1 for n in w.path if n <= b)) for b in self.budgets]
+                    self.seen += [(b, 1 + sum(1 for n in w.path if n <= b), w.evidence) for b in self.budgets]
                 else:
                     w.path.append(child)
                     going.append(w)

@@ -106,14 +106,16 @@ def test_ngram_hindsight_is_what_each_watched_tree_would_have_emitted():
     expected = []
     for i, token in enumerate(tokens):
         root = twin.ctx[-1]
-        expected += [(b, accepted_tokens(twin.propose(root, b, 6), tokens[i:] + [-1])) for b in (1, 4, 16)]
+        expected += [(b, accepted_tokens(twin.propose(root, b, 6), tokens[i:] + [-1]), twin.evidence())
+                     for b in (1, 4, 16)]
         twin.observe([token])
         told.skip(root, [token])
     told.observe([-1])  # a token no tree holds: every watched tree's outcome is known now
     seen = told.hindsight()
     # every round's outcome for every watched budget (in the order they became known)
     assert sorted(seen) == sorted(expected)
-    assert any(n > 2 for _, n in seen) and any(n == 1 for _, n in seen)
+    assert any(n > 2 for _, n, _ in seen) and any(n == 1 for _, n, _ in seen)
+    assert {e for _, _, e in seen} == {0, 1}  # rounds of both evidence classes
     assert told.hindsight() == []  # handed over once
     told.begin(context)  # a new generation starts again
     assert told.hindsight() == [] and told.watched == []

@@ -1,0 +1,69 @@
+"""One tree-size controller per class of the drafter's own evidence for its next guesses.
+
+A drafter's guesses are not equally good from one round to the next, and some drafters can tell
+which are which for free. The n-gram drafter's are continuations of earlier occurrences of the
+context's last tokens: after a match of three or four tokens they are right about as often as
+not, after a match of one or two rarely. Measured on the bundled target's greedy output
+(BENCHMARKS.md, issue 17, thirty-fourth session), the top continuation's accepted tokens a round:
+on the 1.8k-token `long` prompt 0.22 / 0.32 after matches of 1 / 2 tokens against 1.08 / 1.23
+after 3 / 4; on code 0.45-1.3 against 4.7-7.4. One controller over both kinds of round averages
+them: where most rounds are weak it keeps trying trees that the few strong rounds pay for, and the
+weak rounds' failed trees are the stalls a streaming client sees.
+
+So each class gets its own SpecController (engine/spec_control.py), with its own arms, climb,
+re-tries and hindsight: a round takes the budget of the controller of its class, and its outcome
+(and each skipped round's hindsight, tagged with the class it had) goes back to that controller.
+The weaker classes get at most WEAK_BUDGET guesses: their controllers choose between plain rounds
+and the one-guess tree, whose failed tries cost ~1.3 plain rounds instead of the 2-3 of a 4- or
+16-node tree. The accept rule is untouched, so output does not change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from engine.drafters.base import Evidence
+from engine.spec_control import SpecController
+
+# The most guesses a round of a class below the strongest gets. The n-gram drafter, bundled target,
+# dev CPU, 96 greedy tokens, 3 runs in one process, tok/s against plain decoding paired, geometric
+# mean over bench_spec's long, code1-3, chat and math prompts: one controller 1.068 / 1.089 (two
+# runs), one per class with this cap 1.100 / 1.100, without it (every class up to the budget)
+# 1.076 (one run); pooled p99 against plain decoding's at most 1.55x on the five short prompts
+# with the cap, against 1.48-1.83x with one controller. On the long prompt neither wins: 0.94 /
+# 0.91 against 0.91 / 0.96, p99 1.86 / 2.48x against 1.82 / 1.73x (BENCHMARKS.md, issue 17,
+# thirty-fourth session).
+WEAK_BUDGET = 1
+
+
+class ByEvidence:
+    """SpecControllers by the evidence class of the round (0 .. drafter.classes - 1), each over
+    the budgets up to `budget` (WEAK_BUDGET below the strongest class)."""
+
+    def __init__(self, drafter: Evidence, budget: int, max_stall: float | None = None) -> None:
+        self.drafter = drafter
+        top = drafter.classes - 1
+        self.controllers = [SpecController(budget if c == top else min(budget, WEAK_BUDGET), max_stall)
+                            for c in range(drafter.classes)]
+
+    @property
+    def arms(self) -> list:
+        """The strongest class's arms, which hold every class's budgets (for the drafter's watched
+        trees)."""
+        return self.controllers[-1].arms
+
+    def now(self) -> int:
+        """The evidence class of a round rooted at the drafter's last token."""
+        return self.drafter.evidence()
+
+    def at(self, evidence: int) -> SpecController:
+        return self.controllers[evidence]
+
+    def observe(self, seen: Sequence[tuple[int, int, int]]) -> None:
+        """Hindsight (budget, tokens, class), each handed to its class's controller."""
+        for c, controller in enumerate(self.controllers):
+            controller.observe([(b, n) for b, n, e in seen if e == c])
+
+    def confide(self, probabilities: Sequence[float]) -> None:
+        for controller in self.controllers:
+            controller.confide(probabilities)
