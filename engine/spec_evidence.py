@@ -4,7 +4,7 @@ A drafter's guesses are not equally good from one round to the next, and some dr
 which are which for free. The n-gram drafter's are continuations of earlier occurrences of the
 context's last tokens: after a match of three or four tokens they are right about as often as
 not, after a match of one or two rarely. Measured on the bundled target's greedy output
-(BENCHMARKS.md, issue 17, thirty-fourth session), the top continuation's accepted tokens a round:
+(`python scripts/bench_evidence.py orders`), the top continuation's accepted tokens a round:
 on the 1.8k-token `long` prompt 0.22 / 0.32 after matches of 1 / 2 tokens against 1.08 / 1.23
 after 3 / 4; on code 0.45-1.3 against 4.7-7.4. One controller over both kinds of round averages
 them: where most rounds are weak it keeps trying trees that the few strong rounds pay for, and the
@@ -26,13 +26,11 @@ from engine.drafters.base import Evidence
 from engine.spec_control import SpecController
 
 # The most guesses a round of a class below the strongest gets. The n-gram drafter, bundled target,
-# dev CPU, 96 greedy tokens, 3 runs in one process, tok/s against plain decoding paired, geometric
-# mean over bench_spec's long, code1-3, chat and math prompts: one controller 1.068 / 1.089 (two
-# runs), one per class with this cap 1.100 / 1.100, without it (every class up to the budget)
-# 1.076 (one run); pooled p99 against plain decoding's at most 1.55x on the five short prompts
-# with the cap, against 1.48-1.83x with one controller. On the long prompt neither wins: 0.94 /
-# 0.91 against 0.91 / 0.96, p99 1.86 / 2.48x against 1.82 / 1.73x (BENCHMARKS.md, issue 17,
-# thirty-fourth session).
+# dev CPU (`python scripts/bench_evidence.py ab`: 96 greedy tokens, 3 runs in one process, tok/s
+# against plain decoding paired), geometric mean over bench_spec's long, code1-3, chat and math
+# prompts, three runs: one controller 1.068 / 1.089 / 1.066, one per class with this cap 1.100 /
+# 1.100 / 1.139; without the cap (every class up to the budget) 1.076 in one run. The long prompt
+# is not fixed by it (0.89-0.96x plain either way; BENCHMARKS.md, issue 17, thirty-fourth session).
 WEAK_BUDGET = 1
 
 
