@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from engine.drafters.base import Evidence
-from engine.spec_control import SpecController
+from engine.spec_control import Arm, SpecController
 
 # The most guesses a round of a class below the strongest gets. The n-gram drafter, bundled target,
 # dev CPU (`python scripts/bench_evidence.py ab`: 96 greedy tokens, 3 runs in one process, tok/s
@@ -45,7 +45,7 @@ class ByEvidence:
                             for c in range(drafter.classes)]
 
     @property
-    def arms(self) -> list:
+    def arms(self) -> list[Arm]:
         """The strongest class's arms, which hold every class's budgets (for the drafter's watched
         trees)."""
         return self.controllers[-1].arms
@@ -63,5 +63,8 @@ class ByEvidence:
             controller.observe([(b, n) for b, n, e in seen if e == c])
 
     def confide(self, probabilities: Sequence[float]) -> None:
+        """The target's confidence is the text's, not a class's: every controller's gate reads it
+        (the n-gram drafter has hindsight and is not told; a drafter with evidence and without
+        hindsight would be)."""
         for controller in self.controllers:
             controller.confide(probabilities)
