@@ -93,31 +93,22 @@ SPR_FN float spr_half_of(uint word, int hi) {
 }
 
 // SPR_NORM_IN: a register pair of two activations -> the two times the norm's weights (w0, w1),
-// each product rounded to T
+// each product rounded to T, adding the two activations' squares to ssq (the low one first)
 template <typename T>
-SPR_FN uint spr_norm_in2(uint word, float w0, float w1) {
-  return spr_pack2<T>(spr_half_of<T>(word, 0) * w0, spr_half_of<T>(word, 1) * w1);
-}
-
-// SPR_NORM_IN: the squares of a 16-byte load of eight activations added to ssq, in order
-template <typename T>
-SPR_FN void spr_ssq8(const uint4& v, float& ssq) {
-  for (int j = 0; j < 4; ++j) {
-    const uint word = spr_word(v, j);
-    const float lo = spr_half_of<T>(word, 0);
-    const float hi = spr_half_of<T>(word, 1);
-    ssq = fmaf(lo, lo, ssq);
-    ssq = fmaf(hi, hi, ssq);
-  }
+SPR_FN uint spr_norm_in2(uint word, float w0, float w1, float& ssq) {
+  const float lo = spr_half_of<T>(word, 0);
+  const float hi = spr_half_of<T>(word, 1);
+  ssq = fmaf(lo, lo, ssq);
+  ssq = fmaf(hi, hi, ssq);
+  return spr_pack2<T>(lo * w0, hi * w1);
 }
 
 // SPR_NORM_IN: a 16-byte load of eight activations -> the eight times the norm's weights nwf,
-// adding the activations' squares to ssq in order
+// the squares of pair j added to ssq[j]: the sums the spread path's lanes keep, one a pair
 template <typename T>
-SPR_FN uint4 spr_norm_in8(const uint4& v, const float* nwf, float& ssq) {
-  spr_ssq8<T>(v, ssq);
-  return make_uint4(spr_norm_in2<T>(v.x, nwf[0], nwf[1]), spr_norm_in2<T>(v.y, nwf[2], nwf[3]),
-                    spr_norm_in2<T>(v.z, nwf[4], nwf[5]), spr_norm_in2<T>(v.w, nwf[6], nwf[7]));
+SPR_FN uint4 spr_norm_in8(const uint4& v, const float* nwf, float* ssq) {
+  return make_uint4(spr_norm_in2<T>(v.x, nwf[0], nwf[1], ssq[0]), spr_norm_in2<T>(v.y, nwf[2], nwf[3], ssq[1]),
+                    spr_norm_in2<T>(v.z, nwf[4], nwf[5], ssq[2]), spr_norm_in2<T>(v.w, nwf[6], nwf[7], ssq[3]));
 }
 
 // SPR_SWIGLU_IN: silu(gate) * up as MLX's ops compute it on rows of T: sigmoid, times the gate,
