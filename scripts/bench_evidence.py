@@ -35,6 +35,7 @@ from engine.blas import reexec_with_openblas  # noqa: E402
 if __name__ == "__main__":  # a BLAS preload works only from process start: before mlx is imported
     reexec_with_openblas(sys.orig_argv[1:])
 
+from bench_context import distinct_8grams, pooled_p99  # noqa: E402
 from bench_spec import PROMPTS, render  # noqa: E402
 
 import engine.round as rounds  # noqa: E402
@@ -119,18 +120,14 @@ def ab(engine: Engine, kinds: list[str], tokens: int, runs: int) -> None:
     logs: dict[str, list[float]] = collections.defaultdict(list)
     for label, _ in cases:
         plain = res[(label, "plain")]
-        out = plain[0][0]
-        grams = [tuple(out[i : i + 8]) for i in range(len(out) - 7)]
-        pooled = sorted(g for r in plain for g in r[1])
         for name in variants:
             rs = res[(label, name)]
             assert all(r[0] == p[0] for r, p in zip(rs, plain, strict=True)), f"{label} {name}: output differs"
             ratio = statistics.median(r[2] / p[2] for r, p in zip(rs, plain, strict=True))
-            gaps = sorted(g for r in rs for g in r[1])
-            p99 = gaps[int(len(gaps) * 0.99)] / pooled[int(len(pooled) * 0.99)]
+            p99 = pooled_p99([r[1] for r in rs]) / pooled_p99([p[1] for p in plain])
             logs[name].append(math.log(ratio))
             print(f"| {label} | {name} | {statistics.median(r[2] for r in rs):.1f} | {ratio:.3f} | "
-                  f"{statistics.median(r[3] for r in rs):.2f} | {p99:.2f}x | {len(set(grams)) / len(grams):.2f} |")
+                  f"{statistics.median(r[3] for r in rs):.2f} | {p99:.2f}x | {distinct_8grams(plain[0][0]):.2f} |")
     print("geometric mean vs plain: " + ", ".join(f"{n} {math.exp(statistics.mean(v)):.3f}" for n, v in logs.items()))
 
 

@@ -78,8 +78,8 @@ class NgramDrafter:
         """1 where the context's last STRONG_MATCH tokens or more occurred before with a token
         after them (a continuation to propose), else 0: a few dictionary lookups."""
         last = len(self.ctx) - 1
-        for n in range(self.max_ngram, min(STRONG_MATCH, self.max_ngram + 1) - 1, -1):
-            if last + 1 < n or n not in self.index:
+        for n in range(self.max_ngram, STRONG_MATCH - 1, -1):  # none where max_ngram < STRONG_MATCH
+            if last + 1 < n or n not in self.index:  # (n below min_ngram is not indexed)
                 continue
             ends = self.index[n].get(tuple(self.ctx[last + 1 - n :]), ())
             if ends and ends[0] < last:  # ascending: the earliest occurrence has tokens after it
