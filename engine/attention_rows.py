@@ -21,7 +21,7 @@ import functools
 
 import mlx.core as mx
 
-from engine.kernels import ATTN_MERGE, ATTN_ONE, ATTN_ROWS, FastPath, compiled_kernel, gpu_backend
+from engine.kernels import ATTN_DRAFT, ATTN_MERGE, ATTN_ONE, ATTN_ROWS, FastPath, compiled_kernel, gpu_backend
 
 ATTN_CHUNK = 32  # visible keys a SIMD group runs its online softmax over
 ATTN_WPG = 4  # SIMD groups a threadgroup
@@ -31,6 +31,9 @@ DTYPES = (mx.float32, mx.bfloat16, mx.float16)
 # benchmarks compare the two within one engine by setting SWITCH.value (scripts/variants.py's
 # suffixes "-at1", "-at0")
 SWITCH = FastPath("SPRUCE_ATTN_KERNEL", on=("cuda",))
+# The MTP head's drafted row through attention_draft_row (scripts/variants.py's "-ad0", "-ad1"):
+# read when the head's compiled step traces.
+DRAFT_SWITCH = FastPath("SPRUCE_ATTN_DRAFT", on=("cuda",))
 
 
 def covers(q: mx.array, keys: mx.array, values: mx.array) -> bool:
@@ -73,7 +76,36 @@ def attention_rows(q: mx.array, keys: mx.array, values: mx.array, ancestors: mx.
     part, stats = compiled_kernel(ATTN_ROWS, backend)(
         inputs=[q, keys, values, mask], template=template,
         output_shapes=[(N, H, chunks, D), (N, H, chunks, 2)], output_dtypes=[mx.float32, mx.float32], **launch)
+    return _merge(part, stats, q.dtype, backend)
+
+
+def attention_draft_row(q: mx.array, keys: mx.array, values: mx.array, skeys: mx.array, svalues: mx.array,
+                        length: mx.array, srow: mx.array, backend: str | None = None,
+                        chunk: int = ATTN_CHUNK) -> mx.array:
+    """An MTP head's drafted row (engine/models/mtp.py, scratch_attention) in two launches instead of
+    the ~15 operations of its ops form: q [1, H, 1, D] over rows [0, length) of the committed
+    keys / values [1, Hkv, cap, D] and rows [0, srow] of the draft's scratch skeys / svalues
+    [1, Hkv, S, D], one softmax over both, scale 1 / sqrt(D) -> [1, H, D] in q's dtype. length,
+    srow: int32 scalars. The launch depends on the buffers' shapes only, so a compiled draft step
+    keeps one trace. The caller checks covers() for both buffers."""
+    backend = backend or gpu_backend()
+    assert backend is not None, "a GPU kernel"
+    _, H, N, D = q.shape
+    assert N == 1, "one drafted row"
+    chunks = -(-(keys.shape[2] + skeys.shape[2]) // chunk)
+    groups = -(-(H * chunks) // ATTN_WPG)
+    part, stats = compiled_kernel(ATTN_DRAFT, backend)(
+        inputs=[q, keys, values, skeys, svalues, length.astype(mx.int32), srow.astype(mx.int32)],
+        template=[("D", D), ("CH", chunk), ("OutT", q.dtype)],
+        output_shapes=[(1, H, chunks, D), (1, H, chunks, 2)], output_dtypes=[mx.float32, mx.float32],
+        grid=(groups * ATTN_WPG * 32, 1, 1), threadgroup=(ATTN_WPG * 32, 1, 1))
+    return _merge(part, stats, q.dtype, backend)
+
+
+def _merge(part: mx.array, stats: mx.array, dtype: mx.Dtype, backend: str) -> mx.array:
+    """attn_merge.kernel: the chunks' partial softmaxes [N, H, C, ...] joined -> [N, H, D]."""
+    N, H, _, D = part.shape
     merge_groups = -(-(N * H) // ATTN_WPG)
     return compiled_kernel(ATTN_MERGE, backend)(
-        inputs=[part, stats], template=[("D", D), ("OutT", q.dtype)], output_shapes=[(N, H, D)],
-        output_dtypes=[q.dtype], grid=(merge_groups * ATTN_WPG * 32, 1, 1), threadgroup=(ATTN_WPG * 32, 1, 1))[0]
+        inputs=[part, stats], template=[("D", D), ("OutT", dtype)], output_shapes=[(N, H, D)],
+        output_dtypes=[dtype], grid=(merge_groups * ATTN_WPG * 32, 1, 1), threadgroup=(ATTN_WPG * 32, 1, 1))[0]

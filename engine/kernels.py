@@ -101,13 +101,18 @@ ATTN_ROWS = KernelSpec("spruce_attn_rows", "attn_rows.kernel", ("q", "keys", "va
 ATTN_ONE = KernelSpec("spruce_attn_one", "attn_rows.kernel", ATTN_ROWS.inputs, ("o",), header=(), contiguous=False,
                       defines=("SPR_ATTN_ONE",))
 ATTN_MERGE = KernelSpec("spruce_attn_merge", "attn_merge.kernel", ("part", "stats"), ("o",), header=())
+# an MTP head's drafted row over its committed K/V and its draft's scratch (engine/models/mtp.py):
+# the chunks, joined by ATTN_MERGE
+ATTN_DRAFT = KernelSpec("spruce_attn_draft", "attn_rows.kernel", ("q", "keys", "values", "skeys", "svalues",
+                                                             "length", "srow"),
+                        ("part", "stats"), header=(), contiguous=False, defines=("SPR_ATTN_DRAFT",))
 # a residual add and the RMS norm after it; the GDN output's norm and gate (engine/fused_norms.py)
 ADD_NORM = KernelSpec("spruce_add_norm", "add_norm.kernel", ("x", "y", "w", "eps"), ("h", "out"), header=())
 GATED_NORM = KernelSpec("spruce_gated_norm", "gated_norm.kernel", ("o", "z", "w", "eps"), ("out",), header=(),
                         contiguous=False)
 KERNELS = (GDN_STEP, GDN_CHAIN, GDN_TREE_FRONT, GDN_TREE, GDN_TREE_FRONT_FOLD, GDN_TREE_FOLD, GDN_COMMIT, QMM_ROWS,
            READ_FLOOR, READ_STREAM, QMM_MMA, QMM_MMA_NORM, QMM_MMA_RES, QMM_MMA_SWIGLU, QMM_MMA_SWIGLU_RES,
-           ATTN_ROWS, ATTN_ONE, ATTN_MERGE,
+           ATTN_ROWS, ATTN_ONE, ATTN_MERGE, ATTN_DRAFT,
            ADD_NORM, GATED_NORM)
 
 

@@ -11,6 +11,8 @@
 - "-cd0" / "-cd1": chains of top-1s drafted on the device, the verify queued behind them, or not
   (engine.round.CHAIN_ON_DEVICE);
 - "-at0" / "-at1": the attention kernels off / on (engine.attention_rows.SWITCH);
+- "-ad0" / "-ad1": the MTP head's drafted row through its attention kernel or its ops
+  (engine.attention_rows.DRAFT_SWITCH; read when the head's step traces);
 - "-an0" / "-an1": each layer's residual add fused with its norm (engine.fused_norms.ADD);
 - "-gn0" / "-gn1": the GDN output's norm fused with its gate (engine.fused_norms.GATED);
 - "-qf0" / "-qf1": the quantized projections fused with the norms before them and the residual
@@ -55,6 +57,7 @@ def _settings() -> dict[str, tuple[list[tuple[Any, str]], Callable[[str], tuple[
         "sd": ([(mtp, "SYNC_EACH_DEPTH_ON_GPU")], on),
         "cd": ([(rounds, "CHAIN_ON_DEVICE")], on),
         "at": ([(attention_rows.SWITCH, "value")], on),
+        "ad": ([(attention_rows.DRAFT_SWITCH, "value")], on),
         "an": ([(fused_norms.ADD, "value")], on),
         "gn": ([(fused_norms.GATED, "value")], on),
         "qf": ([(fused_qmm.SWITCH, "value")], on),

@@ -17,11 +17,13 @@ committed, so that a drafter can compile its per-depth step once (engine/drafter
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from engine import attention_rows as attention_kernel
 from engine.cache import KVCache
 from engine.gdn.core import OpsCore
 from engine.models.base import ModelArgs
@@ -116,6 +118,11 @@ def scratch_attention(q: mx.array, keys: mx.array, values: mx.array, length: mx.
     [0, j] of the scratch [1, Hkv, S, D], one softmax (fp32) over both -> [1, 1, H * D]. Masking the
     whole buffer instead of slicing it keeps the shapes independent of `length`."""
     B, H, _, D = q.shape
+    if (attention_kernel.DRAFT_SWITCH.enabled() and abs(scale * math.sqrt(D) - 1.0) < 1e-6
+            and attention_kernel.covers(q, keys, values) and attention_kernel.covers(q, skeys, svalues)):
+        # two launches instead of ~15 operations (each a host encoding on a GPU), a drafted depth's
+        # biggest share of them
+        return attention_kernel.attention_draft_row(q, keys, values, skeys, svalues, length, j).reshape(B, 1, H * D)
     Hkv, cap = keys.shape[1], keys.shape[2]
     q = q.reshape(B, Hkv, H // Hkv, D) * scale  # head h reads kv head h // G
     seen = mx.where(mx.arange(cap) < length, (q @ keys.swapaxes(-1, -2)).astype(mx.float32), -mx.inf)

@@ -3,7 +3,8 @@
 On the CPU the CUDA text runs through tests/kernels/emulate.py (one-lane SIMD groups), against a
 float64 NumPy attention: decode rows, tree rows, one chunk and many, the K/V read through a view
 of a larger buffer as the cache hands it over, and a verify row bitwise equal to the decode step
-of the same token. On a GPU the MLX call (engine/attention_rows.py) runs against attention_ops.
+of the same token; the MTP head's drafted row over its committed K/V and its scratch. On a GPU
+the MLX calls (engine/attention_rows.py) run against attention_ops and the head's scratch_attention.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.attention_rows import ATTN_WPG, attention_rows, covers
-from engine.kernels import ATTN_MERGE, ATTN_ONE, ATTN_ROWS, gpu_backend
+from engine import attention_rows as attention_kernel
+from engine.attention_rows import ATTN_WPG, attention_draft_row, attention_rows, covers
+from engine.kernels import ATTN_DRAFT, ATTN_MERGE, ATTN_ONE, ATTN_ROWS, gpu_backend
 from engine.models.layers import attention_ops
+from engine.models.mtp import scratch_attention
 from engine.tree import DraftTree
 from tests.kernels.emulate import emulate
 
@@ -115,6 +118,57 @@ def test_verify_row_equals_the_decode_step_of_its_token(chunk, rng, tmp_path):
         np.testing.assert_array_equal(decode[0], verify[n])
 
 
+def draft_reference(q: np.ndarray, keys: np.ndarray, values: np.ndarray, length: int, skeys: np.ndarray,
+                    svalues: np.ndarray, srow: int) -> np.ndarray:
+    """One row over keys[:length] then skeys[:srow + 1], in float64 -> [1, H, D]."""
+    k = np.concatenate([keys[:, :, :length], skeys[:, :, : srow + 1]], axis=2)
+    v = np.concatenate([values[:, :, :length], svalues[:, :, : srow + 1]], axis=2)
+    return reference(q, k, v, np.ones((1, 1), dtype=bool))
+
+
+def run_draft(q, keys, values, length, skeys, svalues, srow, chunk, tmp_path) -> np.ndarray:
+    """The draft build as attention_draft_row launches it (chunks of both buffers whole), emulated."""
+    chunks = -(-(keys.shape[2] + skeys.shape[2]) // chunk)
+    inputs = {"q": q, "keys": keys, "values": values, "skeys": skeys, "svalues": svalues,
+              "length": np.array(length, dtype=np.int32), "srow": np.array(srow, dtype=np.int32)}
+    parts = emulate(ATTN_DRAFT, inputs, {"part": ((1, H, chunks, D), np.float32),
+                                         "stats": ((1, H, chunks, 2), np.float32)},
+                    {"D": D, "CH": chunk, "OutT": "float32"}, -(-(H * chunks) // ATTN_WPG), ATTN_WPG, tmp_path)
+    return emulate(ATTN_MERGE, parts, {"o": ((1, H, D), np.float32)}, {"D": D, "OutT": "float32"},
+                   -(-H // ATTN_WPG), ATTN_WPG, tmp_path)["o"]
+
+
+@pytest.mark.parametrize(("cap", "length", "rows", "srow", "chunk"),
+                         [(40, 23, 6, 0, 8), (40, 23, 6, 5, 8), (64, 64, 4, 2, 32), (16, 1, 9, 8, 4),
+                          (96, 70, 7, 3, 32)])
+def test_emulated_draft_row_equals_twin(cap, length, rows, srow, chunk, rng, tmp_path):
+    """The committed rows past `length` and the scratch rows past `srow` hold garbage (NaN and
+    huge values) that must not count: the head's buffers have capacity past what is written."""
+    q = rng.normal(size=(1, H, 1, D)).astype(np.float32)
+    keys, values, skeys, svalues = (rng.normal(size=(1, HKV, n, D)).astype(np.float32)
+                                    for n in (cap, cap, rows, rows))
+    for a, lo in ((keys, length), (values, length), (skeys, srow + 1), (svalues, srow + 1)):
+        a[:, :, lo:] = np.nan
+        a[:, :, lo::2] = 1e30
+    got = run_draft(q, keys, values, length, skeys, svalues, srow, chunk, tmp_path)
+    want = draft_reference(q, keys, values, length, skeys, svalues, srow)
+    assert np.abs(got - want).max() < 2e-5
+
+
+def test_emulated_draft_row_is_the_decode_row_over_the_same_keys(rng, tmp_path):
+    """Split between the committed buffer and the scratch, a row sees its keys in the order a
+    decode row over one buffer holding them would, so the chunks and the result are the same bits."""
+    cap, length, rows, srow, chunk = 48, 21, 8, 5, 8
+    q = rng.normal(size=(1, H, 1, D)).astype(np.float32)
+    keys, values, skeys, svalues = (rng.normal(size=(1, HKV, n, D)).astype(np.float32)
+                                    for n in (cap, cap, rows, rows))
+    draft = run_draft(q, keys, values, length, skeys, svalues, srow, chunk, tmp_path)
+    one_k = np.ascontiguousarray(np.concatenate([keys[:, :, :length], skeys[:, :, : srow + 1]], axis=2))
+    one_v = np.ascontiguousarray(np.concatenate([values[:, :, :length], svalues[:, :, : srow + 1]], axis=2))
+    decode = run(q, one_k, one_v, one_k.shape[2], np.ones((1, 1), dtype=bool), chunk, tmp_path)
+    np.testing.assert_array_equal(draft, decode)
+
+
 def test_covers_only_what_the_kernel_computes():
     q = mx.zeros((1, 8, 1, 256), dtype=mx.bfloat16)
     kv = mx.zeros((1, 2, 30, 256), dtype=mx.bfloat16)
@@ -170,3 +224,24 @@ def test_gpu_kernel_equals_attention_ops(dtype, prefix, nodes, d, rng):
     want = attention_ops(q, keys, values, d**-0.5, mask)[0].transpose(1, 0, 2).astype(mx.float32)
     tol = 1e-4 if dtype == mx.float32 else 2e-2
     assert float(mx.abs(got - want).max()) <= tol
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize(("cap", "length", "rows", "srow", "d"),
+                         [(256, 100, 16, 0, 256), (256, 256, 16, 15, 256), (4096, 3000, 8, 5, 256), (64, 7, 6, 3, 64)])
+def test_gpu_draft_row_equals_scratch_attention_ops(dtype, cap, length, rows, srow, d, rng, monkeypatch):
+    """The MLX call against the MTP head's ops form (the switch off), garbage past what counts."""
+    q = mx.array(rng.normal(size=(1, 16, 1, d)).astype(np.float32)).astype(dtype)
+    buf = rng.normal(size=(2, 1, 4, cap, d)).astype(np.float32)
+    buf[:, :, :, length:] = 1e4
+    sbuf = rng.normal(size=(2, 1, 4, rows, d)).astype(np.float32)
+    sbuf[:, :, :, srow + 1:] = 1e4
+    keys, values = (mx.array(b).astype(dtype) for b in buf)
+    skeys, svalues = (mx.array(b).astype(dtype) for b in sbuf)
+    length_a, srow_a = mx.array(length, dtype=mx.int32), mx.array(srow, dtype=mx.int32)
+    got = attention_draft_row(q, keys, values, skeys, svalues, length_a, srow_a).reshape(1, 1, 16 * d)
+    monkeypatch.setattr(attention_kernel.DRAFT_SWITCH, "value", False)
+    want = scratch_attention(q, keys, values, length_a, skeys, svalues, srow_a, d**-0.5)
+    tol = 1e-4 if dtype == mx.float32 else 2e-2
+    assert float(mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max()) <= tol

@@ -30,7 +30,8 @@ def dtypes_for(spec: KernelSpec, activations: str) -> dict[str, str]:
         if spec.name.endswith(("add_norm", "gated_norm")):  # rows in the activations' dtype, o, w, eps fp32
             out[n] = activations if n in ("x", "y", "h", "out", "z") else "float32"
         elif spec.name.startswith("spruce_attn"):  # rows and cache in the activations' dtype, the mask bool
-            out[n] = "bool" if n == "ancestors" else activations if n in ("q", "keys", "values", "o") else "float32"
+            out[n] = ("bool" if n == "ancestors" else "int32" if n in ("length", "srow")
+                      else activations if n in ("q", "keys", "values", "skeys", "svalues", "o") else "float32")
         elif spec.name.endswith(("qmm_rows", "read_floor", "read_stream")) or "qmm_mma" in spec.name:
             out[n] = ("uint32" if n == "w" or (n == "y" and spec.name.endswith("stream"))
                       else "float32" if (n == "y" and spec.name.endswith("floor")) or n in ("nw", "eps")

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The MTP head on a GPU (issue 12). On the 4-bit 9B-shaped pair a chain round is bound by the host
+# encoding its launches, and each drafted depth adds ~58 of them (BENCHMARKS.md, twenty-fourth
+# session). depths: chains of 3-6 depths (the CPU's best, 6, need not be the GPU's); draft-attn:
+# the drafted row's attention in two launches (engine/attention_rows.py, attention_draft_row)
+# against its ops form, its GPU tests, then rounds with it on and off ("-ad0") and each one's
+# launches a depth. One process a stage, the methods and variants interleaved run by run, greedy,
+# 128 tokens.
+#   source .whl/setup.sh && OUT=DIR bash scripts/h200_mtp.sh [stage ...]
+# Stages: widen (writes /tmp/q9 from the bundled pair: needs its weights), depths, draft-attn-tests
+# (no bundled weights needed), draft-attn.
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export MLX_ENABLE_TF32=0
+stages=${*:-widen depths}
+for stage in $stages; do
+  start=$(date +%s)
+  case $stage in
+    widen) [ -f /tmp/q9/target/config.json ] || timeout 120 python scripts/widen_checkpoint.py /tmp/q9 --shape 9b --bits 4 ;;
+    depths) timeout 420 python scripts/profile_rounds.py --model /tmp/q9/target --dflash-model /tmp/q9/dflash \
+           --dtype bfloat16 --methods none,mtp:chain/d3,mtp:chain/d4,mtp:chain/d5,mtp:chain \
+           --kinds code,chat --runs 2 --tokens 128 --json "$OUT/depths.json" ;;
+    draft-attn-tests) timeout 200 python -m pytest -q -p no:cacheprovider tests/kernels/test_attention_rows.py \
+           tests/engine/test_mtp_steps.py -rA | grep -E "^(PASSED|FAILED|ERROR)|passed|failed"; echo "pytest rc ${PIPESTATUS[0]}" ;;
+    draft-attn) timeout 300 python scripts/profile_rounds.py --model /tmp/q9/target --dflash-model /tmp/q9/dflash \
+           --dtype bfloat16 --methods none,mtp:chain --kinds code,chat --runs 3 --tokens 128 \
+           --variants engine,ad0 --json "$OUT/draft-attn.json"
+         for v in 1 0; do SPRUCE_ATTN_DRAFT=$v timeout 100 python scripts/count_graph_ops.py --model /tmp/q9/target \
+           --dtype bfloat16 --sizes 1 | grep -E "^mtp"; done ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+  esac > "$OUT/$stage.log" 2>&1
+  echo "$stage: rc $? in $(( $(date +%s) - start )) s" | tee -a "$OUT/stages.log"
+done
