@@ -32,7 +32,9 @@ DTYPES = (mx.float32, mx.bfloat16, mx.float16)
 # suffixes "-at1", "-at0")
 SWITCH = FastPath("SPRUCE_ATTN_KERNEL", on=("cuda",))
 # The MTP head's drafted row through attention_draft_row (scripts/variants.py's "-ad0", "-ad1"):
-# read when the head's compiled step traces.
+# read when the head's compiled step traces. On by default on CUDA: on the 4-bit 9B-shaped pair
+# (H100, one host) MTP chain rounds were 1.4-2.5 ms shorter in one run of four prompts, and in 6 of
+# 8 cells over two runs, with the same tokens (BENCHMARKS.md, thirty-fifth session); not run on Metal.
 DRAFT_SWITCH = FastPath("SPRUCE_ATTN_DRAFT", on=("cuda",))
 
 

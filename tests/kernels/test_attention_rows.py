@@ -179,28 +179,28 @@ def test_covers_only_what_the_kernel_computes():
     assert not covers(mx.zeros((1, 8, 1, 512)), mx.zeros((1, 2, 30, 512)), mx.zeros((1, 2, 30, 512)))  # > 256
 
 
-def test_on_by_default_on_cuda_only(monkeypatch):
-    """On by default on CUDA, where it was measured; SPRUCE_ATTN_KERNEL or the switch override it,
-    and nothing turns it on without a GPU backend."""
-    import engine.attention_rows as attention_kernel
+@pytest.mark.parametrize(("name", "env"), [("SWITCH", "SPRUCE_ATTN_KERNEL"), ("DRAFT_SWITCH", "SPRUCE_ATTN_DRAFT")])
+def test_on_by_default_on_cuda_only(name, env, monkeypatch):
+    """On by default on CUDA, where they were measured; the environment variable or the switch
+    overrides each, and nothing turns one on without a GPU backend."""
     import engine.kernels as kernels
 
-    switch = attention_kernel.SWITCH
+    switch = getattr(attention_kernel, name)
     assert switch.value is None  # nothing in the package pins it
     monkeypatch.setattr(switch, "value", True)
     assert switch.enabled() == (gpu_backend() is not None)
     monkeypatch.setattr(switch, "value", False)
     assert not switch.enabled()
     monkeypatch.setattr(switch, "value", None)
-    for backend, env, expected in ((None, None, False), ("cuda", None, True), ("metal", None, False),
-                                   ("metal", "1", True), ("cuda", "0", False), (None, "1", False)):
+    for backend, value, expected in ((None, None, False), ("cuda", None, True), ("metal", None, False),
+                                     ("metal", "1", True), ("cuda", "0", False), (None, "1", False)):
         kernels._env_choice.cache_clear()
         monkeypatch.setattr(kernels, "gpu_backend", lambda backend=backend: backend)
-        if env is None:
-            monkeypatch.delenv("SPRUCE_ATTN_KERNEL", raising=False)
+        if value is None:
+            monkeypatch.delenv(env, raising=False)
         else:
-            monkeypatch.setenv("SPRUCE_ATTN_KERNEL", env)
-        assert switch.enabled() == expected, (backend, env)
+            monkeypatch.setenv(env, value)
+        assert switch.enabled() == expected, (backend, value)
     kernels._env_choice.cache_clear()
 
 
