@@ -3,6 +3,7 @@ of the match they come from, and the controller per evidence class against one c
 
     python scripts/bench_evidence.py orders [--kinds long,code,chat,math] [--tokens 128]
     python scripts/bench_evidence.py ab [--kinds long,code,chat,math] [--tokens 96] [--runs 3]
+    python scripts/bench_evidence.py trace [--kinds long] [--tokens 96] [--runs 2]
 
 - `orders`: plain decoding's greedy output for each bench_spec.py prompt; at every position, the
   n-gram drafter's top continuation (the longest match, its most recent occurrence) against the
@@ -14,6 +15,10 @@ of the match they come from, and the controller per evidence class against one c
   pooled p99 inter-token gap against plain decoding's (a round's gap spread over its tokens, as
   scripts/bench_context.py counts it), the distinct 8-grams of the output, and the geometric mean
   over the prompts. Output is checked identical to plain decoding's.
+- `trace`: the engine's rounds with the n-gram drafter (greedy, the first prompt of each kind),
+  each round's evidence class, tree nodes, budget, tokens emitted and time as the controller counts
+  it; then by tree size the rounds, their mean tokens and median ms, beside plain decoding's median
+  round from runs interleaved with them.
 """
 
 from __future__ import annotations
@@ -131,19 +136,54 @@ def ab(engine: Engine, kinds: list[str], tokens: int, runs: int) -> None:
     print("geometric mean vs plain: " + ", ".join(f"{n} {math.exp(statistics.mean(v)):.3f}" for n, v in logs.items()))
 
 
+def trace(engine: Engine, kinds: list[str], tokens: int, runs: int) -> None:
+    log: list[tuple[int, int, int, int, float]] = []
+    count = rounds.Rounds._count
+
+    def logged(self, flight, accepted, emitted, t2, t3):  # the round's record, as the controller gets it
+        count(self, flight, accepted, emitted, t2, t3)
+        log.append((flight.evidence, flight.tree.size, flight.arm, emitted, self.last_round_ms))
+
+    rounds.Rounds._count = logged  # type: ignore[method-assign]
+    try:
+        for kind in kinds:
+            prompt = render(engine, PROMPTS[kind][0])
+            plain_ms: list[float] = []
+            by_size: dict[int, list[tuple[int, float]]] = collections.defaultdict(list)
+            for run in range(runs):
+                for spec in (SpecConfig(), SpecConfig(method="ngram")):
+                    log.clear()
+                    generate(engine, prompt, tokens, spec)
+                    if spec.method == "none":
+                        plain_ms += [r[4] for r in log]
+                        continue
+                    print(f"{kind}, {len(prompt)} prompt tokens, run {run + 1}: (class, nodes, budget, tokens, ms)")
+                    print(" ".join(f"({e},{n},{b},{t},{ms:.1f})" for e, n, b, t, ms in log))
+                    for _, n, _, t, ms in log:
+                        by_size[n].append((t, ms))
+            print(f"{kind}: plain round {statistics.median(plain_ms):.2f} ms (median)")
+            for n, rs in sorted(by_size.items()):
+                print(f"  {n:2d} nodes: {len(rs):3d} rounds, {statistics.mean(t for t, _ in rs):.2f} tokens, "
+                      f"{statistics.median(ms for _, ms in rs):.2f} ms (median)")
+    finally:
+        rounds.Rounds._count = count  # type: ignore[method-assign]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=("orders", "ab"))
+    ap.add_argument("what", choices=("orders", "ab", "trace"))
     ap.add_argument("--kinds", default="long,code,chat,math")
     ap.add_argument("--tokens", type=int, default=0, help="default: 128 (orders), 96 (ab)")
-    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--runs", type=int, default=0, help="default: 3 (ab), 2 (trace)")
     a = ap.parse_args()
     engine = Engine(EngineConfig(model_path=str(BUNDLED / "target"), prefix_cache=a.what == "orders"))
     kinds = [k for k in a.kinds.split(",") if k]
     if a.what == "orders":
         orders(engine, kinds, a.tokens or 128)
+    elif a.what == "trace":
+        trace(engine, kinds, a.tokens or 96, a.runs or 2)
     else:
-        ab(engine, kinds, a.tokens or 96, a.runs)
+        ab(engine, kinds, a.tokens or 96, a.runs or 3)
 
 
 if __name__ == "__main__":
