@@ -149,19 +149,22 @@ def trace(engine: Engine, kinds: list[str], tokens: int, runs: int) -> None:
         for kind in kinds:
             prompt = render(engine, PROMPTS[kind][0])
             plain_ms: list[float] = []
+            eights = 0.0
             by_size: dict[int, list[tuple[int, float]]] = collections.defaultdict(list)
             for run in range(runs):
                 for spec in (SpecConfig(), SpecConfig(method="ngram")):
                     log.clear()
-                    generate(engine, prompt, tokens, spec)
+                    output = generate(engine, prompt, tokens, spec)[0]
                     if spec.method == "none":
                         plain_ms += [r[4] for r in log]
+                        eights = distinct_8grams(output)
                         continue
                     print(f"{kind}, {len(prompt)} prompt tokens, run {run + 1}: (class, nodes, budget, tokens, ms)")
                     print(" ".join(f"({e},{n},{b},{t},{ms:.1f})" for e, n, b, t, ms in log))
                     for _, n, _, t, ms in log:
                         by_size[n].append((t, ms))
-            print(f"{kind}: plain round {statistics.median(plain_ms):.2f} ms (median)")
+            print(f"{kind}: plain round {statistics.median(plain_ms):.2f} ms (median); distinct 8-grams of the "
+                  f"output {eights:.2f}")
             for n, rs in sorted(by_size.items()):
                 print(f"  {n:2d} nodes: {len(rs):3d} rounds, {statistics.mean(t for t, _ in rs):.2f} tokens, "
                       f"{statistics.median(ms for _, ms in rs):.2f} ms (median)")

@@ -17,7 +17,6 @@ committed, so that a drafter can compile its per-depth step once (engine/drafter
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import mlx.core as mx
@@ -118,7 +117,7 @@ def scratch_attention(q: mx.array, keys: mx.array, values: mx.array, length: mx.
     [0, j] of the scratch [1, Hkv, S, D], one softmax (fp32) over both -> [1, 1, H * D]. Masking the
     whole buffer instead of slicing it keeps the shapes independent of `length`."""
     B, H, _, D = q.shape
-    if (attention_kernel.DRAFT_SWITCH.enabled() and abs(scale * math.sqrt(D) - 1.0) < 1e-6
+    if (attention_kernel.DRAFT_SWITCH.enabled() and scale == D**-0.5
             and attention_kernel.covers(q, keys, values) and attention_kernel.covers(q, skeys, svalues)):
         # two launches instead of ~15 operations (each a host encoding on a GPU), a drafted depth's
         # biggest share of them
