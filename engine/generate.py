@@ -30,6 +30,7 @@ from engine.prefill import CheckpointRule, Prefiller, default_prefill_chunk
 from engine.prefix_cache import PrefixCache
 from engine.round import InFlight, Rounds, Sequence
 from engine.sampling_defaults import read_sampling_defaults
+from engine.spec_control import RoundCosts
 from engine.tokenizer import Tokenizer
 from engine.types import GenerationRequest, Stats, Step, TokenLogprob
 
@@ -66,6 +67,8 @@ class Engine:
         self.prefiller = Prefiller(self.prefix, self.checkpoints, self.prefill_chunk)
         self._draft_prefillers: dict[int, Prefiller] = {}
         self.sampling_defaults = read_sampling_defaults(Path(config.model_path))
+        # what each speculation setting's trees cost, learnt from its requests (engine/spec_control.py)
+        self.round_costs: dict[SpecConfig, RoundCosts] = {}
         self._grammar_tokenizer: GrammarTokenizer | None = None
 
     def draft_model(self, path: str | None) -> CausalLM:
@@ -243,7 +246,8 @@ class Engine:
         n = len(req.prompt_ids)
         seq = Sequence(tokens=list(req.prompt_ids), covered=n - 1, prompt_len=n,
                        end=min(n + params.max_tokens, self.config.max_context))
-        rounds = Rounds(self.model, cache, seq, params, seed, spec, drafter, stats, grammar)
+        rounds = Rounds(self.model, cache, seq, params, seed, spec, drafter, stats, grammar,
+                        costs=self.round_costs.setdefault(spec, RoundCosts()))
         try:
             yield from self._decode(req, params, rounds, seq, stats, t_start)
         finally:

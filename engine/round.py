@@ -32,11 +32,21 @@ from engine import blas, device_sampler, forward, sampler
 from engine.cache import LayerCache
 from engine.config import SamplingParams, SpecConfig
 from engine.device_penalties import DevicePenalties
-from engine.drafters.base import ChainsOnDevice, Drafter, Evidence, GuessesAhead, Hindsight, NoDrafter, Skips, skips
+from engine.drafters.base import (
+    Chains,
+    ChainsOnDevice,
+    Drafter,
+    Evidence,
+    GuessesAhead,
+    Hindsight,
+    NoDrafter,
+    Skips,
+    skips,
+)
 from engine.logits_extras import token_logprobs, top_probabilities
 from engine.models.base import CausalLM
 from engine.sampler import TokenConstraint
-from engine.spec_control import SpecController
+from engine.spec_control import RoundCosts, SpecController
 from engine.spec_evidence import ByEvidence
 from engine.tree import DraftTree
 from engine.types import Stats, TokenLogprob
@@ -137,7 +147,7 @@ class Rounds:
 
     def __init__(self, model: CausalLM, cache: list[LayerCache], seq: Sequence, params: SamplingParams,
                  seed: int, spec: SpecConfig, drafter: Drafter, stats: Stats,
-                 constraint: TokenConstraint | None = None) -> None:
+                 constraint: TokenConstraint | None = None, costs: RoundCosts | None = None) -> None:
         self.model, self.cache, self.seq = model, cache, seq
         self.params, self.seed, self.spec, self.drafter, self.stats = params, seed, spec, drafter, stats
         self.constraint = constraint  # a grammar (params.grammar), walked along the accepted path
@@ -159,8 +169,12 @@ class Rounds:
         self.controller: SpecController | ByEvidence | None = None
         if spec.adaptive and drafts:
             # a drafter that tells how good its next guesses are gets one controller per class
-            self.controller = ByEvidence(drafter, spec.budget, spec.max_stall) if isinstance(drafter, Evidence) \
-                else SpecController(spec.budget, spec.max_stall)
+            # a chain drafter's trees stop at its depth: the controller predicts their times by rows
+            depth = drafter.chain_depth(spec.max_depth) if isinstance(drafter, Chains) else None
+            row_cap = None if depth is None else depth + 1
+            # what trees cost in the engine's earlier requests (`costs`) predicts untried ones
+            self.controller = ByEvidence(drafter, spec.budget, spec.max_stall, row_cap, costs) \
+                if isinstance(drafter, Evidence) else SpecController(spec.budget, spec.max_stall, row_cap, costs=costs)
         # a drafter that tells what its trees would have done in plain rounds checks the controller's
         self.hindsight = drafter if isinstance(drafter, Hindsight) else None
         if self.hindsight is not None:
@@ -403,7 +417,7 @@ class Rounds:
         self._last_landed = end
         self._ahead_ms = 0.0
         if self.controller is not None:
-            self._controller(flight.evidence).record(flight.arm, emitted, round_ms)
+            self._controller(flight.evidence).record(flight.arm, emitted, round_ms, flight.tree.size)
             if self.hindsight is not None:
                 seen = self.hindsight.hindsight()
                 if isinstance(self.controller, ByEvidence):

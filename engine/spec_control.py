@@ -14,13 +14,14 @@ round after it cannot be queued before it lands), and a big tree's verify is a s
 client sees: measured on the dev CPU, a 17-node round and the restart after it were the p99
 inter-token gaps where guesses miss (BENCHMARKS.md, issue 17). So the controller climbs: the
 smallest tree is tried first (its two tries a plain round apart), a bigger one only once the one
-below it accepts (a round emits at least CLIMB tokens), and the root alone after that. Then each
-round takes the fastest arm, where a tree's tokens are its own rounds' with what the smaller trees'
-rounds predict of it (SHARE; an untried tree is predicted, its time too: GROW, and tried when that
-makes it the fastest); later re-tries go to a neighbour of the best arm only, and back off (twice
-as far apart each time) while they keep losing, further still where a losing try costs much
-(RETRY_SHARE); a re-try upward that goes deep is followed at once by the tree above it (a re-climb:
-RECLIMB).
+below it accepts (a round emits at least CLIMB tokens) and where it could pay for its rows even if
+it accepted more than the smaller trees predict (OPTIMISM), and the root alone after that. Then
+each round takes the fastest arm, where a tree's tokens are its own rounds' with what the smaller
+trees' rounds predict of it (SHARE; an untried tree is predicted, its time too, by its rows: GROW,
+and tried when that makes it the fastest); later re-tries go to a neighbour of the best arm only,
+and back off (twice as far apart each time) while they keep losing, further still where a losing
+try costs much (RETRY_SHARE); a re-try upward that goes deep is followed at once by the tree above
+it (a re-climb: RECLIMB), where it could pay.
 
 The cheapest evidence is none at all: a drafter with hindsight (engine/drafters/base.py; the
 n-gram drafter, whose lookup costs microseconds) tells, a round or a few after each plain round,
@@ -84,6 +85,19 @@ RETRY_SHARE = 0.02
 # tokens a round of the arm below must emit on average before a bigger tree is worth a try: where
 # the small tree accepts nothing, a bigger one from the same guesses rarely does
 CLIMB = 1.5
+# ...and a bigger tree is tried (climbed to, re-climbed to, re-tried) only where it could beat the
+# best rate measured below it: its tokens a round as the ln(1 + budget) model predicts them from the
+# tree below (SHARE's model), with its excess over the root's token OPTIMISM times the model's, over
+# its round's time (measured, else predicted: GROW). Measured on the bundled target, 4 -> 16 nodes
+# emitted 1.2-1.9x the excess (the model: 1.76x); 1.25 covers 2.2x. Unless the tree below is
+# saturated (its rounds emit SATURATED of its rows or more): where every guess lands, deeper ones
+# may too, and the model says nothing of that (the n-gram drafter on output that loops: a 4-node
+# tree emitting 5 tokens a round, a 16-node one 9). Why: on the 1.8k-token prompt of
+# scripts/bench_spec.py the n-gram drafter's 4-node tree emitted 2.03-2.20 tokens (past CLIMB) in
+# 9 ms; the 16-node trees it climbed to emitted 1.75 in 16-23 ms, 2.75-3.7 plain rounds each, the
+# request's p99 gaps (BENCHMARKS.md, issue 17, thirty-fifth session)
+OPTIMISM = 1.25
+SATURATED = 0.7
 # a bigger tree must beat a smaller one by this share of tokens per ms to be kept: round times on a
 # busy machine jitter by about that much, and where every arm emits the same tokens (all guesses
 # miss) only the jitter would otherwise decide, keeping trees that draft for nothing
@@ -107,10 +121,16 @@ CLIMB_FIRST = 1.2
 # predicts). Only upward: the small trees are the cheap ones to measure, and a big tree's rounds
 # would inflate them.
 SHARE = 2.0
-# an untried tree's round time, predicted from the biggest tried tree below it: GROW times it for
-# each fourfold of nodes (measured 1.0-1.35x from one guess to four and from four to sixteen; the
-# restart after a tree, the bulk of a small tree's time on the CPU, does not grow with it)
+# an untried tree's round time, predicted from the biggest tried tree below it by its rows (the
+# root included; a chain stops at the drafter's depth, so a chain's budget of 16 verifies 7 rows at
+# depth 6): the time grows by a factor per fourfold of rows fitted to the two biggest arms measured
+# (plain rounds count, as one row), at least GROW (the least measured: one guess to four and four to
+# sixteen, when the restart after a tree was the bulk of a small tree's time on the CPU) and at most
+# MAX_GROW. A fixed GROW predicted a 16-node round of the n-gram drafter at 17.6 ms where it took
+# 24.1 (1.6-2.0x a 4-node round at 60 and at 1.8k tokens of context on the dev CPU; BENCHMARKS.md,
+# issue 17, thirty-fifth session); fitted, it predicts 15.9-21 ms there
 GROW = 1.3
+MAX_GROW = 4.0
 # the weight of a tree's rounds shrinks by this much at every round of another arm: what a tree
 # accepted forty rounds ago says little of the text now. Real engine, n-gram on code-edit of
 # scripts/bench_spec.py: its 4- and 16-node trees were tried where guesses missed (1 token a round),
@@ -148,12 +168,40 @@ WAKE_COST = 2.5
 GATE_COST = 1.8
 
 
+# the weight of a request's rounds in what the engine remembers of a tree's cost (RoundCosts)
+REMEMBER = 0.3
+
+
+@dataclass
+class RoundCosts:
+    """What a tree round of each budget cost, in plain rounds of the same request, remembered
+    across the requests of one engine and speculation setting (engine/generate.py keeps one per
+    SpecConfig). An untried tree's time is predicted from it where it holds the tree's budget,
+    before any model (`SpecController.ms`): a round's cost is the machine's, the model's and the
+    drafter's, not the text's, and no model fitted to a request's small trees foresaw the big
+    one's on the dev CPU. There, on the 1.8k-token prompt, the n-gram drafter's 1-, 4- and 16-node
+    rounds took 6.2, 7.35 and 19-22.7 ms against 4.86 ms plain (the thirty-sixth session's trace):
+    predicted from the smaller two, the 16-node round was 9.2 ms, so hindsight that raised the
+    4-node tree's tokens made the climb try it, twice, in every request, each try a stall for the
+    streaming client (the p99 gap)."""
+
+    ratios: dict[int, float] = field(default_factory=dict)
+
+    def remember(self, budget: int, ratio: float) -> None:
+        old = self.ratios.get(budget)
+        self.ratios[budget] = ratio if old is None else old + (ratio - old) * REMEMBER
+
+    def ratio(self, budget: int) -> float | None:
+        return self.ratios.get(budget)
+
+
 @dataclass
 class Arm:
     budget: int  # draft nodes besides the root; 0 = plain decoding
     tokens: float = 0.0  # moving average of tokens emitted per round
     ms: float = 0.0  # moving average of a round's wall time, drafting included
     last_ms: float = 0.0  # the last round's wall time
+    rows: float = 0.0  # moving average of a round's tree rows, the root included (plain: 1)
     rounds: int = 0
     # the rounds behind the averages, each discounted by DECAY for every round of this arm since
     # and by STALE for every round of another arm (the controller ages it)
@@ -163,9 +211,10 @@ class Arm:
     def rate(self) -> float:
         return self.tokens / self.ms if self.ms > 0 else 0.0
 
-    def record(self, tokens: int, ms: float) -> None:
+    def record(self, tokens: int, ms: float, rows: int) -> None:
         self.count_tokens(tokens)
         self.ms += (ms - self.ms) / self.weight
+        self.rows += (rows - self.rows) / self.weight
         self.last_ms = ms
         self.rounds += 1
 
@@ -184,6 +233,10 @@ class SpecController:
 
     max_budget: int
     max_stall: float | None = None  # the longest round kept, in plain rounds (None: no cap)
+    # the most rows a tree of the drafter has, the root included (a chain builder's depth + 1);
+    # None: a tree fills its budget
+    row_cap: int | None = None
+    costs: RoundCosts | None = None  # what trees cost in earlier requests (None: nothing remembered)
     arms: list[Arm] = field(default_factory=list)  # ascending budgets, arms[0] = the root alone
     rounds: int = 0
     interval: int = REVISIT  # rounds between re-tries, doubled while they lose
@@ -191,6 +244,9 @@ class SpecController:
     revisit_side: int = 1  # +1: the neighbour above the best arm, -1: below (alternating)
     last: int = 0  # the budget of the last round recorded (0 before the first)
     reclimb: int = 0  # the budget of a re-climb's next try (0: none under way)
+    # the re-climb's try was set by the wake (`_wake`): the target's confidence asks for it whatever
+    # the rounds before the shut stretch said, so it is not checked against them (`_promising`)
+    woken_climb: bool = False
     gate: ConfidenceGate = field(default_factory=ConfidenceGate)  # the target's confidence
     # the answer of `budget` until the next record, observe or confide (the only calls that change
     # what it depends on): a round asks it three to four times (engine/round.py), and on the dev
@@ -230,15 +286,18 @@ class SpecController:
 
     def _wake(self) -> None:
         """The target turned sure after a stretch where it was not: a re-climb from the tree above
-        the best arm (the four-node tree above plain rounds), unless that tree's rounds cost more
-        than WAKE_COST plain rounds or the stall cap rules it out."""
+        the best arm (the four-node tree above plain rounds), unless that tree's rounds cost (or are
+        predicted to cost) more than WAKE_COST plain rounds or the stall cap rules it out."""
         best = self.best()
         up = self._up(best) if best.budget else self.arms[min(2, len(self.arms) - 1)].budget
         arm = next((a for a in self.arms if a.budget == up), None) if up else None
         plain = self.arms[0]
-        if arm is not None and self._allowed(arm) and (not arm.rounds or not plain.rounds
-                                                       or arm.ms <= WAKE_COST * plain.ms):
-            self.reclimb = up
+        # the tree's cost measured, else predicted (an untried tree may be predicted from the
+        # one-guess tree's rounds)
+        cost = 0.0 if arm is None else self.ms(arm)
+        if arm is not None and self._allowed(arm) and (cost <= 0.0 or not plain.rounds
+                                                       or cost <= WAKE_COST * plain.ms):
+            self.reclimb, self.woken_climb = up, True
 
     def tokens(self, arm: Arm) -> tuple[float, float]:
         """A tree's tokens a round and the weight behind it: its own rounds' average, with what
@@ -255,15 +314,54 @@ class SpecController:
         share = min(weight, SHARE / (1 + arm.rounds))
         return (arm.tokens * arm.weight + predicted / weight * share) / (arm.weight + share), arm.weight + share
 
+    def rows(self, arm: Arm) -> float:
+        """A round's tree rows, the root included: measured, else predicted from the biggest tried
+        tree below (the share of its budget that it filled), up to row_cap."""
+        if arm.rounds:
+            return arm.rows
+        if arm.budget == 0:
+            return 1.0
+        below = [a for a in self.arms[1:] if a.rounds and a.budget < arm.budget]
+        fill = min(1.0, (below[-1].rows - 1.0) / below[-1].budget) if below else 1.0
+        rows = 1.0 + fill * arm.budget
+        return rows if self.row_cap is None else min(rows, float(self.row_cap))
+
     def ms(self, arm: Arm) -> float:
-        """A round's time: measured, else predicted from the biggest tried tree below (GROW); 0
-        where neither is known."""
+        """A round's time: measured, else what it cost earlier requests (RoundCosts) in this one's
+        plain rounds, else predicted from the biggest tried tree below by rows (GROW); 0 where
+        none is known."""
         if arm.rounds:
             return arm.ms
+        ratio = None if self.costs is None or not self.arms[0].rounds else self.costs.ratio(arm.budget)
+        if ratio is not None:
+            return ratio * self.plain_ms()
+        measured = [a for a in self.arms if a.rounds and a.budget < arm.budget]
+        if not measured or not measured[-1].budget:
+            return 0.0
+        top = measured[-1]
+        grow = GROW
+        if len(measured) > 1:
+            ref = measured[-2]
+            if top.rows > ref.rows and 0.0 < ref.ms < top.ms:
+                fitted = (top.ms / ref.ms) ** (math.log(4.0) / math.log(top.rows / ref.rows))
+                grow = min(MAX_GROW, max(GROW, fitted))
+        return top.ms * grow ** math.log(max(self.rows(arm), 1.0) / top.rows, 4)
+
+    def _promising(self, arm: Arm) -> bool:
+        """Whether a try of `arm` could beat the best rate measured below it (OPTIMISM): its
+        tokens a round as generously as the model predicts them from the biggest tried tree below,
+        over its round's time (its own tokens where they are more); or that tree is saturated
+        (SATURATED). A tree with nothing measured below it is promising."""
         below = [a for a in self.arms[1:] if a.rounds and a.budget < arm.budget]
         if not below:
-            return 0.0
-        return below[-1].ms * GROW ** math.log(arm.budget / below[-1].budget, 4)
+            return True
+        b = below[-1]
+        ms = self.ms(arm)
+        if b.tokens >= SATURATED * b.rows or ms <= 0.0 or b.ms <= 0.0:
+            return True
+        excess = (b.tokens - 1.0) * OPTIMISM * math.log1p(arm.budget) / math.log1p(b.budget)
+        tokens = max(min(self.rows(arm), 1.0 + max(0.0, excess)), arm.tokens if arm.rounds else 0.0)
+        return tokens / ms > max(b.rate, self.plain_rate())
 
     def rate(self, arm: Arm, cautious: bool = False) -> float:
         """A tree's tokens per ms (`cautious`: with its tokens shrunk toward one a round by PRIOR
@@ -285,9 +383,11 @@ class SpecController:
         5.9 later, on the dev CPU at 1.8k tokens of context, and a one-guess tree that emitted 1.02
         tokens in 7.5 ms looked faster and ran 35 rounds in a row (BENCHMARKS.md, issue 17)."""
         plain = self.arms[0]
-        if not plain.rounds:
-            return 0.0
-        return plain.tokens / min([plain.ms, *(a.ms for a in self.arms[1:] if a.rounds)])
+        return plain.tokens / self.plain_ms() if plain.rounds else 0.0
+
+    def plain_ms(self) -> float:
+        """A plain round's time, taken as no more than any tree's round (`plain_rate`)."""
+        return min([self.arms[0].ms, *(a.ms for a in self.arms[1:] if a.rounds)])
 
     def _allowed(self, arm: Arm) -> bool:
         """Whether `arm`'s rounds stay within max_stall plain rounds: measured where it ran, else
@@ -316,7 +416,10 @@ class SpecController:
         acceptance, not by the predicted rate: a drafter that guesses right but drafts each depth
         at a cost (a draft model) has bigger trees whose tokens and times the ln model gets wrong,
         and only trying them measures them (a draft model that is the target itself: 1.05 tokens
-        per forward when the climb went by the prediction, tests/server/test_spec_edges.py)."""
+        per forward when the climb went by the prediction, tests/server/test_spec_edges.py). But an
+        tree that could not win even as generously predicted (OPTIMISM) is not tried, nor tried a
+        second time once its first try says so: the tree below accepts, but not enough to pay for
+        the bigger one's rows (a saturated tree below always is; that draft model's are)."""
         # with the target's confidence reported, the climb starts above the smallest tree: it runs
         # only where the target is confident, where the one-guess tree's tries are a detour
         skip = int(self.gate.reported and len(self.arms) > 2)
@@ -324,6 +427,8 @@ class SpecController:
             # the smallest tree gets both its tries whatever the first cost (one slow round, e.g.
             # the first of a request, must not rule speculation out); a bigger one is judged on one
             if not self._allowed(arm) and not (arm.budget == FIRST and arm.rounds < TRIES):
+                break
+            if arm.budget != FIRST and not self._promising(arm):  # its second try too, once it is measured
                 break
             if arm.rounds < TRIES and not (arm.rounds and arm.tokens <= 1.0 and arm.budget != FIRST):
                 return arm
@@ -385,7 +490,8 @@ class SpecController:
             if climbing.budget == FIRST and climbing.rounds and self.last != 0:
                 return 0
             return climbing.budget
-        if self.reclimb:
+        if self.reclimb and (self.woken_climb or self._promising(self._arm(self.reclimb))):
+            # (one set while it was promising may not be any more: the rounds since said otherwise)
             return self.reclimb
         best = self.best()
         return self._neighbour(best).budget if self._due() else best.budget
@@ -395,20 +501,26 @@ class SpecController:
         it, where the round went deep enough (RECLIMB) and the stall cap allows it; else 0."""
         return self._up(arm) if tokens >= min(1 + arm.budget, RECLIMB) else 0
 
+    def _arm(self, budget: int) -> Arm:
+        return next(a for a in self.arms if a.budget == budget)
+
     def _up(self, arm: Arm) -> int:
-        """The budget of the tree above `arm` where the stall cap allows it; else 0."""
+        """The budget of the tree above `arm` where the stall cap allows it and it could win
+        (`_promising`); else 0."""
         i = self.arms.index(arm)
-        if i + 1 == len(self.arms) or not self._allowed(self.arms[i + 1]):
+        if i + 1 == len(self.arms) or not self._allowed(self.arms[i + 1]) or not self._promising(self.arms[i + 1]):
             return 0
         return self.arms[i + 1].budget
 
     def _neighbour(self, best: Arm) -> Arm:
         """The arm to re-try beside `best`: this time's side, else the other one, else `best`
-        itself (where the stall cap rules out both)."""
+        itself (where the stall cap rules out both). The tree above is re-tried only where it
+        could win (`_promising`): its re-try is a stall for text it has no chance on."""
         i = self.arms.index(best)
         side = self.revisit_side if 0 < i < len(self.arms) - 1 else (1 if i == 0 else -1)
         for j in (i + side, i - side):
-            if 0 <= j < len(self.arms) and self._allowed(self.arms[j]):
+            if 0 <= j < len(self.arms) and self._allowed(self.arms[j]) \
+                    and (j < i or self._promising(self.arms[j])):
                 return self.arms[j]
         return best
 
@@ -434,16 +546,19 @@ class SpecController:
             self.interval = REVISIT
             self.next_revisit = self.rounds + REVISIT
             if after.budget > before.budget:
-                self.reclimb = self._up(after)
+                self.reclimb, self.woken_climb = self._up(after), False
 
-    def record(self, budget: int, tokens: int, ms: float) -> None:
-        """A round ran with `budget` (the arm it was given), emitted `tokens` in `ms`."""
+    def record(self, budget: int, tokens: int, ms: float, rows: int | None = None) -> None:
+        """A round ran with `budget` (the arm it was given), emitted `tokens` in `ms` from a tree
+        of `rows` rows, the root included (None: the budget's, up to row_cap)."""
         self._budget = None
         arm = next((a for a in self.arms if a.budget == budget), None)
+        if rows is None:
+            rows = budget + 1 if self.row_cap is None else min(budget + 1, self.row_cap)
         if budget == 0 and self.gated():
             # a gated round times plain rounds and is nothing else: the re-tries' clock (pushed on
             # with the rounds), the trees' ageing and the climb wait for text the target is sure of
-            self.arms[0].record(tokens, ms)
+            self.arms[0].record(tokens, ms, rows)
             self.rounds += 1
             self.next_revisit += bool(self.next_revisit)
             self.last = 0
@@ -454,12 +569,14 @@ class SpecController:
         self.last = budget
         if arm is None:  # a budget cut by the room left is no arm's measurement
             return
-        arm.record(tokens, ms)
+        arm.record(tokens, ms, rows)
+        if self.costs is not None and budget and self.arms[0].rounds:
+            self.costs.remember(budget, ms / self.plain_ms())
         for other in self.arms[1:]:  # the other trees' rounds age (STALE)
             if other is not arm:
                 other.weight *= STALE
         if self.reclimb and budget == self.reclimb:  # a re-climb's try: up again while it goes deep
-            self.reclimb = self._above(arm, tokens)
+            self.reclimb, self.woken_climb = self._above(arm, tokens), False
             if self.best() is arm:  # it changed the choice: re-tries from there at the first spacing
                 self.interval = REVISIT
                 self.next_revisit = self.rounds + REVISIT
@@ -469,7 +586,7 @@ class SpecController:
             self.interval = REVISIT if self.best() is not best_before else min(2 * self.interval, MAX_REVISIT)
             self.next_revisit = self.rounds + self._spacing()
             if arm.budget > best_before.budget:
-                self.reclimb = self._above(arm, tokens)
+                self.reclimb, self.woken_climb = self._above(arm, tokens), False
         elif not self.next_revisit and self._climbing() is None:  # the climb just ended
             self.next_revisit = self.rounds + self._spacing()
 

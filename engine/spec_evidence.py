@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from engine.drafters.base import Evidence
-from engine.spec_control import Arm, SpecController
+from engine.spec_control import Arm, RoundCosts, SpecController
 
 # The most guesses a round of a class below the strongest gets. The n-gram drafter, bundled target,
 # dev CPU (`python scripts/bench_evidence.py ab`: 96 greedy tokens, 3 runs in one process, tok/s
@@ -38,11 +38,13 @@ class ByEvidence:
     """SpecControllers by the evidence class of the round (0 .. drafter.classes - 1), each over
     the budgets up to `budget` (WEAK_BUDGET below the strongest class)."""
 
-    def __init__(self, drafter: Evidence, budget: int, max_stall: float | None = None) -> None:
+    def __init__(self, drafter: Evidence, budget: int, max_stall: float | None = None,
+                 row_cap: int | None = None, costs: RoundCosts | None = None) -> None:
         self.drafter = drafter
         top = drafter.classes - 1
-        self.controllers = [SpecController(budget if c == top else min(budget, WEAK_BUDGET), max_stall)
-                            for c in range(drafter.classes)]
+        # a tree's cost does not depend on the class of the round: one memory of it for all
+        self.controllers = [SpecController(budget if c == top else min(budget, WEAK_BUDGET), max_stall, row_cap,
+                                           costs=costs) for c in range(drafter.classes)]
 
     @property
     def arms(self) -> list[Arm]:

@@ -15,7 +15,7 @@ tree's with a stall cap (SpecConfig.max_stall), on text where guesses miss and o
   sampled with the checkpoint's defaults (--defaults; seeded), where greedy output loops;
 - --fixed adds the working tree's engine with every round at the full budget (no controller), the
   baseline issue 17 asks the controller not to lose to where guesses hit.
-Methods (--methods; default ngram, and mtp with DDTree trees; also dflash with DDTree, and draft),
+Methods (--methods; default ngram, and mtp with DDTree trees; also mtp-chain, dflash with DDTree, and draft),
 each with both controllers, interleaved with plain decoding in one process on the bundled target;
 medians over runs after a warm-up. Outputs are compared with plain decoding's: greedy must be
 identical; seeded sampling may flip only where the uniform falls within rounding of a CDF step
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import statistics
 import subprocess
 import sys
@@ -56,6 +57,7 @@ from engine.generate import BUNDLED, Engine  # noqa: E402
 from engine.types import GenerationRequest  # noqa: E402
 
 METHODS = {"ngram": SpecConfig(method="ngram"), "mtp": SpecConfig(method="mtp", tree="ddtree"),
+           "mtp-chain": SpecConfig(method="mtp", tree="chain"),
            "dflash": SpecConfig(method="dflash", tree="ddtree"), "draft": SpecConfig(method="draft")}
 
 
@@ -108,13 +110,24 @@ def module_from_file(file: Path, name: str) -> ModuleType:
 
 
 def controller_at(rev: str) -> ModuleType:
-    """engine/round.py as it was at `rev`, using engine/spec_control.py as it was then: the
-    controller and the round times it is fed."""
+    """engine/round.py as it was at `rev`, using engine/spec_control.py and engine/spec_evidence.py
+    as they were then: the controller (the n-gram drafter's per-class ones too) and the round times
+    it is fed."""
     control = spec_control_at(rev, "spec_control_then")
     then = module_at(rev, "engine/round.py", "round_then")
     then.SpecController = control.SpecController  # type: ignore[attr-defined]
+    evidence = source_at(rev, "engine/spec_evidence.py")
+    if evidence is not None and hasattr(then, "ByEvidence"):  # its per-class controllers are that revision's too
+        evidence = evidence.replace("from engine.spec_control import", "from spec_control_then import")
+        then.ByEvidence = module_from_source(evidence, "spec_evidence_then").ByEvidence  # type: ignore[attr-defined]
     if not hasattr(then.Rounds, "start"):  # before rounds were started apart from their launch
         then.Rounds.start = lambda self, flight: None  # type: ignore[attr-defined]
+    if "costs" not in inspect.signature(then.Rounds).parameters:  # before the engine remembered tree costs
+        class Rounds(then.Rounds):  # type: ignore[name-defined]
+            def __init__(self, *args, costs=None, **kwargs) -> None:
+                super().__init__(*args, **kwargs)
+
+        then.Rounds = Rounds  # type: ignore[attr-defined]
     return then
 
 

@@ -8,7 +8,10 @@
 # 128 tokens.
 #   source .whl/setup.sh && OUT=DIR bash scripts/h200_mtp.sh [stage ...]
 # Stages: widen (writes /tmp/q9 from the bundled pair: needs its weights), depths, draft-attn-tests
-# (no bundled weights needed), draft-attn.
+# (no bundled weights needed), draft-attn, controller (the working tree's tree-size controller
+# against the one in $AGAINST: a git revision, or a directory holding `git archive REV engine`'s
+# files where the machine has no git history; MTP DDTree and chains sized by each, beside plain
+# decoding, where guesses miss and on code, chat and the long prompt).
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -32,6 +35,8 @@ for stage in $stages; do
            --variants engine,ad0 --json "$OUT/draft-attn.json"
          for v in 1 0; do SPRUCE_ATTN_DRAFT=$v timeout 100 python scripts/count_graph_ops.py --model /tmp/q9/target \
            --dtype bfloat16 --sizes 1 | grep -E "^mtp"; done ;;
+    controller) timeout 540 python scripts/bench_controller.py --against "${AGAINST:-HEAD~1}" --model /tmp/q9/target \
+           --dflash-model /tmp/q9/dflash --methods mtp,mtp-chain --lengths 64 --kinds code,chat,long --runs 3 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac > "$OUT/$stage.log" 2>&1
   echo "$stage: rc $? in $(( $(date +%s) - start )) s" | tee -a "$OUT/stages.log"

@@ -66,6 +66,16 @@ class ChainsOnDevice(Protocol):
 
 
 @runtime_checkable
+class Chains(Protocol):
+    def chain_depth(self, max_depth: int) -> int | None:
+        """The deepest chain this drafter's trees can be, where they are chains (the chain tree
+        builder): a tree of any budget then has at most that many nodes below its root; None
+        where its trees fill their budget. The tree-size controller predicts an untried tree's
+        time by its rows (engine/spec_control.py): a chain at depth 6 verifies 7 rows, not the 17
+        of its budget of 16."""
+
+
+@runtime_checkable
 class Hindsight(Protocol):
     """A drafter that can tell, for free, what its trees would have done in rounds it was told
     with `skip`: the tree-size controller learns from it whether guesses hit while it decodes

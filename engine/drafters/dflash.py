@@ -17,6 +17,7 @@ import numpy as np
 
 from engine.drafters.draft_vocab import DraftVocab
 from engine.drafters.marginals import Marginals
+from engine.drafters.marginals import chain as chain_builder
 from engine.drafters.weaver import WeaverTrees
 from engine.feature_cache import FeatureCache, FeatureTaps
 from engine.models.base import CausalLM
@@ -106,6 +107,10 @@ class DFlashDrafter:
             return self.weaver.build(root, h_target, hidden, logits, budget, max_depth,
                                      None if self.vocab is None else self.vocab.ids)
         return self.build(root, self.marginals(root, depth), budget, max_depth)
+
+    def chain_depth(self, max_depth: int) -> int | None:
+        return min(max_depth, self.model.config.block_size - 1) \
+            if self.build is chain_builder and self.weaver is None else None
 
     def chain_on_device(self, root: int, budget: int, max_depth: int) -> mx.array | None:
         """The chain builder's tree without a host round trip (ChainsOnDevice): the block's

@@ -28,6 +28,7 @@ import numpy as np
 from engine.config import METHOD_DEPTHS
 from engine.drafters.draft_vocab import DraftVocab
 from engine.drafters.marginals import Marginals
+from engine.drafters.marginals import chain as chain_builder
 from engine.drafters.mtp_steps import CompiledSteps, Depths, PlainDepths
 from engine.feature_cache import FeatureCache, FeatureTaps
 from engine.kernels import gpu_backend
@@ -128,6 +129,9 @@ class MTPDrafter:
             return DraftTree.single(root)
         marginals = self._draft(last, depth, max(1, min(budget, self.config.top_k)))
         return self.build(root, marginals, budget, max_depth)
+
+    def chain_depth(self, max_depth: int) -> int | None:
+        return min(max_depth, self.config.max_steps) if self.build is chain_builder else None
 
     def chain_on_device(self, root: int, budget: int, max_depth: int) -> mx.array | None:
         """The chain builder's tree without a host round trip (ChainsOnDevice): the top-1 of each

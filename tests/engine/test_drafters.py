@@ -134,9 +134,9 @@ def test_the_controller_is_told_the_hindsight_of_every_plain_round(engine, monke
         seen.extend(outcomes)
         real_observe(self, outcomes)
 
-    def record(self, budget, tokens, ms):
+    def record(self, budget, tokens, ms, rows=None):
         plain.append(budget == 0)
-        real_record(self, budget, tokens, ms)
+        real_record(self, budget, tokens, ms, rows)
 
     monkeypatch.setattr(rounds.SpecController, "observe", observe)
     monkeypatch.setattr(rounds.SpecController, "record", record)

@@ -372,3 +372,25 @@ def test_mtp_depth_is_the_specs(engine):
     prompt = PROMPTS[0]
     assert generate(engine, prompt, GREEDY, deep, drafter).tokens == generate(engine, prompt, GREEDY).tokens
     assert max(depths) == 10
+
+
+@pytest.mark.parametrize("method,tree", PAIRS)
+def test_chain_trees_tell_the_controller_their_depth(engine, method, tree, monkeypatch):
+    """A chain builder's tree has at most its depth's nodes whatever the budget: the round gives
+    the controller that cap (it predicts an untried tree's time by rows) and each round's rows,
+    which never pass it; other builders fill their budget (no cap)."""
+    from engine import spec_control
+
+    seen: list[tuple[int | None, int, int | None]] = []
+    record = spec_control.SpecController.record
+
+    def watched(self, budget, tokens, ms, rows=None):
+        seen.append((self.row_cap, budget, rows))
+        return record(self, budget, tokens, ms, rows)
+
+    monkeypatch.setattr(spec_control.SpecController, "record", watched)
+    spec = SpecConfig(method=method, tree=tree, budget=16, max_depth=3, dflash_model=engine.config.spec.dflash_model)
+    generate(engine, PROMPTS[0], GREEDY, spec)
+    caps = {cap for cap, _, _ in seen}
+    assert caps == ({4} if tree == "chain" else {None})
+    assert all(rows is not None and 1 <= rows <= min(budget + 1, cap or budget + 1) for cap, budget, rows in seen)

@@ -27,9 +27,9 @@ def test_pipelined_rounds_are_charged_their_own_queueing(tiny_qwen35, monkeypatc
         time.sleep(QUEUE_MS / 1e3)
         return flight
 
-    def record(self, budget, tokens, ms):
+    def record(self, budget, tokens, ms, rows=None):
         records.append((budget, tokens, ms))
-        real_record(self, budget, tokens, ms)
+        real_record(self, budget, tokens, ms, rows)
 
     monkeypatch.setattr(rounds.Rounds, "_queue", slow_queue)
     monkeypatch.setattr(rounds.SpecController, "record", record)

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from engine.config import SpecConfig
-from engine.spec_control import FIRST, GROW, MAX_REVISIT, RETRY_SHARE, REVISIT, TRIES, SpecController
+from engine.spec_control import FIRST, GROW, MAX_GROW, MAX_REVISIT, RETRY_SHARE, REVISIT, TRIES, SpecController
 from server.cli import build_parser
 from server.cli_settings import SettingsError, engine_settings
 
@@ -76,9 +76,10 @@ def test_among_trees_retries_keep_the_back_off_spacing():
     # better tree would be found after the text changes, so they are not put off for their cost
     outcome = {0: (1, 10.0), 1: (2, 12.0), 4: (3, 14.0), 16: (3, 60.0)}
     chosen = drive(SpecController(16), lambda b: outcome[b], 200)
-    assert chosen[:8] == [FIRST, 0, FIRST, 4, 4, 16, 16, 0]  # the climb, then the root's second try
-    first_retry = next(i for i in range(8, len(chosen)) if chosen[i] != 4)
-    assert first_retry - 8 <= REVISIT
+    # the climb (the full budget's first try says no second could pay), then the root's second try
+    assert chosen[:7] == [FIRST, 0, FIRST, 4, 4, 16, 0]
+    first_retry = next(i for i in range(7, len(chosen)) if chosen[i] != 4)
+    assert first_retry - 7 <= REVISIT
 
 
 def hits(b: int) -> tuple[int, float]:
@@ -144,7 +145,7 @@ def test_near_the_end_trees_that_lose_give_way_to_plain_rounds():
     # a re-climb to 16 under way when the room runs out, and the small trees lose to plain rounds
     c = SpecController(16)
     drive(c, lambda b: (1, 10.0) if b == 0 else (1, 14.0), 40)
-    c.reclimb = 16
+    c.reclimb, c.woken_climb = 16, True  # (woken: taken whatever the rounds before say)
     assert c.budget() == 16 and c.fitting(10) == 0 and c.fitting(1) == 0
 
 
@@ -270,7 +271,8 @@ def test_one_lucky_round_does_not_keep_a_losing_tree():
     # MTP where guesses miss (dev CPU): plain rounds 1 token in 10.8 ms, the one-guess tree right
     # once in its two tries, the 5-node tree 3 tokens on its first try (luck) and 1 on its second in
     # 21.6 ms: its measured rate (2 tokens / 21.6 ms) is below plain rounds', so once the climb is
-    # over (the full budget tried once: it accepts nothing) plain rounds run until the next re-try
+    # over plain rounds run until the next re-try. The full budget is not tried: even 1.25x the
+    # tokens the 5-node tree predicts of it would not pay for its rows (OPTIMISM)
     firsts, fours = iter([1, 2]), iter([3, 1])
 
     def outcome(b):
@@ -279,20 +281,21 @@ def test_one_lucky_round_does_not_keep_a_losing_tree():
         return (next(fours, 1), 21.6) if b == 4 else (1, 10.8)
 
     chosen = drive(SpecController(16), outcome, REVISIT)
-    assert chosen[:6] == [FIRST, 0, FIRST, 4, 4, 16]
-    assert chosen[6:] == [0] * (REVISIT - 6)
+    assert chosen[:5] == [FIRST, 0, FIRST, 4, 4]
+    assert chosen[5:] == [0] * (REVISIT - 5)
 
 
 def test_averages_weigh_the_first_rounds_alike():
     from engine.spec_control import Arm
     arm = Arm(4)
-    arm.record(3, 20.0)
-    arm.record(1, 22.0)
+    arm.record(3, 20.0, 5)
+    arm.record(1, 22.0, 3)
     # weights 0.8 and 1 (a plain moving average would keep 0.8 of the first round)
     assert arm.tokens == pytest.approx((0.8 * 3 + 1) / 1.8)
     assert arm.ms == pytest.approx((0.8 * 20 + 22) / 1.8)
+    assert arm.rows == pytest.approx((0.8 * 5 + 3) / 1.8)
     for _ in range(60):
-        arm.record(1, 22.0)
+        arm.record(1, 22.0, 5)
     assert arm.tokens == pytest.approx(1.0) and arm.weight == pytest.approx(5.0)
 
 
@@ -346,10 +349,11 @@ def test_hindsight_counts_as_a_trees_tokens_once_it_has_a_time():
 def tried_in_misses(firsts: list[int], plain_ms: float, per_node: float,
                     rounds: int) -> tuple[SpecController, list[int]]:
     """A controller whose lucky first tries (the one guess right as in `firsts`, the 4-node tree's
-    first round 3 tokens) climbed to the full budget where guesses then missed: its choices over
-    `rounds` rounds, a plain round `plain_ms`, a tree 11 ms + `per_node` a node."""
+    two rounds right at every guess: saturated, so the full budget is tried whatever its cost)
+    climbed to the full budget where guesses then missed: its choices over `rounds` rounds, a plain
+    round `plain_ms`, a tree 11 ms + `per_node` a node."""
     c = SpecController(16)
-    guesses, fours = iter(firsts), iter([3])
+    guesses, fours = iter(firsts), iter([5, 5])
 
     def misses(b):
         if b == FIRST:
@@ -391,7 +395,10 @@ def test_an_untried_tree_is_predicted_from_the_smaller_ones():
     # one token more a round from one guess: ln(5) / ln(2) and ln(17) / ln(2) more from bigger trees
     assert c.tokens(four)[0] == pytest.approx(1 + math.log(5) / math.log(2))
     assert c.tokens(sixteen)[0] == pytest.approx(1 + math.log(17) / math.log(2))
-    assert c.ms(four) == pytest.approx(10.0 * GROW) and c.ms(sixteen) == pytest.approx(10.0 * GROW**2)
+    # its time by rows: one guess (2 rows) took 1.25x a plain round (1 row), so 1.25^2 per fourfold
+    grow = 1.25**2
+    assert c.ms(four) == pytest.approx(10.0 * grow ** math.log(5 / 2, 4))
+    assert c.ms(sixteen) == pytest.approx(10.0 * grow ** math.log(17 / 2, 4))
     # a tree's own rounds soon outweigh the prediction; the prediction does not flow downward
     for _ in range(6):
         c.record(16, 12, 20.0)
@@ -441,3 +448,117 @@ def test_the_kept_budget_is_the_one_chosen_afresh():
                 c.confide([rng.random() for _ in range(rng.randint(1, 3))])
             if rng.random() < 0.3:
                 c.observe([(a.budget, rng.randint(1, 1 + a.budget)) for a in c.arms[1:]])
+
+
+def test_an_untried_trees_time_grows_with_its_rows_within_bounds():
+    c = SpecController(16)
+    for budget, tokens, ms in [(FIRST, 2, 6.0), (0, 1, 6.0), (FIRST, 2, 6.0), (0, 1, 6.0)]:
+        c.record(budget, tokens, ms)
+    # the one guess cost nothing over a plain round (both queued ahead): at least GROW a fourfold
+    assert c.ms(c.arms[2]) == pytest.approx(6.0 * GROW ** math.log(5 / 2, 4))
+    c.record(4, 2, 600.0)  # absurdly slow: at most MAX_GROW a fourfold
+    assert c.ms(c.arms[3]) == pytest.approx(600.0 * MAX_GROW ** math.log(17 / 5, 4))
+
+
+def test_a_chain_drafters_big_tree_is_predicted_by_its_depth():
+    # a chain at depth 6 verifies 7 rows whatever its budget past 6: its 16-node tree is predicted
+    # from the 4-node tree's 5 rows to 7, not to 17
+    capped, full = SpecController(16, row_cap=7), SpecController(16)
+    for c in (capped, full):
+        for budget, tokens, ms, rows in [(0, 1, 5.0, 1), (4, 3, 10.0, 5)]:
+            c.record(budget, tokens, ms, rows)
+    assert capped.rows(capped.arms[3]) == 7 and full.rows(full.arms[3]) == 17
+    grow = 2.0 ** (math.log(4) / math.log(5))
+    assert capped.ms(capped.arms[3]) == pytest.approx(10.0 * grow ** math.log(7 / 5, 4))
+    # a tree that filled part of its budget (an n-gram drafter with few continuations) is predicted
+    # to fill the same share of a bigger one
+    part = SpecController(16)
+    part.record(4, 2, 8.0, 3)
+    assert part.rows(part.arms[3]) == pytest.approx(1 + 16 * 2 / 4)
+
+
+def cycling(rounds: dict[int, tuple[list[int], float]]):
+    """outcome(budget) -> (tokens, ms): each budget's tokens cycle through its list."""
+    from itertools import cycle
+    tokens = {b: cycle(t) for b, (t, _) in rounds.items()}
+    return lambda b: (next(tokens[b]), rounds[b][1])
+
+
+def long_prompt_rounds(four: list[int]):
+    """The n-gram drafter's rounds on a 1.8k-token prompt (dev CPU, thirty-fifth session): plain
+    5.93 ms, one guess 5.95 ms (both its first tries right, then 1.25 tokens a round), four nodes
+    9 ms emitting `four` in turn, sixteen 19 ms emitting 2."""
+    firsts = iter([2, 2])  # then 1.25 tokens a round
+    after = cycling({0: ([1], 5.93), 1: ([1, 1, 1, 2], 5.95), 4: (four, 9.0), 16: ([2], 19.0)})
+    return lambda b: (next(firsts), 5.95) if b == FIRST and firsts.__length_hint__() else after(b)
+
+
+def test_a_bigger_tree_that_could_not_pay_for_its_rows_is_not_climbed_to():
+    # four nodes emit 2.2 tokens a round (past CLIMB): sixteen, predicted at ~16 ms from the rows,
+    # would need 3.9 tokens to beat them; 1.25x what the model predicts of it is 3.6
+    chosen = drive(SpecController(16), long_prompt_rounds([2, 3, 2, 2, 2]), 300)
+    assert chosen[:5] == [FIRST, 0, FIRST, 4, 4]
+    assert 16 not in chosen and chosen[-40:].count(4) >= 35
+    # each guess right (5 of the 4-node tree's 5 rows): saturated, the full budget is tried
+    assert 16 in drive(SpecController(16), long_prompt_rounds([5]), 20)
+
+
+def test_a_chain_drafters_big_tree_is_climbed_to_where_its_depth_pays():
+    # MTP chains at depth 6: four nodes 2.6 tokens a round in 10.5 ms, sixteen (7 rows) 4 tokens
+    # in 12.9 ms. Predicted by 17 rows, sixteen would cost ~18 ms and is not climbed to; by its 7
+    # rows it is, and kept
+    outcome = cycling({0: ([1], 5.0), 1: ([2, 1], 7.0), 4: ([3, 2, 3, 2, 3], 10.5), 16: ([4], 12.9)})
+    rows = {0: 1, 1: 2, 4: 5, 16: 7}
+
+    def run(c: SpecController) -> list[int]:
+        chosen = []
+        for _ in range(100):
+            b = c.budget()
+            chosen.append(b)
+            c.record(b, *outcome(b), rows[b])
+        return chosen
+
+    assert run(SpecController(16))[:6] == [FIRST, 0, FIRST, 4, 4, 0]
+    capped = run(SpecController(16, row_cap=7))
+    assert capped[:6] == [FIRST, 0, FIRST, 4, 4, 16] and capped[-40:].count(16) >= 35
+
+
+def test_what_a_tree_cost_an_earlier_request_predicts_it():
+    from engine.spec_control import RoundCosts
+    costs = RoundCosts()
+    first = SpecController(16, costs=costs)
+    for budget, tokens, ms in [(0, 1, 5.0), (16, 2, 20.0)]:
+        first.record(budget, tokens, ms)
+    assert costs.ratio(16) == pytest.approx(4.0) and costs.ratio(4) is None
+    # the next request: four plain rounds of its own, whatever its smaller trees would predict
+    c, fresh = SpecController(16, costs=costs), SpecController(16)
+    for ctl in (c, fresh):
+        for budget, tokens, ms in [(0, 1, 6.0), (FIRST, 2, 6.5), (4, 3, 8.0)]:
+            ctl.record(budget, tokens, ms)
+    assert c.ms(c.arms[3]) == pytest.approx(24.0)
+    assert fresh.ms(fresh.arms[3]) < 12.0
+    assert c.ms(c.arms[2]) == fresh.ms(fresh.arms[2]) == 8.0  # a measured tree keeps its own time
+
+
+def test_a_big_tree_that_stalled_an_earlier_request_is_not_climbed_to_on_hindsight():
+    # the n-gram drafter at 1.8k tokens of context (dev CPU): hindsight says the 4-node tree would
+    # emit 3 tokens a round; its rounds take 7.4 ms, the one guess's 6.2, a plain round 4.9. From
+    # those two a 16-node round is predicted at ~9.6 ms, and it is tried; it takes 21 ms. A
+    # request that remembers that does not try it
+    from engine.spec_control import RoundCosts
+    rounds = {0: (1, 4.9), 1: (2, 6.2), 4: (3, 7.4), 16: (3, 21.0)}
+    seen = [(FIRST, 2), (4, 3), (16, 3)]
+    costs = RoundCosts()
+    first = with_hindsight(SpecController(16, costs=costs), rounds.__getitem__, seen, 40)
+    assert 16 in first
+    assert 16 not in with_hindsight(SpecController(16, costs=costs), rounds.__getitem__, seen, 40)
+
+
+def test_a_reclimb_that_stopped_being_promising_is_not_taken():
+    # a re-climb to the full budget left under way (as after a 4-node round that went deep, or
+    # while that tree looked saturated), where the 4-node tree's rounds emit 2 tokens in 10 ms: by
+    # the time it is due the 16-node tree could not pay, and it is not tried
+    c = SpecController(16)
+    drive(c, {0: (1, 6.0), 1: (2, 8.0), 4: (2, 10.0), 16: (2, 30.0)}.__getitem__, 30)
+    c.reclimb = 16
+    assert not c._promising(c.arms[3]) and c.budget() != 16
