@@ -4,6 +4,7 @@ tree's with a stall cap (SpecConfig.max_stall), on text where guesses miss and o
 
     python scripts/bench_controller.py --against REV [--runs 3] [--tokens 96] [--lengths 64,2048]
     python scripts/bench_controller.py --max-stall 1.5 [--runs 3] ...
+    python scripts/bench_controller.py --fixed [--gate-off] [--runs 3] ...
         [--methods ngram,mtp,dflash,draft] [--kinds code,chat | none] [--fixed] [--defaults]
         [--model DIR --dflash-model DIR]
 
@@ -14,7 +15,9 @@ tree's with a stall cap (SpecConfig.max_stall), on text where guesses miss and o
 - hits: greedy on scripts/bench_spec.py's prompts (code, code-edit, math, chat, long; --kinds), or
   sampled with the checkpoint's defaults (--defaults; seeded), where greedy output loops;
 - --fixed adds the working tree's engine with every round at the full budget (no controller), the
-  baseline issue 17 asks the controller not to lose to where guesses hit.
+  baseline issue 17 asks the controller not to lose to where guesses hit;
+- --gate-off adds the working tree's controller with the confidence gate off (engine/spec_gate.py;
+  it applies to the drafters without hindsight: MTP, DFlash, the draft model).
 Methods (--methods; default ngram, and mtp with DDTree trees; also mtp-chain, dflash with DDTree, and draft),
 each with both controllers, interleaved with plain decoding in one process on the bundled target;
 medians over runs after a warm-up. Outputs are compared with plain decoding's: greedy must be
@@ -52,9 +55,16 @@ from bench_spec import PROMPTS, checkpoint_defaults, render  # noqa: E402
 
 import engine.generate as generation  # noqa: E402
 import engine.round as current  # noqa: E402
+import engine.spec_gate as spec_gate  # noqa: E402
 from engine.config import EngineConfig, SamplingParams, SpecConfig  # noqa: E402
 from engine.generate import BUNDLED, Engine  # noqa: E402
+from engine.spec_gate import CONF_GATE  # noqa: E402
 from engine.types import GenerationRequest  # noqa: E402
+
+# a controller to compare: engine/round.py's module (a revision's, or the working tree's), the stall
+# cap it runs with, whether it sizes the trees at all (False: every round gets the full budget), and
+# the confidence gate's threshold for its runs (engine/spec_gate.py CONF_GATE; 0: no gate)
+Controller = tuple[ModuleType, float | None, bool, float]
 
 METHODS = {"ngram": SpecConfig(method="ngram"), "mtp": SpecConfig(method="mtp", tree="ddtree"),
            "mtp-chain": SpecConfig(method="mtp", tree="chain"),
@@ -148,10 +158,9 @@ def generate(engine: Engine, prompt: list[int], params: SamplingParams, spec: Sp
 
 
 def compare(engine: Engine, prompt: list[int], params: SamplingParams, methods: list[str],
-            controllers: dict[str, tuple[ModuleType, float | None, bool]], runs: int) -> dict[str, list[dict]]:
+            controllers: dict[str, Controller], runs: int) -> dict[str, list[dict]]:
     """Plain decoding and every (method, controller), interleaved; the first round is a warm-up.
-    A controller is engine/round.py's module, the stall cap it runs with and whether it sizes the
-    trees at all (False: every round gets the full budget)."""
+    A controller is `Controller`'s tuple."""
     results: dict[str, list[dict]] = {}
     for r in range(runs + 1):
         plain = generate(engine, prompt, params, SpecConfig())
@@ -159,10 +168,12 @@ def compare(engine: Engine, prompt: list[int], params: SamplingParams, methods: 
             results.setdefault("none", []).append(plain)
         for method in methods:
             spec = METHODS[method]
-            for name, (module, cap, adaptive) in controllers.items():
+            for name, (module, cap, adaptive, gate) in controllers.items():
                 generation.Rounds = module.Rounds  # type: ignore[attr-defined]
+                spec_gate.CONF_GATE = gate
                 out = generate(engine, prompt, params, replace(spec, max_stall=cap, adaptive=adaptive,
                                                                dflash_model=engine.config.spec.dflash_model))
+                spec_gate.CONF_GATE = CONF_GATE
                 if r:
                     results.setdefault(f"{method}:{name}", []).append(out)
     generation.Rounds = current.Rounds
@@ -195,26 +206,30 @@ def main() -> None:
     ap.add_argument("--methods", default="ngram,mtp", help=f"comma-separated, of {', '.join(METHODS)}")
     ap.add_argument("--kinds", default=",".join(PROMPTS), help="prompt kinds of the hits (none: misses only)")
     ap.add_argument("--fixed", action="store_true", help="also every round with the full budget (no controller)")
+    ap.add_argument("--gate-off", action="store_true",
+                    help="also the working tree's controller without the confidence gate (engine/spec_gate.py)")
     ap.add_argument("--defaults", action="store_true",
                     help="the hits sampled with the checkpoint's generation defaults (seed 0), not greedy")
     ap.add_argument("--model", default=str(BUNDLED / "target"), help="target checkpoint (default: the bundled one)")
     ap.add_argument("--dflash-model", default=None, help="DFlash checkpoint (default: the target's bundled one)")
     a = ap.parse_args()
-    if (a.against is None) == (a.max_stall is None) and not a.fixed:
-        ap.error("give one of --against, --max-stall and --fixed")
+    if (a.against is None) == (a.max_stall is None) and not (a.fixed or a.gate_off):
+        ap.error("give one of --against, --max-stall, --fixed and --gate-off")
     methods = [m for m in a.methods.split(",") if m]
     if not methods or any(m not in METHODS for m in methods):
         ap.error(f"--methods takes some of {', '.join(METHODS)}, got {a.methods!r}")
     kinds = [k for k in a.kinds.split(",") if k and k != "none"]
     if any(k not in PROMPTS for k in kinds):
         ap.error(f"--kinds takes some of {', '.join(PROMPTS)} (or none), got {a.kinds!r}")
-    controllers: dict[str, tuple[ModuleType, float | None, bool]] = {"now": (current, None, True)}
+    controllers: dict[str, Controller] = {"now": (current, None, True, CONF_GATE)}
     if a.against:
-        controllers[a.against] = (controller_at(a.against), None, True)
+        controllers[a.against] = (controller_at(a.against), None, True, CONF_GATE)
     elif a.max_stall is not None:
-        controllers[f"cap {a.max_stall:g}"] = (current, a.max_stall, True)
+        controllers[f"cap {a.max_stall:g}"] = (current, a.max_stall, True, CONF_GATE)
     if a.fixed:
-        controllers["fixed"] = (current, None, False)
+        controllers["fixed"] = (current, None, False, CONF_GATE)
+    if a.gate_off:
+        controllers["no gate"] = (current, None, True, 0.0)
     lengths = [int(n) for n in a.lengths.split(",") if n]  # "": no misses
     # room for the longest random prompt, and at least the engine's default for the hits' prompts
     engine = Engine(EngineConfig(model_path=a.model, prefix_cache=False, spec=SpecConfig(dflash_model=a.dflash_model),

@@ -11,7 +11,9 @@
 # (no bundled weights needed), draft-attn, controller (the working tree's tree-size controller
 # against the one in $AGAINST: a git revision, or a directory holding `git archive REV engine`'s
 # files where the machine has no git history; MTP DDTree and chains sized by each, beside plain
-# decoding, where guesses miss and on code, chat and the long prompt).
+# decoding, where guesses miss and on code, chat and the long prompt), controller-fixed (the same
+# texts: the working tree's controller against every round at the full budget and against itself
+# without the confidence gate).
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -37,6 +39,8 @@ for stage in $stages; do
            --dtype bfloat16 --sizes 1 | grep -E "^mtp"; done ;;
     controller) timeout 540 python scripts/bench_controller.py --against "${AGAINST:-HEAD~1}" --model /tmp/q9/target \
            --dflash-model /tmp/q9/dflash --methods mtp,mtp-chain --lengths 64 --kinds code,chat,long --runs 3 ;;
+    controller-fixed) timeout 540 python scripts/bench_controller.py --fixed --gate-off --model /tmp/q9/target \
+           --dflash-model /tmp/q9/dflash --methods mtp-chain,mtp --lengths 64 --kinds code,chat,long --runs 3 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac > "$OUT/$stage.log" 2>&1
   echo "$stage: rc $? in $(( $(date +%s) - start )) s" | tee -a "$OUT/stages.log"
