@@ -170,6 +170,10 @@ GATE_COST = 1.8
 
 # the weight of a request's rounds in what the engine remembers of a tree's cost (RoundCosts)
 REMEMBER = 0.3
+# a remembered cost predicts an untried tree at no more than this many times the prediction by
+# rows: one slow round (a kernel compiled on first use, a busy machine) must not make a tree look
+# so costly that no later request tries it, and so never measures it again
+MEMORY_CAP = 2.0
 
 
 @dataclass
@@ -328,13 +332,20 @@ class SpecController:
 
     def ms(self, arm: Arm) -> float:
         """A round's time: measured, else what it cost earlier requests (RoundCosts) in this one's
-        plain rounds, else predicted from the biggest tried tree below by rows (GROW); 0 where
-        none is known."""
+        plain rounds, at most MEMORY_CAP times what the smaller trees predict by rows (GROW), else
+        that prediction; 0 where none is known."""
         if arm.rounds:
             return arm.ms
         ratio = None if self.costs is None or not self.arms[0].rounds else self.costs.ratio(arm.budget)
-        if ratio is not None:
-            return ratio * self.plain_ms()
+        model = self._by_rows(arm)
+        if ratio is None:
+            return model
+        remembered = ratio * self.plain_ms()
+        return remembered if model <= 0.0 else min(remembered, MEMORY_CAP * model)
+
+    def _by_rows(self, arm: Arm) -> float:
+        """An untried tree's time predicted from the biggest tried tree below by its rows (GROW);
+        0 where no tree below was tried."""
         measured = [a for a in self.arms if a.rounds and a.budget < arm.budget]
         if not measured or not measured[-1].budget:
             return 0.0

@@ -90,4 +90,6 @@ def warm_up(engine: Engine, new_tokens: int = 8, spec: SpecConfig | None = None)
         for c, m in zip(cache, marks, strict=True):
             c.rewind(m)
     engine.prefix.clear()
+    # the warm-up's rounds compiled kernels: their times are not what trees cost (engine/spec_control.py)
+    engine.round_costs.clear()
     return WarmupReport(time.perf_counter() - t0, tuple(shapes))

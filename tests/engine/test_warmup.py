@@ -38,7 +38,8 @@ def test_tree_shapes_cover_every_row_and_level_class(budget, depth):
 @pytest.mark.parametrize("method", ["ngram", "mtp", "dflash", "none"])
 def test_warm_up_leaves_no_trace(method, request):
     """After the warm-up (with each kind of drafter configured: their own passes compile too) the
-    prefix cache is empty and a request decodes as on a fresh engine."""
+    prefix cache is empty, no tree cost is remembered (the warm-up's rounds compiled kernels), and
+    a request decodes as on a fresh engine."""
     model = request.getfixturevalue("tiny_qwen35_mtp" if method == "mtp" else "tiny_qwen35")
     dflash = str(request.getfixturevalue("tiny_dflash")) if method == "dflash" else None
     spec = SpecConfig(method=method, budget=16, max_depth=8, dflash_model=dflash)
@@ -49,7 +50,7 @@ def test_warm_up_leaves_no_trace(method, request):
     warm = Engine(EngineConfig(model_path=str(model), spec=spec))
     report = warm_up(warm)
     assert report.trees == (tuple(tree_shapes(16, 8)) if method != "none" else ()) and report.seconds > 0
-    assert warm.prefix.nbytes == 0 and not warm.prefix.entries
+    assert warm.prefix.nbytes == 0 and not warm.prefix.entries and not warm.round_costs
     assert [t for step in warm.generate(req) for t in step.token_ids] == want
 
 

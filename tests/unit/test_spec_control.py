@@ -527,17 +527,29 @@ def test_what_a_tree_cost_an_earlier_request_predicts_it():
     from engine.spec_control import RoundCosts
     costs = RoundCosts()
     first = SpecController(16, costs=costs)
-    for budget, tokens, ms in [(0, 1, 5.0), (16, 2, 20.0)]:
+    for budget, tokens, ms in [(0, 1, 5.0), (16, 2, 15.0)]:
         first.record(budget, tokens, ms)
-    assert costs.ratio(16) == pytest.approx(4.0) and costs.ratio(4) is None
-    # the next request: four plain rounds of its own, whatever its smaller trees would predict
+    assert costs.ratio(16) == pytest.approx(3.0) and costs.ratio(4) is None
+    # the next request: three plain rounds of its own, whatever its smaller trees would predict
     c, fresh = SpecController(16, costs=costs), SpecController(16)
     for ctl in (c, fresh):
         for budget, tokens, ms in [(0, 1, 6.0), (FIRST, 2, 6.5), (4, 3, 8.0)]:
             ctl.record(budget, tokens, ms)
-    assert c.ms(c.arms[3]) == pytest.approx(24.0)
+    assert c.ms(c.arms[3]) == pytest.approx(18.0)
     assert fresh.ms(fresh.arms[3]) < 12.0
     assert c.ms(c.arms[2]) == fresh.ms(fresh.arms[2]) == 8.0  # a measured tree keeps its own time
+
+
+def test_a_remembered_outlier_does_not_rule_a_tree_out_for_good():
+    # the tree's one round in an earlier request was 100 plain rounds (a kernel compiled on first
+    # use): it is predicted at no more than MEMORY_CAP times what the smaller trees predict
+    from engine.spec_control import MEMORY_CAP, RoundCosts
+    costs = RoundCosts({16: 100.0})
+    c, fresh = SpecController(16, costs=costs), SpecController(16)
+    for ctl in (c, fresh):
+        for budget, tokens, ms in [(0, 1, 6.0), (FIRST, 2, 6.5), (4, 3, 8.0)]:
+            ctl.record(budget, tokens, ms)
+    assert c.ms(c.arms[3]) == pytest.approx(MEMORY_CAP * fresh.ms(fresh.arms[3]))
 
 
 def test_a_big_tree_that_stalled_an_earlier_request_is_not_climbed_to_on_hindsight():
