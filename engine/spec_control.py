@@ -170,6 +170,15 @@ GATE_COST = 1.8
 
 # the weight of a request's rounds in what the engine remembers of a tree's cost (RoundCosts)
 REMEMBER = 0.3
+# the climb starts at the biggest tree whose remembered round costs at most this many plain rounds
+# more than the smallest tree it would otherwise start at (RoundCosts): where a bigger tree costs
+# about what a small one does, its try where guesses miss loses about as much, and where they hit
+# it is the one that pays. On the H200 (scripts/recordings/h200-9b-wide-4bit-mtp.json) a 16-node
+# MTP round took 0.1-0.35 plain rounds more than a 4-node one (the draft and the restart cost more
+# than the rows there), and a short answer (code2: ~8 rounds) spent half its rounds on the climb; on
+# the dev CPU a 16-node tree costs 1.2-2.6 plain rounds more than a 4-node one, a 4-node one
+# 0.5-0.7 more than one guess, and the climb starts where it did
+START_EXTRA = 0.5
 # a remembered cost predicts an untried tree at no more than this many times the prediction by
 # rows: one slow round (a kernel compiled on first use, a busy machine) must not make a tree look
 # so costly that no later request tries it, and so never measures it again
@@ -336,12 +345,26 @@ class SpecController:
         that prediction; 0 where none is known."""
         if arm.rounds:
             return arm.ms
-        ratio = None if self.costs is None or not self.arms[0].rounds else self.costs.ratio(arm.budget)
+        ratio = None if self.costs is None else self.costs.ratio(arm.budget)
+        scale = None if ratio is None else self._plain_scale()
         model = self._by_rows(arm)
-        if ratio is None:
+        if ratio is None or scale is None:
             return model
-        remembered = ratio * self.plain_ms()
+        remembered = ratio * scale
         return remembered if model <= 0.0 else min(remembered, MEMORY_CAP * model)
+
+    def _plain_scale(self) -> float | None:
+        """This request's plain round in ms, to scale remembered costs by: measured (`plain_ms`),
+        else a tree's time measured here over its remembered cost (a climb that starts above the
+        smallest tree runs its plain rounds last); None where neither is known."""
+        if self.arms[0].rounds:
+            return self.plain_ms()
+        assert self.costs is not None
+        for arm in reversed(self.arms[1:]):
+            ratio = self.costs.ratio(arm.budget) if arm.rounds else None
+            if ratio:
+                return arm.ms / ratio
+        return None
 
     def _by_rows(self, arm: Arm) -> float:
         """An untried tree's time predicted from the biggest tried tree below by its rows (GROW);
@@ -432,9 +455,10 @@ class SpecController:
         second time once its first try says so: the tree below accepts, but not enough to pay for
         the bigger one's rows (a saturated tree below always is; that draft model's are)."""
         # with the target's confidence reported, the climb starts above the smallest tree: it runs
-        # only where the target is confident, where the one-guess tree's tries are a detour
-        skip = int(self.gate.reported and len(self.arms) > 2)
-        for arm in self.arms[1 + skip:]:
+        # only where the target is confident, where the one-guess tree's tries are a detour; and
+        # higher still where earlier requests measured the bigger trees at little more (START_EXTRA)
+        start = self._climb_start(1 + int(self.gate.reported and len(self.arms) > 2))
+        for arm in self.arms[start:]:
             # the smallest tree gets both its tries whatever the first cost (one slow round, e.g.
             # the first of a request, must not rule speculation out); a bigger one is judged on one
             if not self._allowed(arm) and not (arm.budget == FIRST and arm.rounds < TRIES):
@@ -446,6 +470,20 @@ class SpecController:
             if arm.tokens < (CLIMB_FIRST if arm.budget == FIRST else CLIMB):
                 break
         return self.arms[0] if self.arms[0].rounds < TRIES else None
+
+    def _climb_start(self, first: int) -> int:
+        """The index of the arm the climb starts at: `first`, or the biggest allowed arm above it
+        whose remembered cost is at most START_EXTRA plain rounds more than `first`'s (both
+        remembered: RoundCosts)."""
+        base = None if self.costs is None else self.costs.ratio(self.arms[first].budget)
+        if base is None:
+            return first
+        start = first
+        for i in range(first + 1, len(self.arms)):
+            ratio = self.costs.ratio(self.arms[i].budget) if self.costs is not None else None
+            if ratio is not None and ratio <= base + START_EXTRA and self._allowed(self.arms[i]):
+                start = i
+        return start
 
     def best(self, limit: int | None = None) -> Arm:
         """Plain rounds, unless a tree's cautious rate beats theirs by more than MARGIN; then the

@@ -41,6 +41,7 @@ modelled), and a round's time does not depend on how many tokens it accepted.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import random
@@ -195,10 +196,11 @@ def hindsight(method: str) -> bool:
 
 def replay_one(controller_class: type, accepted: dict[str, list[int]], times: dict[str, list[float]],
                length: int, rng: random.Random, hindsight: bool = False,
-               confidence: list[float] | None = None) -> tuple[float, int]:
+               confidence: list[float] | None = None, costs: object | None = None) -> tuple[float, int]:
     """One request under `controller_class`: its total ms and its tree rounds. `hindsight`: the
-    controller is told after each plain round what each tree would have emitted there."""
-    controller = controller_class(max(BUDGETS))
+    controller is told after each plain round what each tree would have emitted there. `costs`:
+    what earlier requests measured of the trees (engine/spec_control.py RoundCosts), shared."""
+    controller = controller_class(max(BUDGETS)) if costs is None else controller_class(max(BUDGETS), costs=costs)
     observe = getattr(controller, "observe", None) if hindsight else None
     confide = getattr(controller, "confide", None) if confidence else None
     i, total, trees, prev = 0, 0.0, 0, None
@@ -251,8 +253,17 @@ def controller_class(rev: str) -> type:
     return module.SpecController
 
 
-def replay(path: Path, revs: list[str], seeds: int, offsets: list[int]) -> None:
-    """The table of every request and method, then a summary by method (see `summary`)."""
+def remembers(cls: type) -> type | None:
+    """The RoundCosts class of a controller class's module, where its controllers take one."""
+    costs = getattr(sys.modules.get(cls.__module__), "RoundCosts", None)
+    return costs if costs is not None and "costs" in inspect.signature(cls).parameters else None
+
+
+def replay(path: Path, revs: list[str], seeds: int, offsets: list[int], remember: bool = False) -> None:
+    """The table of every request and method, then a summary by method (see `summary`).
+    `remember`: the controllers that take what earlier requests measured of the trees (RoundCosts)
+    share it across the seeds of a request, after one request replayed to fill it, as an engine
+    answering the same request again would."""
     data = json.loads(path.read_text())
     classes = {rev: controller_class(rev) for rev in revs}
     medians: dict[str, dict[tuple[str, str], float]] = {rev: {} for rev in revs}
@@ -275,10 +286,15 @@ def replay(path: Path, revs: list[str], seeds: int, offsets: list[int]) -> None:
                     accepted = {b: row[offset:] for b, row in m["accepted"].items()}
                     length = entry["length"] - offset
                     confidence = entry["confidence"][offset:] if "confidence" in entry and not blind else None
+                    memory = remembers(cls) if remember else None
+                    costs = None if memory is None else memory()
+                    if costs is not None:  # one request to fill it
+                        replay_one(cls, accepted, m["ms"], length, random.Random(-1), told,
+                                   None if told else confidence, costs)
                     for seed in range(seeds):
                         rng = random.Random(seed)
                         total, n = replay_one(cls, accepted, m["ms"], length, rng, told,
-                                              None if told else confidence)
+                                              None if told else confidence, costs)
                         plain_total = sum(rng.choice(plain) for _ in range(length))
                         ratios.append(plain_total / total)
                         trees.append(n)
@@ -355,6 +371,8 @@ def main() -> None:
                      help="git revisions of engine/spec_control.py, `now` (the working tree's), "
                      "`fixed` (the full budget every round) or files")
     rep.add_argument("--seeds", type=int, default=200)
+    rep.add_argument("--remember", action="store_true",
+                     help="the tree costs earlier requests measured (RoundCosts) shared across each request's seeds")
     rep.add_argument("--offsets", default="0",
                      help="start positions each request is also replayed from (e.g. 0,6,12,18,24,30,36,42)")
     conf = sub.add_parser("confidence", help="tokens a round by the target's confidence before the position")
@@ -372,7 +390,8 @@ def main() -> None:
         record(a.file, methods, kinds, [int(n) for n in a.lengths.split(",") if n], a.runs, a.tokens, a.model,
                a.dflash_model)
     else:
-        replay(a.file, [r for r in a.revs.split(",") if r], a.seeds, [int(o) for o in a.offsets.split(",") if o])
+        replay(a.file, [r for r in a.revs.split(",") if r], a.seeds, [int(o) for o in a.offsets.split(",") if o],
+               a.remember)
 
 
 if __name__ == "__main__":

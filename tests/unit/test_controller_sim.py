@@ -129,3 +129,19 @@ def test_tokens_are_tabled_by_the_confidence_before_the_position(sim, tmp_path):
     table = sim.by_confidence(path, 0.5, [0.0, 0.4, 1.01]).splitlines()
     assert table[2] == "| mtp | 0.0-0.4 | 2 | 1.00 | 2.00 | 3.00 |"
     assert table[3] == "| mtp | 0.4-1.0 | 1 | 2.00 | 5.00 | 9.00 |"
+
+
+def test_a_remembering_replay_shares_what_the_trees_cost(sim):
+    # guesses hit (16 nodes: 9 tokens) and a tree costs about two plain rounds whatever its size:
+    # after one request the controller's memory (RoundCosts) holds every tree's cost, and the next
+    # request's climb starts at the full budget, so it spends fewer rounds on smaller trees
+    cls = sim.controller_class("now")
+    memory = sim.remembers(cls)
+    assert memory is not None and sim.remembers(sim.FixedBudget) is None
+    accepted, ms = table(96, {1: 2, 4: 5, 16: 9}), times(10.0, 20.0)
+    costs = memory()
+    fresh, _ = sim.replay_one(cls, accepted, ms, 96, random.Random(0), costs=None)
+    sim.replay_one(cls, accepted, ms, 96, random.Random(0), costs=costs)
+    assert set(costs.ratios) == {1, 4, 16}
+    remembered, _ = sim.replay_one(cls, accepted, ms, 96, random.Random(0), costs=costs)
+    assert remembered < fresh

@@ -574,3 +574,19 @@ def test_a_reclimb_that_stopped_being_promising_is_not_taken():
     drive(c, {0: (1, 6.0), 1: (2, 8.0), 4: (2, 10.0), 16: (2, 30.0)}.__getitem__, 30)
     c.reclimb = 16
     assert not c._promising(c.arms[3]) and c.budget() != 16
+
+
+def test_the_climb_starts_at_a_big_tree_that_costs_little_more():
+    # an H200's costs in plain rounds (one guess 1.8, four nodes 2.1, sixteen 2.3): a request after
+    # those were measured starts its climb at sixteen nodes; the dev CPU's (1.1, 1.7, 3.5): at one
+    # guess, as without a memory
+    from engine.spec_control import START_EXTRA, RoundCosts
+    gpu, cpu = RoundCosts({1: 1.8, 4: 2.1, 16: 2.3}), RoundCosts({1: 1.1, 4: 1.7, 16: 3.5})
+    assert 2.3 <= 1.8 + START_EXTRA and 1.7 > 1.1 + START_EXTRA
+    outcome = {0: (1, 6.0), 1: (2, 11.0), 4: (4, 12.5), 16: (6, 14.0)}.__getitem__
+    assert drive(SpecController(16, costs=gpu), outcome, 4)[:2] == [16, 16]
+    assert drive(SpecController(16, costs=cpu), outcome, 4)[:2] == [FIRST, 0]
+    assert drive(SpecController(16), outcome, 4)[:2] == [FIRST, 0]
+    # where its tries accept nothing, the climb ends there: plain rounds, as after any failed climb
+    chosen = drive(SpecController(16, costs=gpu), lambda b: (1, 14.0 if b else 6.0), 20)
+    assert chosen[:3] == [16, 0, 0] and chosen[3:].count(0) >= 15
