@@ -444,13 +444,14 @@ class SpecController:
         return plain.ms + per_node * arm.budget <= limit
 
     def _climbing(self) -> Arm | None:
-        """The arm still owed its tries: the smallest tree first, each bigger one only while the
-        one below accepts (and the stall cap allows it), then the root alone. A tree bigger than
+        """The arm still owed its tries: the smallest tree first (or a bigger one that costs
+        little more: `_climb_start`), each bigger one only while the one below accepts (and the
+        stall cap allows it), then the root alone. A tree bigger than
         one guess that accepted nothing on its first try is owed no second one. The climb goes by
         acceptance, not by the predicted rate: a drafter that guesses right but drafts each depth
         at a cost (a draft model) has bigger trees whose tokens and times the ln model gets wrong,
         and only trying them measures them (a draft model that is the target itself: 1.05 tokens
-        per forward when the climb went by the prediction, tests/server/test_spec_edges.py). But an
+        per forward when the climb went by the prediction, tests/server/test_spec_edges.py). But a
         tree that could not win even as generously predicted (OPTIMISM) is not tried, nor tried a
         second time once its first try says so: the tree below accepts, but not enough to pay for
         the bigger one's rows (a saturated tree below always is; that draft model's are)."""
