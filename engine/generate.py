@@ -246,8 +246,10 @@ class Engine:
         n = len(req.prompt_ids)
         seq = Sequence(tokens=list(req.prompt_ids), covered=n - 1, prompt_len=n,
                        end=min(n + params.max_tokens, self.config.max_context))
-        rounds = Rounds(self.model, cache, seq, params, seed, spec, drafter, stats, grammar,
-                        costs=self.round_costs.setdefault(spec, RoundCosts()))
+        # a tree's cost does not depend on the budget the request allows (its arms are the same
+        # sizes) nor on a stall cap: one memory for them all, and few keys whatever requests ask
+        costs = self.round_costs.setdefault(dataclasses.replace(spec, budget=1, max_stall=None), RoundCosts())
+        rounds = Rounds(self.model, cache, seq, params, seed, spec, drafter, stats, grammar, costs=costs)
         try:
             yield from self._decode(req, params, rounds, seq, stats, t_start)
         finally:

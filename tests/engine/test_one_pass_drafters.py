@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
@@ -393,4 +394,7 @@ def test_chain_trees_tell_the_controller_their_depth(engine, method, tree, monke
     generate(engine, PROMPTS[0], GREEDY, spec)
     caps = {cap for cap, _, _ in seen}
     assert caps == ({4} if tree == "chain" else {None})
+    # what trees cost is remembered per setting, whatever budget or stall cap a request asks
+    assert all(k.budget == 1 and k.max_stall is None for k in engine.round_costs)
+    assert replace(spec, budget=1) in engine.round_costs
     assert all(rows is not None and 1 <= rows <= min(budget + 1, cap or budget + 1) for cap, budget, rows in seen)
