@@ -34,6 +34,9 @@ the same measurements:
   with the output so far), which spreads those draws: differences of a few percent in one cell are
   that luck, not the controller.
 
+Recordings kept in scripts/recordings/: `h200-9b-wide-4bit-mtp.json` (the H200, the 4-bit 9B-shaped
+pair, MTP) and `cpu-bundled-mtp-ngram.json` (the dev CPU, the bundled pair, MTP and n-gram).
+
 What the replay leaves out: times are drawn independently (a busy stretch of the machine is not
 modelled), and a round's time does not depend on how many tokens it accepted.
 """
