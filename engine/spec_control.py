@@ -49,8 +49,8 @@ instead of at the next re-try.
 A cap on the stall (`max_stall`, off by default): a round's tokens reach a streaming client
 together, after the whole round, so a round that takes X plain rounds is a gap X times a plain
 step's. With the cap, an arm whose rounds take longer than max_stall plain rounds is neither kept
-nor re-tried, and a bigger tree is not tried where the per-node cost of the biggest one measured
-below it predicts that it would be: the tail stays near the cap (plain decoding's p99 times it) at
+nor re-tried, and a bigger tree is not tried where its predicted time (`ms`) says that it would
+be: the tail stays near the cap (plain decoding's p99 times it) at
 the price of the bigger trees' speed.
 """
 
@@ -425,8 +425,8 @@ class SpecController:
 
     def _allowed(self, arm: Arm) -> bool:
         """Whether `arm`'s rounds stay within max_stall plain rounds: measured where it ran, else
-        predicted from the per-node cost of the biggest tree measured below it. Before a plain
-        round was measured, only the smallest tree is allowed (it is tried first)."""
+        predicted as every untried tree is (`ms`). Before a plain round was measured, only the
+        smallest tree is allowed (it is tried first)."""
         if self.max_stall is None or arm.budget == 0:
             return True
         plain = self.arms[0]
@@ -437,11 +437,7 @@ class SpecController:
             # the last round as well as the average: one slow round (a first use, a busy machine)
             # weighs on the average for several rounds, and an arm ruled out is not re-tried
             return min(arm.ms, arm.last_ms) <= limit
-        below = [a for a in self.arms if 0 < a.budget < arm.budget and a.rounds]
-        if not below:
-            return True
-        per_node = max(0.0, below[-1].ms - plain.ms) / below[-1].budget
-        return plain.ms + per_node * arm.budget <= limit
+        return self.ms(arm) <= limit  # (0: nothing measured below it to predict from)
 
     def _climbing(self) -> Arm | None:
         """The arm still owed its tries: the smallest tree first (or a bigger one that costs
@@ -476,12 +472,13 @@ class SpecController:
         """The index of the arm the climb starts at: `first`, or the biggest allowed arm above it
         whose remembered cost is at most START_EXTRA plain rounds more than `first`'s (both
         remembered: RoundCosts)."""
-        base = None if self.costs is None else self.costs.ratio(self.arms[first].budget)
-        if base is None:
+        costs = self.costs
+        base = None if costs is None else costs.ratio(self.arms[first].budget)
+        if costs is None or base is None:
             return first
         start = first
         for i in range(first + 1, len(self.arms)):
-            ratio = self.costs.ratio(self.arms[i].budget) if self.costs is not None else None
+            ratio = costs.ratio(self.arms[i].budget)
             if ratio is not None and ratio <= base + START_EXTRA and self._allowed(self.arms[i]):
                 start = i
         return start

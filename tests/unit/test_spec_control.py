@@ -213,8 +213,9 @@ def test_without_a_stall_cap_the_big_tree_wins():
 
 
 def test_a_stall_cap_keeps_every_round_within_it():
-    # 1.5 plain rounds = 15 ms: the one-guess tree (12 ms) fits, four nodes (18 ms, predicted from
-    # the one guess's 2 ms a node) do not and are never tried, nor is the full budget
+    # 1.5 plain rounds = 15 ms: the one-guess tree (12 ms) fits, four nodes (18 ms; predicted by
+    # rows from the one guess's 12 ms and the plain round's 10 at 15.3) do not and are never tried,
+    # nor is the full budget
     c = SpecController(16, max_stall=1.5)
     chosen = drive(c, costly_hits, 300)
     assert set(chosen) == {0, FIRST}
