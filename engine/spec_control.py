@@ -168,6 +168,17 @@ WAKE_COST = 2.5
 GATE_COST = 1.8
 
 
+# Where the target is sure (its confidence above CONF_GATE, engine/spec_gate.py), a tree is kept
+# when its rate beats plain rounds' as measured, without PRIOR's caution or MARGIN: those guard
+# against a lucky round where guesses miss, and where the target is sure they mostly land. On the
+# H200 a 16-node MTP round costs ~2.6 plain rounds and emits 1-7 tokens, 3.4 on average on code;
+# one round of 1 or 2 brought the cautious estimate under plain rounds', and the re-tries then
+# waited REVISIT rounds or more. Replayed (scripts/controller_sim.py replay, four start offsets,
+# what earlier requests measured remembered), MTP where guesses may hit, against the fixed budget:
+# H200 recording 0.888 -> 0.909, dev CPU recording 1.183 -> 1.220; where guesses miss 0.882 ->
+# 0.883 and 0.860 -> 0.858 (BENCHMARKS.md, issue 17, thirty-seventh session).
+SURE_AS_IS = True
+
 # the weight of a request's rounds in what the engine remembers of a tree's cost (RoundCosts)
 REMEMBER = 0.3
 # the climb starts at the biggest tree whose remembered round costs at most this many plain rounds
@@ -177,7 +188,11 @@ REMEMBER = 0.3
 # MTP round took 0.1-0.35 plain rounds more than a 4-node one (the draft and the restart cost more
 # than the rows there), and a short answer (code2: ~8 rounds) spent half its rounds on the climb; on
 # the dev CPU a 16-node tree costs 1.2-2.6 plain rounds more than a 4-node one, a 4-node one
-# 0.5-0.7 more than one guess, and the climb starts where it did
+# 0.5-0.7 more than one guess, and the climb starts where it did. Re-tries upward from plain rounds
+# and the wake's try go up the same way: from plain rounds the neighbour above was the one-guess
+# tree, ~2 plain rounds on the H200 for at most 2 tokens, which could not win there and whose
+# losses spaced the re-tries out (replayed, MTP where guesses may hit, against the fixed budget:
+# 0.868 -> 0.888 on the H200 recording; the dev CPU's within 0.3 %)
 START_EXTRA = 0.5
 # a remembered cost predicts an untried tree at no more than this many times the prediction by
 # rows: one slow round (a kernel compiled on first use, a busy machine) must not make a tree look
@@ -302,7 +317,8 @@ class SpecController:
         the best arm (the four-node tree above plain rounds), unless that tree's rounds cost (or are
         predicted to cost) more than WAKE_COST plain rounds or the stall cap rules it out."""
         best = self.best()
-        up = self._up(best) if best.budget else self.arms[min(2, len(self.arms) - 1)].budget
+        # from plain rounds: the four-node tree, or a bigger one that costs little more (`_climb_start`)
+        up = self._up(best) if best.budget else self.arms[self._climb_start(min(2, len(self.arms) - 1))].budget
         arm = next((a for a in self.arms if a.budget == up), None) if up else None
         plain = self.arms[0]
         # the tree's cost measured, else predicted (an untried tree may be predicted from the
@@ -484,7 +500,8 @@ class SpecController:
         return start
 
     def best(self, limit: int | None = None) -> Arm:
-        """Plain rounds, unless a tree's cautious rate beats theirs by more than MARGIN; then the
+        """Plain rounds, unless a tree's cautious rate beats theirs by more than MARGIN (where the
+        target is sure, its rate as it is: SURE_AS_IS); then the
         smallest of those trees within MARGIN of the fastest (of those of at most `limit` guesses,
         where given). Trees whose time is neither measured
         nor predictable are not candidates, nor, once the root was tried, is a tree whose recent own
@@ -496,8 +513,12 @@ class SpecController:
         trees = [a for a in self.arms[1:] if self.ms(a) > 0 and self._allowed(a)
                  and (limit is None or a.budget <= limit)]
         if plain.rounds:
+            # where the target is sure (engine/spec_gate.py), a tree is judged on its rates as they
+            # are (SURE_AS_IS)
+            sure = SURE_AS_IS and self.gate.sure()
             trees = [a for a in trees if (a.tokens if a.weight >= WMIN else self.tokens(a)[0]) > 1.0
-                     and self.rate(a, cautious=True) * (1 - MARGIN) > self.plain_rate()]
+                     and (self.rate(a) > self.plain_rate() if sure
+                          else self.rate(a, cautious=True) * (1 - MARGIN) > self.plain_rate())]
         if not trees:
             return plain
         top = max(self.rate(a) for a in trees)
@@ -565,7 +586,8 @@ class SpecController:
         could win (`_promising`): its re-try is a stall for text it has no chance on."""
         i = self.arms.index(best)
         side = self.revisit_side if 0 < i < len(self.arms) - 1 else (1 if i == 0 else -1)
-        for j in (i + side, i - side):
+        # up from plain rounds, first as the climb starts (START_EXTRA), then the one-guess tree
+        for j in ((self._climb_start(1), 1) if i == 0 else (i + side, i - side)):
             if 0 <= j < len(self.arms) and self._allowed(self.arms[j]) \
                     and (j < i or self._promising(self.arms[j])):
                 return self.arms[j]

@@ -83,6 +83,10 @@ class ConfidenceGate:
     def _right_where_unsure(self) -> bool:
         return 0 < self.unsure_tries and self.unsure_hits == self.unsure_tries
 
+    def sure(self) -> bool:
+        """Whether the confidence is reported and above CONF_GATE."""
+        return self.confidence is not None and self.confidence > CONF_GATE
+
     def shut(self) -> bool:
         """Whether no tree is tried or kept now: the target is unsure, and the drafter's tries
         where it was unsure did not all accept every guess (there were none, or one missed)."""

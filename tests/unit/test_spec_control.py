@@ -591,3 +591,30 @@ def test_the_climb_starts_at_a_big_tree_that_costs_little_more():
     # where its tries accept nothing, the climb ends there: plain rounds, as after any failed climb
     chosen = drive(SpecController(16, costs=gpu), lambda b: (1, 14.0 if b else 6.0), 20)
     assert chosen[:3] == [16, 0, 0] and chosen[3:].count(0) >= 15
+
+
+def test_a_retry_from_plain_rounds_goes_up_as_the_climb_starts():
+    # an H200's remembered costs (one guess 1.8 plain rounds, sixteen nodes 2.3): the re-try from
+    # plain rounds is the sixteen-node tree, which pays where the text turned predictable; the
+    # dev CPU's (1.1 / 3.5): the one-guess tree, as without a memory
+    from engine.spec_control import RoundCosts
+
+    def turns(b: int, i: int) -> tuple[int, float]:  # misses for 40 rounds, then every guess right
+        tokens = 1 if i < 40 else (1 + min(b, 6))
+        return tokens, {0: 6.0, 1: 11.0, 4: 12.5, 16: 14.0}[b]
+
+    def run(costs: RoundCosts | None) -> list[int]:
+        c, chosen = SpecController(16, costs=costs), []
+        for i in range(300):
+            b = c.budget()
+            chosen.append(b)
+            c.record(b, *turns(b, i))
+        return chosen
+
+    def first_retry(chosen: list[int]) -> int:
+        return next(b for i, b in enumerate(chosen) if b and i >= 2 * TRIES)
+
+    gpu = run(RoundCosts({1: 1.8, 4: 2.1, 16: 2.3}))
+    assert first_retry(gpu) == 16 and gpu[-40:].count(16) >= 38
+    assert first_retry(run(RoundCosts({1: 1.1, 4: 1.7, 16: 3.5}))) == FIRST
+    assert first_retry(run(None)) == FIRST
