@@ -13,7 +13,9 @@
 # files where the machine has no git history; MTP DDTree and chains sized by each, beside plain
 # decoding, where guesses miss and on code, chat and the long prompt), controller-fixed (the same
 # texts: the working tree's controller against every round at the full budget and against itself
-# without the confidence gate).
+# without the confidence gate), plain-rounds (what a plain round costs with MTP on, where guesses
+# miss, against plain decoding's, with the confidence off and with no controller between rounds:
+# scripts/profile_plain_rounds.py).
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -41,6 +43,8 @@ for stage in $stages; do
            --dflash-model /tmp/q9/dflash --methods mtp,mtp-chain --lengths 64 --kinds code,chat,long --runs 3 ;;
     controller-fixed) timeout 540 python scripts/bench_controller.py --fixed --gate-off --model /tmp/q9/target \
            --dflash-model /tmp/q9/dflash --methods mtp-chain,mtp --lengths 64 --kinds code,chat,long --runs 3 ;;
+    plain-rounds) timeout 400 python scripts/profile_plain_rounds.py --model /tmp/q9/target --dflash-model /tmp/q9/dflash \
+           --dtype bfloat16 --methods mtp-chain,mtp --probes engine,nc,pl --runs 5 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac > "$OUT/$stage.log" 2>&1
   echo "$stage: rc $? in $(( $(date +%s) - start )) s" | tee -a "$OUT/stages.log"
