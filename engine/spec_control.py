@@ -587,7 +587,7 @@ class SpecController:
         i = self.arms.index(best)
         side = self.revisit_side if 0 < i < len(self.arms) - 1 else (1 if i == 0 else -1)
         # up from plain rounds, first as the climb starts (START_EXTRA), then the one-guess tree
-        for j in ((self._climb_start(1), 1) if i == 0 else (i + side, i - side)):
+        for j in ((self._climb_start(1), 1) if i == 0 and len(self.arms) > 1 else (i + side, i - side)):
             if 0 <= j < len(self.arms) and self._allowed(self.arms[j]) \
                     and (j < i or self._promising(self.arms[j])):
                 return self.arms[j]

@@ -35,7 +35,8 @@ the same measurements:
   that luck, not the controller.
 
 Recordings kept in scripts/recordings/: `h200-9b-wide-4bit-mtp.json` (the H200, the 4-bit 9B-shaped
-pair, MTP) and `cpu-bundled-mtp-ngram.json` (the dev CPU, the bundled pair, MTP and n-gram).
+pair, MTP), `cpu-bundled-mtp-ngram.json` and `cpu-bundled-dflash-draft.json` (the dev CPU, the
+bundled pair, MTP and n-gram; DFlash with DDTree trees and the draft model).
 
 What the replay leaves out: times are drawn independently (a busy stretch of the machine is not
 modelled), and a round's time does not depend on how many tokens it accepted.
