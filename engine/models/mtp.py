@@ -24,6 +24,7 @@ import mlx.nn as nn
 
 from engine import attention_rows as attention_kernel
 from engine.cache import KVCache
+from engine.cpu_exp import softmax_rows
 from engine.gdn.core import OpsCore
 from engine.models.base import ModelArgs
 from engine.models.layers import CHAIN, Batch, RMSNorm, apply_rope, apply_rope_pair
@@ -126,6 +127,8 @@ def scratch_attention(q: mx.array, keys: mx.array, values: mx.array, length: mx.
     q = q.reshape(B, Hkv, H // Hkv, D) * scale  # head h reads kv head h // G
     seen = mx.where(mx.arange(cap) < length, (q @ keys.swapaxes(-1, -2)).astype(mx.float32), -mx.inf)
     own = mx.where(mx.arange(skeys.shape[2]) <= j, (q @ skeys.swapaxes(-1, -2)).astype(mx.float32), -mx.inf)
-    probs = mx.softmax(mx.concatenate([seen, own], axis=-1), axis=-1).astype(values.dtype)
+    # softmax_rows: on the CPU through 2^ (engine/cpu_exp.py), MLX's exp costing ~2.5x as much; at
+    # 2k committed rows the softmax over them was most of what the context added to a depth
+    probs = softmax_rows(mx.concatenate([seen, own], axis=-1)).astype(values.dtype)
     out = probs[..., :cap] @ values + probs[..., cap:] @ svalues  # [B, Hkv, G, D]
     return out.reshape(B, 1, H * D)
