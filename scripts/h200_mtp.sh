@@ -14,7 +14,8 @@
 # decoding, where guesses miss and on code, chat and the long prompt), controller-fixed (the same
 # texts: the working tree's controller against every round at the full budget and against itself
 # without the confidence gate), plain-rounds (what a plain round costs with MTP on, where guesses
-# miss, against plain decoding's, with the confidence off and with no controller between rounds:
+# miss, against plain decoding's, with the confidence off and with no controller between rounds;
+# the n-gram drafter beside MTP tells apart what MTP's feature rows and bookkeeping cost:
 # scripts/profile_plain_rounds.py).
 set -u
 OUT=${OUT:-/tmp/out}
@@ -44,7 +45,7 @@ for stage in $stages; do
     controller-fixed) timeout 540 python scripts/bench_controller.py --fixed --gate-off --model /tmp/q9/target \
            --dflash-model /tmp/q9/dflash --methods mtp-chain,mtp --lengths 64 --kinds code,chat,long --runs 3 ;;
     plain-rounds) timeout 400 python scripts/profile_plain_rounds.py --model /tmp/q9/target --dflash-model /tmp/q9/dflash \
-           --dtype bfloat16 --methods mtp-chain,mtp --probes engine,nc,pl --runs 5 ;;
+           --dtype bfloat16 --methods mtp-chain,mtp,ngram --probes engine,nc,pl --runs 5 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac > "$OUT/$stage.log" 2>&1
   echo "$stage: rc $? in $(( $(date +%s) - start )) s" | tee -a "$OUT/stages.log"
