@@ -49,7 +49,8 @@ from engine.generate import BUNDLED, Engine  # noqa: E402
 from engine.types import GenerationRequest  # noqa: E402
 
 METHODS = {"mtp": SpecConfig(method="mtp", tree="ddtree"), "mtp-chain": SpecConfig(method="mtp", tree="chain"),
-           "ngram": SpecConfig(method="ngram"), "dflash": SpecConfig(method="dflash", tree="ddtree")}
+           "ngram": SpecConfig(method="ngram"), "dflash": SpecConfig(method="dflash", tree="ddtree"),
+           "draft": SpecConfig(method="draft")}
 PROBES = ("engine", "nc", "pl")
 
 
