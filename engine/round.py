@@ -82,6 +82,7 @@ class InFlight:
     arm: int = -1  # the budget the controller chose for this round (-1: none to credit)
     evidence: int = 0  # the drafter's evidence class the round was chosen under (engine/spec_evidence.py)
     ahead_ms: float = 0.0  # a pipelined round: how long queueing it took, before the previous one landed
+    restart: bool = False  # launched right after a tree landed (RESTART_ALONE_ON_CPU)
     tokens: mx.array | None = None  # [1, N] the tree's tokens, where they were still on the device at launch
     top: mx.array | None = None  # [N] the target's top-token probability by node, read on the device
     unstarted: list[mx.array] | None = None  # what `start` hands the device, where that waits (START_LATE_ON_CPU)
@@ -122,6 +123,13 @@ START_LATE_ON_CPU = True
 # (scripts/bench_start_late.py --ahead-layers 0,2), three runs: 0.875-0.946x -> 0.907-0.986x of
 # plain decoding (BENCHMARKS.md, issue 17, twelfth session).
 START_AHEAD_LAYERS = 2
+# ...except behind the plain round right after a tree: that round was not queued ahead (its root and
+# position came with the tree's landing), so it runs whole between two tokens, after the tree's
+# commit, and the next round's graph and first layers queued before it lands came on top: on the
+# dev CPU its gap was 5.1-6.0 ms against a 3.4 ms median, in every request where a tree was tried
+# (the first round's one-guess try, the re-tries), and those gaps were the p99 where guesses miss.
+# Landing it first splits that extra time over two gaps, the next round being queued ahead again.
+RESTART_ALONE_ON_CPU = True
 # Where the target's confidence (the controller's gate, engine/spec_gate.py) is read: on the
 # device in the round's graph, so that only N floats travel with the N ids; on the CPU a tree's
 # accepted rows on the host after the walk instead (its every row in the graph: ~0.75 ms for 17
@@ -185,6 +193,7 @@ class Rounds:
         self.confides = self.controller is not None and self.hindsight is None
         self.top_on_cpu = mx.default_device() == mx.cpu
         self.start_late = START_LATE_ON_CPU and drafts and mx.default_device() == mx.cpu
+        self._tree_landed = False  # the last round landed was a tree (RESTART_ALONE_ON_CPU)
         on_gpu = mx.default_device() != mx.cpu
         self.chains_on_device = self.on_device and isinstance(drafter, ChainsOnDevice) and (
             CHAIN_ON_DEVICE if CHAIN_ON_DEVICE is not None else on_gpu)
@@ -217,6 +226,7 @@ class Rounds:
         t1 = time.perf_counter()
         flight = self._queue(tree, tokens, t0, (t1 - t0) * 1e3)
         flight.proposed, flight.arm, flight.evidence = proposed, arm if budget == arm else -1, evidence
+        flight.restart = self._tree_landed
         blas.pace(host_busy=self.can_pipeline(flight))  # the host builds the next round meanwhile
         self.start(flight)
         return flight
@@ -227,6 +237,8 @@ class Rounds:
         or one the controller gives no budget and that catches up by itself through skip), or
         the smallest tree, the root and one guess, from a drafter that guesses on the device."""
         if not (self.on_device and flight.choices is not None and flight.tree.size == 1):
+            return False
+        if flight.restart and self.start_late and RESTART_ALONE_ON_CPU:
             return False
         if isinstance(self.drafter, NoDrafter):
             return True
@@ -348,6 +360,7 @@ class Rounds:
         t3 = time.perf_counter()
         root = self.seq.tokens[-1]  # a pipelined tree's root was only on the device
         self.seq.tokens += acc.tokens
+        self._tree_landed = tree.size > 1
         # counted as drafting: the drafter syncs its own state
         if flight.proposed:
             self.drafter.observe(list(acc.tokens))

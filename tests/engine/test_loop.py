@@ -197,3 +197,37 @@ def test_plain_rounds_chosen_by_the_controller_are_pipelined(engine, monkeypatch
     assert out.tokens == plain
     assert len(ahead) >= 20, len(ahead)  # most of the 44 rounds, after the tries
     assert wrong.skips >= len(ahead) and wrong.bad_roots == 0
+
+
+@pytest.mark.parametrize("alone", [True, False])
+def test_the_plain_round_after_a_tree_lands_before_the_next_is_queued(engine, monkeypatch, alone):
+    """On the CPU with a drafter on, the plain round right after a tree is landed before the round
+    after it is queued (engine/round.py RESTART_ALONE_ON_CPU: its gap was the p99 where guesses
+    miss); the rounds after it are queued ahead again. The output is plain decoding's either way."""
+    import mlx.core as mx
+
+    from engine import round as round_mod
+    from engine import spec_control
+    from tests.engine.test_lossless import OracleDrafter
+
+    class WrongSkips(OracleDrafter):
+        def skip(self, root, emitted):
+            self.observe(emitted)
+
+    monkeypatch.setattr(round_mod, "RESTART_ALONE_ON_CPU", alone)
+    # a four-node tree every sixth round (asked before the round before it lands, and at its launch)
+    monkeypatch.setattr(spec_control.SpecController, "budget", lambda self: 4 if self.rounds % 6 in (4, 5) else 0)
+    behind: list[bool] = []  # for each round queued ahead: whether the round it was queued behind is a restart
+    landed: list[bool] = []
+    real_after, real_land = Rounds.launch_after, Rounds.land
+    monkeypatch.setattr(Rounds, "launch_after", lambda self, f: behind.append(f.restart) or real_after(self, f))
+    monkeypatch.setattr(Rounds, "land", lambda self, f: landed.append(f.restart) or real_land(self, f))
+    sampling = SamplingParams(max_tokens=40, ignore_eos=True)
+    plain = generate(engine, PROMPT, sampling).tokens
+    behind.clear()
+    landed.clear()
+    wrong = WrongSkips(plain, len(PROMPT), wrong=True)
+    out = generate(engine, PROMPT, sampling, SpecConfig(budget=6, max_depth=6), wrong)
+    assert out.tokens == plain
+    assert landed.count(True) >= 3 and len(behind) >= 10, (landed.count(True), len(behind))
+    assert any(behind) == (not alone or mx.default_device() != mx.cpu)
