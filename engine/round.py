@@ -235,7 +235,8 @@ class Rounds:
         """Whether the round after `flight` can be queued before `flight` lands: `flight` is a
         one-node round whose token is chosen on the device, and the next is one too (no drafter,
         or one the controller gives no budget and that catches up by itself through skip), or
-        the smallest tree, the root and one guess, from a drafter that guesses on the device."""
+        the smallest tree, the root and one guess, from a drafter that guesses on the device;
+        on the CPU not behind the plain round right after a tree (RESTART_ALONE_ON_CPU)."""
         if not (self.on_device and flight.choices is not None and flight.tree.size == 1):
             return False
         if flight.restart and self.start_late and RESTART_ALONE_ON_CPU:
