@@ -319,7 +319,7 @@ class SpecController:
         best = self.best()
         # from plain rounds: the four-node tree, or a bigger one that costs little more (`_climb_start`)
         up = self._up(best) if best.budget else self.arms[self._climb_start(min(2, len(self.arms) - 1))].budget
-        arm = next((a for a in self.arms if a.budget == up), None) if up else None
+        arm = self._arm(up) if up else None
         plain = self.arms[0]
         # the tree's cost measured, else predicted (an untried tree may be predicted from the
         # one-guess tree's rounds)
