@@ -71,14 +71,14 @@ class _Plain:
 
 
 def timed(engine: Engine, prompt: list[int], params: SamplingParams, spec: SpecConfig,
-          probe: str) -> tuple[list[tuple[int, float]], float, int]:
-    """One request: (tree size, ms) of every round, the decode seconds (first token to last), tokens."""
-    out: list[tuple[int, float]] = []
+          probe: str) -> tuple[list[tuple[int, float, int]], float, int]:
+    """One request: (tree size, ms, tokens) of every round, the decode seconds (first token to last), tokens."""
+    out: list[tuple[int, float, int]] = []
     count, init = rounds_module.Rounds._count, rounds_module.Rounds.__init__
 
     def counted(self, flight, accepted, emitted, t2, t3) -> None:  # noqa: ANN001
         count(self, flight, accepted, emitted, t2, t3)
-        out.append((flight.tree.size, self.last_round_ms))
+        out.append((flight.tree.size, self.last_round_ms, emitted))
 
     def made(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
         init(self, *args, **kwargs)
@@ -100,9 +100,30 @@ def timed(engine: Engine, prompt: list[int], params: SamplingParams, spec: SpecC
     return out, last - first, tokens
 
 
-def pipelined(rounds: list[tuple[int, float]]) -> list[float]:
+def pipelined(rounds: list[tuple[int, float, int]]) -> list[float]:
     """The one-node rounds that followed a one-node round."""
-    return [ms for (size, ms), (before, _) in zip(rounds[1:], rounds) if size == 1 and before == 1]
+    return [ms for (size, ms, _), (before, _, _) in zip(rounds[1:], rounds) if size == 1 and before == 1]
+
+
+def trace(last: dict[tuple[str, str], list[tuple[int, float, int]]]) -> str:
+    """Each method and probe's last run: every tree round (its index, nodes, ms) and the round after
+    it, and what they took beyond the plain rounds that would have emitted their tokens (the trees'
+    share of the loss where guesses miss)."""
+    lines = ["last run's tree rounds: #index nodes ms tokens, then the round after (nodes ms)"]
+    for (method, probe), rounds in last.items():
+        if method == "none":
+            continue
+        plain = statistics.median(pipelined(rounds) or [0.0])
+        parts, extra = [], 0.0
+        for i, (size, ms, emitted) in enumerate(rounds):
+            if size > 1:
+                after = rounds[i + 1] if i + 1 < len(rounds) else None
+                parts.append(f"#{i} {size} {ms:.2f} {emitted}" + (f" -> {after[0]} {after[1]:.2f}" if after else ""))
+                extra += ms - emitted * plain + ((after[1] - plain) if after and after[0] == 1 else 0.0)
+        total = sum(ms for _, ms, _ in rounds)
+        lines.append(f"{method} {probe}: plain {plain:.2f} ms, trees + the rounds after them {extra:.1f} ms "
+                     f"beyond plain rounds' ({100 * extra / total:.1f} % of {total:.0f} ms): " + "; ".join(parts))
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -115,6 +136,8 @@ def main() -> None:
     ap.add_argument("--model", default=str(BUNDLED / "target"))
     ap.add_argument("--dflash-model", default=None)
     ap.add_argument("--dtype", default=None, help="e.g. bfloat16 (default: the checkpoint's)")
+    ap.add_argument("--trace", action="store_true",
+                    help="print the last run's tree rounds and the round after each, per method and probe")
     a = ap.parse_args()
     methods = [m for m in a.methods.split(",") if m]
     probes = [p for p in a.probes.split(",") if p]
@@ -128,13 +151,17 @@ def main() -> None:
     params = SamplingParams(max_tokens=a.tokens, ignore_eos=True, temperature=1.0, seed=0)
     cells = [("none", "engine")] + [(m, p) for m in methods for p in probes]
     got: dict[tuple[str, str], list[tuple[float, int, float]]] = {c: [] for c in cells}
+    last: dict[tuple[str, str], list[tuple[int, float, int]]] = {}
     for r in range(a.runs + 1):  # the first is the warm-up
         for method, probe in cells:
             spec = SpecConfig() if method == "none" else replace(METHODS[method], dflash_model=a.dflash_model)
             rounds, seconds, tokens = timed(engine, prompt, params, spec, probe)
             if r:
                 got[(method, probe)].append((statistics.median(pipelined(rounds)),
-                                             sum(size > 1 for size, _ in rounds), tokens / seconds))
+                                             sum(size > 1 for size, _, _ in rounds), tokens / seconds))
+                last[(method, probe)] = rounds
+    if a.trace:
+        print(trace(last))
     base = got[("none", "engine")]
     print(f"{a.runs} runs, {a.tokens} tokens after {a.length} random ids, seeded sampling at temperature 1")
     print("| method | probe | pipelined plain round, ms (median of runs) | vs plain decoding's | trees a request | "
