@@ -520,8 +520,32 @@ def test_a_chain_drafters_big_tree_is_climbed_to_where_its_depth_pays():
         return chosen
 
     assert run(SpecController(16))[:6] == [FIRST, 0, FIRST, 4, 4, 0]
-    capped = run(SpecController(16, row_cap=7))
-    assert capped[:6] == [FIRST, 0, FIRST, 4, 4, 16] and capped[-40:].count(16) >= 35
+    # (what it keeps after the climb is read depth by depth, and these rounds are no chain's: a
+    # 6-guess chain emitting 4 tokens every round makes a 4-guess one emit 4 as well; the next test
+    # keeps a chain that pays)
+    assert run(SpecController(16, row_cap=7))[:6] == [FIRST, 0, FIRST, 4, 4, 16]
+
+
+def chain_rounds(lengths: list[int], ms: dict[int, float], depth: int = 6):
+    """outcome(budget) -> (tokens, ms) of chains sharing their guesses: the guesses are right down
+    to lengths[i] in turn, so a chain of d guesses emits min(lengths[i], d) + 1 tokens."""
+    from itertools import cycle
+    right = cycle(lengths)
+    return lambda b: (min(next(right), min(b, depth)) + 1, ms[b])
+
+
+def test_a_chain_whose_depth_pays_is_kept():
+    # every guess right three rounds in four: a 6-guess chain (7 rows) emits 6.25 tokens a round in
+    # 11 ms, the 4-guess chain 4.75 in 10.5 ms (GPU-like: a deeper chain costs little more)
+    outcome = chain_rounds([6, 6, 6, 3], {0: 5.0, 1: 7.0, 4: 10.5, 16: 11.0})
+    rows = {0: 1, 1: 2, 4: 5, 16: 7}
+    c = SpecController(16, row_cap=7)
+    chosen = []
+    for _ in range(100):
+        b = c.budget()
+        chosen.append(b)
+        c.record(b, *outcome(b), rows[b])
+    assert chosen[-40:].count(16) >= 35
 
 
 def test_what_a_tree_cost_an_earlier_request_predicts_it():
@@ -618,3 +642,44 @@ def test_a_retry_from_plain_rounds_goes_up_as_the_climb_starts():
     assert first_retry(gpu) == 16 and gpu[-40:].count(16) >= 38
     assert first_retry(run(RoundCosts({1: 1.1, 4: 1.7, 16: 3.5}))) == FIRST
     assert first_retry(run(None)) == FIRST
+
+
+def test_depth_acceptance_reads_a_chain_depth_by_depth():
+    from engine.spec_control import DEPTH_PRIOR, DepthAcceptance
+    d = DepthAcceptance()
+    # nothing seen: every depth at the prior
+    assert d.tokens(2) == pytest.approx(1 + DEPTH_PRIOR + DEPTH_PRIOR ** 2)
+    d.record(drafted=4, accepted=4)  # every guess right: depths 1-4 reached and right
+    d.record(drafted=4, accepted=1)  # the second guess missed: depths 1-2 reached, 1 right
+    # depth 1 reached twice, right twice; depth 2 reached twice, right once (the older round
+    # weighs DEPTH_DECAY); depths 3-4 reached and right once. Each estimate counts the depth
+    # above's as one round more
+    p1 = (1.8 + DEPTH_PRIOR) / (1.8 + 1)
+    p2 = (0.8 + p1) / (1.8 + 1)
+    p3 = (1 + p2) / (1 + 1)
+    p4 = (1 + p3) / (1 + 1)
+    assert d.tokens(1) == pytest.approx(1 + p1)
+    assert d.tokens(3) == pytest.approx(1 + p1 + p1 * p2 + p1 * p2 * p3)
+    # a depth never reached takes the depth above's estimate
+    assert d.tokens(5) - d.tokens(4) == pytest.approx(p1 * p2 * p3 * p4 * p4)
+
+
+def test_a_chain_round_whose_first_guess_missed_counts_against_every_chain():
+    # the 4-guess chain emitted 5 tokens a round (every guess right) three times; then the 6-guess
+    # chain (the budget of 16 at depth 6: 7 rows) was tried where the first guess missed: 1 token.
+    # On its own rounds it accepts nothing and is out of the running; read depth by depth, that
+    # round is one miss at depth 1 among the shorter chain's hits, which it shares, and it is
+    # expected to emit at least what the shorter chain does
+    def after(c: SpecController) -> SpecController:
+        for budget, tokens, ms, rows in [(1, 2, 7.0, 2), (0, 1, 4.0, 1), (1, 2, 7.0, 2), (4, 5, 8.0, 5),
+                                         (4, 5, 8.0, 5), (4, 5, 8.0, 5), (16, 1, 8.6, 7)]:
+            c.record(budget, tokens, ms, rows)
+        return c
+
+    by_depth = after(SpecController(16, row_cap=7))
+    four, six = by_depth.arms[2], by_depth.arms[3]
+    assert six.tokens >= four.tokens > 3.0
+    own = SpecController(16, row_cap=7)
+    own.depths = None  # each arm on its own rounds
+    own = after(own)
+    assert own.arms[3].tokens == 1.0 and own.arms[2].tokens == 5.0
