@@ -192,6 +192,14 @@ def timed_rounds(engine, prompt, params, spec) -> list[tuple[int, int, float]]: 
     return out
 
 
+def row_cap(method: str) -> int | None:
+    """The rows of a chain of one of METHODS (its depth and its root, as engine/round.py hands
+    them over), None for trees that fill their budget: a chain stops at the method's default depth
+    (engine/config.py; the bundled DFlash block of 16 holds 15 guesses, more than that)."""
+    spec = METHODS[method]
+    return spec.max_depth + 1 if spec.tree == "chain" and spec.method in ("mtp", "dflash") else None
+
+
 def hindsight(method: str) -> bool:
     """Whether the drafter of one of METHODS tells what its guesses would have done in plain rounds."""
     from engine.drafters import DRAFTER_TYPES
@@ -217,11 +225,16 @@ def by_budget(times: dict[str, list[float]]) -> dict[str, list[float]]:
 
 def replay_one(controller_class: type, accepted: dict[str, list[int]], times: dict[str, list[float]],
                length: int, rng: random.Random, hindsight: bool = False,
-               confidence: list[float] | None = None, costs: object | None = None) -> tuple[float, int]:
+               confidence: list[float] | None = None, costs: object | None = None,
+               row_cap: int | None = None) -> tuple[float, int]:
     """One request under `controller_class`: its total ms and its tree rounds. `hindsight`: the
     controller is told after each plain round what each tree would have emitted there. `costs`:
-    what earlier requests measured of the trees (engine/spec_control.py RoundCosts), shared."""
-    controller = controller_class(max(BUDGETS)) if costs is None else controller_class(max(BUDGETS), costs=costs)
+    what earlier requests measured of the trees (engine/spec_control.py RoundCosts), shared.
+    `row_cap`: a chain's rows (its depth and root), as the engine hands it to the controller."""
+    kwargs: dict = {} if costs is None else {"costs": costs}
+    if row_cap is not None and "row_cap" in inspect.signature(controller_class).parameters:
+        kwargs["row_cap"] = row_cap
+    controller = controller_class(max(BUDGETS), **kwargs)
     observe = getattr(controller, "observe", None) if hindsight else None
     confide = getattr(controller, "confide", None) if confidence else None
     i, total, trees, prev = 0, 0.0, 0, None
@@ -299,6 +312,7 @@ def replay(path: Path, revs: list[str], seeds: int, offsets: list[int], remember
             cells = []
             # a drafter with hindsight is told that; the others the confidence, as the engine does
             told = hindsight(method)
+            cap = row_cap(method)
             for rev, cls in classes.items():
                 ratios, trees = [], []
                 blind = rev.endswith("/blind")
@@ -312,11 +326,11 @@ def replay(path: Path, revs: list[str], seeds: int, offsets: list[int], remember
                     costs = None if memory is None else memory()
                     if costs is not None:  # one request to fill it
                         replay_one(cls, accepted, m["ms"], length, random.Random(-1), told,
-                                   None if told else confidence, costs)
+                                   None if told else confidence, costs, cap)
                     for seed in range(seeds):
                         rng = random.Random(seed)
                         total, n = replay_one(cls, accepted, m["ms"], length, rng, told,
-                                              None if told else confidence, costs)
+                                              None if told else confidence, costs, cap)
                         plain_total = sum(rng.choice(plain) for _ in range(length))
                         ratios.append(plain_total / total)
                         trees.append(n)

@@ -16,7 +16,8 @@
 # without the confidence gate), plain-rounds (what a plain round costs with MTP on, where guesses
 # miss, against plain decoding's, with the confidence off and with no controller between rounds;
 # the n-gram drafter beside MTP tells apart what MTP's feature rows and bookkeeping cost:
-# scripts/profile_plain_rounds.py).
+# scripts/profile_plain_rounds.py); misses-trace (the same where guesses miss, the engine alone, and
+# the last run's tree rounds with the round after each: where the loss against plain decoding goes).
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -44,6 +45,8 @@ for stage in $stages; do
            --dflash-model /tmp/q9/dflash --methods mtp,mtp-chain --lengths 64 --kinds code,chat,long --runs 3 ;;
     controller-fixed) timeout 540 python scripts/bench_controller.py --fixed --gate-off --model /tmp/q9/target \
            --dflash-model /tmp/q9/dflash --methods mtp-chain,mtp --lengths 64 --kinds code,chat,long --runs 3 ;;
+    misses-trace) timeout 300 python scripts/profile_plain_rounds.py --model /tmp/q9/target --dflash-model /tmp/q9/dflash \
+           --dtype bfloat16 --methods ngram,mtp,mtp-chain --probes engine --runs 5 --trace ;;
     plain-rounds) timeout 400 python scripts/profile_plain_rounds.py --model /tmp/q9/target --dflash-model /tmp/q9/dflash \
            --dtype bfloat16 --methods mtp-chain,mtp,ngram --probes engine,nc,pl --runs 5 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
