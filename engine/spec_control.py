@@ -36,6 +36,9 @@ four fifths of the first round after the second), and a tree is judged against p
 it had also had PRIOR rounds that accepted nothing: one lucky round does not make a losing tree the
 choice. And the text changes under a request: a tree's rounds age while other arms run (STALE), so
 that rounds from a stretch where guesses missed do not outweigh fresh ones where they hit.
+A chain drafter's arms share their evidence: a chain of d guesses is the first d guesses of a
+longer one, so every chain round is read depth by depth into one estimate of how far guesses land
+(DepthAcceptance), and each chain arm's tokens a round come from it.
 scripts/controller_sim.py replays controllers over measured acceptance and round times, so that
 such changes are compared without the machine's noise.
 

@@ -1,7 +1,7 @@
 """What a plain round costs with a drafter on, against plain decoding's own rounds.
 
     python scripts/profile_plain_rounds.py [--methods mtp,ngram] [--probes engine,nc] [--runs 5]
-        [--tokens 96] [--length 64] [--model DIR --dflash-model DIR] [--dtype float32]
+        [--tokens 96] [--length 64] [--model DIR --dflash-model DIR] [--dtype float32] [--trace]
 
 Where guesses miss, the tree-size controller (engine/spec_control.py) settles on plain rounds, and
 then speculation runs at the speed of its plain rounds: issue 17's 0.95x of plain decoding is
@@ -106,9 +106,9 @@ def pipelined(rounds: list[tuple[int, float, int]]) -> list[float]:
 
 
 def trace(last: dict[tuple[str, str], list[tuple[int, float, int]]]) -> str:
-    """Each method and probe's last run: every tree round (its index, nodes, ms) and the round after
-    it, and what they took beyond the plain rounds that would have emitted their tokens (the trees'
-    share of the loss where guesses miss)."""
+    """Each method and probe's last run: every tree round (its index, nodes, ms, tokens) and the
+    round after it, and what they took beyond the plain rounds that would have emitted their tokens
+    (the trees' share of the loss where guesses miss)."""
     lines = ["last run's tree rounds: #index nodes ms tokens, then the round after (nodes ms)"]
     for (method, probe), rounds in last.items():
         if method == "none":
