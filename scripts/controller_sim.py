@@ -15,7 +15,9 @@ the same measurements:
   where guesses miss, and greedy decoding of scripts/bench_spec.py's prompts of each kind) and each
   method, the tokens a round of each of the controller's budgets emits from every position of plain
   decoding's output (a request whose prompt is the prompt and the output so far, its first round at
-  that budget; the prefix cache makes that a short prefill), and the wall times of rounds, by budget
+  that budget; the prefix cache makes that a short prefill) and the rows of that round's tree (a
+  chain may stop short of its depth; replayed, the controller is told them, as the engine tells
+  it; recordings without them tell none), and the wall times of rounds, by budget
   and by whether the round before was plain (pipelined) or a tree, from runs of the working tree's
   controller and from fixed budgets; plain decoding's own rounds are the denominator; and the target's
   top-token probability at every position of plain decoding's output (its confidence).
@@ -37,8 +39,9 @@ the same measurements:
 Recordings kept in scripts/recordings/: `h200-9b-wide-4bit-mtp.json` (the H200, the 4-bit 9B-shaped
 pair, MTP), `h100-9b-wide-4bit-mtp.json` (an H100, the same pair three sessions of engine work
 later, MTP with DDTree trees and chains; two rounds of 1.2 and 2.4 s, tree shapes compiled on first
-use, dropped), `cpu-bundled-mtp-ngram.json` and `cpu-bundled-dflash-draft.json` (the dev CPU, the
-bundled pair, MTP and n-gram; DFlash with DDTree trees and the draft model).
+use, dropped), `cpu-bundled-mtp-ngram.json`, `cpu-bundled-dflash-draft.json` and
+`cpu-bundled-mtp-chain.json` (the dev CPU, the bundled pair: MTP and n-gram; DFlash with DDTree
+trees and the draft model; MTP chains, with each round's rows: the head's stop rule cuts them).
 
 What the replay leaves out: times are drawn independently (a busy stretch of the machine is not
 modelled), and a round's time does not depend on how many tokens it accepted.
@@ -129,10 +132,25 @@ def record(path: Path, methods: list[str], kinds: list[str], lengths: list[int],
                 raise RuntimeError(f"no logprobs from position {done} of the reference on")
         return top
 
-    def first_round(prompt: list[int], params: SamplingParams, spec: SpecConfig) -> list[int]:
-        for step in engine.generate(GenerationRequest(prompt_ids=prompt, sampling=params, spec=spec)):
-            return list(step.token_ids)  # the generator closes: the request ends here
-        return []
+    def first_round(prompt: list[int], params: SamplingParams, spec: SpecConfig) -> tuple[list[int], int]:
+        """The first round's tokens and its tree's rows, the root included (a chain that the
+        drafter's stop rule cut short has fewer than its depth allows)."""
+        import engine.round as rounds_module
+
+        rows: list[int] = []
+        count = rounds_module.Rounds._count
+
+        def counted(self, flight, accepted, emitted, t2, t3) -> None:  # noqa: ANN001
+            count(self, flight, accepted, emitted, t2, t3)
+            rows.append(flight.tree.size)
+
+        rounds_module.Rounds._count = counted  # type: ignore[method-assign]
+        try:
+            for step in engine.generate(GenerationRequest(prompt_ids=prompt, sampling=params, spec=spec)):
+                return list(step.token_ids), rows[0]  # the generator closes: the request ends here
+        finally:
+            rounds_module.Rounds._count = count  # type: ignore[method-assign]
+        return [], 1
 
     result: dict = {"tokens": tokens, "requests": {}}
     for label, prompt, params in requests:
@@ -143,11 +161,14 @@ def record(path: Path, methods: list[str], kinds: list[str], lengths: list[int],
         for method in methods:
             spec = replace(METHODS[method], dflash_model=dflash_model)
             accepted: dict[str, list[int]] = {}
+            drafted: dict[str, list[int]] = {}
             for b in BUDGETS:
                 fixed = replace(spec, budget=b, adaptive=False)
-                row = []
+                row, drafted[str(b)] = [], []
                 for i in range(len(reference)):
-                    got = first_round(prompt + reference[:i], replace(params, max_tokens=len(reference) - i), fixed)
+                    got, rows = first_round(prompt + reference[:i], replace(params, max_tokens=len(reference) - i),
+                                            fixed)
+                    drafted[str(b)].append(rows)
                     # the tokens that agree with plain decoding's (a rounding flip ends the agreement)
                     n = next((k for k, t in enumerate(got) if i + k >= len(reference) or t != reference[i + k]),
                              len(got))
@@ -162,7 +183,7 @@ def record(path: Path, methods: list[str], kinds: list[str], lengths: list[int],
                         kind = "start" if prev is None else ("plain" if prev == 0 else "tree")
                         times.setdefault(f"{budget}:{kind}", []).append(ms)
                         prev = budget
-            entry["methods"][method] = {"accepted": accepted, "ms": times}
+            entry["methods"][method] = {"accepted": accepted, "rows": drafted, "ms": times}
             print(f"{label} {method}: tokens a round at budgets {BUDGETS}: "
                   + ", ".join(f"{statistics.mean(r):.2f}" for r in accepted.values()), flush=True)
         result["requests"][label] = entry
@@ -226,17 +247,22 @@ def by_budget(times: dict[str, list[float]]) -> dict[str, list[float]]:
 def replay_one(controller_class: type, accepted: dict[str, list[int]], times: dict[str, list[float]],
                length: int, rng: random.Random, hindsight: bool = False,
                confidence: list[float] | None = None, costs: object | None = None,
-               row_cap: int | None = None) -> tuple[float, int]:
+               row_cap: int | None = None, drafted: dict[str, list[int]] | None = None) -> tuple[float, int]:
     """One request under `controller_class`: its total ms and its tree rounds. `hindsight`: the
     controller is told after each plain round what each tree would have emitted there. `costs`:
     what earlier requests measured of the trees (engine/spec_control.py RoundCosts), shared.
-    `row_cap`: a chain's rows (its depth and root), as the engine hands it to the controller."""
+    `row_cap`: a chain's rows (its depth and root), as the engine hands it to the controller.
+    `drafted`: each budget's tree rows at each position where the recording has them (a chain the
+    drafter's stop rule cut short is that short), told to the controller with each round as the
+    engine tells it; else the controller takes the budget's."""
     kwargs: dict = {} if costs is None else {"costs": costs}
     if row_cap is not None and "row_cap" in inspect.signature(controller_class).parameters:
         kwargs["row_cap"] = row_cap
     controller = controller_class(max(BUDGETS), **kwargs)
     observe = getattr(controller, "observe", None) if hindsight else None
     confide = getattr(controller, "confide", None) if confidence else None
+    if drafted is not None and "rows" not in inspect.signature(controller.record).parameters:
+        drafted = None  # a controller from before rows were told
     i, total, trees, prev = 0, 0.0, 0, None
     while i < length:
         arm = controller.budget()
@@ -248,7 +274,10 @@ def replay_one(controller_class: type, accepted: dict[str, list[int]], times: di
         kind = "start" if prev is None else ("plain" if prev == 0 else "tree")
         pool = times.get(f"{budget}:{kind}") or [ms for k, v in times.items() if k.startswith(f"{budget}:") for ms in v]
         ms = rng.choice(pool)
-        controller.record(arm if budget == arm else -1, emitted, ms)
+        if drafted is not None and budget:
+            controller.record(arm if budget == arm else -1, emitted, ms, drafted[str(budget)][i])
+        else:
+            controller.record(arm if budget == arm else -1, emitted, ms)
         if observe is not None and budget == 0:  # what each tree would have emitted here
             observe([(b, accepted[str(b)][i]) for b in BUDGETS])
         if confide is not None:
@@ -320,17 +349,18 @@ def replay(path: Path, revs: list[str], seeds: int, offsets: list[int], remember
                 # recorded tokens from there on are that request's, and the controller starts fresh
                 for offset in [o for o in offsets if o == 0 or o <= entry["length"] - MIN_LENGTH]:
                     accepted = {b: row[offset:] for b, row in m["accepted"].items()}
+                    drafted = {b: row[offset:] for b, row in m["rows"].items()} if "rows" in m else None
                     length = entry["length"] - offset
                     confidence = entry["confidence"][offset:] if "confidence" in entry and not blind else None
                     memory = remembers(cls) if remember else None
                     costs = None if memory is None else memory()
                     if costs is not None:  # one request to fill it
                         replay_one(cls, accepted, m["ms"], length, random.Random(-1), told,
-                                   None if told else confidence, costs, cap)
+                                   None if told else confidence, costs, cap, drafted)
                     for seed in range(seeds):
                         rng = random.Random(seed)
                         total, n = replay_one(cls, accepted, m["ms"], length, rng, told,
-                                              None if told else confidence, costs, cap)
+                                              None if told else confidence, costs, cap, drafted)
                         plain_total = sum(rng.choice(plain) for _ in range(length))
                         ratios.append(plain_total / total)
                         trees.append(n)

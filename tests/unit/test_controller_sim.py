@@ -145,3 +145,31 @@ def test_a_remembering_replay_shares_what_the_trees_cost(sim):
     assert set(costs.ratios) == {1, 4, 16}
     remembered, _ = sim.replay_one(cls, accepted, ms, 96, random.Random(0), costs=costs)
     assert remembered < fresh
+
+
+def test_a_chains_rows_and_row_cap_reach_the_controller(sim):
+    # a chain's rounds are told with the rows the recording has (a stop rule cut it short), and the
+    # controller gets the chain's row cap, as the engine hands both over
+    told: list[tuple[int, int | None]] = []
+    base = sim.controller_class("now")
+
+    class Spy(base):  # type: ignore[misc, valid-type]
+        def record(self, budget, tokens, ms, rows=None):  # noqa: ANN001
+            told.append((budget, rows))
+            super().record(budget, tokens, ms, rows)
+
+    drafted = {"1": [2] * 30, "4": [3] * 30, "16": [4] * 30}
+    sim.replay_one(Spy, table(30, {1: 2, 4: 3, 16: 4}), times(10.0, 12.0), 30, random.Random(0),
+                   row_cap=7, drafted=drafted)
+    trees = [(b, rows) for b, rows in told if b > 0]
+    assert trees and all(rows == {1: 2, 4: 3, 16: 4}[b] for b, rows in trees)
+    assert all(rows is None for b, rows in told if b == 0)
+    assert sim.row_cap("mtp-chain") == 7 and sim.row_cap("mtp") is None
+
+
+def test_a_chains_full_budget_rounds_are_read_as_the_biggest_budgets(sim):
+    # the engine reports a chain's rounds by its rows: 6 guesses at the budget of 16
+    recorded = {"0:plain": [4.0], "1:tree": [7.0], "4:tree": [8.0], "6:tree": [8.5], "6:start": [9.0], "5:tree": [9.9]}
+    read = sim.by_budget(recorded)
+    assert read["16:tree"] == [8.5] and read["16:start"] == [9.0] and read["5:tree"] == [9.9]
+    assert sim.by_budget({"16:tree": [1.0], "6:tree": [2.0]}) == {"16:tree": [1.0], "6:tree": [2.0]}
