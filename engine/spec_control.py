@@ -38,7 +38,7 @@ choice. And the text changes under a request: a tree's rounds age while other ar
 that rounds from a stretch where guesses missed do not outweigh fresh ones where they hit.
 A chain drafter's arms share their evidence: a chain of d guesses is the first d guesses of a
 longer one, so every chain round is read depth by depth into one estimate of how far guesses land
-(DepthAcceptance), and each chain arm's tokens a round come from it.
+(engine/spec_depths.py), and each chain arm's tokens a round come from it.
 scripts/controller_sim.py replays controllers over measured acceptance and round times, so that
 such changes are compared without the machine's noise.
 
@@ -63,6 +63,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from engine.spec_depths import DepthAcceptance
 from engine.spec_gate import ConfidenceGate
 
 DECAY = 0.8  # weight of the history in each arm's estimates (a few rounds of memory)
@@ -226,58 +227,10 @@ class RoundCosts:
         return self.ratios.get(budget)
 
 
-# A chain's guesses are judged depth by depth (DepthAcceptance): the share of rounds that reached
-# each depth and were right there, a moving average (DEPTH_DECAY of the history a round), and before
-# a depth was reached the depth above's, starting from DEPTH_PRIOR. Why: a chain of d guesses and a
-# longer one share their first d guesses, so every chain round says something of every chain, and
-# one round whose first guess missed is no evidence that the longer chain is worse than the
-# shorter. Judged on its own rounds, the biggest chain of MTP on an H100 (the 4-bit 9B-shaped pair)
-# was tried once where its first guess missed, emitted one token, and was not tried again for the
-# rest of the request while the four-guess chain beside it emitted five tokens a round
-# (scripts/recordings/h100-9b-wide-4bit-mtp.json, chat). Replayed over that recording, chains where
-# guesses may hit, against the fixed budget: 0.866 -> 0.883 (fresh engine) and 0.830 -> 0.885
-# (remembering earlier requests' costs); where they miss 0.947 -> 0.954 and 0.958 -> 0.954
-# (BENCHMARKS.md, issue 17, thirty-eighth session). DEPTH_PRIOR is pessimistic: before a depth is
-# reached, the first guess is taken to land one time in five (0.5: 2.5 % lost where guesses miss).
-DEPTH_DECAY = 0.8
-DEPTH_PRIOR = 0.2
-
-
-@dataclass
-class DepthAcceptance:
-    """What a chain's rounds say of its guesses, depth by depth: at each depth d (1 = the first
-    guess), the moving averages of the rounds that reached it (their guess at d-1 was right, or d
-    is the first) and of those whose guess at d was right."""
-
-    reached: list[float] = field(default_factory=list)
-    right: list[float] = field(default_factory=list)
-
-    def record(self, drafted: int, accepted: int) -> None:
-        """A chain round of `drafted` guesses whose first `accepted` were right."""
-        for d in range(1, min(accepted + 1, drafted) + 1):
-            while len(self.reached) < d:
-                self.reached.append(0.0)
-                self.right.append(0.0)
-            self.reached[d - 1] = DEPTH_DECAY * self.reached[d - 1] + 1.0
-            self.right[d - 1] = DEPTH_DECAY * self.right[d - 1] + float(d <= accepted)
-
-    def tokens(self, depth: int) -> float:
-        """The tokens a round of a chain of `depth` guesses is expected to emit: its root's token
-        and each guess's, the product of the acceptances down to it."""
-        total, through, p = 1.0, 1.0, DEPTH_PRIOR
-        for d in range(depth):
-            seen = self.reached[d] if d < len(self.reached) else 0.0
-            right = self.right[d] if d < len(self.right) else 0.0
-            p = (right + p) / (seen + 1.0)  # the depth above's estimate counts as one round
-            through *= p
-            total += through
-        return total
-
-
 @dataclass
 class Arm:
     budget: int  # draft nodes besides the root; 0 = plain decoding
-    tokens: float = 0.0  # moving average of tokens emitted per round (a chain's: DepthAcceptance's)
+    tokens: float = 0.0  # moving average of tokens emitted per round (a chain's: from `depths`)
     ms: float = 0.0  # moving average of a round's wall time, drafting included
     last_ms: float = 0.0  # the last round's wall time
     rows: float = 0.0  # moving average of a round's tree rows, the root included (plain: 1)
@@ -343,7 +296,7 @@ class SpecController:
             b *= 4
         self.arms = [Arm(b) for b in sorted(budgets)]
         if self.row_cap is not None:
-            self.depths = DepthAcceptance()
+            self.depths = DepthAcceptance(self.row_cap - 1)
 
     @property
     def confidence(self) -> float | None:
@@ -699,12 +652,12 @@ class SpecController:
         for other in self.arms[1:]:  # the other trees' rounds age (STALE)
             if other is not arm:
                 other.weight *= STALE
-        if self.depths is not None and self.row_cap is not None and budget:
-            # a chain: its round, depth by depth, is every chain's evidence (DepthAcceptance)
+        if self.depths is not None and budget:
+            # a chain: its round, depth by depth, is every chain's evidence (engine/spec_depths.py)
             self.depths.record(rows - 1, tokens - 1)
             for tried in self.arms[1:]:
                 if tried.rounds:
-                    tried.tokens = self.depths.tokens(min(tried.budget, self.row_cap - 1))
+                    tried.tokens = self.depths.tokens(tried.budget)
         if self.reclimb and budget == self.reclimb:  # a re-climb's try: up again while it goes deep
             self.reclimb, self.woken_climb = self._above(arm, tokens), False
             if self.best() is arm:  # it changed the choice: re-tries from there at the first spacing
