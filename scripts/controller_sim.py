@@ -50,13 +50,16 @@ modelled), and a round's time does not depend on how many tokens it accepted.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import json
 import math
 import random
 import statistics
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -135,21 +138,10 @@ def record(path: Path, methods: list[str], kinds: list[str], lengths: list[int],
     def first_round(prompt: list[int], params: SamplingParams, spec: SpecConfig) -> tuple[list[int], int]:
         """The first round's tokens and its tree's rows, the root included (a chain that the
         drafter's stop rule cut short has fewer than its depth allows)."""
-        import engine.round as rounds_module
-
         rows: list[int] = []
-        count = rounds_module.Rounds._count
-
-        def counted(self, flight, accepted, emitted, t2, t3) -> None:  # noqa: ANN001
-            count(self, flight, accepted, emitted, t2, t3)
-            rows.append(flight.tree.size)
-
-        rounds_module.Rounds._count = counted  # type: ignore[method-assign]
-        try:
+        with counted_rounds(lambda rounds, flight, emitted: rows.append(flight.tree.size)):
             for step in engine.generate(GenerationRequest(prompt_ids=prompt, sampling=params, spec=spec)):
                 return list(step.token_ids), rows[0]  # the generator closes: the request ends here
-        finally:
-            rounds_module.Rounds._count = count  # type: ignore[method-assign]
         return [], 1
 
     result: dict = {"tokens": tokens, "requests": {}}
@@ -190,26 +182,38 @@ def record(path: Path, methods: list[str], kinds: list[str], lengths: list[int],
         path.write_text(json.dumps(result))  # after every request: a run cut off keeps what it measured
 
 
+@contextlib.contextmanager
+def counted_rounds(seen: Callable[[Any, Any, int], object]) -> Iterator[None]:
+    """Within the block, `seen(rounds, flight, emitted)` after each round engine/round.py counts."""
+    import engine.round as rounds_module
+
+    count = rounds_module.Rounds._count
+
+    def counted(self, flight, accepted, emitted, t2, t3) -> None:  # noqa: ANN001
+        count(self, flight, accepted, emitted, t2, t3)
+        seen(self, flight, emitted)
+
+    rounds_module.Rounds._count = counted  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        rounds_module.Rounds._count = count  # type: ignore[method-assign]
+
+
 def timed_rounds(engine, prompt, params, spec) -> list[tuple[int, int, float]]:  # noqa: ANN001
     """Every round of one request: its budget (the controller's arm, else the tree's nodes besides
     the root), the tokens it emitted and its time as engine/round.py hands it to the controller."""
-    import engine.round as rounds_module
     from engine.types import GenerationRequest
 
     out: list[tuple[int, int, float]] = []
-    count = rounds_module.Rounds._count
 
-    def timed(self, flight, accepted, emitted, t2, t3) -> None:  # noqa: ANN001
-        count(self, flight, accepted, emitted, t2, t3)
-        budget = flight.arm if self.controller is not None and flight.arm >= 0 else flight.tree.size - 1
-        out.append((budget, emitted, self.last_round_ms))
+    def timed(rounds, flight, emitted) -> None:  # noqa: ANN001
+        budget = flight.arm if rounds.controller is not None and flight.arm >= 0 else flight.tree.size - 1
+        out.append((budget, emitted, rounds.last_round_ms))
 
-    rounds_module.Rounds._count = timed  # type: ignore[method-assign]
-    try:
+    with counted_rounds(timed):
         for _ in engine.generate(GenerationRequest(prompt_ids=prompt, sampling=params, spec=spec)):
             pass
-    finally:
-        rounds_module.Rounds._count = count  # type: ignore[method-assign]
     return out
 
 
@@ -274,10 +278,8 @@ def replay_one(controller_class: type, accepted: dict[str, list[int]], times: di
         kind = "start" if prev is None else ("plain" if prev == 0 else "tree")
         pool = times.get(f"{budget}:{kind}") or [ms for k, v in times.items() if k.startswith(f"{budget}:") for ms in v]
         ms = rng.choice(pool)
-        if drafted is not None and budget:
-            controller.record(arm if budget == arm else -1, emitted, ms, drafted[str(budget)][i])
-        else:
-            controller.record(arm if budget == arm else -1, emitted, ms)
+        rows = (drafted[str(budget)][i],) if drafted is not None and budget else ()
+        controller.record(arm if budget == arm else -1, emitted, ms, *rows)
         if observe is not None and budget == 0:  # what each tree would have emitted here
             observe([(b, accepted[str(b)][i]) for b in BUDGETS])
         if confide is not None:
