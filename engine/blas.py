@@ -9,8 +9,10 @@ Ahead of OpenBLAS goes a small library of the engine's own (engine/gemv_shim.c, 
 user with the C compiler on PATH) that runs one-row products as GEMVs and computes products of 2
 to 33 rows itself, on every core, reading each weight once: OpenBLAS 0.3.21 runs them all as full
 GEMMs that pack the whole weight first, which made a decode step's and a verify's matmuls several
-times slower than they need be. Without a compiler, or with SPRUCE_NO_GEMV_SHIM set, OpenBLAS is
-preloaded alone.
+times slower than they need be. Linked into the same library, engine/exp2_shim.c answers libm's
+powf(2, y) with exp2f(y): the same bits at a third of the time, for the CPU's exponentials
+(engine/cpu_exp.py). Without a compiler, or with SPRUCE_NO_GEMV_SHIM set, OpenBLAS is preloaded
+alone.
 
 With them goes jemalloc where it is installed (`apt-get install libjemalloc2`). MLX's CPU backend
 allocates each operation's output on the thread that evaluates the graph and frees the inputs on
@@ -51,6 +53,9 @@ OPT_OUT = "SPRUCE_NO_BLAS_PRELOAD"
 MALLOC_OPT_OUT = "SPRUCE_NO_MALLOC_PRELOAD"
 SHIM_OPT_OUT = "SPRUCE_NO_GEMV_SHIM"
 SHIM_SOURCE = Path(__file__).with_name("gemv_shim.c")
+# linked into the same library: powf(2, y) as exp2f(y), the same bits faster (engine/cpu_exp.py's
+# exponentials)
+SHIM_SOURCES = (SHIM_SOURCE, Path(__file__).with_name("exp2_shim.c"))
 SHIM_NAME = "spruce-gemv-shim"  # the built library's file name starts with this
 HINT = ("spruce: MLX uses a slow reference BLAS on Linux CPUs; "
         "`apt-get install libopenblas0-pthread libjemalloc2` makes it much faster")
@@ -104,7 +109,7 @@ def gemv_shim() -> str | None:
     if os.environ.get(SHIM_OPT_OUT) or platform.system() != "Linux":
         return None
     try:
-        source = SHIM_SOURCE.read_bytes()
+        source = b"".join(p.read_bytes() for p in SHIM_SOURCES)
     except OSError:
         return None
     name = f"{SHIM_NAME}-{hashlib.sha256(source).hexdigest()[:16]}-{platform.machine()}.so"
@@ -121,8 +126,8 @@ def gemv_shim() -> str | None:
         partial = home / f"{name}.{os.getpid()}.part"  # renamed into place whole: builds may race
         try:
             home.mkdir(parents=True, exist_ok=True)
-            subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-o", str(partial), str(SHIM_SOURCE), "-ldl",
-                            "-pthread"], check=True, capture_output=True, timeout=120)
+            subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-o", str(partial), *map(str, SHIM_SOURCES),
+                            "-ldl", "-lm", "-pthread"], check=True, capture_output=True, timeout=120)
             os.replace(partial, home / name)
             return str(home / name)
         except (OSError, subprocess.SubprocessError):
@@ -178,6 +183,16 @@ class ShimSetting:
 # and OpenBLAS, as before the path existed), and the threads that path may use (0: every core).
 SMALL_ROWS = ShimSetting("spruce_small_rows")
 GEMM_THREADS = ShimSetting("spruce_gemm_threads")
+# powf(2, y) as exp2f(y) (engine/exp2_shim.c): 1 on, 0 off, 2 on and counted (pow2_calls); and
+# whether its load-time check found the two the same (1) or not (-1: then it stays off)
+POW2 = ShimSetting("spruce_pow2")
+POW2_CHECKED = ShimSetting("spruce_pow2_checked")
+
+
+def pow2_calls() -> int | None:
+    """How many powf(2, y) the shim answered while POW2 was 2 (None: the shim is not loaded)."""
+    handle = _shim_handle()
+    return None if handle is None else int(ctypes.c_long.in_dll(handle, "spruce_pow2_calls").value)
 
 
 # OpenBLAS's threads, by what the host does meanwhile. Plain rounds are pipelined: the host builds

@@ -9,6 +9,10 @@ MLP, GDN convolution and output gates) exp(x) = 2^(x log2 e) is the faster spell
 differ from MLX's functions by float32 rounding (max |difference| 2e-9 on attention
 probabilities; SiLU within 3e-7 relative). On other backends, for other dtypes than float32 in
 the gates, and with POW_EXP off, the MLX functions run.
+
+MLX's `power` is libm's powf an element. Where the engine's shim is preloaded (engine/blas.py),
+engine/exp2_shim.c answers powf(2, y) with exp2f(y), the same float at ~1.5 ns against ~4 (dev
+CPU, Xeon, glibc 2.36): a softmax over 24,000 scores took 115 µs against 168.
 """
 
 from __future__ import annotations
