@@ -21,6 +21,8 @@
   (engine.models.fused_qmm.RES);
 - "-pg0" / "-pg1": the CPU's sigmoid and SiLU through MLX's own functions / through 2^
   (engine.cpu_exp.POW_GATES);
+- "-pw0" / "-pw1": libm's powf(2, y) left to libm / answered by exp2f(y) (engine.blas.POW2, the
+  shim's engine/exp2_shim.c; the same bits either way, a no-op without the shim);
 - "-srN": products of up to N rows through the GEMV shim's small-row path on the CPU, 0 = none
   (engine.blas.SMALL_ROWS; a no-op without the shim);
 - "-stN": that path on at most N threads, 0 = every core (engine.blas.GEMM_THREADS).
@@ -63,6 +65,7 @@ def _settings() -> dict[str, tuple[list[tuple[Any, str]], Callable[[str], tuple[
         "qf": ([(fused_qmm.SWITCH, "value")], on),
         "qr": ([(fused_qmm.RES, "value")], on),
         "pg": ([(cpu_exp, "POW_GATES")], on),
+        "pw": ([(blas.POW2, "value")], lambda rest: (int(rest),)),
         "sr": ([(blas.SMALL_ROWS, "value")], lambda rest: (int(rest),)),
         "st": ([(blas.GEMM_THREADS, "value")], lambda rest: (int(rest),)),
     }
