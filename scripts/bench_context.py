@@ -16,7 +16,10 @@ from one to the next, and pairing cancels what the two share), tokens per forwar
 inter-token latency (the gap between the token batches the loop emits, spread over their tokens).
 `--text KIND` uses bench_spec.py's prompt of that kind (e.g. `long`: 1.8k tokens of Python source
 and a question) in place of random ids, at its own length: real text, where the drafters find
-matches, propose and miss.
+matches, propose and miss. "vs shortest, paired" is the median of each run's ratio to the same
+method's run on the shortest prompt in the same repetition. `--variants engine,pw0` runs each
+method under each engine variant too (scripts/variants.py's suffixes, e.g. pw0: the CPU's powf
+left to libm), interleaved, each with its paired ratio to the engine as it is.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ if __name__ == "__main__":  # a BLAS preload works only from process start: befo
 from engine.config import EngineConfig, SamplingParams, SpecConfig  # noqa: E402
 from engine.generate import BUNDLED, Engine  # noqa: E402
 from engine.types import GenerationRequest  # noqa: E402
+from scripts.variants import variant_setting  # noqa: E402
 
 METHODS = {"none": SpecConfig(), "ngram": SpecConfig(method="ngram"),
            "ngram-fixed": SpecConfig(method="ngram", adaptive=False),
@@ -106,7 +110,9 @@ def main() -> None:
                     "the same tokens (greedy output after random ids tends to loop)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--text", default="", help="a prompt kind of bench_spec.py instead of random ids")
+    ap.add_argument("--variants", default="engine", help="engine variants (scripts/variants.py), e.g. engine,pw0")
     a = ap.parse_args()
+    variants = list(dict.fromkeys(a.variants.split(",")))
     lengths = [int(n) for n in a.lengths.split(",")]
     methods = list(dict.fromkeys(a.methods.split(",")))  # each once: runs pair by position
     context = {} if a.text else {"max_context": max(lengths) + a.tokens + 1}  # a text: the default
@@ -125,27 +131,41 @@ def main() -> None:
         for n in lengths:
             prompt = text or [int(t) for t in np.random.RandomState(r * 1000 + n).randint(0, vocab, size=n)]
             for m in methods:
-                out = run(engine, prompt, METHODS[m], a.tokens, base)
-                if r:
-                    results.setdefault((m, n), []).append(out)
-                    gaps.setdefault((m, n), []).append(GAPS[-1])
+                for v in variants:
+                    with variant_setting(f"x-{v}" if v != "engine" else "x"):
+                        out = run(engine, prompt, METHODS[m], a.tokens, base)
+                    if r:
+                        results.setdefault((label(m, v), n), []).append(out)
+                        gaps.setdefault((label(m, v), n), []).append(GAPS[-1])
     med = {k: {f: statistics.median(x[f] for x in v) for f in v[0]} for k, v in results.items()}
     decoding = "greedy" if a.temperature == 0 else f"temperature {a.temperature}, seed {a.seed}"
     prompts = f"the {a.text} prompt" if a.text else "random-id prompts"
     print(f"model {a.model.name}, {a.tokens} new tokens ({decoding}) after {prompts}, medians of {a.runs}")
-    print("| method | prompt tokens | decode tok/s | vs shortest | vs plain | vs plain, paired | tokens/forward "
-          "| ITL p50 / p99 ms | p99 pooled ms (vs plain) | distinct 8-grams |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    several = len(variants) > 1
+    print("| method | prompt tokens | decode tok/s | vs shortest | vs shortest, paired | vs plain | vs plain, paired "
+          "| tokens/forward | ITL p50 / p99 ms | p99 pooled ms (vs plain) | distinct 8-grams |"
+          + (" vs engine, paired |" if several else ""))
+    print("|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if several else ""))
     for m in methods:
-        for n in lengths:
-            x = med[(m, n)]
-            plain = med.get(("none", n), x)["tps"]
-            p99 = pooled_p99(gaps[(m, n)])
-            p99_plain = pooled_p99(gaps.get(("none", n), gaps[(m, n)]))
-            paired = paired_ratio(results[(m, n)], results.get(("none", n), results[(m, n)]))
-            print(f"| {m} | {n} | {x['tps']:.1f} | {x['tps'] / med[(m, lengths[0])]['tps']:.2f} | "
-                  f"{x['tps'] / plain:.2f} | {paired:.2f} | {x['tpf']:.2f} | {x['p50']:.1f} / {x['p99']:.1f} | "
-                  f"{p99:.1f} ({p99 / p99_plain:.2f}x) | {x['grams']:.2f} |")
+        for v in variants:
+            k = label(m, v)
+            for n in lengths:
+                x = med[(k, n)]
+                plain_key = (label("none", v), n)
+                plain = med.get(plain_key, x)["tps"]
+                p99 = pooled_p99(gaps[(k, n)])
+                p99_plain = pooled_p99(gaps.get(plain_key, gaps[(k, n)]))
+                paired = paired_ratio(results[(k, n)], results.get(plain_key, results[(k, n)]))
+                shortest = paired_ratio(results[(k, n)], results[(k, lengths[0])])
+                engine_paired = f" {paired_ratio(results[(k, n)], results[(m, n)]):.3f} |" if several else ""
+                print(f"| {k} | {n} | {x['tps']:.1f} | {x['tps'] / med[(k, lengths[0])]['tps']:.2f} | {shortest:.2f} | "
+                      f"{x['tps'] / plain:.2f} | {paired:.2f} | {x['tpf']:.2f} | {x['p50']:.1f} / {x['p99']:.1f} | "
+                      f"{p99:.1f} ({p99 / p99_plain:.2f}x) | {x['grams']:.2f} |{engine_paired}")
+
+
+def label(method: str, variant: str) -> str:
+    """A method's name in the table: alone for the engine as it is, else with its variant."""
+    return method if variant == "engine" else f"{method}/{variant}"
 
 
 if __name__ == "__main__":
