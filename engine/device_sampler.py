@@ -49,7 +49,7 @@ def probabilities(logits: mx.array, params: SamplingParams) -> mx.array:
     """[N, V] float32: the unnormalised probabilities after temperature, top_k, top_p and min_p
     (0 where cut), in vocabulary order."""
     x = logits.astype(mx.float32)
-    p = cpu_exp.exp((x - x.max(axis=-1, keepdims=True)) / params.temperature)  # unnormalised, max 1
+    p = cpu_exp.exp_shifted(x, x.max(axis=-1, keepdims=True), params.temperature)  # unnormalised, max 1
     V = p.shape[-1]
     top = None
     if 0 < params.top_k < V:
@@ -77,5 +77,5 @@ def top_probability(logits: mx.array) -> mx.array:
     distribution (no temperature, no penalties); engine/spec_gate.py's confidence. Twin:
     engine/logits_extras.py top_probabilities."""
     x = logits.astype(mx.float32)
-    return 1.0 / cpu_exp.exp(x - x.max(axis=-1, keepdims=True)).sum(axis=-1)
+    return 1.0 / cpu_exp.exp_shifted(x, x.max(axis=-1, keepdims=True)).sum(axis=-1)
 

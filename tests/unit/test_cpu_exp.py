@@ -89,3 +89,15 @@ def test_compiled_shifted_power_is_the_plain_spelling_bit_for_bit():
         m = mx.max(x, axis=-1, keepdims=True)
         plain = mx.power(2.0, (x - m) * cpu_exp.LOG2E)
         assert mx.array_equal(cpu_exp._exp2_shifted(x, m), plain)
+
+
+@pytest.mark.parametrize("pow_exp", [True, False])
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.6])
+def test_exp_shifted_is_exp_of_the_expression_bit_for_bit(pow_exp, temperature, monkeypatch):
+    """The sampler's one compiled pass: the bits of exp((x - m) / t) spelled out, both switches."""
+    monkeypatch.setattr(cpu_exp, "POW_EXP", pow_exp)
+    x, _ = masked_scores(12)
+    m = mx.max(x, axis=-1, keepdims=True)
+    spelled = cpu_exp.exp((x - m) / temperature)
+    got = cpu_exp.exp_shifted(x, m, temperature)
+    assert np.array_equal(np.array(got).view(np.uint32), np.array(spelled).view(np.uint32))
