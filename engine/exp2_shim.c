@@ -8,10 +8,11 @@
  * attention over 4,000 cached keys takes 24,000 exponentials a layer: its softmax took 168 µs with
  * powf and 115 with exp2f.
  *
- * Same bits: glibc (2.28 on) rounds both functions correctly, so powf(2, y) and exp2f(y) are the
- * same float for every y. That was checked over all 2^32 inputs on glibc 2.36; at load, a sample of
- * 69,632 inputs spread over every exponent, and dense where a softmax's exponents lie, is checked
- * again, and any difference leaves every powf to glibc. So outputs do not change, only their speed.
+ * Same bits: glibc's powf and exp2f (2.28 on) both work in double precision and round once to
+ * float, and for base 2 the log is exact, so powf(2, y) and exp2f(y) came out the same float for
+ * all 2^32 inputs on glibc 2.36 (scripts/check_pow2.py). Another libm need not agree: at load, a
+ * sample of 69,632 inputs spread over every exponent, and dense where a softmax's exponents lie, is
+ * checked, and any difference leaves every powf to libm. So outputs do not change, only their speed.
  *
  * spruce_pow2: 1 on (the default), 0 off (SPRUCE_POW2=0 at start, or set through ctypes), 2 on and
  * counting the calls it answers in spruce_pow2_calls (tests: that MLX's power reaches this file; a
