@@ -9,10 +9,11 @@ Ahead of OpenBLAS goes a small library of the engine's own (engine/gemv_shim.c, 
 user with the C compiler on PATH) that runs one-row products as GEMVs and computes products of 2
 to 33 rows itself, on every core, reading each weight once: OpenBLAS 0.3.21 runs them all as full
 GEMMs that pack the whole weight first, which made a decode step's and a verify's matmuls several
-times slower than they need be. Linked into the same library, engine/exp2_shim.c answers libm's
-powf(2, y) with exp2f(y): the same bits at a third of the time, for the CPU's exponentials
-(engine/cpu_exp.py). Without a compiler, or with SPRUCE_NO_GEMV_SHIM set, OpenBLAS is preloaded
-alone.
+times slower than they need be. It also multiplies by bfloat16 copies of float32 weights whose
+values are bfloat16 (engine/half_weights.py): half the bytes a step reads, the same bits. Linked
+into the same library, engine/exp2_shim.c answers libm's powf(2, y) with exp2f(y): the same bits
+at a third of the time, for the CPU's exponentials (engine/cpu_exp.py). Without a compiler, or
+with SPRUCE_NO_GEMV_SHIM set, OpenBLAS is preloaded alone.
 
 With them goes jemalloc where it is installed (`apt-get install libjemalloc2`). MLX's CPU backend
 allocates each operation's output on the thread that evaluates the graph and frees the inputs on
@@ -183,6 +184,9 @@ class ShimSetting:
 # and OpenBLAS, as before the path existed), and the threads that path may use (0: every core).
 SMALL_ROWS = ShimSetting("spruce_small_rows")
 GEMM_THREADS = ShimSetting("spruce_gemm_threads")
+# Products by weights registered with engine/half_weights.py read their bfloat16 copies (1) or the
+# float32 weights (0)
+HALF = ShimSetting("spruce_half")
 # powf(2, y) as exp2f(y) (engine/exp2_shim.c): 1 on, 0 off, 2 on and counted (pow2_calls); and
 # whether its load-time check found the two the same (1) or not (-1: then it stays off)
 POW2 = ShimSetting("spruce_pow2")
@@ -193,6 +197,12 @@ def pow2_calls() -> int | None:
     """How many powf(2, y) the shim answered while POW2 was 2 (None: the shim is not loaded)."""
     handle = _shim_handle()
     return None if handle is None else int(ctypes.c_long.in_dll(handle, "spruce_pow2_calls").value)
+
+
+def half_calls() -> int | None:
+    """How many products read a registered weight's half-width copy (None: the shim is not loaded)."""
+    handle = _shim_handle()
+    return None if handle is None else int(ctypes.c_long.in_dll(handle, "spruce_half_calls").value)
 
 
 # OpenBLAS's threads, by what the host does meanwhile. Plain rounds are pipelined: the host builds

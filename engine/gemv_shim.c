@@ -17,6 +17,14 @@
  * or of 33; the tests hold that. (The one-row step goes through OpenBLAS's GEMV, which sums in
  * its own order: see SMALL_ROWS_FROM.)
  *
+ * Half-width weights: a checkpoint stored in bfloat16 runs in float32 on the CPU, so every weight
+ * value is a bfloat16 whose low 16 bits are zero, and a step spends most of its time reading those
+ * zeros (the bundled target's 60 MB of float32 weights a step). engine/half_weights.py hands such a
+ * weight to spruce_half_add, which checks every value, keeps a bfloat16 copy and answers products
+ * of 1 to SMALL_ROWS rows by it from the copy: half the bytes, the same floats after widening, the
+ * same sums in the same order as the float32 kernel here, so the same bits. One-row products by a
+ * registered weight take this path too, so a decode step's rows equal a verify's bitwise.
+ *
  * engine/blas.py builds this file once per user with the C compiler on PATH and preloads it ahead
  * of OpenBLAS. On x86-64 the vector code is compiled for AVX-512, AVX2 and the baseline, picked at
  * load time. SPRUCE_SMALL_ROWS=0 turns the small-row path off; SPRUCE_GEMM_THREADS caps its threads.
@@ -27,6 +35,7 @@
 #include <linux/futex.h>
 #include <pthread.h>
 #include <sched.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/syscall.h>
@@ -74,6 +83,10 @@ long spruce_gemv_calls;
  * existed) and the threads it may use, the caller's included (0: every core). */
 int spruce_small_rows = SMALL_ROWS;
 int spruce_gemm_threads = 0;
+/* Products by registered weights read their half-width copies (1) or the float32 weights (0); and
+ * how many products read a copy. */
+int spruce_half = 1;
+long spruce_half_calls;
 
 /* ---- the dot-product kernel ---------------------------------------------------------------- */
 
@@ -90,6 +103,16 @@ typedef int v16i __attribute__((vector_size(64)));
 #define SHUF(a, b, ...) __builtin_shuffle(a, b, (v16i){__VA_ARGS__})
 #endif
 #define LOAD(p) ((v16)(*(const v16u*)(p)))
+typedef unsigned short v16h __attribute__((vector_size(32), aligned(2))); /* 16 bfloat16, unaligned */
+typedef unsigned int v16w __attribute__((vector_size(64)));
+/* 16 bfloat16 widened to float32: the 16 bits become the high half of each float (exact). */
+#define LOAD_HALF(p) ((v16)(__builtin_convertvector(*(const v16h*)(p), v16w) << 16))
+INL float half_at(const uint16_t* p) {
+  const uint32_t bits = (uint32_t)*p << 16;
+  float f;
+  memcpy(&f, &bits, sizeof f);
+  return f;
+}
 /* Four weight rows of the tile after next, one cache line of each per 16 floats: each tile reads
  * only K floats of a row, too short a stream for the hardware prefetcher to start on (at 2-8 rows
  * prefetching the next tile made a 768 x 384 product 1.3-1.7x faster on the dev CPU, and the one
@@ -155,6 +178,7 @@ typedef struct {
   float* C;       /* [M, N], row stride ldc */
   int lda, ldb, ldc;
   int a_transposed;
+  const uint16_t* H; /* B's half-width copy (row stride ldb) where the columns_half kernel reads it */
 } product;
 
 /* C[r, n] = alpha * s + beta * C[r, n], with beta 0 overwriting (MLX's output buffer is
@@ -164,20 +188,28 @@ INL void put(const product* p, int r, int n, float s) {
   *c = p->beta == 0.0f ? p->alpha * s : p->alpha * s + p->beta * *c;
 }
 
+/* Weight row n's floats from k on, as 16 lanes: from B, or widened from its half-width copy
+ * (`half`, a constant once inlined). */
+INL v16 weight16(const product* p, long n, int k, const int half) {
+  return half ? LOAD_HALF(p->H + n * p->ldb + k) : LOAD(p->B + n * p->ldb + k);
+}
+INL float weight1(const product* p, long n, int k, const int half) {
+  return half ? half_at(p->H + n * p->ldb + k) : p->B[n * p->ldb + k];
+}
+
 /* put() of a dot product whose K's tail past the last 16 is added after the lane sum. */
-INL void store(const product* p, int r, int n, float s, int k) {
+INL void store(const product* p, int r, int n, float s, int k, const int half) {
   const float* a = p->A + (long)r * p->lda;
-  const float* b = p->B + (long)n * p->ldb;
-  for (int kk = k; kk < p->K; ++kk) s += a[kk] * b[kk];
+  for (int kk = k; kk < p->K; ++kk) s += a[kk] * weight1(p, n, kk, half);
   put(p, r, n, s);
 }
 
 /* R rows (r0..; R <= 4, a constant once inlined) times 4 weight rows (n..): 4R accumulators that
- * stay in registers, each weight vector loaded once for all R rows. */
-INL void tile(const product* p, int r0, int n, const int R) {
+ * stay in registers, each weight vector loaded once for all R rows. The same sums in the same order
+ * whether the weights come as floats or widened from halves. */
+INL void tile(const product* p, int r0, int n, const int R, const int half) {
   const int K = p->K;
   const long ldb = p->ldb;
-  const float* b = p->B + n * ldb;
   const float* a = p->A + (long)r0 * p->lda;
   v16 acc[4][4];
   UNROLL for (int r = 0; r < R; ++r) {
@@ -185,8 +217,13 @@ INL void tile(const product* p, int r0, int n, const int R) {
   }
   int k = 0;
   for (; k + 16 <= K; k += 16) {
-    const v16 b0 = LOAD(b + k), b1 = LOAD(b + ldb + k), b2 = LOAD(b + 2 * ldb + k), b3 = LOAD(b + 3 * ldb + k);
-    PREFETCH(b + 8 * ldb + k, ldb);
+    const v16 b0 = weight16(p, n, k, half), b1 = weight16(p, n + 1, k, half), b2 = weight16(p, n + 2, k, half),
+              b3 = weight16(p, n + 3, k, half);
+    if (half) {
+      PREFETCH(p->H + (n + 8) * ldb + k, ldb);
+    } else {
+      PREFETCH(p->B + (n + 8) * ldb + k, ldb);
+    }
     UNROLL for (int r = 0; r < R; ++r) {
       const v16 x = LOAD(a + (long)r * p->lda + k);
       acc[r][0] += x * b0;
@@ -198,19 +235,18 @@ INL void tile(const product* p, int r0, int n, const int R) {
   float s[16];
   hsum_n(&acc[0][0], s, 4 * R);
   for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < 4; ++c) store(p, r0 + r, n + c, s[4 * r + c], k);
+    for (int c = 0; c < 4; ++c) store(p, r0 + r, n + c, s[4 * r + c], k, half);
   }
 }
 
 /* One weight row (the last N % 4) times every row. */
-INL void column(const product* p, int n) {
-  const float* b = p->B + (long)n * p->ldb;
+INL void column(const product* p, int n, const int half) {
   for (int r = 0; r < p->M; ++r) {
     const float* a = p->A + (long)r * p->lda;
     v16 acc = (v16){0};
     int k = 0;
-    for (; k + 16 <= p->K; k += 16) acc += LOAD(a + k) * LOAD(b + k);
-    store(p, r, n, hsum(acc), k);
+    for (; k + 16 <= p->K; k += 16) acc += LOAD(a + k) * weight16(p, n, k, half);
+    store(p, r, n, hsum(acc), k, half);
   }
 }
 
@@ -221,20 +257,24 @@ INL void column(const product* p, int n) {
 #define VECTOR_VARIANTS /* one build: NEON on arm64 */
 #endif
 
-VECTOR_VARIANTS static void columns(const product* p, int n0, int n1) {
+INL void columns_of(const product* p, int n0, int n1, const int half) {
   int n = n0;
   for (; n + 4 <= n1; n += 4) {
     int r = 0;
-    for (; r + 4 <= p->M; r += 4) tile(p, r, n, 4);
+    for (; r + 4 <= p->M; r += 4) tile(p, r, n, 4, half);
     switch (p->M - r) { /* each with its own constant R, so each compiles to its own unrolled loop */
-      case 3: tile(p, r, n, 3); break;
-      case 2: tile(p, r, n, 2); break;
-      case 1: tile(p, r, n, 1); break;
+      case 3: tile(p, r, n, 3, half); break;
+      case 2: tile(p, r, n, 2, half); break;
+      case 1: tile(p, r, n, 1, half); break;
       default: break;
     }
   }
-  for (; n < n1; ++n) column(p, n);
+  for (; n < n1; ++n) column(p, n, half);
 }
+
+VECTOR_VARIANTS static void columns(const product* p, int n0, int n1) { columns_of(p, n0, n1, 0); }
+/* The same from B's half-width copy p->H. */
+VECTOR_VARIANTS static void columns_half(const product* p, int n0, int n1) { columns_of(p, n0, n1, 1); }
 
 /* ---- the outer-product kernel: B stored [K, N] --------------------------------------------- */
 
@@ -442,6 +482,111 @@ static void pooled(const product* p, kernel_fn kernel, int align) {
   pthread_mutex_unlock(&pool.busy);
 }
 
+/* ---- half-width copies of registered weights ------------------------------------------------ */
+
+/* An open-addressed table keyed by the weight's address (MLX hands a linear layer's weight buffer
+ * to cblas_sgemm as B, transposed). Entries are written by spruce_half_add / spruce_half_remove on
+ * the Python side, one caller at a time (engine/half_weights.py holds a lock), and read by any
+ * thread: an entry's fields are set before its key is published, and a removed key becomes
+ * REMOVED, so a lookup never sees a half-written entry. engine/half_weights.py keeps each
+ * registered array alive until it is removed, so an address cannot be reused by another array
+ * while its entry stands. */
+#define HALF_SLOTS 4096 /* at most half of them used */
+#define REMOVED ((const float*)1)
+
+typedef struct {
+  const float* w; /* key: NULL empty, REMOVED */
+  uint16_t* h;
+  int n, k;       /* rows and columns */
+  long ld;        /* row stride of both, in elements */
+} half_entry;
+
+static half_entry halves[HALF_SLOTS];
+static int half_used; /* slots holding a key, REMOVED ones included */
+
+static unsigned half_slot(const float* w) { return (unsigned)(((uintptr_t)w >> 6) * 2654435761u) % HALF_SLOTS; }
+
+/* B's half-width copy where B is a registered weight read in full rows: the first N rows (a view of
+ * a weight's leading rows, such as a draft vocabulary's slice of the output embedding, reads the
+ * copy's first rows) of K columns at the registered stride; else NULL. */
+static const uint16_t* half_copy(const float* b, int N, int K, int ldb) {
+  for (unsigned i = half_slot(b), probes = 0; probes < HALF_SLOTS; i = (i + 1) % HALF_SLOTS, ++probes) {
+    const float* key = __atomic_load_n(&halves[i].w, __ATOMIC_ACQUIRE);
+    if (key == NULL) {
+      return NULL;
+    }
+    if (key == b) {
+      const half_entry* e = &halves[i];
+      return N <= e->n && K == e->k && ldb == e->ld ? e->h : NULL;
+    }
+  }
+  return NULL;
+}
+
+/* Register weight w ([n, k], row stride ld floats): 1 when it is (now or already) registered, 0
+ * when some value is not a bfloat16 (low 16 bits not zero) or the shape is not one a product can
+ * take, -1 when the table or the memory is full. */
+int spruce_half_add(const float* w, int n, int k, long ld) {
+  if (w == NULL || n < 1 || k < 1 || ld < k) {
+    return 0;
+  }
+  if (half_copy(w, n, k, (int)ld) != NULL) {
+    return 1;
+  }
+  for (long r = 0; r < n; ++r) {
+    const uint32_t* row = (const uint32_t*)(w + r * ld);
+    for (int c = 0; c < k; ++c) {
+      if ((row[c] & 0xffffu) != 0) {
+        return 0;
+      }
+    }
+  }
+  if (half_used + 1 > HALF_SLOTS / 2) {
+    return -1;
+  }
+  uint16_t* h = malloc(sizeof(uint16_t) * (size_t)n * (size_t)ld);
+  if (h == NULL) {
+    return -1;
+  }
+  for (long r = 0; r < n; ++r) {
+    const uint32_t* row = (const uint32_t*)(w + r * ld);
+    for (long c = 0; c < ld; ++c) { /* the stride's gap too: a slot's width is one row */
+      h[r * ld + c] = c < k ? (uint16_t)(row[c] >> 16) : 0;
+    }
+  }
+  unsigned i = half_slot(w);
+  while (halves[i].w != NULL && halves[i].w != REMOVED) {
+    i = (i + 1) % HALF_SLOTS;
+  }
+  if (halves[i].w == NULL) {
+    half_used += 1;
+  }
+  halves[i].h = h;
+  halves[i].n = n;
+  halves[i].k = k;
+  halves[i].ld = ld;
+  __atomic_store_n(&halves[i].w, w, __ATOMIC_RELEASE);
+  return 1;
+}
+
+/* Forget weight w and free its copy: 1 if it was registered. The caller makes sure no product by it
+ * is running (engine/half_weights.py synchronizes MLX first). */
+int spruce_half_remove(const float* w) {
+  for (unsigned i = half_slot(w), probes = 0; probes < HALF_SLOTS; i = (i + 1) % HALF_SLOTS, ++probes) {
+    const float* key = halves[i].w;
+    if (key == NULL) {
+      return 0;
+    }
+    if (key == w) {
+      __atomic_store_n(&halves[i].w, REMOVED, __ATOMIC_RELEASE);
+      free(halves[i].h);
+      halves[i].h = NULL;
+      return 1;
+    }
+  }
+  return 0;
+}
+
 /* ---- the entry point ----------------------------------------------------------------------- */
 
 __attribute__((constructor)) static void find_next(void) {
@@ -479,16 +624,26 @@ static void row_times_b(int trans_a, int trans_b, int r, int N, int K, float alp
 
 void cblas_sgemm(int order, int trans_a, int trans_b, int M, int N, int K, float alpha, const float* A, int lda,
                  const float* B, int ldb, float beta, float* C, int ldc) {
-  const int small = order == ROW_MAJOR && M >= SMALL_ROWS_FROM && N >= 1 && K >= 1 &&
-                    M <= __atomic_load_n(&spruce_small_rows, __ATOMIC_RELAXED);
+  const int rows_limit = __atomic_load_n(&spruce_small_rows, __ATOMIC_RELAXED);
+  if (order == ROW_MAJOR && trans_a == NO_TRANS && trans_b == TRANS && M >= 1 && M <= rows_limit && N >= 1 &&
+      K >= 1 && __atomic_load_n(&spruce_half, __ATOMIC_RELAXED)) {
+    const uint16_t* h = half_copy(B, N, K, ldb);
+    if (h != NULL) { /* x @ W.T by a registered weight: from its half-width copy, one row included */
+      const product p = {M, N, K, alpha, beta, A, B, C, lda, ldb, ldc, 0, h};
+      pooled(&p, columns_half, 4);
+      __atomic_add_fetch(&spruce_half_calls, 1, __ATOMIC_RELAXED);
+      return;
+    }
+  }
+  const int small = order == ROW_MAJOR && M >= SMALL_ROWS_FROM && N >= 1 && K >= 1 && M <= rows_limit;
   if (small && trans_a == NO_TRANS && trans_b == TRANS) { /* x @ W.T: a linear layer */
-    const product p = {M, N, K, alpha, beta, A, B, C, lda, ldb, ldc, 0};
+    const product p = {M, N, K, alpha, beta, A, B, C, lda, ldb, ldc, 0, NULL};
     pooled(&p, columns, 4);
     __atomic_add_fetch(&spruce_gemv_calls, 1, __ATOMIC_RELAXED);
     return;
   }
   if (small && trans_b == NO_TRANS) { /* B stored [K, N]: attention's scores @ V, the GDN heads' */
-    const product p = {M, N, K, alpha, beta, A, B, C, lda, ldb, ldc, trans_a != NO_TRANS};
+    const product p = {M, N, K, alpha, beta, A, B, C, lda, ldb, ldc, trans_a != NO_TRANS, NULL};
     pooled(&p, outer_columns, 16);
     __atomic_add_fetch(&spruce_gemv_calls, 1, __ATOMIC_RELAXED);
     return;

@@ -27,6 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from engine import half_weights
 from engine.dtypes import DTYPES, resolve_dtype
 from engine.kernels import backend_default
 from engine.models import FAMILIES
@@ -58,6 +59,7 @@ class LoadedModel:
     fused_projections: int = 0  # groups of same-input projections run as one matmul
     routed_projections: int = 0  # quantized projections on the engine's matmul (engine/models/qlinear.py)
     dequantized_projections: int = 0  # quantized projections turned float32 on the CPU (cpu_dequantize)
+    half_weights: int = 0  # float32 weights the CPU multiplies by from bfloat16 copies (engine/half_weights.py)
 
     @property
     def notes(self) -> tuple[str, ...]:
@@ -250,6 +252,7 @@ def load_model(path: str | Path, dtype: str = "auto", fuse: bool | None = None,
     if routed:
         loaded.routed_projections = route_quantized_projections(model)
     hold_views(model)  # last: the weights are final
+    loaded.half_weights = half_weights.register_module(model)
     return loaded
 
 
@@ -357,6 +360,7 @@ def load_mtp(path: str | Path, args: ModelArgs, dtype: str = "float32", fuse: bo
     if switch("SPRUCE_FUSE", on=()) if fuse is None else fuse:
         head.fuse_projections()
     hold_views(head)
+    half_weights.register_module(head)
     return head
 
 
@@ -384,6 +388,7 @@ def load_dflash(path: str | Path, dtype: str = "float32"):
     _quantize(model, cfg, tensors)
     _fill(model, tensors, origin, path, dtype)
     hold_views(model)
+    half_weights.register_module(model)
     return model
 
 
@@ -401,4 +406,5 @@ def load_weaver(path: str | Path, dtype: str = "float32"):
     tensors, origin = _read_tensors(path)
     _fill(model, tensors, origin, path, dtype)
     hold_views(model)
+    half_weights.register_module(model)
     return model

@@ -23,6 +23,9 @@
   (engine.cpu_exp.POW_GATES);
 - "-pw0" / "-pw1": libm's powf(2, y) left to libm / answered by exp2f(y) (engine.blas.POW2, the
   shim's engine/exp2_shim.c; the same bits either way, a no-op without the shim);
+- "-hw0" / "-hw1": products by registered weights from the float32 weights / from their bfloat16
+  copies (engine.blas.HALF, engine/half_weights.py; the same bits either way, a no-op without the
+  shim);
 - "-srN": products of up to N rows through the GEMV shim's small-row path on the CPU, 0 = none
   (engine.blas.SMALL_ROWS; a no-op without the shim);
 - "-stN": that path on at most N threads, 0 = every core (engine.blas.GEMM_THREADS).
@@ -66,6 +69,7 @@ def _settings() -> dict[str, tuple[list[tuple[Any, str]], Callable[[str], tuple[
         "qr": ([(fused_qmm.RES, "value")], on),
         "pg": ([(cpu_exp, "POW_GATES")], on),
         "pw": ([(blas.POW2, "value")], lambda rest: (int(rest),)),
+        "hw": ([(blas.HALF, "value")], lambda rest: (int(rest),)),
         "sr": ([(blas.SMALL_ROWS, "value")], lambda rest: (int(rest),)),
         "st": ([(blas.GEMM_THREADS, "value")], lambda rest: (int(rest),)),
     }

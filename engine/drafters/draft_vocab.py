@@ -25,6 +25,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
+from engine import half_weights
 from engine.models.base import CausalLM
 from engine.models.qlinear import RowsQuantizedEmbedding, RowsQuantizedLinear
 from engine.qmm import quantized_linear
@@ -110,4 +111,5 @@ def sub_logits(target: CausalLM, vocab: DraftVocab) -> Logits:
         y = h @ transposed
         return y if bias is None else y + bias
 
+    half_weights.register(dense, [weight])  # the gathered rows: a copy of their own
     return dense
