@@ -32,14 +32,20 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from engine import blas
+from engine.memory import physical_memory  # 0 where unknown: then nothing is registered
 
 OPT_OUT = "SPRUCE_HALF_WEIGHTS"  # "0": keep every product on the float32 weights
 # Smaller weights are not worth a slot of the shim's table (4,096 slots, half of them usable):
 # their products are a few microseconds either way.
 MIN_ELEMENTS = 16384
+# The copies add half the float32 weights' memory again; they stop where they would take more than
+# this share of the machine's memory (a bfloat16 Qwen3.5-4B in float32 on a 24 GB machine: 16 GB
+# of weights fit, 8 GB of copies more would not), and the rest of the weights stay float32.
+MEMORY_SHARE = 0.25
 
 _LOCK = threading.Lock()
 _HELD: dict[int, list[Any]] = {}  # address -> [the array, how many owners registered it]
+_BYTES = [0]  # the registered copies' bytes
 
 
 def _library() -> Any:
@@ -75,8 +81,11 @@ def register(owner: object, arrays: Iterable[mx.array]) -> int:
     if lib is None:
         return 0
     taken: list[int] = []
+    budget = MEMORY_SHARE * physical_memory()
     with _LOCK:
         for w in candidates_of(arrays):
+            if _BYTES[0] + 2 * w.size > budget:
+                continue
             mx.eval(w)
             view = np.asarray(w)  # MLX's own buffer, no copy (the shim sees the same address)
             if view.ndim != 2 or not view.flags.c_contiguous or view.dtype != np.float32:
@@ -88,6 +97,7 @@ def register(owner: object, arrays: Iterable[mx.array]) -> int:
                 break  # the table or the memory is full: the rest stay float32
             if got == 1:
                 entry = _HELD.setdefault(address, [w, 0])
+                _BYTES[0] += 2 * w.size if entry[1] == 0 else 0
                 entry[1] += 1
                 taken.append(address)
     if taken:
@@ -111,6 +121,7 @@ def _release(lib: Any, addresses: list[int]) -> None:
             entry[1] -= 1
             if entry[1] == 0:
                 lib.spruce_half_remove(address)
+                _BYTES[0] -= 2 * entry[0].size
                 del _HELD[address]
 
 

@@ -30,6 +30,7 @@ from mlx.utils import tree_flatten
 from engine import half_weights
 from engine.dtypes import DTYPES, resolve_dtype
 from engine.kernels import backend_default
+from engine.memory import physical_memory
 from engine.models import FAMILIES
 from engine.models.base import ModelArgs
 from engine.models.linear import hold_views
@@ -275,14 +276,6 @@ def cpu_dequantize(model: nn.Module) -> bool:
     if choice is not None:
         return choice == "1"
     return float32_bytes(model) <= CPU_DEQUANT_MEMORY_SHARE * physical_memory()
-
-
-def physical_memory() -> int:
-    """The machine's memory in bytes (0 where it cannot be read)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0
 
 
 def switch(name: str, on: tuple[str, ...] = ("cuda",)) -> bool:

@@ -4,6 +4,7 @@ the prefix cache's snapshots. `spruce run` prints it, `/props` returns it."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
@@ -24,3 +25,11 @@ class MemoryReport:
 
 def cache_nbytes(cache: Sequence[LayerCache]) -> int:
     return sum(layer.nbytes for layer in cache)
+
+
+def physical_memory() -> int:
+    """The machine's memory in bytes (0 where it cannot be read)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0

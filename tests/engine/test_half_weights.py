@@ -98,6 +98,9 @@ def test_weights_that_are_not_bfloat16_or_too_small_are_refused(rng, half_on, mo
     mx.eval(x @ full.T, x @ mx.array(one_off).T)
     assert blas.half_calls() == calls
     assert half_weights.register(owner, [bf16_valued(rng, 8, 8)]) == 0  # too small to be worth a slot
+    monkeypatch.setattr(half_weights, "MEMORY_SHARE", 0.0)  # no memory to spare for copies
+    assert half_weights.register(owner, [bf16_valued(rng, 256, 128)]) == 0
+    monkeypatch.undo()
     monkeypatch.setenv(half_weights.OPT_OUT, "0")
     assert half_weights.register(owner, [bf16_valued(rng, 256, 128)]) == 0
 
