@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from engine import blas
+from engine import blas, half_weights
 from engine.cache import LayerCache
 from engine.config import EngineConfig, SamplingParams, SpecConfig
 from engine.drafters import make_drafter
@@ -89,7 +89,8 @@ class Engine:
 
     def memory(self) -> MemoryReport:
         return MemoryReport(self.dtype, self.weights_bytes, self._draft_bytes, self.last_cache_bytes,
-                            self.prefix.nbytes + sum(p.prefix.nbytes for p in self._draft_prefillers.values()))
+                            self.prefix.nbytes + sum(p.prefix.nbytes for p in self._draft_prefillers.values()),
+                            half_weights.copies_bytes())
 
     def _feature_taps(self) -> FeatureTaps:
         """The hidden states the configured drafters read: the default spec method's, and those of a

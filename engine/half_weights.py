@@ -125,6 +125,12 @@ def _release(lib: Any, addresses: list[int]) -> None:
                 del _HELD[address]
 
 
+def copies_bytes() -> int:
+    """The registered copies' bytes, all models together."""
+    with _LOCK:
+        return _BYTES[0]
+
+
 def registered() -> int:
     """How many arrays are registered now (tests)."""
     with _LOCK:

@@ -18,6 +18,7 @@ class MemoryReport:
     draft_weights_bytes: int  # draft models loaded so far (0 = none)
     cache_bytes: int  # the last request's KV + GDN states (0 before the first request)
     prefix_cache_bytes: int
+    weight_copies_bytes: int = 0  # bfloat16 copies of float32 weights for the CPU's products (engine/half_weights.py)
 
     def as_dict(self) -> dict[str, int | str]:
         return asdict(self)

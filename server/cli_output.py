@@ -50,7 +50,8 @@ def print_stats(stats, ttft_s: float | None, duration_s: float, memory=None, fin
           if stats.drafted else []),
         f"memory used: {peak_rss_bytes() / 1e9:.2f} GB",
         *([f"weights: {memory.weights_bytes / 1e6:.1f} MB ({memory.dtype})"
-           + (f" + draft {memory.draft_weights_bytes / 1e6:.1f} MB" if memory.draft_weights_bytes else ""),
+           + (f" + draft {memory.draft_weights_bytes / 1e6:.1f} MB" if memory.draft_weights_bytes else "")
+           + (f" + bfloat16 copies {memory.weight_copies_bytes / 1e6:.1f} MB" if memory.weight_copies_bytes else ""),
            f"caches: {memory.cache_bytes / 1e6:.2f} MB (this request's KV + GDN states); prefix cache "
            f"{memory.prefix_cache_bytes / 1e6:.2f} MB"] if memory is not None else []),
         f"duration: {duration_s:.2f} s",

@@ -141,9 +141,11 @@ def bf16_engine(bf16_checkpoint):
     return Engine(EngineConfig(model_path=str(bf16_checkpoint), prefill_chunk=16, dtype="float32"))
 
 
-def test_a_bfloat16_checkpoint_registers_its_matrices(bf16_checkpoint):
+def test_a_bfloat16_checkpoint_registers_its_matrices(bf16_checkpoint, bf16_engine):
     loaded = load_model(bf16_checkpoint, dtype="float32")
     assert loaded.half_weights == len(half_weights.candidates(loaded.model)) > 0
+    copies = sum(2 * w.size for w in half_weights.candidates(loaded.model))
+    assert bf16_engine.memory().weight_copies_bytes >= 2 * copies  # this model's and the engine's
 
 
 GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
