@@ -179,6 +179,7 @@ typedef struct {
   int lda, ldb, ldc;
   int a_transposed;
   const uint16_t* H; /* B's half-width copy (row stride ldb) where the columns_half kernel reads it */
+  long row0;         /* B holds weight rows from this one on (a block widened from H: see widened_tiles) */
 } product;
 
 /* C[r, n] = alpha * s + beta * C[r, n], with beta 0 overwriting (MLX's output buffer is
@@ -191,10 +192,10 @@ INL void put(const product* p, int r, int n, float s) {
 /* Weight row n's floats from k on, as 16 lanes: from B, or widened from its half-width copy
  * (`half`, a constant once inlined). */
 INL v16 weight16(const product* p, long n, int k, const int half) {
-  return half ? LOAD_HALF(p->H + n * p->ldb + k) : LOAD(p->B + n * p->ldb + k);
+  return half ? LOAD_HALF(p->H + n * p->ldb + k) : LOAD(p->B + (n - p->row0) * p->ldb + k);
 }
 INL float weight1(const product* p, long n, int k, const int half) {
-  return half ? half_at(p->H + n * p->ldb + k) : p->B[n * p->ldb + k];
+  return half ? half_at(p->H + n * p->ldb + k) : p->B[(n - p->row0) * p->ldb + k];
 }
 
 /* put() of a dot product whose K's tail past the last 16 is added after the lane sum. */
@@ -221,7 +222,7 @@ INL void tile(const product* p, int r0, int n, const int R, const int half) {
               b3 = weight16(p, n + 3, k, half);
     if (half) {
       PREFETCH(p->H + (n + 8) * ldb + k, ldb);
-    } else {
+    } else if (p->row0 == 0) { /* a widened block's next rows are not there: widened_tiles fetches them */
       PREFETCH(p->B + (n + 8) * ldb + k, ldb);
     }
     UNROLL for (int r = 0; r < R; ++r) {
@@ -257,8 +258,61 @@ INL void column(const product* p, int n, const int half) {
 #define VECTOR_VARIANTS /* one build: NEON on arm64 */
 #endif
 
+/* Above this many rows a product by a half-width copy widens each block of 4 weight rows once into
+ * a float32 buffer and runs the float32 tiles over it: the tiles convert their weights for every 4
+ * rows, and from 5 rows on that made the copies' products slower than the float32 weights' on the
+ * dev CPU (8192 x 384 at 5 / 8 / 17 / 33 rows 0.90 / 0.94 / 0.90 / 0.93x, scripts/bench_gemv_shim.py). */
+#define WIDEN_ABOVE 4
+
+static __thread float* wide_block; /* this thread's buffer for widened_tiles */
+static __thread long wide_floats;
+
+/* Columns [n0, n1) (n0 a multiple of 4) of a product by a half-width copy, every row: each block of
+ * 4 weight rows widened into this thread's buffer once, then the float32 tiles over it (the same
+ * floats, so the same sums as the tiles reading the copy). Returns where it stopped: n1's last
+ * whole block, or n0 where no buffer could be had. */
+INL int widened_tiles(const product* p, int n0, int n1) {
+  const int K = p->K;
+  if (wide_floats < 4L * K) {
+    float* grown = realloc(wide_block, sizeof(float) * 4 * (size_t)K);
+    if (grown == NULL) {
+      return n0;
+    }
+    wide_block = grown;
+    wide_floats = 4L * K;
+  }
+  product q = *p;
+  q.B = wide_block;
+  q.ldb = K;
+  q.H = NULL;
+  int n = n0;
+  for (; n + 4 <= n1; n += 4) {
+    for (int i = 0; i < 4; ++i) {
+      const uint16_t* h = p->H + (long)(n + i) * p->ldb;
+      float* w = wide_block + (long)i * K;
+      __builtin_prefetch(h + 4L * p->ldb);
+      int k = 0;
+      for (; k + 16 <= K; k += 16) *(v16u*)(w + k) = LOAD_HALF(h + k);
+      for (; k < K; ++k) w[k] = half_at(h + k);
+    }
+    q.row0 = n;
+    int r = 0;
+    for (; r + 4 <= p->M; r += 4) tile(&q, r, n, 4, 0);
+    switch (p->M - r) {
+      case 3: tile(&q, r, n, 3, 0); break;
+      case 2: tile(&q, r, n, 2, 0); break;
+      case 1: tile(&q, r, n, 1, 0); break;
+      default: break;
+    }
+  }
+  return n;
+}
+
 INL void columns_of(const product* p, int n0, int n1, const int half) {
   int n = n0;
+  if (half && p->M > WIDEN_ABOVE) {
+    n = widened_tiles(p, n0, n1);
+  }
   for (; n + 4 <= n1; n += 4) {
     int r = 0;
     for (; r + 4 <= p->M; r += 4) tile(p, r, n, 4, half);
@@ -629,7 +683,7 @@ void cblas_sgemm(int order, int trans_a, int trans_b, int M, int N, int K, float
       K >= 1 && __atomic_load_n(&spruce_half, __ATOMIC_RELAXED)) {
     const uint16_t* h = half_copy(B, N, K, ldb);
     if (h != NULL) { /* x @ W.T by a registered weight: from its half-width copy, one row included */
-      const product p = {M, N, K, alpha, beta, A, B, C, lda, ldb, ldc, 0, h};
+      const product p = {M, N, K, alpha, beta, A, B, C, lda, ldb, ldc, 0, h, 0};
       pooled(&p, columns_half, 4);
       __atomic_add_fetch(&spruce_half_calls, 1, __ATOMIC_RELAXED);
       return;
@@ -637,13 +691,13 @@ void cblas_sgemm(int order, int trans_a, int trans_b, int M, int N, int K, float
   }
   const int small = order == ROW_MAJOR && M >= SMALL_ROWS_FROM && N >= 1 && K >= 1 && M <= rows_limit;
   if (small && trans_a == NO_TRANS && trans_b == TRANS) { /* x @ W.T: a linear layer */
-    const product p = {M, N, K, alpha, beta, A, B, C, lda, ldb, ldc, 0, NULL};
+    const product p = {M, N, K, alpha, beta, A, B, C, lda, ldb, ldc, 0, NULL, 0};
     pooled(&p, columns, 4);
     __atomic_add_fetch(&spruce_gemv_calls, 1, __ATOMIC_RELAXED);
     return;
   }
   if (small && trans_b == NO_TRANS) { /* B stored [K, N]: attention's scores @ V, the GDN heads' */
-    const product p = {M, N, K, alpha, beta, A, B, C, lda, ldb, ldc, trans_a != NO_TRANS, NULL};
+    const product p = {M, N, K, alpha, beta, A, B, C, lda, ldb, ldc, trans_a != NO_TRANS, NULL, 0};
     pooled(&p, outer_columns, 16);
     __atomic_add_fetch(&spruce_gemv_calls, 1, __ATOMIC_RELAXED);
     return;

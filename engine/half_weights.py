@@ -77,6 +77,7 @@ def candidates(module: nn.Module) -> list[mx.array]:
 def register(owner: object, arrays: Iterable[mx.array]) -> int:
     """Hand each row-contiguous float32 matrix of `arrays` large enough to be worth it and whose
     values are all bfloat16 to the shim, for as long as `owner` lives -> how many it took."""
+    weakref.ref(owner)  # an owner that cannot be watched fails here (TypeError), before anything is registered
     lib = _library()
     if lib is None:
         return 0
