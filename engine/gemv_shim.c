@@ -541,11 +541,16 @@ static void pooled(const product* p, kernel_fn kernel, int align) {
 /* An open-addressed table keyed by the weight's address (MLX hands a linear layer's weight buffer
  * to cblas_sgemm as B, transposed). Entries are written by spruce_half_add / spruce_half_remove on
  * the Python side, one caller at a time (engine/half_weights.py holds a lock), and read by any
- * thread: an entry's fields are set before its key is published, and a removed key becomes
- * REMOVED, so a lookup never sees a half-written entry. engine/half_weights.py keeps each
- * registered array alive until it is removed, so an address cannot be reused by another array
- * while its entry stands. */
-#define HALF_SLOTS 4096 /* at most half of them used */
+ * thread without a lock: an entry's fields are set before its key is published, and a removed key
+ * becomes REMOVED (kept, so that probes past it go on), so a lookup never sees a half-written
+ * entry. engine/half_weights.py keeps each registered array alive until it is removed, so an
+ * address cannot be reused by another array while its entry stands.
+ *
+ * Removed keys fill the table as models come and go (the test suite loads hundreds), so when an
+ * insert finds it half full, the live entries move to a fresh table, published whole with one
+ * atomic store. The old table is never freed: a lookup that started in it may still be reading it
+ * (4096 entries, 96 kB, once every thousand or so removals). */
+#define HALF_SLOTS 4096 /* at most half of them hold keys */
 #define REMOVED ((const float*)1)
 
 typedef struct {
@@ -555,8 +560,14 @@ typedef struct {
   long ld;        /* row stride of both, in elements */
 } half_entry;
 
-static half_entry halves[HALF_SLOTS];
-static int half_used; /* slots holding a key, REMOVED ones included */
+typedef struct {
+  half_entry slot[HALF_SLOTS];
+  int used; /* slots holding a key, REMOVED ones included */
+} half_table;
+
+static half_table first_table;
+static half_table* half_live = &first_table;
+int spruce_half_tables = 1; /* tables made so far (tests) */
 
 static unsigned half_slot(const float* w) { return (unsigned)(((uintptr_t)w >> 6) * 2654435761u) % HALF_SLOTS; }
 
@@ -564,17 +575,46 @@ static unsigned half_slot(const float* w) { return (unsigned)(((uintptr_t)w >> 6
  * a weight's leading rows, such as a draft vocabulary's slice of the output embedding, reads the
  * copy's first rows) of K columns at the registered stride; else NULL. */
 static const uint16_t* half_copy(const float* b, int N, int K, int ldb) {
+  const half_table* t = __atomic_load_n(&half_live, __ATOMIC_ACQUIRE);
   for (unsigned i = half_slot(b), probes = 0; probes < HALF_SLOTS; i = (i + 1) % HALF_SLOTS, ++probes) {
-    const float* key = __atomic_load_n(&halves[i].w, __ATOMIC_ACQUIRE);
+    const float* key = __atomic_load_n(&t->slot[i].w, __ATOMIC_ACQUIRE);
     if (key == NULL) {
       return NULL;
     }
     if (key == b) {
-      const half_entry* e = &halves[i];
+      const half_entry* e = &t->slot[i];
       return N <= e->n && K == e->k && ldb == e->ld ? e->h : NULL;
     }
   }
   return NULL;
+}
+
+/* The slot an insert of w takes in t: the first empty or removed one of its probe. */
+static unsigned free_slot(const half_table* t, const float* w) {
+  unsigned i = half_slot(w);
+  while (t->slot[i].w != NULL && t->slot[i].w != REMOVED) {
+    i = (i + 1) % HALF_SLOTS;
+  }
+  return i;
+}
+
+/* Move the live entries to a fresh table and publish it: 0 where no memory could be had. */
+static int rebuild(void) {
+  half_table* fresh = calloc(1, sizeof(half_table));
+  if (fresh == NULL) {
+    return 0;
+  }
+  const half_table* old = half_live;
+  for (int i = 0; i < HALF_SLOTS; ++i) {
+    const half_entry* e = &old->slot[i];
+    if (e->w != NULL && e->w != REMOVED) {
+      fresh->slot[free_slot(fresh, e->w)] = *e;
+      fresh->used += 1;
+    }
+  }
+  __atomic_store_n(&half_live, fresh, __ATOMIC_RELEASE);
+  spruce_half_tables += 1;
+  return 1;
 }
 
 /* Register weight w ([n, k], row stride ld floats): 1 when it is (now or already) registered, 0
@@ -595,8 +635,17 @@ int spruce_half_add(const float* w, int n, int k, long ld) {
       }
     }
   }
-  if (half_used + 1 > HALF_SLOTS / 2) {
-    return -1;
+  half_table* t = half_live;
+  unsigned i = free_slot(t, w);
+  if (t->slot[i].w == NULL && t->used + 1 > HALF_SLOTS / 2) { /* full of keys, removed ones too */
+    if (!rebuild()) {
+      return -1;
+    }
+    t = half_live;
+    i = free_slot(t, w);
+    if (t->slot[i].w == NULL && t->used + 1 > HALF_SLOTS / 2) { /* full of live keys */
+      return -1;
+    }
   }
   uint16_t* h = malloc(sizeof(uint16_t) * (size_t)n * (size_t)ld);
   if (h == NULL) {
@@ -604,37 +653,34 @@ int spruce_half_add(const float* w, int n, int k, long ld) {
   }
   for (long r = 0; r < n; ++r) {
     const uint32_t* row = (const uint32_t*)(w + r * ld);
-    for (long c = 0; c < ld; ++c) { /* the stride's gap too: a slot's width is one row */
+    for (long c = 0; c < ld; ++c) { /* the stride's gap too (not read): a copy's row is as wide */
       h[r * ld + c] = c < k ? (uint16_t)(row[c] >> 16) : 0;
     }
   }
-  unsigned i = half_slot(w);
-  while (halves[i].w != NULL && halves[i].w != REMOVED) {
-    i = (i + 1) % HALF_SLOTS;
+  if (t->slot[i].w == NULL) {
+    t->used += 1;
   }
-  if (halves[i].w == NULL) {
-    half_used += 1;
-  }
-  halves[i].h = h;
-  halves[i].n = n;
-  halves[i].k = k;
-  halves[i].ld = ld;
-  __atomic_store_n(&halves[i].w, w, __ATOMIC_RELEASE);
+  t->slot[i].h = h;
+  t->slot[i].n = n;
+  t->slot[i].k = k;
+  t->slot[i].ld = ld;
+  __atomic_store_n(&t->slot[i].w, w, __ATOMIC_RELEASE);
   return 1;
 }
 
 /* Forget weight w and free its copy: 1 if it was registered. The caller makes sure no product by it
  * is running (engine/half_weights.py synchronizes MLX first). */
 int spruce_half_remove(const float* w) {
+  half_table* t = half_live;
   for (unsigned i = half_slot(w), probes = 0; probes < HALF_SLOTS; i = (i + 1) % HALF_SLOTS, ++probes) {
-    const float* key = halves[i].w;
+    const float* key = t->slot[i].w;
     if (key == NULL) {
       return 0;
     }
     if (key == w) {
-      __atomic_store_n(&halves[i].w, REMOVED, __ATOMIC_RELEASE);
-      free(halves[i].h);
-      halves[i].h = NULL;
+      __atomic_store_n(&t->slot[i].w, REMOVED, __ATOMIC_RELEASE);
+      free(t->slot[i].h);
+      t->slot[i].h = NULL;
       return 1;
     }
   }

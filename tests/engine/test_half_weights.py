@@ -122,6 +122,19 @@ def test_registrations_end_with_their_owner(rng, half_on):
     assert blas.half_calls() == calls
 
 
+def test_released_slots_are_taken_again(rng, monkeypatch):
+    """Many more registrations over a process's life than the shim's table has slots: each released
+    one's slot is reused (models loaded and dropped one after another keep getting their copies)."""
+    monkeypatch.setattr(half_weights, "MIN_ELEMENTS", 1)
+    kept = []  # alive, so that every matrix has an address of its own
+    for _ in range(20000):  # the table takes 2,048 at once
+        kept.append(mx.array(np.asarray(bf16_valued(rng, 4, 8))))
+        owner = Owner()
+        assert half_weights.register(owner, [kept[-1]]) == 1
+        del owner  # its finalizer runs here: the registration ends
+    assert len({np.asarray(w).ctypes.data for w in kept}) == len(kept)
+
+
 @pytest.fixture(scope="module")
 def bf16_checkpoint(tmp_path_factory):
     """The tiny model's shape, wide enough that its matrices are worth registering, with every
