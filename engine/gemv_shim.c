@@ -14,12 +14,12 @@
  * Batch invariance: every output element of x @ W.T is one dot product, summed in the same order
  * (16 lanes along K, then a fixed tree over the lanes) whatever the row count, the tile it falls
  * in or the thread that computes it. So a row's result is bitwise the same in a verify of 2 rows
- * or of 33; the tests hold that. (The one-row step goes through OpenBLAS's GEMV, which sums in
- * its own order: see SMALL_ROWS_FROM.)
+ * or of 33; the tests hold that. (A one-row step by a weight not registered below goes through
+ * OpenBLAS's GEMV, which sums in its own order: see SMALL_ROWS_FROM.)
  *
  * Half-width weights: a checkpoint stored in bfloat16 runs in float32 on the CPU, so every weight
- * value is a bfloat16 whose low 16 bits are zero, and a step spends most of its time reading those
- * zeros (the bundled target's 60 MB of float32 weights a step). engine/half_weights.py hands such a
+ * value is a bfloat16 whose low 16 bits are zero: half of the bytes a step reads (the bundled
+ * target's 60 MB of float32 weights a step) are those zeros. engine/half_weights.py hands such a
  * weight to spruce_half_add, which checks every value, keeps a bfloat16 copy and answers products
  * of 1 to SMALL_ROWS rows by it from the copy: half the bytes, the same floats after widening, the
  * same sums in the same order as the float32 kernel here, so the same bits. One-row products by a
@@ -222,7 +222,8 @@ INL void tile(const product* p, int r0, int n, const int R, const int half) {
               b3 = weight16(p, n + 3, k, half);
     if (half) {
       PREFETCH(p->H + (n + 8) * ldb + k, ldb);
-    } else if (p->row0 == 0) { /* a widened block's next rows are not there: widened_tiles fetches them */
+    } else if (p->row0 == 0) { /* a widened block's next rows are not in its buffer (widened_tiles
+                                * fetches them; at row 0 the hint is a harmless miss) */
       PREFETCH(p->B + (n + 8) * ldb + k, ldb);
     }
     UNROLL for (int r = 0; r < R; ++r) {
