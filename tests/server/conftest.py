@@ -1,5 +1,10 @@
 """One real server for all server tests: the real Engine on the tiny checkpoint, behind uvicorn
-on 127.0.0.1 (a free port), started in-process on a thread."""
+on 127.0.0.1 (a free port), started in-process on a thread.
+
+The engine and the server are imported inside the fixtures, not here: pytest loads this file
+before the root conftest's pytest_configure re-execs the run with OpenBLAS and the engine's shim
+preloaded, and that re-exec does not happen once mlx is imported (`python -m pytest tests/server`
+ran on MLX's slow bundled BLAS, without the shim)."""
 
 from __future__ import annotations
 
@@ -7,14 +12,12 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import pytest
-import uvicorn
 
-from engine.config import EngineConfig, SpecConfig
-from engine.generate import Engine
-from server.app import create_app
-from server.bridge import EngineBridge
+if TYPE_CHECKING:
+    from server.bridge import EngineBridge
 
 MAX_CONTEXT = 2048
 MAX_QUEUE = 2  # small, so that the 429 test can fill it
@@ -39,6 +42,13 @@ class LiveServer:
 
 @pytest.fixture(scope="session")
 def live_server(tiny_checkpoint):
+    import uvicorn
+
+    from engine.config import EngineConfig
+    from engine.generate import Engine
+    from server.app import create_app
+    from server.bridge import EngineBridge
+
     config = EngineConfig(model_path=str(tiny_checkpoint), max_context=MAX_CONTEXT)
     bridge = EngineBridge(lambda: Engine(config), max_queue=MAX_QUEUE)
     bridge.start()
@@ -64,6 +74,10 @@ def live_server(tiny_checkpoint):
 @pytest.fixture(scope="session")
 def draft_bridge(tiny_checkpoint, tiny_draft):
     """A second engine thread over the tiny checkpoint, with a draft model: every spec method works."""
+    from engine.config import EngineConfig, SpecConfig
+    from engine.generate import Engine
+    from server.bridge import EngineBridge
+
     config = EngineConfig(model_path=str(tiny_checkpoint), max_context=DRAFT_CONTEXT,
                           spec=SpecConfig(draft_model=str(tiny_draft)))
     bridge = EngineBridge(lambda: Engine(config), max_queue=MAX_QUEUE)

@@ -83,3 +83,25 @@ def test_the_check_sees_a_script_without_the_preload() -> None:
                      "if __name__ == '__main__':\n    reexec_with_openblas([])\n")
     assert _uses_mlx(bad) and _reexec_line(bad) is None
     assert _first_mlx_import(late) == 1 and _reexec_line(late) == 3
+
+
+CONFTESTS = sorted((SCRIPTS.parent / "tests").rglob("conftest.py"))
+
+
+@pytest.mark.parametrize("conftest", CONFTESTS, ids=lambda p: str(p.relative_to(SCRIPTS.parent)))
+def test_conftests_leave_mlx_unimported(conftest: Path) -> None:
+    """The test run re-execs itself with OpenBLAS and the engine's shim in tests/conftest.py's
+    pytest_configure, which does nothing once mlx is imported; pytest imports the conftest.py of
+    every path it is given before that, so none may import mlx (tests/server/conftest.py did, and
+    `python -m pytest tests/server` ran on the slow bundled BLAS)."""
+    import subprocess
+    import sys
+
+    code = ("import importlib.util, sys\n"
+            f"spec = importlib.util.spec_from_file_location('probe_conftest', {str(conftest)!r})\n"
+            "module = sys.modules['probe_conftest'] = importlib.util.module_from_spec(spec)\n"
+            "spec.loader.exec_module(module)\n"
+            "print('mlx.core' in sys.modules)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=SCRIPTS.parent)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip().splitlines()[-1] == "False"
