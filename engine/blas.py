@@ -149,11 +149,16 @@ def _shim_handle() -> Any:
     return None
 
 
+def _counter(symbol: str) -> int | None:
+    """One of the shim's long counters (None: the shim is not loaded)."""
+    handle = _shim_handle()
+    return None if handle is None else int(ctypes.c_long.in_dll(handle, symbol).value)
+
+
 def gemv_calls() -> int | None:
     """How many products the shim computed or sent to cblas_sgemv in this process (None: it is not
     loaded)."""
-    handle = _shim_handle()
-    return None if handle is None else int(ctypes.c_long.in_dll(handle, "spruce_gemv_calls").value)
+    return _counter("spruce_gemv_calls")
 
 
 class ShimSetting:
@@ -195,14 +200,12 @@ POW2_CHECKED = ShimSetting("spruce_pow2_checked")
 
 def pow2_calls() -> int | None:
     """How many powf(2, y) the shim answered while POW2 was 2 (None: the shim is not loaded)."""
-    handle = _shim_handle()
-    return None if handle is None else int(ctypes.c_long.in_dll(handle, "spruce_pow2_calls").value)
+    return _counter("spruce_pow2_calls")
 
 
 def half_calls() -> int | None:
     """How many products read a registered weight's half-width copy (None: the shim is not loaded)."""
-    handle = _shim_handle()
-    return None if handle is None else int(ctypes.c_long.in_dll(handle, "spruce_half_calls").value)
+    return _counter("spruce_half_calls")
 
 
 # OpenBLAS's threads, by what the host does meanwhile. Plain rounds are pipelined: the host builds
