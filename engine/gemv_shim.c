@@ -259,6 +259,18 @@ INL void column(const product* p, int n, const int half) {
 #define VECTOR_VARIANTS /* one build: NEON on arm64 */
 #endif
 
+/* Weight rows n..n+3 times every row of A, in tiles of up to 4 rows. */
+INL void every_row(const product* p, int n, const int half) {
+  int r = 0;
+  for (; r + 4 <= p->M; r += 4) tile(p, r, n, 4, half);
+  switch (p->M - r) { /* each with its own constant R, so each compiles to its own unrolled loop */
+    case 3: tile(p, r, n, 3, half); break;
+    case 2: tile(p, r, n, 2, half); break;
+    case 1: tile(p, r, n, 1, half); break;
+    default: break;
+  }
+}
+
 /* Above this many rows a product by a half-width copy widens each block of 4 weight rows once into
  * a float32 buffer and runs the float32 tiles over it: the tiles convert their weights for every 4
  * rows, and from 5 rows on that made the copies' products slower than the float32 weights' on the
@@ -297,14 +309,7 @@ INL int widened_tiles(const product* p, int n0, int n1) {
       for (; k < K; ++k) w[k] = half_at(h + k);
     }
     q.row0 = n;
-    int r = 0;
-    for (; r + 4 <= p->M; r += 4) tile(&q, r, n, 4, 0);
-    switch (p->M - r) {
-      case 3: tile(&q, r, n, 3, 0); break;
-      case 2: tile(&q, r, n, 2, 0); break;
-      case 1: tile(&q, r, n, 1, 0); break;
-      default: break;
-    }
+    every_row(&q, n, 0);
   }
   return n;
 }
@@ -314,16 +319,7 @@ INL void columns_of(const product* p, int n0, int n1, const int half) {
   if (half && p->M > WIDEN_ABOVE) {
     n = widened_tiles(p, n0, n1);
   }
-  for (; n + 4 <= n1; n += 4) {
-    int r = 0;
-    for (; r + 4 <= p->M; r += 4) tile(p, r, n, 4, half);
-    switch (p->M - r) { /* each with its own constant R, so each compiles to its own unrolled loop */
-      case 3: tile(p, r, n, 3, half); break;
-      case 2: tile(p, r, n, 2, half); break;
-      case 1: tile(p, r, n, 1, half); break;
-      default: break;
-    }
-  }
+  for (; n + 4 <= n1; n += 4) every_row(p, n, half);
   for (; n < n1; ++n) column(p, n, half);
 }
 
@@ -568,26 +564,29 @@ typedef struct {
 
 static half_table first_table;
 static half_table* half_live = &first_table;
-int spruce_half_tables = 1; /* tables made so far (tests) */
 
 static unsigned half_slot(const float* w) { return (unsigned)(((uintptr_t)w >> 6) * 2654435761u) % HALF_SLOTS; }
+
+/* w's entry in t, or NULL. */
+static half_entry* find_entry(half_table* t, const float* w) {
+  for (unsigned i = half_slot(w), probes = 0; probes < HALF_SLOTS; i = (i + 1) % HALF_SLOTS, ++probes) {
+    const float* key = __atomic_load_n(&t->slot[i].w, __ATOMIC_ACQUIRE);
+    if (key == NULL) {
+      return NULL;
+    }
+    if (key == w) {
+      return &t->slot[i];
+    }
+  }
+  return NULL;
+}
 
 /* B's half-width copy where B is a registered weight read in full rows: the first N rows (a view of
  * a weight's leading rows, such as a draft vocabulary's slice of the output embedding, reads the
  * copy's first rows) of K columns at the registered stride; else NULL. */
 static const uint16_t* half_copy(const float* b, int N, int K, int ldb) {
-  const half_table* t = __atomic_load_n(&half_live, __ATOMIC_ACQUIRE);
-  for (unsigned i = half_slot(b), probes = 0; probes < HALF_SLOTS; i = (i + 1) % HALF_SLOTS, ++probes) {
-    const float* key = __atomic_load_n(&t->slot[i].w, __ATOMIC_ACQUIRE);
-    if (key == NULL) {
-      return NULL;
-    }
-    if (key == b) {
-      const half_entry* e = &t->slot[i];
-      return N <= e->n && K == e->k && ldb == e->ld ? e->h : NULL;
-    }
-  }
-  return NULL;
+  const half_entry* e = find_entry(__atomic_load_n(&half_live, __ATOMIC_ACQUIRE), b);
+  return e != NULL && N <= e->n && K == e->k && ldb == e->ld ? e->h : NULL;
 }
 
 /* The slot an insert of w takes in t: the first empty or removed one of its probe. */
@@ -614,7 +613,6 @@ static int rebuild(void) {
     }
   }
   __atomic_store_n(&half_live, fresh, __ATOMIC_RELEASE);
-  spruce_half_tables += 1;
   return 1;
 }
 
@@ -672,20 +670,14 @@ int spruce_half_add(const float* w, int n, int k, long ld) {
 /* Forget weight w and free its copy: 1 if it was registered. The caller makes sure no product by it
  * is running (engine/half_weights.py synchronizes MLX first). */
 int spruce_half_remove(const float* w) {
-  half_table* t = half_live;
-  for (unsigned i = half_slot(w), probes = 0; probes < HALF_SLOTS; i = (i + 1) % HALF_SLOTS, ++probes) {
-    const float* key = t->slot[i].w;
-    if (key == NULL) {
-      return 0;
-    }
-    if (key == w) {
-      __atomic_store_n(&t->slot[i].w, REMOVED, __ATOMIC_RELEASE);
-      free(t->slot[i].h);
-      t->slot[i].h = NULL;
-      return 1;
-    }
+  half_entry* e = find_entry(half_live, w);
+  if (e == NULL) {
+    return 0;
   }
-  return 0;
+  __atomic_store_n(&e->w, REMOVED, __ATOMIC_RELEASE);
+  free(e->h);
+  e->h = NULL;
+  return 1;
 }
 
 /* ---- the entry point ----------------------------------------------------------------------- */
