@@ -47,7 +47,6 @@ MEMORY_SHARE = 0.25
 
 _LOCK = threading.Lock()
 _HELD: dict[int, list[Any]] = {}  # address -> [the array, how many owners registered it]
-_BYTES = [0]  # the registered copies' bytes
 
 
 def _library() -> Any:
@@ -84,14 +83,15 @@ def register(owner: object, arrays: Iterable[mx.array]) -> int:
     if lib is None:
         return 0
     taken: list[int] = []
-    budget = MEMORY_SHARE * physical_memory()
+    room = MEMORY_SHARE * physical_memory()
     with _LOCK:
+        room -= _copies_bytes()
         for w in candidates_of(arrays):
-            if _BYTES[0] + 2 * w.size > budget:
+            if 2 * w.size > room:
                 continue
             mx.eval(w)
             view = np.asarray(w)  # MLX's own buffer, no copy (the shim sees the same address)
-            if view.ndim != 2 or not view.flags.c_contiguous or view.dtype != np.float32:
+            if not view.flags.c_contiguous:
                 continue
             address = int(view.ctypes.data)
             rows, cols = int(view.shape[0]), int(view.shape[1])
@@ -100,7 +100,7 @@ def register(owner: object, arrays: Iterable[mx.array]) -> int:
                 break  # the table or the memory is full: the rest stay float32
             if got == 1:
                 entry = _HELD.setdefault(address, [w, 0])
-                _BYTES[0] += 2 * w.size if entry[1] == 0 else 0
+                room -= 2 * w.size if entry[1] == 0 else 0
                 entry[1] += 1
                 taken.append(address)
     if taken:
@@ -124,14 +124,17 @@ def _release(lib: Any, addresses: list[int]) -> None:
             entry[1] -= 1
             if entry[1] == 0:
                 lib.spruce_half_remove(address)
-                _BYTES[0] -= 2 * entry[0].size
                 del _HELD[address]
+
+
+def _copies_bytes() -> int:
+    return sum(2 * w.size for w, _ in _HELD.values())
 
 
 def copies_bytes() -> int:
     """The registered copies' bytes, all models together."""
     with _LOCK:
-        return _BYTES[0]
+        return _copies_bytes()
 
 
 def registered() -> int:
