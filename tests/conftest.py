@@ -1,17 +1,29 @@
 """Session fixtures: tiny random checkpoints written by HF transformers (the real format).
 
-Each is made once per test session in a temp dir; tests never download anything.
+Each is made once per test session in a temp dir; tests never download anything. And `rng`, a
+seeded generator for the tests that draw random inputs.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests.helpers import checkpoint_maker, parity_module
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    """A fresh generator per test; set SPRUCE_TEST_SEED to replay a failure."""
+    seed = int(os.environ.get("SPRUCE_TEST_SEED", secrets.randbits(32)))
+    print(f"SPRUCE_TEST_SEED={seed}")  # pytest shows captured output of a failing test
+    return np.random.default_rng(seed)
 
 
 def _make(tmp_path_factory, name: str, *args: str) -> Path:

@@ -34,11 +34,6 @@ def bf16_valued(rng: np.random.Generator, *shape: int) -> mx.array:
 
 
 @pytest.fixture
-def rng() -> np.random.Generator:
-    return np.random.default_rng(0)
-
-
-@pytest.fixture
 def half_on():
     saved = blas.HALF.value
     blas.HALF.value = 1
