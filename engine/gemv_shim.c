@@ -408,21 +408,26 @@ VECTOR_VARIANTS static void outer_columns(const product* p, int n0, int n1) {
 #define SPINS 20000 /* sched_yield calls: tens of microseconds when nothing else wants the core */
 
 typedef void (*kernel_fn)(const product*, int, int); /* columns [n0, n1) of every row */
+/* Items [i0, i1) of a job: a product's columns, or any other caller's work (spruce_parallel). */
+typedef void (*task_fn)(void*, int, int);
 
 static struct {
-  pthread_mutex_t busy; /* one product at a time; a second caller computes alone */
+  pthread_mutex_t busy; /* one job at a time; a second caller computes alone */
   pthread_once_t once;
   int helpers;
-  int threads; /* threads this product may use, the caller's included: helpers of index >= threads - 1 sit it out */
-  product job;
+  int threads; /* threads this job may use, the caller's included: helpers of index >= threads - 1 sit it out */
+  product job; /* a product's operands, read by product_task */
   kernel_fn kernel;
+  task_fn task; /* what a claimed block runs, on ctx */
+  void* ctx;
+  int items; /* the job's items: a product's columns */
   int block;
   int blocks;          /* read by helpers before they own a block: atomic */
-  unsigned generation; /* futex word: bumped once a product is set up */
-  int next;            /* next block to claim; CLOSED between products */
+  unsigned generation; /* futex word: bumped once a job is set up */
+  int next;            /* next block to claim; CLOSED between jobs */
   int active;          /* helpers inside a block */
   int sleeping;
-} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_ONCE_INIT, 0, 1, {0}, 0, 0, 0, 0, CLOSED, 0, 0};
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_ONCE_INIT, 0, 1, {0}, 0, 0, 0, 0, 0, 0, 0, CLOSED, 0, 0};
 
 static void run_blocks(void) {
   for (;;) {
@@ -431,9 +436,14 @@ static void run_blocks(void) {
       return;
     }
     const int n0 = i * pool.block;
-    const int n1 = n0 + pool.block < pool.job.N ? n0 + pool.block : pool.job.N;
-    pool.kernel(&pool.job, n0, n1);
+    const int n1 = n0 + pool.block < pool.items ? n0 + pool.block : pool.items;
+    pool.task(pool.ctx, n0, n1);
   }
+}
+
+static void product_task(void* ctx, int n0, int n1) {
+  (void)ctx;
+  pool.kernel(&pool.job, n0, n1);
 }
 
 static void* helper(void* arg) {
@@ -494,32 +504,36 @@ static void start_helpers(void) {
   pthread_attr_destroy(&attr);
 }
 
-/* The product on this thread and the helpers, `kernel` over blocks of columns that are multiples
- * of `align` (its widest step). */
-static void pooled(const product* p, kernel_fn kernel, int align) {
-  const long macs = (long)p->M * p->N * p->K;
+/* The pool's threads as this job may use them: SPRUCE_GEMM_THREADS' limit where set, else every
+ * helper and the caller. Starts the helpers on first use. */
+static int pool_threads(void) {
   const int limit = __atomic_load_n(&spruce_gemm_threads, __ATOMIC_RELAXED);
-  int threads = 1, block = p->N;
-  if (macs >= THREADED_MACS && limit != 1) {
-    pthread_once(&pool.once, start_helpers);
-    threads = limit > 1 && limit <= pool.helpers ? limit : pool.helpers + 1;
-    /* ~4 blocks a thread, whole steps of the kernel */
-    block = (p->N + 4 * threads - 1) / (4 * threads);
-    block = (block + align - 1) / align * align;
+  if (limit == 1) {
+    return 1;
   }
-  /* alone: a small product, one thread, a product of one block (not worth a wake-up), or the pool
-   * busy with another caller's product */
-  if (threads == 1 || block >= p->N || pthread_mutex_trylock(&pool.busy) != 0) {
-    kernel(p, 0, p->N);
-    return;
+  pthread_once(&pool.once, start_helpers);
+  return limit > 1 && limit <= pool.helpers ? limit : pool.helpers + 1;
+}
+
+/* Blocks of `block` items of a job on this thread and `threads` - 1 helpers; 0 where the pool is
+ * busy with another caller's job (the caller then runs it alone). Set up before the claims open:
+ * no helper reads the job until it claims a block below `blocks`, which the release of `next`
+ * orders after the set-up, and the last job closed `next`, so until then every claim fails. */
+static int run_pooled(task_fn task, void* ctx, const product* p, kernel_fn kernel, int items, int block,
+                      int threads) {
+  if (pthread_mutex_trylock(&pool.busy) != 0) {
+    return 0;
   }
   __atomic_store_n(&pool.threads, threads, __ATOMIC_RELAXED); /* published by the generation's bump */
-  /* No helper reads these until it claims a block below `blocks`, which the release of `next`
-   * orders after them; the last product closed `next`, so until then every claim fails. */
-  pool.job = *p;
-  pool.kernel = kernel;
+  if (p != NULL) {
+    pool.job = *p;
+    pool.kernel = kernel;
+  }
+  pool.task = task;
+  pool.ctx = ctx;
+  pool.items = items;
   pool.block = block;
-  __atomic_store_n(&pool.blocks, (p->N + block - 1) / block, __ATOMIC_RELAXED);
+  __atomic_store_n(&pool.blocks, (items + block - 1) / block, __ATOMIC_RELAXED);
   __atomic_store_n(&pool.next, 0, __ATOMIC_RELEASE);
   __atomic_add_fetch(&pool.generation, 1, __ATOMIC_ACQ_REL);
   if (__atomic_load_n(&pool.sleeping, __ATOMIC_ACQUIRE) > 0) {
@@ -531,6 +545,35 @@ static void pooled(const product* p, kernel_fn kernel, int align) {
   }
   __atomic_store_n(&pool.next, CLOSED, __ATOMIC_RELEASE);
   pthread_mutex_unlock(&pool.busy);
+  return 1;
+}
+
+/* The product on this thread and the helpers, `kernel` over blocks of columns that are multiples
+ * of `align` (its widest step). */
+static void pooled(const product* p, kernel_fn kernel, int align) {
+  const long macs = (long)p->M * p->N * p->K;
+  int threads = 1, block = p->N;
+  if (macs >= THREADED_MACS) {
+    threads = pool_threads();
+    /* ~4 blocks a thread, whole steps of the kernel */
+    block = (p->N + 4 * threads - 1) / (4 * threads);
+    block = (block + align - 1) / align * align;
+  }
+  /* alone: a small product, one thread, a product of one block (not worth a wake-up), or the pool
+   * busy with another caller's job */
+  if (threads == 1 || block >= p->N || !run_pooled(product_task, NULL, p, kernel, p->N, block, threads)) {
+    kernel(p, 0, p->N);
+  }
+}
+
+/* Items [0, n) of another library's job (engine/cpu_ext.cpp: attention's rows), one item a claim,
+ * on this thread and the pool's helpers; alone where the pool is busy or limited to one thread.
+ * `task` must give the same results whichever thread runs an item. */
+void spruce_parallel(task_fn task, void* ctx, int n) {
+  const int threads = n > 1 ? pool_threads() : 1;
+  if (threads == 1 || !run_pooled(task, ctx, NULL, NULL, n, 1, threads)) {
+    task(ctx, 0, n);
+  }
 }
 
 /* ---- half-width copies of registered weights ------------------------------------------------ */

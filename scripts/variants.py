@@ -26,6 +26,9 @@
 - "-hw0" / "-hw1": products by registered weights from the float32 weights / from their bfloat16
   copies (engine.blas.HALF, engine/half_weights.py; the same bits either way, a no-op without the
   shim);
+- "-ca0" / "-ca1": a decode step's and a verify's attention on the CPU in MLX's operations / in
+  the engine's own operation (engine.cpu_ext.ATTENTION, engine/cpu_ext.cpp; a no-op where it is
+  not built);
 - "-srN": products of up to N rows through the GEMV shim's small-row path on the CPU, 0 = none
   (engine.blas.SMALL_ROWS; a no-op without the shim);
 - "-stN": that path on at most N threads, 0 = every core (engine.blas.GEMM_THREADS).
@@ -45,7 +48,7 @@ from typing import Any
 
 def _settings() -> dict[str, tuple[list[tuple[Any, str]], Callable[[str], tuple[Any, ...]]]]:
     """suffix prefix -> (the (owner, attribute) pairs it sets, the values from the suffix's rest)."""
-    from engine import attention_rows, blas, cpu_exp, forward, fused_norms, qmm
+    from engine import attention_rows, blas, cpu_exp, cpu_ext, forward, fused_norms, qmm
     from engine import round as rounds
     from engine.cache import GDNCache
     from engine.drafters import mtp
@@ -70,6 +73,7 @@ def _settings() -> dict[str, tuple[list[tuple[Any, str]], Callable[[str], tuple[
         "pg": ([(cpu_exp, "POW_GATES")], on),
         "pw": ([(blas.POW2, "value")], lambda rest: (int(rest),)),
         "hw": ([(blas.HALF, "value")], lambda rest: (int(rest),)),
+        "ca": ([(cpu_ext, "ATTENTION")], on),
         "sr": ([(blas.SMALL_ROWS, "value")], lambda rest: (int(rest),)),
         "st": ([(blas.GEMM_THREADS, "value")], lambda rest: (int(rest),)),
     }

@@ -12,7 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine import attention_rows as attention_kernel
-from engine import blas
+from engine import blas, cpu_ext
 from engine.cache import KVCache
 from engine.cpu_exp import sigmoid, silu, softmax_rows
 from engine.gdn.core import TreeInputs
@@ -203,6 +203,17 @@ def one_row_in_ops(keys: int) -> bool:
     return keys >= OPS_ATTENTION_FROM and mx.default_device() == mx.cpu
 
 
+def cpu_rows_attention(q: mx.array, keys: mx.array) -> bool:
+    """Whether a decode step's or a verify's rows attend in the engine's own CPU operation
+    (engine/cpu_ext.cpp) rather than in MLX's operations: on the CPU in float32, where it is built
+    for the heads' shape. It reads each key and value once and takes the softmax in the same pass:
+    one query over 4,000 keys (6 heads, 2 K/V heads of 64) 77-138 us a layer against 256-267 in
+    operations, over 64 keys 11-12 against 38 (dev CPU, `python scripts/bench_attention.py`)."""
+    if not cpu_ext.attention_available(q):
+        return False
+    return cpu_ext.supports(q.shape[1] // keys.shape[1], q.shape[-1])
+
+
 def chunk_in_ops(scores: int) -> bool:
     """Whether a chain of rows (a prefill chunk) attends in ops rather than the fused kernel: on
     the CPU with a fast BLAS, where the two GEMMs beat MLX's fused CPU kernel at every length
@@ -277,7 +288,12 @@ class Attention(nn.Module):
             # one or two launches instead of four to seven (engine/attention_rows.py; on by default on CUDA)
             out = attention_kernel.attention_rows(q, keys, values, batch.tree_mask)
             return out.reshape(1, T, -1)
-        if batch.tree_mask is not None:
+        if (T == 1 or batch.tree_mask is not None) and cpu_rows_attention(q, keys):
+            # one operation of the engine's own instead of eight (engine/cpu_ext.cpp): a decode
+            # step and a verify's rows alike, so that a verify row sees what the step would
+            prefix = keys.shape[2] - (T if batch.tree_mask is not None else 0)
+            out = cpu_ext.rows_attention(q, keys, values, self.scale, prefix, batch.tree_mask)
+        elif batch.tree_mask is not None:
             # in ops, not mx.fast.scaled_dot_product_attention with an array mask: on CUDA that
             # routes bf16 to cuDNN, which plans a new graph for every prefix length, about 40 ms a
             # round (measured on the H200)

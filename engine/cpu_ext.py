@@ -1,0 +1,189 @@
+"""The engine's own CPU operations (engine/cpu_ext.cpp), built on first use and loaded into MLX.
+
+MLX's Python API registers kernels for Metal and CUDA only; on the CPU a computation is a graph of
+MLX's operations, each a scalar loop with a few microseconds of scheduling. The C++ file defines an
+MLX primitive with its CPU evaluation and a nanobind binding in MLX's own nanobind domain, so it
+takes and returns mx.array and joins MLX's graphs (mx.compile included).
+
+Building needs a C++20 compiler (`$CXX`, c++, g++ or clang++), Python's headers, MLX's headers and
+library (in its wheel) and nanobind's sources (the `nanobind` package, whose internals must match
+the version MLX was built with: a mismatch shows at the self-test below). It takes ~6-10 s once per
+user, cached like the GEMV shim under a name that hashes everything that goes into it. Linux only:
+elsewhere the CPU is not where MLX runs the engine. Without any of it, or with SPRUCE_CPU_EXT=0,
+`module()` is None and the callers keep MLX's operations.
+
+Built with -march=native: the cache name carries the CPU's feature flags, so a cache shared by
+different machines holds one build each.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import importlib.util
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sysconfig
+import tempfile
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import mlx.core as mx
+import numpy as np
+
+SOURCE = Path(__file__).with_name("cpu_ext.cpp")
+NAME = "spruce_cpu_ext"
+OPT_OUT = "SPRUCE_CPU_EXT"  # "0": never built nor used
+ATTENTION = True  # module switch, read per call: False = attention in MLX's operations (variant ca0)
+
+log = logging.getLogger("spruce")
+_lock = threading.Lock()
+_state: dict[str, ModuleType | None] = {}
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (what -march=native compiles for)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def _inputs() -> tuple[Path, Path, Path] | None:
+    """MLX's directory, nanobind's and Python's include directory; None where one is missing."""
+    try:
+        import nanobind
+    except ImportError:
+        return None
+    mlx_dir = Path(mx.__file__).parent
+    python_include = Path(sysconfig.get_paths()["include"])
+    if not (mlx_dir / "include" / "mlx" / "mlx.h").is_file() or not (python_include / "Python.h").is_file():
+        return None
+    return mlx_dir, Path(nanobind.__file__).parent, python_include
+
+
+def _build() -> Path | None:
+    """The extension's path, built if no cached build matches; None where it cannot be built."""
+    inputs = _inputs()
+    if inputs is None:
+        return None
+    mlx_dir, nb_dir, python_include = inputs
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    parts = [SOURCE.read_bytes(), str(getattr(mx, "__version__", "")).encode(), str(nb_dir).encode(),
+             (nb_dir / "__init__.py").read_bytes(), suffix.encode(), _cpu_flags().encode()]
+    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+    name = f"{NAME}-{key}{suffix}"
+    homes = [Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "spruce",
+             Path(tempfile.gettempdir()) / f"spruce-{os.getuid()}"]
+    for home in homes:
+        if (home / name).is_file():
+            return home / name
+    compiler = next(filter(None, (shutil.which(c) for c in (os.environ.get("CXX", ""), "c++", "g++", "clang++") if c)),
+                    None)
+    if compiler is None:
+        return None
+    log.info("building the engine's CPU operations (engine/cpu_ext.cpp), once: ~10 s")
+    for home in homes:
+        partial = home / f"{name}.{os.getpid()}.part"  # renamed into place whole: builds may race
+        try:
+            home.mkdir(parents=True, exist_ok=True)
+            subprocess.run([compiler, "-O3", "-march=native", "-std=c++20", "-shared", "-fPIC", "-fvisibility=hidden",
+                            "-DNDEBUG", "-DNB_DOMAIN=mlx", f"-I{nb_dir / 'include'}",
+                            f"-I{nb_dir / 'ext' / 'robin_map' / 'include'}", f"-I{python_include}",
+                            f"-I{mlx_dir / 'include'}", "-o", str(partial), str(SOURCE),
+                            str(nb_dir / "src" / "nb_combined.cpp"), f"-L{mlx_dir / 'lib'}", "-lmlx",
+                            f"-Wl,-rpath,{mlx_dir / 'lib'}", "-ldl", "-pthread"],
+                           check=True, capture_output=True, timeout=600)
+            os.replace(partial, home / name)
+            return home / name
+        except (OSError, subprocess.SubprocessError) as e:
+            detail = getattr(e, "stderr", b"") or b""
+            log.debug("engine/cpu_ext.cpp did not build in %s: %s %s", home, e, detail[-2000:].decode(errors="replace"))
+            with contextlib.suppress(OSError):
+                partial.unlink(missing_ok=True)
+            if isinstance(e, subprocess.CalledProcessError):
+                break  # the compiler refused it: another directory will not change that
+    return None
+
+
+def _load(path: Path) -> ModuleType | None:
+    spec = importlib.util.spec_from_file_location(NAME, path)
+    if spec is None or spec.loader is None:
+        return None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _self_test(module: ModuleType) -> bool:
+    """Whether the loaded extension takes MLX's arrays (nanobind's internals shared with MLX's) and
+    agrees with a float64 reference on a small case: 6 heads over 2 K/V heads, 3 rows, a tree."""
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((1, 6, 3, 64), (1, 2, 7, 64), (1, 2, 7, 64)))
+    seen = np.array([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=bool)
+    with mx.stream(mx.cpu):
+        out = np.array(module.rows_attention(mx.array(q), mx.array(k), mx.array(v), 0.125, 4, mx.array(seen)))
+    mask = np.concatenate([np.ones((3, 4), dtype=bool), seen], axis=1)
+    kk, vv = np.repeat(k, 3, axis=1).astype(np.float64), np.repeat(v, 3, axis=1).astype(np.float64)
+    s = np.where(mask, q.astype(np.float64) @ kk.swapaxes(-1, -2) * 0.125, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    want = (p / p.sum(-1, keepdims=True)) @ vv
+    return bool(np.allclose(out, want, rtol=1e-5, atol=1e-6))
+
+
+def module() -> ModuleType | None:
+    """The loaded extension, built on first use; None where switched off, not buildable, or its
+    self-test fails (each said once in the log)."""
+    if NAME in _state:
+        return _state[NAME]
+    with _lock:
+        if NAME not in _state:
+            _state[NAME] = _open()
+    return _state[NAME]
+
+
+def _open() -> ModuleType | None:
+    if os.environ.get(OPT_OUT, "1") == "0" or platform.system() != "Linux":
+        return None
+    path = _build()
+    if path is None:
+        log.info("the engine's CPU operations are not built (no C++ compiler, Python or MLX headers, or "
+                 "nanobind); MLX's operations run instead")
+        return None
+    try:
+        loaded = _load(path)
+        if loaded is not None and _self_test(loaded):
+            return loaded
+    except (ImportError, TypeError, RuntimeError, ValueError) as e:
+        log.warning("the engine's CPU operations did not load (%s); MLX's operations run instead", e)
+        return None
+    log.warning("the engine's CPU operations failed their self-test; MLX's operations run instead")
+    return None
+
+
+def attention_available(q: mx.array) -> bool:
+    """Whether rows_attention serves this query: float32 on the CPU, switched on, built."""
+    return ATTENTION and q.dtype == mx.float32 and mx.default_device() == mx.cpu and module() is not None
+
+
+@functools.cache
+def supports(heads_per_kv: int, head_dim: int) -> bool:
+    """Whether rows_attention is built for this many query heads a K/V head and this head size."""
+    ext = module()
+    return ext is not None and bool(ext.rows_attention_supports(heads_per_kv, head_dim))
+
+
+def rows_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float, prefix: int,
+                   seen: mx.array | None = None) -> mx.array:
+    """q [1, H, N, D] over keys / values [1, Hkv, L, D]: every row sees the first `prefix` keys and,
+    of the L - prefix after them, those its row of `seen` [N, L - prefix] marks (all where None,
+    with prefix = L) -> [1, H, N, D]. See engine/cpu_ext.cpp."""
+    ext = module()
+    assert ext is not None, "attention_available() first"
+    return ext.rows_attention(q, keys, values, scale, prefix, seen)

@@ -1,0 +1,115 @@
+"""The engine's own CPU attention (engine/cpu_ext.cpp rows_attention) against its twin in MLX's
+operations (attention_ops), and the invariances that let a verify row equal the decode step that
+sees the same keys: a row's result depends only on the keys it sees, in order, not on the other
+rows of the call, their number, or where its tree keys sit in the cache."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine import cpu_ext
+from engine.models import layers
+from engine.models.layers import attention_ops
+
+pytestmark = pytest.mark.skipif(cpu_ext.module() is None,
+                                reason="engine/cpu_ext.cpp not built here (no C++ compiler, headers or nanobind)")
+
+
+def arr(x: np.ndarray) -> mx.array:
+    return mx.array(x.astype(np.float32))
+
+
+def tree_mask(rng: np.random.Generator, n: int) -> np.ndarray:
+    """[n, n] ancestors-or-self of a random tree in topological order (each node's parent earlier)."""
+    parent = [-1] + [int(rng.integers(0, i)) for i in range(1, n)]
+    seen = np.zeros((n, n), dtype=bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            seen[i, j] = True
+            j = parent[j]
+    return seen
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(6, 2, 64), (2, 1, 32), (4, 4, 128), (8, 1, 16), (16, 2, 256)])
+@pytest.mark.parametrize("keys", [1, 7, 511, 512, 513, 1500])
+def test_one_row_equals_the_ops(heads, kv_heads, dim, keys, rng):
+    """A decode step's row, over a view of a longer cache buffer (as KVCache hands it out)."""
+    q = arr(rng.normal(size=(1, heads, 1, dim)) * 2)
+    kbuf, vbuf = (arr(rng.normal(size=(1, kv_heads, keys + 37, dim))) for _ in range(2))
+    k, v = kbuf[:, :, :keys], vbuf[:, :, :keys]
+    got = cpu_ext.rows_attention(q, k, v, dim**-0.5, keys)
+    want = attention_ops(q, k, v, dim**-0.5)
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize(("prefix", "nodes"), [(0, 5), (3, 17), (600, 9), (1100, 33)])
+def test_tree_rows_equal_the_ops(prefix, nodes, rng):
+    q = arr(rng.normal(size=(1, 6, nodes, 64)) * 2)
+    k, v = arr(rng.normal(size=(1, 2, prefix + nodes, 64))), arr(rng.normal(size=(1, 2, prefix + nodes, 64)))
+    seen = tree_mask(rng, nodes)
+    got = cpu_ext.rows_attention(q, k, v, 0.125, prefix, mx.array(seen))
+    mask = np.concatenate([np.ones((nodes, prefix), dtype=bool), seen], axis=1)
+    want = attention_ops(q, k, v, 0.125, mx.array(mask))
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize(("prefix", "nodes"), [(2, 6), (700, 17), (1030, 12)])
+def test_a_tree_row_is_bitwise_the_step_over_its_keys(prefix, nodes, rng):
+    """Each row of a verify equals, bit for bit, one row over the keys it sees laid out as plain
+    decoding commits them (the prefix, then its ancestors and itself, contiguous), alone in its call."""
+    q = rng.normal(size=(1, 6, nodes, 64)).astype(np.float32)
+    k = rng.normal(size=(1, 2, prefix + nodes, 64)).astype(np.float32)
+    v = rng.normal(size=(1, 2, prefix + nodes, 64)).astype(np.float32)
+    seen = tree_mask(rng, nodes)
+    tree = np.array(cpu_ext.rows_attention(arr(q), arr(k), arr(v), 0.125, prefix, mx.array(seen)))
+    for i in range(nodes):
+        path = np.concatenate([np.arange(prefix), prefix + np.nonzero(seen[i])[0]])
+        step = cpu_ext.rows_attention(arr(q[:, :, i : i + 1]), arr(k[:, :, path]), arr(v[:, :, path]), 0.125, len(path))
+        assert np.array_equal(np.array(step)[:, :, 0], tree[:, :, i]), f"row {i}"
+
+
+def test_rows_do_not_depend_on_each_other(rng):
+    """The same rows in a call of 9 rows and of 3, in another order: the same bits."""
+    q = rng.normal(size=(1, 6, 9, 64)).astype(np.float32)
+    k, v = (arr(rng.normal(size=(1, 2, 1300, 64))) for _ in range(2))
+    seen = rng.random((9, 4)) < 0.5
+    seen[:, 0] = True
+    nine = np.array(cpu_ext.rows_attention(arr(q), k, v, 0.125, 1296, mx.array(seen)))
+    pick = [7, 2, 4]
+    three = np.array(cpu_ext.rows_attention(arr(q[:, :, pick]), k, v, 0.125, 1296, mx.array(seen[pick])))
+    assert np.array_equal(three, nine[:, :, pick])
+
+
+def test_bad_shapes_are_refused(rng):
+    q = arr(rng.normal(size=(1, 6, 2, 64)))
+    k = arr(rng.normal(size=(1, 2, 10, 64)))
+    cpu_ext.rows_attention(q, k, k, 0.125, 10)  # rows that see every key need no mask
+    with pytest.raises(ValueError, match="shapes"):
+        cpu_ext.rows_attention(q, k, k, 0.125, 8)  # without a mask the rows see every key
+    with pytest.raises(ValueError, match="shapes"):
+        cpu_ext.rows_attention(q, k, k, 0.125, 11, mx.ones((2, 0), dtype=mx.bool_))
+    with pytest.raises(ValueError, match="seen"):
+        cpu_ext.rows_attention(q, k, k, 0.125, 8, mx.ones((2, 3), dtype=mx.bool_))
+    with pytest.raises(ValueError, match="float32"):
+        cpu_ext.rows_attention(q.astype(mx.float16), k, k, 0.125, 10)
+    assert not cpu_ext.supports(3, 48) and cpu_ext.supports(3, 64)
+
+
+def test_the_layers_use_it_where_it_is_built(monkeypatch, rng):
+    """A decode step and a verify attend through it on the CPU; switched off, through the ops."""
+    q = arr(rng.normal(size=(1, 6, 1, 64)))
+    k = arr(rng.normal(size=(1, 2, 100, 64)))
+    assert layers.cpu_rows_attention(q, k)
+    monkeypatch.setattr(cpu_ext, "ATTENTION", False)
+    assert not layers.cpu_rows_attention(q, k)
+    monkeypatch.setattr(cpu_ext, "ATTENTION", True)
+    assert not layers.cpu_rows_attention(q.astype(mx.bfloat16), k)  # float32 only
+    assert not layers.cpu_rows_attention(arr(rng.normal(size=(1, 6, 1, 48))), arr(rng.normal(size=(1, 2, 9, 48))))
+
+
+def test_switched_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv(cpu_ext.OPT_OUT, "0")
+    assert cpu_ext._open() is None
