@@ -21,6 +21,8 @@
 
 #include <dlfcn.h>
 
+#include <functional>
+#include <string>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -30,6 +32,7 @@
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/vector.h>
 
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/mlx.h"
@@ -373,6 +376,371 @@ mx::array rows_attention(const mx::array& q, const mx::array& keys, const mx::ar
   return mx::array({1, H, N, D}, mx::float32, std::make_shared<RowsAttention>(s, scale, prefix), inputs);
 }
 
+
+// An input's floats in row-major order: its own buffer where it is laid out so (the usual case),
+// else gathered into `tmp` by its strides.
+const float* dense(const mx::array& a, std::vector<float>& tmp) {
+  if (a.flags().row_contiguous) {
+    return a.data<float>();
+  }
+  tmp.resize(a.size());
+  const float* src = a.data<float>();
+  std::vector<int64_t> index(a.ndim(), 0);
+  for (size_t i = 0; i < a.size(); ++i) {
+    int64_t at = 0;
+    for (int d = 0; d < a.ndim(); ++d) {
+      at += index[d] * a.strides(d);
+    }
+    tmp[i] = src[at];
+    for (int d = a.ndim() - 1; d >= 0; --d) {
+      if (++index[d] < a.shape(d)) {
+        break;
+      }
+      index[d] = 0;
+    }
+  }
+  return tmp.data();
+}
+
+// ---- Gated DeltaNet: a token's step, a tree's verify and its commit -----------------------------
+//
+// What engine/gdn/core.py's OpsCore computes in MLX operations (gates, the short causal conv and its
+// SiLU, the q/k L2 norms, the delta rule), here a token or a tree in one operation each. Value head h
+// reads key head h / (Hv / Hk), as split_heads repeats them. Float32; the exponentials are libm's.
+//
+// One arithmetic for all three: a node's conv reads its window (the committed conv rows and its
+// ancestors' pre-conv rows, oldest first) tap by tap, and its state is the parent's decayed row by
+// row, read at k, corrected by u = beta (v - S k) along k, read at q. A tree keeps every node's
+// state; the commit replays the accepted path's (g, u, k) on the committed state by the same
+// update. So a verify row's output, and the state committed after it, are bit for bit what plain
+// decoding's steps give for the same tokens (tests/engine/test_cpu_gdn.py), where OpsCore's dense
+// tree form and its fold round differently from its step.
+struct GdnShape {
+  int Hk, Hv, Dk, Dv, K;
+  int key_dim() const { return Hk * Dk; }
+  int conv_dim() const { return 2 * Hk * Dk + Hv * Dv; }
+};
+
+constexpr float L2_EPS = 1e-6f;
+
+// A node's post-conv row y [C] from its window's K rows (tap K-1 the node itself).
+void conv_row(const GdnShape& sh, const float* const* window, const float* conv_w, float* y) {
+  const int C = sh.conv_dim(), K = sh.K;
+  for (int c = 0; c < C; ++c) {
+    float acc = window[0][c] * conv_w[(int64_t)c * K];
+    for (int j = 1; j < K; ++j) {
+      acc += window[j][c] * conv_w[(int64_t)c * K + j];
+    }
+    y[c] = acc / (1.0f + expf(-acc));  // SiLU
+  }
+}
+
+// q and k of a post-conv row, per key head, L2-normalised (q also scaled by Dk^-1/2) -> q, k [Hk, Dk].
+void norm_qk(const GdnShape& sh, const float* y, float* q, float* k) {
+  const int kd = sh.key_dim();
+  const float q_scale = 1.0f / std::sqrt((float)sh.Dk);
+  for (int h = 0; h < sh.Hk; ++h) {
+    const float* qh = y + h * sh.Dk;
+    const float* kh = y + kd + h * sh.Dk;
+    float sq = 0.0f, sk = 0.0f;
+    for (int d = 0; d < sh.Dk; ++d) {
+      sq += qh[d] * qh[d];
+      sk += kh[d] * kh[d];
+    }
+    const float rq = 1.0f / std::sqrt(sq + L2_EPS), rk = 1.0f / std::sqrt(sk + L2_EPS);
+    for (int d = 0; d < sh.Dk; ++d) {
+      q[h * sh.Dk + d] = qh[d] * rq * q_scale;
+      k[h * sh.Dk + d] = kh[d] * rk;
+    }
+  }
+}
+
+// The log-decay g = -exp(A_log) softplus(a + dt_bias) and beta = sigmoid(b) of one head.
+inline void gates(float a, float b, float A_log, float dt_bias, float* g, float* beta) {
+  const float x = a + dt_bias;
+  const float softplus = std::max(x, 0.0f) + log1pf(expf(-std::fabs(x)));
+  *g = -expf(A_log) * softplus;
+  *beta = 1.0f / (1.0f + expf(-b));
+}
+
+// One head's state after a node: S [Dv, Dk] from the parent's `prev`, decayed by exp(g), corrected
+// toward v along k. Writes u = beta (v - decayed S k) [Dv] and, where q is given, o = S q [Dv].
+void update_head(int Dv, int Dk, const float* prev, float decay, float beta, const float* k, const float* v,
+                 const float* q, float* S, float* u, float* o) {
+  for (int i = 0; i < Dv; ++i) {
+    const float* row = prev + (int64_t)i * Dk;
+    float* out = S + (int64_t)i * Dk;
+    float kv = 0.0f;
+    for (int d = 0; d < Dk; ++d) {
+      out[d] = decay * row[d];
+      kv += out[d] * k[d];
+    }
+    const float delta = beta * (v[i] - kv);
+    u[i] = delta;
+    float oq = 0.0f;
+    for (int d = 0; d < Dk; ++d) {
+      out[d] += delta * k[d];
+      oq += out[d] * q[d];
+    }
+    o[i] = oq;
+  }
+}
+
+// One head's state after a committed node: the update above with the node's u (no read at q).
+void replay_head(int Dv, int Dk, float* S, float decay, const float* k, const float* u) {
+  for (int i = 0; i < Dv; ++i) {
+    float* out = S + (int64_t)i * Dk;
+    for (int d = 0; d < Dk; ++d) {
+      out[d] = decay * out[d];
+    }
+    for (int d = 0; d < Dk; ++d) {
+      out[d] += u[i] * k[d];
+    }
+  }
+}
+
+// Nodes [N] in topological order (parent[i] < i, -1 for the root's children of the committed
+// state): rows x [N, C] pre-conv, a, b [N, Hv], taps [N, K] rows of [conv_state; x] in each node's
+// window, the committed conv_state [K-1, C] and S0 [Hv, Dv, Dk] -> o, u [N, Hv, Dv], k [N, Hv, Dk]
+// (repeated to the value heads), g [N, Hv]; states [N, Hv, Dv, Dk] scratch. A token is N = 1.
+void gdn_nodes(const GdnShape& sh, int N, const float* x, const float* a, const float* b, const int32_t* taps,
+               const int32_t* parent, const float* conv_state, const float* S0, const float* conv_w,
+               const float* A_log, const float* dt_bias, float* o, float* u_out, float* k_out, float* g_out,
+               float* states) {
+  const int C = sh.conv_dim(), K = sh.K, kd = sh.key_dim(), rep = sh.Hv / sh.Hk;
+  const int64_t state = (int64_t)sh.Hv * sh.Dv * sh.Dk;
+  std::vector<float> y(C), q(kd), k(kd);
+  std::vector<const float*> window(K);
+  for (int n = 0; n < N; ++n) {
+    for (int j = 0; j < K; ++j) {
+      const int r = taps[(int64_t)n * K + j];
+      window[j] = r < K - 1 ? conv_state + (int64_t)r * C : x + (int64_t)(r - (K - 1)) * C;
+    }
+    conv_row(sh, window.data(), conv_w, y.data());
+    norm_qk(sh, y.data(), q.data(), k.data());
+    const float* prev_state = parent[n] < 0 ? S0 : states + parent[n] * state;
+    for (int h = 0; h < sh.Hv; ++h) {
+      float g, beta;
+      gates(a[(int64_t)n * sh.Hv + h], b[(int64_t)n * sh.Hv + h], A_log[h], dt_bias[h], &g, &beta);
+      g_out[(int64_t)n * sh.Hv + h] = g;
+      const float* kh = k.data() + (h / rep) * sh.Dk;
+      std::memcpy(k_out + ((int64_t)n * sh.Hv + h) * sh.Dk, kh, sizeof(float) * sh.Dk);
+      update_head(sh.Dv, sh.Dk, prev_state + (int64_t)h * sh.Dv * sh.Dk, expf(g), beta, kh,
+                  y.data() + 2 * kd + h * sh.Dv, q.data() + (h / rep) * sh.Dk,
+                  states + n * state + (int64_t)h * sh.Dv * sh.Dk, u_out + ((int64_t)n * sh.Hv + h) * sh.Dv,
+                  o + ((int64_t)n * sh.Hv + h) * sh.Dv);
+    }
+  }
+}
+
+class GdnStep : public mx::Primitive {
+ public:
+  GdnStep(mx::Stream s, GdnShape shape) : mx::Primitive(s), shape_(shape) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    for (auto& out : outputs) {
+      out.set_data(mx::allocator::malloc(out.nbytes()));
+    }
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) {
+      encoder.set_input_array(a);
+    }
+    for (auto& out : outputs) {
+      encoder.set_output_array(out);
+    }
+    std::vector<mx::array> ins, outs;
+    for (const auto& a : inputs) {
+      ins.push_back(mx::array::unsafe_weak_copy(a));
+    }
+    for (auto& a : outputs) {
+      outs.push_back(mx::array::unsafe_weak_copy(a));
+    }
+    encoder.dispatch([ins = std::move(ins), outs = std::move(outs), shape = shape_]() mutable {
+      std::vector<float> tmp[8];
+      const float* p[8];
+      for (int i = 0; i < 8; ++i) {
+        p[i] = dense(ins[i], tmp[i]);
+      }
+      // the window: the committed conv rows, then the token (row K-1 of [conv_state; x])
+      std::vector<int32_t> taps(shape.K);
+      for (int j = 0; j < shape.K; ++j) {
+        taps[j] = j;
+      }
+      const int32_t parent = -1;
+      std::vector<float> u(shape.Hv * shape.Dv), k((size_t)shape.Hv * shape.Dk), g(shape.Hv);
+      float* S = outs[2].data<float>();
+      gdn_nodes(shape, 1, p[0], p[1], p[2], taps.data(), &parent, p[3], p[4], p[5], p[6], p[7],
+                outs[0].data<float>(), u.data(), k.data(), g.data(), S);
+      // the conv state after the token: its last K-2 rows, then the token's pre-conv row
+      const int C = shape.conv_dim();
+      float* conv = outs[1].data<float>();
+      std::memcpy(conv, p[3] + C, sizeof(float) * (size_t)(shape.K - 2) * C);
+      std::memcpy(conv + (size_t)(shape.K - 2) * C, p[0], sizeof(float) * C);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("gdn_step runs on the CPU only");
+  }
+
+  const char* name() const override { return "GdnStep"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const GdnStep&>(other).shape_;
+    return o.Hk == shape_.Hk && o.Hv == shape_.Hv && o.Dk == shape_.Dk && o.Dv == shape_.Dv && o.K == shape_.K;
+  }
+
+ private:
+  GdnShape shape_;
+};
+
+// A primitive whose CPU evaluation runs `body` on dense float views of its inputs (int32 inputs
+// read raw) and its freshly allocated outputs.
+class CpuPrimitive : public mx::Primitive {
+ public:
+  using Body = std::function<void(const std::vector<const void*>&, std::vector<mx::array>&)>;
+  CpuPrimitive(mx::Stream s, const char* name, Body body) : mx::Primitive(s), name_(name), body_(std::move(body)) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    for (auto& out : outputs) {
+      out.set_data(mx::allocator::malloc(out.nbytes()));
+    }
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) {
+      encoder.set_input_array(a);
+    }
+    for (auto& out : outputs) {
+      encoder.set_output_array(out);
+    }
+    std::vector<mx::array> ins, outs;
+    for (const auto& a : inputs) {
+      ins.push_back(mx::array::unsafe_weak_copy(a));
+    }
+    for (auto& a : outputs) {
+      outs.push_back(mx::array::unsafe_weak_copy(a));
+    }
+    encoder.dispatch([ins = std::move(ins), outs = std::move(outs), body = body_]() mutable {
+      std::vector<std::vector<float>> tmp(ins.size());
+      std::vector<const void*> p(ins.size());
+      for (size_t i = 0; i < ins.size(); ++i) {
+        p[i] = ins[i].dtype() == mx::float32 ? (const void*)dense(ins[i], tmp[i]) : ins[i].data<void>();
+      }
+      body(p, outs);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error(std::string(name_) + " runs on the CPU only");
+  }
+
+  const char* name() const override { return name_; }
+
+ private:
+  const char* name_;
+  Body body_;
+};
+
+void check_f32(const char* what, std::initializer_list<const mx::array*> arrays) {
+  for (const auto* x : arrays) {
+    if (x->dtype() != mx::float32) {
+      throw std::invalid_argument(std::string(what) + ": float32 only");
+    }
+  }
+}
+
+// A tree's verify: x [N, C] pre-conv rows, a, b [N, Hv], taps [N, K] int32 (engine/gdn/ops.py
+// tree_conv_taps), conv_state [K-1, C], S0 [Hv, Dv, Dk] (read, never written), conv_w [C, K],
+// A_log, dt_bias [Hv] -> [o [N, Hv, Dv], k [N, Hv, Dk], u [N, Hv, Dv], g [N, Hv]]: OpsCore.tree's
+// output and TreeRows fields.
+std::vector<mx::array> gdn_tree(const mx::array& x, const mx::array& a, const mx::array& b, const mx::array& taps,
+                                const mx::array& conv_state, const mx::array& S0, const mx::array& conv_w,
+                                const mx::array& A_log, const mx::array& dt_bias, int Hk, int Dk) {
+  check_f32("gdn_tree", {&x, &a, &b, &conv_state, &S0, &conv_w, &A_log, &dt_bias});
+  const int Hv = S0.ndim() == 3 ? S0.shape(0) : 0, Dv = S0.ndim() == 3 ? S0.shape(1) : 0;
+  const GdnShape sh{Hk, Hv, Dk, Dv, conv_w.ndim() == 2 ? conv_w.shape(1) : 0};
+  const int C = sh.conv_dim(), N = x.ndim() == 2 ? x.shape(0) : 0;
+  if (Hk < 1 || Hv < 1 || Hv % Hk != 0 || S0.shape(2) != Dk || sh.K < 2 || N < 1 || x.shape(1) != C ||
+      a.shape() != mx::Shape{N, Hv} || b.shape() != mx::Shape{N, Hv} || taps.shape() != mx::Shape{N, sh.K} ||
+      taps.dtype() != mx::int32 || conv_state.shape() != mx::Shape{sh.K - 1, C} || conv_w.shape(0) != C ||
+      A_log.size() != (size_t)Hv || dt_bias.size() != (size_t)Hv) {
+    throw std::invalid_argument("gdn_tree: shapes do not match");
+  }
+  auto body = [sh, N](const std::vector<const void*>& p, std::vector<mx::array>& outs) {
+    auto f = [&](int i) { return static_cast<const float*>(p[i]); };
+    const auto* taps = static_cast<const int32_t*>(p[3]);
+    std::vector<int32_t> parent(N);
+    for (int n = 0; n < N; ++n) {  // tap K-2 is the parent's row of [conv_state; x], or a committed one
+      const int r = taps[(int64_t)n * sh.K + sh.K - 2] - (sh.K - 1);
+      parent[n] = r < 0 || r >= n ? -1 : r;  // (a parent after its child: no tree the engine builds)
+    }
+    std::vector<float> states((size_t)N * sh.Hv * sh.Dv * sh.Dk);
+    gdn_nodes(sh, N, f(0), f(1), f(2), taps, parent.data(), f(4), f(5), f(6), f(7), f(8), outs[0].data<float>(),
+              outs[2].data<float>(), outs[1].data<float>(), outs[3].data<float>(), states.data());
+  };
+  auto s = mx::default_stream(mx::Device::cpu);
+  return mx::array::make_arrays({{N, Hv, Dv}, {N, Hv, Dk}, {N, Hv, Dv}, {N, Hv}},
+                                {mx::float32, mx::float32, mx::float32, mx::float32},
+                                std::make_shared<CpuPrimitive>(s, "GdnTree", body),
+                                {x, a, b, taps, conv_state, S0, conv_w, A_log, dt_bias});
+}
+
+// The state after an accepted path: k [N, H, Dk], u [N, H, Dv], g [N, H] (a tree's rows; H may join
+// several layers' heads), path int32 [L] node indices root first (-1: padding, skipped), S0
+// [H, Dv, Dk] -> S [H, Dv, Dk], by the update a token's step makes.
+mx::array gdn_commit(const mx::array& k, const mx::array& u, const mx::array& g, const mx::array& path,
+                     const mx::array& S0) {
+  check_f32("gdn_commit", {&k, &u, &g, &S0});
+  if (S0.ndim() != 3 || k.ndim() != 3 || u.ndim() != 3 || g.ndim() != 2 || path.ndim() != 1 ||
+      path.dtype() != mx::int32) {
+    throw std::invalid_argument("gdn_commit: shapes do not match");
+  }
+  const int N = k.shape(0), H = S0.shape(0), Dv = S0.shape(1), Dk = S0.shape(2), L = path.shape(0);
+  if (k.shape() != mx::Shape{N, H, Dk} || u.shape() != mx::Shape{N, H, Dv} || g.shape() != mx::Shape{N, H}) {
+    throw std::invalid_argument("gdn_commit: shapes do not match");
+  }
+  auto body = [N, H, Dv, Dk, L](const std::vector<const void*>& p, std::vector<mx::array>& outs) {
+    const auto* k = static_cast<const float*>(p[0]);
+    const auto* u = static_cast<const float*>(p[1]);
+    const auto* g = static_cast<const float*>(p[2]);
+    const auto* path = static_cast<const int32_t*>(p[3]);
+    float* S = outs[0].data<float>();
+    std::memcpy(S, p[4], sizeof(float) * (size_t)H * Dv * Dk);
+    for (int i = 0; i < L; ++i) {
+      const int n = path[i];
+      if (n < 0 || n >= N) {
+        continue;
+      }
+      for (int h = 0; h < H; ++h) {
+        replay_head(Dv, Dk, S + (int64_t)h * Dv * Dk, expf(g[(int64_t)n * H + h]), k + ((int64_t)n * H + h) * Dk,
+                    u + ((int64_t)n * H + h) * Dv);
+      }
+    }
+  };
+  auto s = mx::default_stream(mx::Device::cpu);
+  return mx::array(S0.shape(), mx::float32, std::make_shared<CpuPrimitive>(s, "GdnCommit", body), {k, u, g, path, S0});
+}
+
+std::vector<mx::array> gdn_step(const mx::array& qkv, const mx::array& a, const mx::array& b,
+                                const mx::array& conv_state, const mx::array& S, const mx::array& conv_w,
+                                const mx::array& A_log, const mx::array& dt_bias, int Hk, int Dk) {
+  const int Hv = S.ndim() == 3 ? S.shape(0) : 0, Dv = S.ndim() == 3 ? S.shape(1) : 0;
+  const GdnShape sh{Hk, Hv, Dk, Dv, conv_w.ndim() == 2 ? conv_w.shape(1) : 0};
+  for (const auto* x : {&qkv, &a, &b, &conv_state, &S, &conv_w, &A_log, &dt_bias}) {
+    if (x->dtype() != mx::float32) {
+      throw std::invalid_argument("gdn_step: float32 only");
+    }
+  }
+  const int C = sh.conv_dim();
+  if (Hk < 1 || Hv < 1 || Hv % Hk != 0 || S.shape(2) != Dk || sh.K < 2 || qkv.size() != (size_t)C ||
+      a.size() != (size_t)Hv || b.size() != (size_t)Hv || conv_state.shape() != mx::Shape{sh.K - 1, C} ||
+      conv_w.shape(0) != C || A_log.size() != (size_t)Hv || dt_bias.size() != (size_t)Hv) {
+    throw std::invalid_argument("gdn_step: shapes do not match");
+  }
+  auto s = mx::default_stream(mx::Device::cpu);
+  return mx::array::make_arrays({{1, Hv, Dv}, {sh.K - 1, C}, {Hv, Dv, Dk}}, {mx::float32, mx::float32, mx::float32},
+                                std::make_shared<GdnStep>(s, sh), {qkv, a, b, conv_state, S, conv_w, A_log, dt_bias});
+}
+
 }  // namespace
 
 NB_MODULE(spruce_cpu_ext, m) {
@@ -381,4 +749,9 @@ NB_MODULE(spruce_cpu_ext, m) {
   m.def("rows_attention", &rows_attention, nb::arg("q"), nb::arg("keys"), nb::arg("values"), nb::arg("scale"),
         nb::arg("prefix"), nb::arg("seen") = nb::none(),
         "Attention of a few query rows over a K/V cache in one CPU operation (engine/cpu_ext.cpp).");
+  m.def("gdn_step", &gdn_step, nb::arg("qkv"), nb::arg("a"), nb::arg("b"), nb::arg("conv_state"), nb::arg("S"),
+        nb::arg("conv_w"), nb::arg("A_log"), nb::arg("dt_bias"), nb::arg("Hk"), nb::arg("Dk"),
+        "One token of a Gated DeltaNet layer's recurrent core in one CPU operation -> [o, conv_state, S].");
+  m.def("gdn_tree", &gdn_tree, "A tree's verify through a Gated DeltaNet layer's core -> [o, k, u, g].");
+  m.def("gdn_commit", &gdn_commit, "The state after an accepted path of a verified tree.");
 }

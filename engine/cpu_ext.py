@@ -13,7 +13,9 @@ elsewhere the CPU is not where MLX runs the engine. Without any of it, or with S
 `module()` is None and the callers keep MLX's operations.
 
 Built with -march=native: the cache name carries the CPU's feature flags, so a cache shared by
-different machines holds one build each.
+different machines holds one build each. And with -ffp-contract=off: a product and a sum fused into
+one rounding in one place and not in another would make the same key weigh differently in a
+decode step and in a verify (engine/cpu_ext.cpp says why they must not).
 """
 
 from __future__ import annotations
@@ -40,6 +42,12 @@ SOURCE = Path(__file__).with_name("cpu_ext.cpp")
 NAME = "spruce_cpu_ext"
 OPT_OUT = "SPRUCE_CPU_EXT"  # "0": never built nor used
 ATTENTION = True  # module switch, read per call: False = attention in MLX's operations (variant ca0)
+# module switch, read when a layer's compiled functions trace (part of their key): False = a GDN
+# layer's token step in MLX's operations (variant cg0)
+GDN_STEP = True
+# module switch, read when a layer's compiled functions trace (part of their key): False = a GDN
+# layer's tree verify and commit in MLX's operations (OpsCore's dense form; variant ct0)
+GDN_TREE = True
 
 log = logging.getLogger("spruce")
 _lock = threading.Lock()
@@ -93,7 +101,7 @@ def _build() -> Path | None:
         partial = home / f"{name}.{os.getpid()}.part"  # renamed into place whole: builds may race
         try:
             home.mkdir(parents=True, exist_ok=True)
-            subprocess.run([compiler, "-O3", "-march=native", "-std=c++20", "-shared", "-fPIC", "-fvisibility=hidden",
+            subprocess.run([compiler, "-O3", "-march=native", "-ffp-contract=off", "-std=c++20", "-shared", "-fPIC", "-fvisibility=hidden",
                             "-DNDEBUG", "-DNB_DOMAIN=mlx", f"-I{nb_dir / 'include'}",
                             f"-I{nb_dir / 'ext' / 'robin_map' / 'include'}", f"-I{python_include}",
                             f"-I{mlx_dir / 'include'}", "-o", str(partial), str(SOURCE),
@@ -187,3 +195,46 @@ def rows_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float, 
     ext = module()
     assert ext is not None, "attention_available() first"
     return ext.rows_attention(q, keys, values, scale, prefix, seen)
+
+
+def gdn_step_available(*arrays: mx.array) -> bool:
+    """Whether gdn_step serves these arrays: float32 on the CPU, switched on, built."""
+    return GDN_STEP and all(a.dtype == mx.float32 for a in arrays) and mx.default_device() == mx.cpu \
+        and module() is not None
+
+
+def gdn_step(qkv: mx.array, a: mx.array, b: mx.array, conv_state: mx.array, S: mx.array, conv_w: mx.array,
+             A_log: mx.array, dt_bias: mx.array, Hk: int, Dk: int) -> tuple[mx.array, mx.array, mx.array]:
+    """One token of a GDN layer's recurrent core (engine/gdn/core.py OpsCore.step's arithmetic):
+    qkv [1, C], a, b [1, Hv], conv_state [K-1, C], S [Hv, Dv, Dk], conv_w [C, K], A_log, dt_bias
+    [Hv] -> (o [1, Hv, Dv], conv state, S), float32. See engine/cpu_ext.cpp."""
+    ext = module()
+    assert ext is not None, "gdn_step_available() first"
+    o, conv, state = ext.gdn_step(qkv, a, b, conv_state, S, conv_w, A_log, dt_bias, Hk, Dk)
+    return o, conv, state
+
+
+def gdn_tree_available(*arrays: mx.array) -> bool:
+    """Whether gdn_tree and gdn_commit serve these arrays: float32 on the CPU, switched on, built."""
+    return GDN_TREE and all(a.dtype == mx.float32 for a in arrays) and mx.default_device() == mx.cpu \
+        and module() is not None
+
+
+def gdn_tree(x: mx.array, a: mx.array, b: mx.array, taps: mx.array, conv_state: mx.array, S0: mx.array,
+             conv_w: mx.array, A_log: mx.array, dt_bias: mx.array, Hk: int,
+             Dk: int) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """A tree's verify through a GDN layer's core, node by node from the committed states (never
+    written): x [N, C], a, b [N, Hv], taps [N, K] int32, conv_state [K-1, C], S0 [Hv, Dv, Dk] ->
+    (o [N, Hv, Dv], k [N, Hv, Dk], u [N, Hv, Dv], g [N, Hv]). See engine/cpu_ext.cpp."""
+    ext = module()
+    assert ext is not None, "gdn_tree_available() first"
+    o, k, u, g = ext.gdn_tree(x, a, b, taps, conv_state, S0, conv_w, A_log, dt_bias, Hk, Dk)
+    return o, k, u, g
+
+
+def gdn_commit(k: mx.array, u: mx.array, g: mx.array, path: mx.array, S0: mx.array) -> mx.array:
+    """The state after an accepted path (int32 node indices root first; -1 entries skipped) of a
+    verified tree's rows, by the update a token's step makes."""
+    ext = module()
+    assert ext is not None, "gdn_tree_available() first"
+    return ext.gdn_commit(k, u, g, path, S0)

@@ -8,7 +8,8 @@ SPR_* names to the backend, plus a first line that names the thread indices (MLX
 Metal index attributes a body mentions, so the Metal names must appear in the body itself).
 
 Which core runs (SPRUCE_GDN_CORE overrides: ops | kernels):
-- CPU: the plain-MLX OpsCore.
+- CPU: CpuCore, the plain-MLX OpsCore with a token's step in one operation of the engine's own
+  (engine/cpu_ext.cpp) where that is built.
 - CUDA: the kernels, verified against their twins on an H200 (metal/README.md).
 - Metal: OpsCore unless SPRUCE_GDN_CORE=kernels: the Metal build of the bodies has only been
   compile-checked against a stub here, never run on an Apple GPU.
@@ -25,7 +26,7 @@ from typing import Any
 import mlx.core as mx
 
 from engine.gdn import ops
-from engine.gdn.core import GDNCore, GDNShape, GDNWeights, OpsCore, TreeInputs, TreeRows, split_heads
+from engine.gdn.core import CpuCore, GDNCore, GDNShape, GDNWeights, OpsCore, TreeInputs, TreeRows, split_heads
 from engine.kernel_source import compact_source
 
 BACKENDS = ("metal", "cuda")
@@ -306,13 +307,16 @@ class KernelCore(OpsCore):
 
 
 def select_gdn_core() -> GDNCore:
-    """OpsCore on the CPU; the kernels on CUDA; on Metal only when asked (see the module doc)."""
+    """CpuCore on the CPU (OpsCore with a token's step in the engine's own operation, where that
+    is built); the kernels on CUDA; on Metal only when asked (see the module doc)."""
     choice = os.environ.get("SPRUCE_GDN_CORE", "auto")
     if choice not in ("auto", "ops", "kernels"):
         raise ValueError(f"SPRUCE_GDN_CORE must be auto, ops or kernels, got {choice!r}")
     backend = gpu_backend()
-    if choice == "ops" or backend is None:
+    if choice == "ops":
         return OpsCore()
+    if backend is None:
+        return CpuCore()
     if choice == "kernels" or backend == "cuda":
         return KernelCore(backend)
     return OpsCore()

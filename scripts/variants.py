@@ -29,6 +29,11 @@
 - "-ca0" / "-ca1": a decode step's and a verify's attention on the CPU in MLX's operations / in
   the engine's own operation (engine.cpu_ext.ATTENTION, engine/cpu_ext.cpp; a no-op where it is
   not built);
+- "-cg0" / "-cg1": a GDN layer's token step on the CPU in MLX's operations / in the engine's own
+  operation (engine.cpu_ext.GDN_STEP, engine/cpu_ext.cpp; part of a layer's trace key);
+- "-ct0" / "-ct1": a GDN layer's tree verify and commit on the CPU in MLX's operations (the dense
+  form) / in the engine's own operations (engine.cpu_ext.GDN_TREE; part of a layer's trace key;
+  the commit's switch is read when it runs);
 - "-srN": products of up to N rows through the GEMV shim's small-row path on the CPU, 0 = none
   (engine.blas.SMALL_ROWS; a no-op without the shim);
 - "-stN": that path on at most N threads, 0 = every core (engine.blas.GEMM_THREADS).
@@ -74,6 +79,8 @@ def _settings() -> dict[str, tuple[list[tuple[Any, str]], Callable[[str], tuple[
         "pw": ([(blas.POW2, "value")], lambda rest: (int(rest),)),
         "hw": ([(blas.HALF, "value")], lambda rest: (int(rest),)),
         "ca": ([(cpu_ext, "ATTENTION")], on),
+        "cg": ([(cpu_ext, "GDN_STEP")], on),
+        "ct": ([(cpu_ext, "GDN_TREE")], on),
         "sr": ([(blas.SMALL_ROWS, "value")], lambda rest: (int(rest),)),
         "st": ([(blas.GEMM_THREADS, "value")], lambda rest: (int(rest),)),
     }

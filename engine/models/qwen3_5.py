@@ -13,7 +13,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine import cpu_exp, fused_norms
+from engine import cpu_exp, cpu_ext, fused_norms
 from engine.cache import GDNCache, KVCache, LayerCache
 from engine.feature_cache import FeatureCache
 from engine.gdn.core import Fold, GDNCore, GDNShape, GDNWeights, TreeInputs, TreeRows
@@ -169,8 +169,10 @@ def tree_arrays(batch: Batch) -> tuple[mx.array, ...]:
 
 # what a layer's traced functions depend on: (mode, compiled, folding, fused add + norm, fused gated
 # norm, the CPU's gates through 2^, an output of the last layer pending, projections fused with
-# the residual adds after them, and with the norms and SwiGLU before them: fused_qmm.wiring())
-TraceKey = tuple[Mode, bool, bool, bool, bool, bool, bool, bool, bool]
+# the residual adds after them, and with the norms and SwiGLU before them: fused_qmm.wiring(), and
+# a GDN layer's token step, and its tree verify, in the CPU's own operations: cpu_ext.GDN_STEP,
+# cpu_ext.GDN_TREE)
+TraceKey = tuple[Mode, bool, bool, bool, bool, bool, bool, bool, bool, bool, bool]
 
 
 class _Phases:
@@ -240,7 +242,7 @@ class DecoderLayer(nn.Module):
         # a trace per setting of the fused norms and of the CPU's gates (engine/cpu_exp.py), and
         # per input (the stream alone, or with the last layer's output pending)
         key: TraceKey = (mode, compiled, folding, *fused_norms.traces(), cpu_exp.POW_GATES, chained,
-                         *fused_qmm.wiring())
+                         *fused_qmm.wiring(), cpu_ext.GDN_STEP, cpu_ext.GDN_TREE)
         if key not in self._phases.by_mode:
             before, after = self._pure_functions(mode)
             if compiled:

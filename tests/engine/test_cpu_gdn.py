@@ -1,0 +1,143 @@
+"""The CPU's own Gated DeltaNet core (engine/gdn/core.py CpuCore: engine/cpu_ext.cpp's gdn_step,
+gdn_tree, gdn_commit) against its twin in MLX's operations (OpsCore), and the promise it keeps
+beyond the twin: a verify's rows and the state committed after it are bit for bit what plain
+decoding's steps give for the same tokens."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine import cpu_ext
+from engine.gdn import ops
+from engine.gdn.core import CpuCore, GDNShape, GDNWeights, OpsCore, TreeInputs
+
+pytestmark = pytest.mark.skipif(cpu_ext.module() is None,
+                                reason="engine/cpu_ext.cpp not built here (no C++ compiler, headers or nanobind)")
+
+SHAPES = [GDNShape(Hk=6, Hv=12, Dk=32, Dv=32, K=4), GDNShape(Hk=2, Hv=2, Dk=16, Dv=24, K=4),
+          GDNShape(Hk=1, Hv=4, Dk=8, Dv=8, K=2)]
+
+
+def arr(x: np.ndarray) -> mx.array:
+    return mx.array(x.astype(np.float32))
+
+
+def inputs(rng: np.random.Generator, shape: GDNShape, n: int):
+    C = shape.conv_dim
+    w = GDNWeights(arr(rng.normal(size=(C, shape.K)) * 0.5), arr(rng.normal(size=shape.Hv) * 0.5),
+                   arr(rng.normal(size=shape.Hv)), None)
+    x, a, b = arr(rng.normal(size=(n, C))), arr(rng.normal(size=(n, shape.Hv))), arr(rng.normal(size=(n, shape.Hv)))
+    conv_state = arr(rng.normal(size=(shape.K - 1, C)))
+    S = arr(rng.normal(size=(shape.Hv, shape.Dv, shape.Dk)) * 0.3)
+    return w, x, a, b, conv_state, S
+
+
+def random_parents(rng: np.random.Generator, n: int) -> list[int]:
+    return [-1] + [int(rng.integers(0, i)) for i in range(1, n)]
+
+
+def tree_inputs(parents: list[int], K: int) -> TreeInputs:
+    n = len(parents)
+    incl = np.zeros((n, n), dtype=bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            incl[i, j], j = True, parents[j]
+    depths = incl.sum(axis=1) - 1
+    return TreeInputs(mx.array(ops.tree_conv_taps(parents, K)), ops.tree_masks(incl), mx.arange(n, dtype=mx.int32),
+                      mx.array(depths.astype(np.int32)), int(depths.max()) + 1)
+
+
+def close(a: mx.array, b: mx.array) -> None:
+    np.testing.assert_allclose(np.array(a), np.array(b), rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_step_equals_the_ops(shape, rng):
+    w, x, a, b, conv_state, S = inputs(rng, shape, 1)
+    for got, want in zip(CpuCore().step(shape, w, x, a, b, conv_state, S), OpsCore().step(shape, w, x, a, b, conv_state, S),
+                         strict=True):
+        close(got, want)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("n", [1, 2, 7, 17])
+def test_tree_and_commit_equal_the_ops(shape, n, rng):
+    w, x, a, b, conv_state, S0 = inputs(rng, shape, n)
+    parents = random_parents(rng, n)
+    tree = tree_inputs(parents, shape.K)
+    o, rows = CpuCore().tree(shape, w, x, a, b, conv_state, S0, tree)
+    o_ops, rows_ops = OpsCore().tree(shape, w, x, a, b, conv_state, S0, tree)
+    close(o, o_ops)
+    for name in ("x", "k", "u", "g"):
+        close(getattr(rows, name), getattr(rows_ops, name))
+    leaf = n - 1
+    path = []
+    while leaf >= 0:
+        path.insert(0, leaf)
+        leaf = parents[leaf]
+    path = mx.array(path, dtype=mx.int32)
+    for got, want in zip(CpuCore().commit(rows, path, conv_state, S0), OpsCore().commit(rows_ops, path, conv_state, S0),
+                         strict=True):
+        close(got, want)
+
+
+@pytest.mark.parametrize("shape", SHAPES[:2])
+def test_a_verify_is_bitwise_plain_decoding(shape, rng):
+    """Every node's output equals the step that decodes it after its ancestors, and the committed
+    state and conv state equal those steps', bit for bit."""
+    n = 9
+    w, x, a, b, conv_state, S0 = inputs(rng, shape, n)
+    parents = random_parents(rng, n)
+    o, rows = CpuCore().tree(shape, w, x, a, b, conv_state, S0, tree_inputs(parents, shape.K))
+    core = CpuCore()
+    for node in range(n):
+        path = []
+        j = node
+        while j >= 0:
+            path.insert(0, j)
+            j = parents[j]
+        conv, S = conv_state, S0
+        for j in path:
+            step_o, conv, S = core.step(shape, w, x[j : j + 1], a[j : j + 1], b[j : j + 1], conv, S)
+        assert np.array_equal(np.array(step_o)[0], np.array(o)[node]), f"node {node}"
+        commit_conv, commit_S = core.commit(rows, mx.array(path, dtype=mx.int32), conv_state, S0)
+        assert np.array_equal(np.array(commit_S), np.array(S)), f"state after node {node}"
+        assert np.array_equal(np.array(commit_conv), np.array(conv)), f"conv state after node {node}"
+
+
+def test_a_padded_path_commits_its_nodes_only(rng):
+    shape = SHAPES[0]
+    w, x, a, b, conv_state, S0 = inputs(rng, shape, 5)
+    _, rows = CpuCore().tree(shape, w, x, a, b, conv_state, S0, tree_inputs([-1, 0, 1, 2, 3], shape.K))
+    want = cpu_ext.gdn_commit(rows.k, rows.u, rows.g, mx.array([0, 1, 2], dtype=mx.int32), S0)
+    got = cpu_ext.gdn_commit(rows.k, rows.u, rows.g, mx.array([0, 1, 2, -1, -1], dtype=mx.int32), S0)
+    assert np.array_equal(np.array(got), np.array(want))
+
+
+def test_other_dtypes_and_the_switches_fall_back(monkeypatch, rng):
+    shape = SHAPES[1]
+    w, x, a, b, conv_state, S = inputs(rng, shape, 1)
+    want = OpsCore().step(shape, w, x.astype(mx.bfloat16), a, b, conv_state, S)
+    got = CpuCore().step(shape, w, x.astype(mx.bfloat16), a, b, conv_state, S)  # not float32: OpsCore's
+    assert all(np.array_equal(np.array(g.astype(mx.float32)), np.array(h.astype(mx.float32)))
+               for g, h in zip(got, want, strict=True))
+    monkeypatch.setattr(cpu_ext, "GDN_STEP", False)
+    want = OpsCore().step(shape, w, x, a, b, conv_state, S)
+    assert all(np.array_equal(np.array(g), np.array(h))
+               for g, h in zip(CpuCore().step(shape, w, x, a, b, conv_state, S), want, strict=True))
+
+
+def test_bad_shapes_are_refused(rng):
+    shape = SHAPES[0]
+    w, x, a, b, conv_state, S = inputs(rng, shape, 1)
+    ext = cpu_ext.module()
+    with pytest.raises(ValueError, match="shapes"):
+        ext.gdn_step(x, a, b, conv_state, S, w.conv, w.A_log, w.dt_bias, 5, shape.Dk)  # 12 heads over 5
+    with pytest.raises(ValueError, match="shapes"):
+        ext.gdn_tree(x, a, b, mx.zeros((1, 3), dtype=mx.int32), conv_state, S, w.conv, w.A_log, w.dt_bias,
+                     shape.Hk, shape.Dk)
+    with pytest.raises(ValueError, match="float32"):
+        ext.gdn_commit(S.astype(mx.float16), S, S[:, :, 0], mx.zeros((1,), dtype=mx.int32), S)
