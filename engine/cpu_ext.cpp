@@ -23,6 +23,7 @@
 
 #include <functional>
 #include <string>
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -64,10 +65,50 @@ void run_parallel(task_fn task, void* ctx, int n) {
   }
 }
 
+// An input's floats in row-major order: its own buffer where it is laid out so (the usual case),
+// else gathered into `tmp` by its strides.
+const float* dense(const mx::array& a, std::vector<float>& tmp) {
+  if (a.flags().row_contiguous) {
+    return a.data<float>();
+  }
+  tmp.resize(a.size());
+  const float* src = a.data<float>();
+  std::vector<int64_t> index(a.ndim(), 0);
+  for (size_t i = 0; i < a.size(); ++i) {
+    int64_t at = 0;
+    for (int d = 0; d < a.ndim(); ++d) {
+      at += index[d] * a.strides(d);
+    }
+    tmp[i] = src[at];
+    for (int d = a.ndim() - 1; d >= 0; --d) {
+      if (++index[d] < a.shape(d)) {
+        break;
+      }
+      index[d] = 0;
+    }
+  }
+  return tmp.data();
+}
+
+// A [1, Hkv, L, D] input as rows of D floats: its base and head and row strides, in place where
+// its rows are contiguous (a cache buffer's view), else gathered into `tmp`.
+void rows_view(const mx::array& a, std::vector<float>& tmp, const float** base, int64_t* head, int64_t* row) {
+  if (a.strides(3) == 1) {
+    *base = a.data<float>(), *head = a.strides(1), *row = a.strides(2);
+    return;
+  }
+  *base = dense(a, tmp), *row = a.shape(3), *head = (int64_t)a.shape(2) * a.shape(3);
+}
+
 struct AttentionJob {
   const float* q;  // [H, N, D], contiguous
-  const float* k;  // [Hkv, L, D] with strides (k_head, k_row, 1)
+  const float* k;  // [Hkv, L, D] with strides (k_head, k_row, 1): the prefix's keys
   const float* v;
+  // where the rows' own keys (their tree keys) are: the same buffer after the prefix (a verify),
+  // or a drafted row's scratch (draft_attention), with their own strides
+  const float* k2;
+  const float* v2;
+  int64_t k2_head, k2_row, v2_head, v2_row;
   const bool* seen;  // [N, T] or null (every key seen)
   float* out;        // [H, N, D]
   int64_t k_head, k_row, v_head, v_row;
@@ -127,9 +168,16 @@ inline v16 exp2_lanes(v16 x) {
   return (v16)((v16i)p + (__builtin_convertvector(n, v16i) << 23));
 }
 
-// The key at logical position j of row n: the prefix in order, then the row's tree keys.
-inline int key_index(const AttentionJob& job, int n, int j) {
-  return j < job.prefix ? j : job.tree_keys[n][j - job.prefix];
+// The key (value) at logical position j of row n of KV head h: the prefix in order, then the
+// row's own keys.
+inline const float* key_row(const AttentionJob& job, int h, int n, int j) {
+  return j < job.prefix ? job.k + h * job.k_head + (int64_t)j * job.k_row
+                        : job.k2 + h * job.k2_head + (int64_t)job.tree_keys[n][j - job.prefix] * job.k2_row;
+}
+
+inline const float* value_row(const AttentionJob& job, int h, int n, int j) {
+  return j < job.prefix ? job.v + h * job.v_head + (int64_t)j * job.v_row
+                        : job.v2 + h * job.v2_head + (int64_t)job.tree_keys[n][j - job.prefix] * job.v2_row;
 }
 
 // One work item: KV head h, row n, chunk c -> the G query heads' (of this KV head) maxima, sums
@@ -154,10 +202,8 @@ void attention_chunk(const AttentionJob& job, int h, int n, int c, float* part) 
   for (int g = 0; g < G; ++g) {
     m[g] = -INFINITY;
   }
-  const float* kbase = job.k + h * job.k_head;
-  const float* vbase = job.v + h * job.v_head;
   for (int j = j0; j < j1; ++j) {
-    const float* k = kbase + (int64_t)key_index(job, n, j) * job.k_row;
+    const float* k = key_row(job, h, n, j);
     v16 kr[DV];
     for (int dv = 0; dv < DV; ++dv) {
       kr[dv] = *(const v16u*)(k + dv * 16);
@@ -193,7 +239,7 @@ void attention_chunk(const AttentionJob& job, int h, int n, int c, float* part) 
   }
   v16 acc[G][DV] = {};
   for (int j = j0; j < j1; ++j) {
-    const float* v = vbase + (int64_t)key_index(job, n, j) * job.v_row;
+    const float* v = value_row(job, h, n, j);
     v16 vr[DV];
     for (int dv = 0; dv < DV; ++dv) {
       vr[dv] = *(const v16u*)(v + dv * 16);
@@ -283,6 +329,22 @@ void join_chunks(AttentionJob& job) {
   }
 }
 
+// The job's rows (their prefix and tree_keys set) on the pool's threads, then joined into out.
+void run_attention(AttentionJob& job) {
+  job.kernel = chunk_kernel(job.H / job.Hkv, job.D);
+  job.counts.resize(job.N);
+  int longest = 0;
+  for (int n = 0; n < job.N; ++n) {
+    job.counts[n] = job.prefix + (int)job.tree_keys[n].size();
+    longest = std::max(longest, job.counts[n]);
+  }
+  job.chunks = std::max(1, (longest + CHUNK - 1) / CHUNK);
+  const int items = job.Hkv * job.N * job.chunks;
+  job.partial.resize((int64_t)items * job.stride());
+  run_parallel(attention_items, &job, items);
+  join_chunks(job);
+}
+
 class RowsAttention : public mx::Primitive {
  public:
   RowsAttention(mx::Stream s, float scale, int prefix) : mx::Primitive(s), scale_(scale), prefix_(prefix) {}
@@ -305,28 +367,24 @@ class RowsAttention : public mx::Primitive {
       job.H = q.shape(1), job.N = q.shape(2), job.D = q.shape(3);
       job.Hkv = k.shape(1), job.L = k.shape(2);
       job.prefix = prefix, job.T = job.L - prefix, job.scale = scale;
-      job.q = q.data<float>(), job.k = k.data<float>(), job.v = v.data<float>();
-      job.k_head = k.strides(1), job.k_row = k.strides(2), job.v_head = v.strides(1), job.v_row = v.strides(2);
+      std::vector<float> q_rows;
+      std::vector<float> k_rows, v_rows;
+      job.q = dense(q, q_rows);
+      rows_view(k, k_rows, &job.k, &job.k_head, &job.k_row);
+      rows_view(v, v_rows, &job.v, &job.v_head, &job.v_row);
       job.seen = masked ? seen.data<bool>() : nullptr;
       job.out = out.data<float>();
-      job.kernel = chunk_kernel(job.H / job.Hkv, job.D);
+      job.k2 = job.k, job.v2 = job.v;
+      job.k2_head = job.k_head, job.k2_row = job.k_row, job.v2_head = job.v_head, job.v2_row = job.v_row;
       job.tree_keys.resize(job.N);
-      job.counts.resize(job.N);
-      int longest = 0;
       for (int n = 0; n < job.N; ++n) {
         for (int t = 0; t < job.T; ++t) {
           if (job.seen == nullptr || job.seen[(int64_t)n * job.T + t]) {
             job.tree_keys[n].push_back(prefix + t);
           }
         }
-        job.counts[n] = prefix + (int)job.tree_keys[n].size();
-        longest = std::max(longest, job.counts[n]);
       }
-      job.chunks = std::max(1, (longest + CHUNK - 1) / CHUNK);
-      const int items = job.Hkv * job.N * job.chunks;
-      job.partial.resize((int64_t)items * job.stride());
-      run_parallel(attention_items, &job, items);
-      join_chunks(job);
+      run_attention(job);
     });
   }
 
@@ -366,10 +424,9 @@ mx::array rows_attention(const mx::array& q, const mx::array& keys, const mx::ar
   }
   auto s = mx::default_stream(mx::Device::cpu);
   // q whole; the cache views need only rows of D contiguous floats (MLX's slices of the buffer)
-  std::vector<mx::array> inputs = {mx::contiguous(q, false, s)};
-  for (const auto* a : {&keys, &values}) {
-    inputs.push_back(a->strides(3) == 1 ? *a : mx::contiguous(*a, false, s));
-  }
+  std::vector<mx::array> inputs = {q};  // read densely in place, or gathered, by the evaluation
+  inputs.push_back(keys);  // views of a cache buffer: read in place by their strides (rows_view)
+  inputs.push_back(values);
   if (seen) {
     inputs.push_back(mx::contiguous(*seen, false, s));
   }
@@ -377,29 +434,85 @@ mx::array rows_attention(const mx::array& q, const mx::array& keys, const mx::ar
 }
 
 
-// An input's floats in row-major order: its own buffer where it is laid out so (the usual case),
-// else gathered into `tmp` by its strides.
-const float* dense(const mx::array& a, std::vector<float>& tmp) {
-  if (a.flags().row_contiguous) {
-    return a.data<float>();
-  }
-  tmp.resize(a.size());
-  const float* src = a.data<float>();
-  std::vector<int64_t> index(a.ndim(), 0);
-  for (size_t i = 0; i < a.size(); ++i) {
-    int64_t at = 0;
-    for (int d = 0; d < a.ndim(); ++d) {
-      at += index[d] * a.strides(d);
+// A drafted row's attention (engine/models/mtp.py scratch_attention): one query q [1, H, 1, D]
+// over rows [0, length) of the committed K/V buffers [1, Hkv, cap, D] and rows [0, j] of the
+// draft's scratch [1, Hkv, S, D], length and j int32 scalars read when it runs (so a compiled
+// per-depth step does not depend on them) -> [1, H, 1, D]. The ops form scores the whole buffer
+// and masks it; this reads the rows that count.
+class DraftAttention : public mx::Primitive {
+ public:
+  DraftAttention(mx::Stream s, float scale) : mx::Primitive(s), scale_(scale) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    mx::array& out = outputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) {
+      encoder.set_input_array(a);
     }
-    tmp[i] = src[at];
-    for (int d = a.ndim() - 1; d >= 0; --d) {
-      if (++index[d] < a.shape(d)) {
-        break;
+    encoder.set_output_array(out);
+    std::vector<mx::array> ins;
+    for (const auto& a : inputs) {
+      ins.push_back(mx::array::unsafe_weak_copy(a));
+    }
+    encoder.dispatch([ins = std::move(ins), out = mx::array::unsafe_weak_copy(out), scale = scale_]() mutable {
+      const mx::array &q = ins[0], &k = ins[1], &v = ins[2], &sk = ins[4], &sv = ins[5];
+      AttentionJob job;
+      job.H = q.shape(1), job.N = 1, job.D = q.shape(3), job.Hkv = k.shape(1), job.scale = scale;
+      const int cap = k.shape(2), rows = sk.shape(2);
+      job.prefix = std::clamp(ins[3].data<int32_t>()[0], 0, cap);
+      const int own = std::clamp(ins[6].data<int32_t>()[0], 0, rows - 1);
+      job.L = job.prefix + own + 1, job.T = own + 1;
+      std::vector<float> q_rows;
+      std::vector<float> tmp[4];
+      job.q = dense(q, q_rows);
+      rows_view(k, tmp[0], &job.k, &job.k_head, &job.k_row);
+      rows_view(v, tmp[1], &job.v, &job.v_head, &job.v_row);
+      rows_view(sk, tmp[2], &job.k2, &job.k2_head, &job.k2_row);
+      rows_view(sv, tmp[3], &job.v2, &job.v2_head, &job.v2_row);
+      job.seen = nullptr;
+      job.out = out.data<float>();
+      job.tree_keys.assign(1, std::vector<int>());
+      for (int t = 0; t <= own; ++t) {
+        job.tree_keys[0].push_back(t);
       }
-      index[d] = 0;
+      run_attention(job);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("draft_attention runs on the CPU only");
+  }
+
+  const char* name() const override { return "DraftAttention"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return scale_ == static_cast<const DraftAttention&>(other).scale_;
+  }
+
+ private:
+  float scale_;
+};
+
+mx::array draft_attention(const mx::array& q, const mx::array& keys, const mx::array& values, const mx::array& length,
+                          const mx::array& skeys, const mx::array& svalues, const mx::array& j, float scale) {
+  for (const auto* a : {&q, &keys, &values, &skeys, &svalues}) {
+    if (a->dtype() != mx::float32) {
+      throw std::invalid_argument("draft_attention: float32 only");
+    }
+    if (a->ndim() != 4 || a->shape(0) != 1 || a->shape(3) != q.shape(3)) {
+      throw std::invalid_argument("draft_attention: shapes do not match");
     }
   }
-  return tmp.data();
+  const int H = q.shape(1), D = q.shape(3), Hkv = keys.shape(1);
+  if (q.shape(2) != 1 || values.shape() != keys.shape() || skeys.shape() != svalues.shape() || skeys.shape(1) != Hkv ||
+      Hkv < 1 || H % Hkv != 0 || chunk_kernel(H / Hkv, D) == nullptr || length.size() != 1 ||
+      j.size() != 1 || length.dtype() != mx::int32 || j.dtype() != mx::int32) {
+    throw std::invalid_argument("draft_attention: shapes do not match");
+  }
+  auto s = mx::default_stream(mx::Device::cpu);
+  return mx::array({1, H, 1, D}, mx::float32, std::make_shared<DraftAttention>(s, scale),
+                   {q, keys, values, length, skeys, svalues, j});
 }
 
 // ---- Gated DeltaNet: a token's step, a tree's verify and its commit -----------------------------
@@ -752,6 +865,7 @@ NB_MODULE(spruce_cpu_ext, m) {
   m.def("gdn_step", &gdn_step, nb::arg("qkv"), nb::arg("a"), nb::arg("b"), nb::arg("conv_state"), nb::arg("S"),
         nb::arg("conv_w"), nb::arg("A_log"), nb::arg("dt_bias"), nb::arg("Hk"), nb::arg("Dk"),
         "One token of a Gated DeltaNet layer's recurrent core in one CPU operation -> [o, conv_state, S].");
+  m.def("draft_attention", &draft_attention, "A drafted row's attention over the committed rows and its scratch.");
   m.def("gdn_tree", &gdn_tree, "A tree's verify through a Gated DeltaNet layer's core -> [o, k, u, g].");
   m.def("gdn_commit", &gdn_commit, "The state after an accepted path of a verified tree.");
 }

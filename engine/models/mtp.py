@@ -23,6 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine import attention_rows as attention_kernel
+from engine import cpu_ext
 from engine.cache import KVCache
 from engine.cpu_exp import softmax_rows
 from engine.gdn.core import OpsCore
@@ -123,6 +124,10 @@ def scratch_attention(q: mx.array, keys: mx.array, values: mx.array, length: mx.
         # two launches instead of ~15 operations (each a host encoding on a GPU), a drafted depth's
         # biggest share of them
         return attention_kernel.attention_draft_row(q, keys, values, skeys, svalues, length, j).reshape(B, 1, H * D)
+    if cpu_ext.attention_available(q) and all(a.dtype == mx.float32 for a in (keys, values, skeys, svalues)) \
+            and cpu_ext.supports(H // keys.shape[1], D):
+        # one operation of the engine's own on the CPU over the rows that count (engine/cpu_ext.cpp)
+        return cpu_ext.draft_attention(q, keys, values, length, skeys, svalues, j, scale).reshape(B, 1, H * D)
     Hkv, cap = keys.shape[1], keys.shape[2]
     q = q.reshape(B, Hkv, H // Hkv, D) * scale  # head h reads kv head h // G
     seen = mx.where(mx.arange(cap) < length, (q @ keys.swapaxes(-1, -2)).astype(mx.float32), -mx.inf)

@@ -113,3 +113,20 @@ def test_the_layers_use_it_where_it_is_built(monkeypatch, rng):
 def test_switched_off_by_the_environment(monkeypatch):
     monkeypatch.setenv(cpu_ext.OPT_OUT, "0")
     assert cpu_ext._open() is None
+
+
+@pytest.mark.parametrize(("cap", "length", "rows", "j"), [(64, 1, 8, 0), (512, 300, 8, 5), (2048, 2048, 16, 15)])
+def test_a_drafted_row_equals_the_ops(cap, length, rows, j, monkeypatch, rng):
+    """The MTP head's drafted row (engine/models/mtp.py scratch_attention) through draft_attention
+    and through the operations, over a committed buffer with garbage past `length` and a scratch
+    with garbage past row j."""
+    from engine.models import mtp
+
+    q = arr(rng.normal(size=(1, 6, 1, 64)) * 2)
+    keys, values = (arr(rng.normal(size=(1, 2, cap, 64))) for _ in range(2))
+    skeys, svalues = (arr(rng.normal(size=(1, 2, rows, 64))) for _ in range(2))
+    n, at = mx.array(length, dtype=mx.int32), mx.array(j, dtype=mx.int32)
+    got = mtp.scratch_attention(q, keys, values, n, skeys, svalues, at, 0.125)
+    monkeypatch.setattr(cpu_ext, "ATTENTION", False)
+    want = mtp.scratch_attention(q, keys, values, n, skeys, svalues, at, 0.125)
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=2e-5, atol=2e-6)
