@@ -48,6 +48,9 @@ GDN_STEP = True
 # module switch, read when a layer's compiled functions trace (part of their key): False = a GDN
 # layer's tree verify and commit in MLX's operations (OpsCore's dense form; variant ct0)
 GDN_TREE = True
+# module switch, read when a layer's compiled functions trace (part of their key): False = RMS norms
+# through mx.fast.rms_norm (on the CPU three operations; variant cn0)
+NORMS = True
 
 log = logging.getLogger("spruce")
 _lock = threading.Lock()
@@ -101,8 +104,8 @@ def _build() -> Path | None:
         partial = home / f"{name}.{os.getpid()}.part"  # renamed into place whole: builds may race
         try:
             home.mkdir(parents=True, exist_ok=True)
-            subprocess.run([compiler, "-O3", "-march=native", "-ffp-contract=off", "-std=c++20", "-shared", "-fPIC", "-fvisibility=hidden",
-                            "-DNDEBUG", "-DNB_DOMAIN=mlx", f"-I{nb_dir / 'include'}",
+            subprocess.run([compiler, "-O3", "-march=native", "-ffp-contract=off", "-std=c++20", "-shared", "-fPIC",
+                            "-fvisibility=hidden", "-DNDEBUG", "-DNB_DOMAIN=mlx", f"-I{nb_dir / 'include'}",
                             f"-I{nb_dir / 'ext' / 'robin_map' / 'include'}", f"-I{python_include}",
                             f"-I{mlx_dir / 'include'}", "-o", str(partial), str(SOURCE),
                             str(nb_dir / "src" / "nb_combined.cpp"), f"-L{mlx_dir / 'lib'}", "-lmlx",
@@ -249,3 +252,13 @@ def draft_attention(q: mx.array, keys: mx.array, values: mx.array, length: mx.ar
     assert ext is not None, "attention_available() first"
     return ext.draft_attention(q, keys, values, length.astype(mx.int32).reshape(1), skeys, svalues,
                                j.astype(mx.int32).reshape(1), scale)
+
+
+def rms_norm(x: mx.array, w: mx.array, eps: float) -> mx.array:
+    """x / rms(x) * w over the last axis: the engine's own CPU operation for float32 rows (switched
+    on and built), else mx.fast.rms_norm."""
+    if NORMS and x.dtype == mx.float32 and w.dtype == mx.float32 and mx.default_device() == mx.cpu:
+        ext = module()
+        if ext is not None:
+            return ext.rms_norm(x, w, eps)
+    return mx.fast.rms_norm(x, w, eps)

@@ -34,6 +34,8 @@
 - "-ct0" / "-ct1": a GDN layer's tree verify and commit on the CPU in MLX's operations (the dense
   form) / in the engine's own operations (engine.cpu_ext.GDN_TREE; part of a layer's trace key;
   the commit's switch is read when it runs);
+- "-cn0" / "-cn1": RMS norms on the CPU through mx.fast.rms_norm / the engine's own operation
+  (engine.cpu_ext.NORMS; part of a layer's trace key);
 - "-srN": products of up to N rows through the GEMV shim's small-row path on the CPU, 0 = none
   (engine.blas.SMALL_ROWS; a no-op without the shim);
 - "-stN": that path on at most N threads, 0 = every core (engine.blas.GEMM_THREADS).
@@ -81,6 +83,7 @@ def _settings() -> dict[str, tuple[list[tuple[Any, str]], Callable[[str], tuple[
         "ca": ([(cpu_ext, "ATTENTION")], on),
         "cg": ([(cpu_ext, "GDN_STEP")], on),
         "ct": ([(cpu_ext, "GDN_TREE")], on),
+        "cn": ([(cpu_ext, "NORMS")], on),
         "sr": ([(blas.SMALL_ROWS, "value")], lambda rest: (int(rest),)),
         "st": ([(blas.GEMM_THREADS, "value")], lambda rest: (int(rest),)),
     }

@@ -76,7 +76,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def __call__(self, x: mx.array) -> mx.array:
-        return mx.fast.rms_norm(x, self.weight, self.eps)
+        return cpu_ext.rms_norm(x, self.weight, self.eps)  # mx.fast.rms_norm but on the CPU
 
 
 class MLP(nn.Module):

@@ -80,7 +80,7 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def __call__(self, o: mx.array, z: mx.array) -> mx.array:
-        o = mx.fast.rms_norm(o.astype(mx.float32), self.weight.astype(mx.float32), self.eps)
+        o = cpu_ext.rms_norm(o.astype(mx.float32), self.weight.astype(mx.float32), self.eps)
         z = z.astype(mx.float32)
         return o * cpu_exp.silu(z)
 
@@ -170,9 +170,9 @@ def tree_arrays(batch: Batch) -> tuple[mx.array, ...]:
 # what a layer's traced functions depend on: (mode, compiled, folding, fused add + norm, fused gated
 # norm, the CPU's gates through 2^, an output of the last layer pending, projections fused with
 # the residual adds after them, and with the norms and SwiGLU before them: fused_qmm.wiring(), and
-# a GDN layer's token step, and its tree verify, in the CPU's own operations: cpu_ext.GDN_STEP,
-# cpu_ext.GDN_TREE)
-TraceKey = tuple[Mode, bool, bool, bool, bool, bool, bool, bool, bool, bool, bool]
+# a GDN layer's token step, its tree verify, and the RMS norms, in the CPU's own operations:
+# cpu_ext.GDN_STEP, cpu_ext.GDN_TREE, cpu_ext.NORMS)
+TraceKey = tuple[Mode, bool, bool, bool, bool, bool, bool, bool, bool, bool, bool, bool]
 
 
 class _Phases:
@@ -242,7 +242,7 @@ class DecoderLayer(nn.Module):
         # a trace per setting of the fused norms and of the CPU's gates (engine/cpu_exp.py), and
         # per input (the stream alone, or with the last layer's output pending)
         key: TraceKey = (mode, compiled, folding, *fused_norms.traces(), cpu_exp.POW_GATES, chained,
-                         *fused_qmm.wiring(), cpu_ext.GDN_STEP, cpu_ext.GDN_TREE)
+                         *fused_qmm.wiring(), cpu_ext.GDN_STEP, cpu_ext.GDN_TREE, cpu_ext.NORMS)
         if key not in self._phases.by_mode:
             before, after = self._pure_functions(mode)
             if compiled:
