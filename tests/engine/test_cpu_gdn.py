@@ -57,9 +57,8 @@ def close(a: mx.array, b: mx.array) -> None:
 @pytest.mark.parametrize("shape", SHAPES)
 def test_step_equals_the_ops(shape, rng):
     w, x, a, b, conv_state, S = inputs(rng, shape, 1)
-    ops_core, cpu_core = OpsCore(), CpuCore()
-    for got, want in zip(cpu_core.step(shape, w, x, a, b, conv_state, S), ops_core.step(shape, w, x, a, b, conv_state, S),
-                         strict=True):
+    args = (shape, w, x, a, b, conv_state, S)
+    for got, want in zip(CpuCore().step(*args), OpsCore().step(*args), strict=True):
         close(got, want)
 
 
