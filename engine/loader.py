@@ -27,7 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from engine import half_weights
+from engine import cpu_ext, half_weights
 from engine.dtypes import DTYPES, resolve_dtype
 from engine.kernels import backend_default
 from engine.memory import physical_memory
@@ -254,6 +254,8 @@ def load_model(path: str | Path, dtype: str = "auto", fuse: bool | None = None,
         loaded.routed_projections = route_quantized_projections(model)
     hold_views(model)  # last: the weights are final
     loaded.half_weights = half_weights.register_module(model)
+    if mx.default_device() == mx.cpu:
+        cpu_ext.module()  # the CPU's own operations built now (once per user, ~7 s), not in a first request
     return loaded
 
 
