@@ -133,18 +133,13 @@ typedef float v4 __attribute__((vector_size(16)));
 // The 16 lanes summed in a fixed tree (a float sum's order is its result: the same everywhere this
 // runs; a chain of 16 dependent adds would cost more than a dot's products).
 inline float lanes_sum(v16 x) {
-  v8 lo, hi;
-  std::memcpy(&lo, &x, sizeof lo);
-  std::memcpy(&hi, (const char*)&x + sizeof lo, sizeof hi);
-  const v8 a8 = lo + hi;
-  v4 l4, h4;
-  std::memcpy(&l4, &a8, sizeof l4);
-  std::memcpy(&h4, (const char*)&a8 + sizeof l4, sizeof h4);
-  const v4 a4 = l4 + h4;
+  const v8 a8 = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
+                __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v4 a4 = __builtin_shufflevector(a8, a8, 0, 1, 2, 3) + __builtin_shufflevector(a8, a8, 4, 5, 6, 7);
   return (a4[0] + a4[2]) + (a4[1] + a4[3]);
 }
 
-// 2^x for x <= 0, 16 at a time: x = n + f with n an integer and f in [-0.5, 0.5], 2^f by its
+// 2^x for x <= 126, 16 at a time: x = n + f with n an integer and f in [-0.5, 0.5], 2^f by its
 // Taylor series to degree 7 (relative error below 1e-8, under float32's half ulp), 2^n added to
 // the exponent's bits. x below -125 is taken as -125: a weight of ~1e-38 next to the row's
 // largest, 1, where exp2f gives a subnormal or 0. libm's exp2f is a call an element (~4 ns here).
@@ -166,6 +161,13 @@ inline v16 exp2_lanes(v16 x) {
   p = p * f + c1;
   p = p * f + 1.0f;
   return (v16)((v16i)p + (__builtin_convertvector(n, v16i) << 23));
+}
+
+// 2^x for any x: exp2_lanes' series with x taken within [-125, 126] (2^126 stands in for an
+// overflow: 1 / (1 + 2^126) is 0 to float32 as 1 / inf is).
+inline v16 exp2_any(v16 x) {
+  const v16 top = (v16){} + 126.0f;
+  return exp2_lanes(x > top ? top : x);
 }
 
 // The key (value) at logical position j of row n of KV head h: the prefix in order, then the
@@ -536,15 +538,40 @@ struct GdnShape {
 
 constexpr float L2_EPS = 1e-6f;
 
-// A node's post-conv row y [C] from its window's K rows (tap K-1 the node itself).
-void conv_row(const GdnShape& sh, const float* const* window, const float* conv_w, float* y) {
+// The conv weight [C, K] as [K, C]: conv_row runs tap by tap over every channel.
+std::vector<float> taps_first(const GdnShape& sh, const float* conv_w) {
+  const int C = sh.conv_dim(), K = sh.K;
+  std::vector<float> tap((size_t)K * C);
+  for (int c = 0; c < C; ++c) {
+    for (int j = 0; j < K; ++j) {
+      tap[(int64_t)j * C + c] = conv_w[(int64_t)c * K + j];
+    }
+  }
+  return tap;
+}
+
+// A node's post-conv row y [C] from its window's K rows (tap K-1 the node itself) and the weight
+// as [K, C] (taps_first): tap by tap over every channel (vectorised over channels), each
+// channel's taps summed in order.
+void conv_row(const GdnShape& sh, const float* const* window, const float* tap, float* y) {
   const int C = sh.conv_dim(), K = sh.K;
   for (int c = 0; c < C; ++c) {
-    float acc = window[0][c] * conv_w[(int64_t)c * K];
-    for (int j = 1; j < K; ++j) {
-      acc += window[j][c] * conv_w[(int64_t)c * K + j];
+    y[c] = window[0][c] * tap[c];
+  }
+  for (int j = 1; j < K; ++j) {
+    const float* w = window[j];
+    const float* t = tap + (int64_t)j * C;
+    for (int c = 0; c < C; ++c) {
+      y[c] += w[c] * t[c];
     }
-    y[c] = acc / (1.0f + expf(-acc));  // SiLU
+  }
+  int c = 0;
+  for (; c + 16 <= C; c += 16) {  // SiLU: y / (1 + 2^(-y log2 e))
+    const v16 v = *(const v16u*)(y + c);
+    *(v16u*)(y + c) = v / (1.0f + exp2_any(-v * LOG2E));
+  }
+  for (; c < C; ++c) {
+    y[c] = y[c] / (1.0f + exp2f(-y[c] * LOG2E));
   }
 }
 
@@ -576,26 +603,63 @@ inline void gates(float a, float b, float A_log, float dt_bias, float* g, float*
   *beta = 1.0f / (1.0f + expf(-b));
 }
 
+// a . b over n floats: 16 lanes of partial sums joined in lanes_sum's fixed tree, then the tail
+// (what every dot of the GDN core below runs, so that its step, tree and commit agree bit for bit)
+inline float dot_lanes(const float* a, const float* b, int n) {
+  v16 acc = {};
+  int d = 0;
+  for (; d + 16 <= n; d += 16) {
+    acc += *(const v16u*)(a + d) * *(const v16u*)(b + d);
+  }
+  float s = lanes_sum(acc);
+  for (; d < n; ++d) {
+    s += a[d] * b[d];
+  }
+  return s;
+}
+
 // One head's state after a node: S [Dv, Dk] from the parent's `prev`, decayed by exp(g), corrected
-// toward v along k. Writes u = beta (v - decayed S k) [Dv] and, where q is given, o = S q [Dv].
+// toward v along k. Writes u = beta (v - decayed S k) [Dv] and o = S q [Dv].
 void update_head(int Dv, int Dk, const float* prev, float decay, float beta, const float* k, const float* v,
                  const float* q, float* S, float* u, float* o) {
+  if (Dk % 16 == 0 && Dk <= 256) {
+    // the row kept in registers between its two passes: the same operations in the same order as
+    // below, without reading back what was just stored in other widths (a store-forwarding stall
+    // a row, most of a node's time)
+    const int V = Dk / 16;
+    for (int i = 0; i < Dv; ++i) {
+      const float* row = prev + (int64_t)i * Dk;
+      float* out = S + (int64_t)i * Dk;
+      v16 r[16];
+      v16 acc = {};
+      for (int t = 0; t < V; ++t) {
+        r[t] = decay * *(const v16u*)(row + 16 * t);
+        acc += r[t] * *(const v16u*)(k + 16 * t);
+      }
+      const float delta = beta * (v[i] - lanes_sum(acc));
+      u[i] = delta;
+      v16 acc2 = {};
+      for (int t = 0; t < V; ++t) {
+        r[t] += delta * *(const v16u*)(k + 16 * t);
+        *(v16u*)(out + 16 * t) = r[t];
+        acc2 += r[t] * *(const v16u*)(q + 16 * t);
+      }
+      o[i] = lanes_sum(acc2);
+    }
+    return;
+  }
   for (int i = 0; i < Dv; ++i) {
     const float* row = prev + (int64_t)i * Dk;
     float* out = S + (int64_t)i * Dk;
-    float kv = 0.0f;
     for (int d = 0; d < Dk; ++d) {
       out[d] = decay * row[d];
-      kv += out[d] * k[d];
     }
-    const float delta = beta * (v[i] - kv);
+    const float delta = beta * (v[i] - dot_lanes(out, k, Dk));
     u[i] = delta;
-    float oq = 0.0f;
     for (int d = 0; d < Dk; ++d) {
       out[d] += delta * k[d];
-      oq += out[d] * q[d];
     }
-    o[i] = oq;
+    o[i] = dot_lanes(out, q, Dk);
   }
 }
 
@@ -624,12 +688,13 @@ void gdn_nodes(const GdnShape& sh, int N, const float* x, const float* a, const 
   const int64_t state = (int64_t)sh.Hv * sh.Dv * sh.Dk;
   std::vector<float> y(C), q(kd), k(kd);
   std::vector<const float*> window(K);
+  const std::vector<float> tap = taps_first(sh, conv_w);
   for (int n = 0; n < N; ++n) {
     for (int j = 0; j < K; ++j) {
       const int r = taps[(int64_t)n * K + j];
       window[j] = r < K - 1 ? conv_state + (int64_t)r * C : x + (int64_t)(r - (K - 1)) * C;
     }
-    conv_row(sh, window.data(), conv_w, y.data());
+    conv_row(sh, window.data(), tap.data(), y.data());
     norm_qk(sh, y.data(), q.data(), k.data());
     const float* prev_state = parent[n] < 0 ? S0 : states + parent[n] * state;
     for (int h = 0; h < sh.Hv; ++h) {
