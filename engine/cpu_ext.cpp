@@ -6,6 +6,12 @@
 // joins the graph like any other operation; its Python binding shares MLX's nanobind domain
 // ("mlx"), so it takes and returns mx.array.
 //
+// The operations: rows_attention and draft_attention (below), the GDN core's gdn_step, gdn_tree and
+// gdn_commit (engine/gdn/core.py CpuCore; their own comment further down), rms_norm. Each is held
+// to its twin in MLX's operations by the tests, and each computes a row the same way whatever the
+// other rows of the call are. Built with -ffp-contract=off (engine/cpu_ext.py), so a product and a
+// sum are rounded apart wherever they appear, as those invariances need.
+//
 // rows_attention: attention of a few query rows (a decode step, a verify's tree) over a K/V cache
 // in one operation. In MLX operations it is a product, a maximum, an exponential pass, a sum, a
 // division and a second product, each reading or writing the whole score row: at 4,000 cached keys
@@ -21,14 +27,14 @@
 
 #include <dlfcn.h>
 
-#include <functional>
-#include <string>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 #include <nanobind/nanobind.h>

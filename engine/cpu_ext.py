@@ -1,9 +1,15 @@
 """The engine's own CPU operations (engine/cpu_ext.cpp), built on first use and loaded into MLX.
 
 MLX's Python API registers kernels for Metal and CUDA only; on the CPU a computation is a graph of
-MLX's operations, each a scalar loop with a few microseconds of scheduling. The C++ file defines an
-MLX primitive with its CPU evaluation and a nanobind binding in MLX's own nanobind domain, so it
-takes and returns mx.array and joins MLX's graphs (mx.compile included).
+MLX's operations, each a scalar loop with a few microseconds of scheduling. The C++ file defines
+MLX primitives with their CPU evaluations and nanobind bindings in MLX's own nanobind domain, so
+they take and return mx.array and join MLX's graphs (mx.compile included):
+- `rows_attention`: a decode step's or a verify's attention (engine/models/layers.py);
+- `draft_attention`: the MTP head's drafted row (engine/models/mtp.py);
+- `gdn_step`, `gdn_tree`, `gdn_commit`: the GDN core (engine/gdn/core.py CpuCore);
+- `rms_norm`: the RMS norms (engine/models/layers.py RMSNorm, qwen3_5.py GatedRMSNorm).
+Each has a module switch below (scripts/variants.py names them) and a twin in MLX's operations that
+its tests hold it to (tests/engine/test_cpu_*.py).
 
 Building needs a C++20 compiler (`$CXX`, c++, g++ or clang++), Python's headers, MLX's headers and
 library (in its wheel) and nanobind's sources (the `nanobind` package, whose internals must match

@@ -8,8 +8,8 @@ SPR_* names to the backend, plus a first line that names the thread indices (MLX
 Metal index attributes a body mentions, so the Metal names must appear in the body itself).
 
 Which core runs (SPRUCE_GDN_CORE overrides: ops | kernels):
-- CPU: CpuCore, the plain-MLX OpsCore with a token's step in one operation of the engine's own
-  (engine/cpu_ext.cpp) where that is built.
+- CPU: CpuCore, the plain-MLX OpsCore with a token's step, a tree's verify and its commit each in
+  one operation of the engine's own (engine/cpu_ext.cpp) where that is built.
 - CUDA: the kernels, verified against their twins on an H200 (metal/README.md).
 - Metal: OpsCore unless SPRUCE_GDN_CORE=kernels: the Metal build of the bodies has only been
   compile-checked against a stub here, never run on an Apple GPU.
@@ -307,8 +307,8 @@ class KernelCore(OpsCore):
 
 
 def select_gdn_core() -> GDNCore:
-    """CpuCore on the CPU (OpsCore with a token's step in the engine's own operation, where that
-    is built); the kernels on CUDA; on Metal only when asked (see the module doc)."""
+    """CpuCore on the CPU (OpsCore with the engine's own operations where they are built); the
+    kernels on CUDA; on Metal only when asked (see the module doc)."""
     choice = os.environ.get("SPRUCE_GDN_CORE", "auto")
     if choice not in ("auto", "ops", "kernels"):
         raise ValueError(f"SPRUCE_GDN_CORE must be auto, ops or kernels, got {choice!r}")

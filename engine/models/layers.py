@@ -207,8 +207,8 @@ def cpu_rows_attention(q: mx.array, keys: mx.array) -> bool:
     """Whether a decode step's or a verify's rows attend in the engine's own CPU operation
     (engine/cpu_ext.cpp) rather than in MLX's operations: on the CPU in float32, where it is built
     for the heads' shape. It reads each key and value once and takes the softmax in the same pass:
-    one query over 4,000 keys (6 heads, 2 K/V heads of 64) 77-138 us a layer against 256-267 in
-    operations, over 64 keys 11-12 against 38 (dev CPU, `python scripts/bench_attention.py`)."""
+    one query over 4,000 keys (6 heads, 2 K/V heads of 64) 87-162 us a layer against 278-345 in
+    operations, over 64 keys 10-12 against 37-41 (dev CPU, `python scripts/bench_cpu_attention.py`)."""
     if not cpu_ext.attention_available(q):
         return False
     return cpu_ext.supports(q.shape[1] // keys.shape[1], q.shape[-1])
