@@ -71,14 +71,15 @@ void run_parallel(task_fn task, void* ctx, int n) {
   }
 }
 
-// An input's floats in row-major order: its own buffer where it is laid out so (the usual case),
-// else gathered into `tmp` by its strides.
-const float* dense(const mx::array& a, std::vector<float>& tmp) {
+// An input's elements (float32, or int32 read as such) in row-major order: its own buffer where it
+// is laid out so (the usual case), else gathered into `tmp` by its strides.
+template <typename T>
+const T* dense_as(const mx::array& a, std::vector<T>& tmp) {
   if (a.flags().row_contiguous) {
-    return a.data<float>();
+    return a.data<T>();
   }
   tmp.resize(a.size());
-  const float* src = a.data<float>();
+  const T* src = a.data<T>();
   std::vector<int64_t> index(a.ndim(), 0);
   for (size_t i = 0; i < a.size(); ++i) {
     int64_t at = 0;
@@ -95,6 +96,8 @@ const float* dense(const mx::array& a, std::vector<float>& tmp) {
   }
   return tmp.data();
 }
+
+inline const float* dense(const mx::array& a, std::vector<float>& tmp) { return dense_as<float>(a, tmp); }
 
 // A [1, Hkv, L, D] input as rows of D floats: its base and head and row strides, in place where
 // its rows are contiguous (a cache buffer's view), else gathered into `tmp`.
@@ -778,8 +781,8 @@ class GdnStep : public mx::Primitive {
   GdnShape shape_;
 };
 
-// A primitive whose CPU evaluation runs `body` on dense float views of its inputs (int32 inputs
-// read raw) and its freshly allocated outputs.
+// A primitive whose CPU evaluation runs `body` on its inputs in row-major order (float32 or int32:
+// the wrappers check) and its freshly allocated outputs.
 class CpuPrimitive : public mx::Primitive {
  public:
   using Body = std::function<void(const std::vector<const void*>&, std::vector<mx::array>&)>;
@@ -805,9 +808,11 @@ class CpuPrimitive : public mx::Primitive {
     }
     encoder.dispatch([ins = std::move(ins), outs = std::move(outs), body = body_]() mutable {
       std::vector<std::vector<float>> tmp(ins.size());
+      std::vector<std::vector<int32_t>> tmp_i(ins.size());
       std::vector<const void*> p(ins.size());
-      for (size_t i = 0; i < ins.size(); ++i) {
-        p[i] = ins[i].dtype() == mx::float32 ? (const void*)dense(ins[i], tmp[i]) : ins[i].data<void>();
+      for (size_t i = 0; i < ins.size(); ++i) {  // float32, or int32 (node indices)
+        p[i] = ins[i].dtype() == mx::float32 ? (const void*)dense(ins[i], tmp[i])
+                                             : (const void*)dense_as<int32_t>(ins[i], tmp_i[i]);
       }
       body(p, outs);
     });

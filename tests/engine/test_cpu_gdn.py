@@ -141,3 +141,12 @@ def test_bad_shapes_are_refused(rng):
                      shape.Hk, shape.Dk)
     with pytest.raises(ValueError, match="float32"):
         ext.gdn_commit(S.astype(mx.float16), S, S[:, :, 0], mx.zeros((1,), dtype=mx.int32), S)
+
+
+def test_a_strided_path_is_read_by_its_strides(rng):
+    shape = SHAPES[0]
+    w, x, a, b, conv_state, S0 = inputs(rng, shape, 4)
+    _, rows = CpuCore().tree(shape, w, x, a, b, conv_state, S0, tree_inputs([-1, 0, 1, 2], shape.K))
+    dense = cpu_ext.gdn_commit(rows.k, rows.u, rows.g, mx.array([0, 1, 2], dtype=mx.int32), S0)
+    spread = mx.array([0, 9, 1, 9, 2, 9], dtype=mx.int32)[::2]  # a view: every other element
+    assert np.array_equal(np.array(cpu_ext.gdn_commit(rows.k, rows.u, rows.g, spread, S0)), np.array(dense))
