@@ -109,6 +109,74 @@ void rows_view(const mx::array& a, std::vector<float>& tmp, const float** base, 
   *base = dense(a, tmp), *row = a.shape(3), *head = (int64_t)a.shape(2) * a.shape(3);
 }
 
+// A primitive whose CPU evaluation runs `body` on (weak copies of) its inputs and its freshly
+// allocated outputs, on the CPU stream's thread, as MLX's own CPU operations run.
+class CpuPrimitive : public mx::Primitive {
+ public:
+  using Body = std::function<void(std::vector<mx::array>&, std::vector<mx::array>&)>;
+  CpuPrimitive(mx::Stream s, const char* name, Body body) : mx::Primitive(s), name_(name), body_(std::move(body)) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    for (auto& out : outputs) {
+      out.set_data(mx::allocator::malloc(out.nbytes()));
+    }
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) {
+      encoder.set_input_array(a);
+    }
+    for (auto& out : outputs) {
+      encoder.set_output_array(out);
+    }
+    std::vector<mx::array> ins, outs;
+    for (const auto& a : inputs) {
+      ins.push_back(mx::array::unsafe_weak_copy(a));
+    }
+    for (auto& a : outputs) {
+      outs.push_back(mx::array::unsafe_weak_copy(a));
+    }
+    encoder.dispatch([ins = std::move(ins), outs = std::move(outs), body = body_]() mutable { body(ins, outs); });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error(std::string(name_) + " runs on the CPU only");
+  }
+
+  const char* name() const override { return name_; }
+
+ private:
+  const char* name_;
+  Body body_;
+};
+
+mx::array cpu_op(const char* name, mx::Shape shape, CpuPrimitive::Body body, std::vector<mx::array> inputs) {
+  return mx::array(std::move(shape), mx::float32,
+                   std::make_shared<CpuPrimitive>(mx::default_stream(mx::Device::cpu), name, std::move(body)),
+                   std::move(inputs));
+}
+
+// Every input in row-major order (float32, or int32: the wrappers check), in place or gathered.
+struct DenseInputs {
+  std::vector<std::vector<float>> f;
+  std::vector<std::vector<int32_t>> i;
+  std::vector<const void*> p;
+  explicit DenseInputs(const std::vector<mx::array>& ins) : f(ins.size()), i(ins.size()), p(ins.size()) {
+    for (size_t n = 0; n < ins.size(); ++n) {
+      p[n] = ins[n].dtype() == mx::float32 ? (const void*)dense(ins[n], f[n])
+                                           : (const void*)dense_as<int32_t>(ins[n], i[n]);
+    }
+  }
+  const float* operator()(int n) const { return static_cast<const float*>(p[n]); }
+  const int32_t* ints(int n) const { return static_cast<const int32_t*>(p[n]); }
+};
+
+void check_f32(const char* what, std::initializer_list<const mx::array*> arrays) {
+  for (const auto* x : arrays) {
+    if (x->dtype() != mx::float32) {
+      throw std::invalid_argument(std::string(what) + ": float32 only");
+    }
+  }
+}
+
 struct AttentionJob {
   const float* q;  // [H, N, D], contiguous
   const float* k;  // [Hkv, L, D] with strides (k_head, k_row, 1): the prefix's keys
@@ -118,7 +186,6 @@ struct AttentionJob {
   const float* k2;
   const float* v2;
   int64_t k2_head, k2_row, v2_head, v2_row;
-  const bool* seen;  // [N, T] or null (every key seen)
   float* out;        // [H, N, D]
   int64_t k_head, k_row, v_head, v_row;
   int H, Hkv, N, D, L, prefix, T;
@@ -191,6 +258,14 @@ inline const float* value_row(const AttentionJob& job, int h, int n, int j) {
                         : job.v2 + h * job.v2_head + (int64_t)job.tree_keys[n][j - job.prefix] * job.v2_row;
 }
 
+// A row of DV x 16 floats into registers.
+template <int DV>
+inline void load_row(const float* row, v16* out) {
+  for (int dv = 0; dv < DV; ++dv) {
+    out[dv] = *(const v16u*)(row + dv * 16);
+  }
+}
+
 // One work item: KV head h, row n, chunk c -> the G query heads' (of this KV head) maxima, sums
 // and unnormalised outputs, for G query heads of DV x 16 dimensions held in registers. Items past
 // a row's keys write nothing and are skipped when joining.
@@ -214,11 +289,8 @@ void attention_chunk(const AttentionJob& job, int h, int n, int c, float* part) 
     m[g] = -INFINITY;
   }
   for (int j = j0; j < j1; ++j) {
-    const float* k = key_row(job, h, n, j);
     v16 kr[DV];
-    for (int dv = 0; dv < DV; ++dv) {
-      kr[dv] = *(const v16u*)(k + dv * 16);
-    }
+    load_row<DV>(key_row(job, h, n, j), kr);
     for (int g = 0; g < G; ++g) {
       v16 a = qs[g][0] * kr[0];
       for (int dv = 1; dv < DV; ++dv) {
@@ -250,11 +322,8 @@ void attention_chunk(const AttentionJob& job, int h, int n, int c, float* part) 
   }
   v16 acc[G][DV] = {};
   for (int j = j0; j < j1; ++j) {
-    const float* v = value_row(job, h, n, j);
     v16 vr[DV];
-    for (int dv = 0; dv < DV; ++dv) {
-      vr[dv] = *(const v16u*)(v + dv * 16);
-    }
+    load_row<DV>(value_row(job, h, n, j), vr);
     for (int g = 0; g < G; ++g) {
       const float p = scores[g][j - j0];
       for (int dv = 0; dv < DV; ++dv) {
@@ -356,65 +425,6 @@ void run_attention(AttentionJob& job) {
   join_chunks(job);
 }
 
-class RowsAttention : public mx::Primitive {
- public:
-  RowsAttention(mx::Stream s, float scale, int prefix) : mx::Primitive(s), scale_(scale), prefix_(prefix) {}
-
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    const mx::array &q = inputs[0], &k = inputs[1], &v = inputs[2];
-    mx::array& out = outputs[0];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) {
-      encoder.set_input_array(a);
-    }
-    encoder.set_output_array(out);
-    const bool masked = inputs.size() == 4;
-    encoder.dispatch([q = mx::array::unsafe_weak_copy(q), k = mx::array::unsafe_weak_copy(k),
-                      v = mx::array::unsafe_weak_copy(v),
-                      seen = masked ? mx::array::unsafe_weak_copy(inputs[3]) : mx::array(0),
-                      out = mx::array::unsafe_weak_copy(out), masked, scale = scale_, prefix = prefix_]() mutable {
-      AttentionJob job;
-      job.H = q.shape(1), job.N = q.shape(2), job.D = q.shape(3);
-      job.Hkv = k.shape(1), job.L = k.shape(2);
-      job.prefix = prefix, job.T = job.L - prefix, job.scale = scale;
-      std::vector<float> q_rows;
-      std::vector<float> k_rows, v_rows;
-      job.q = dense(q, q_rows);
-      rows_view(k, k_rows, &job.k, &job.k_head, &job.k_row);
-      rows_view(v, v_rows, &job.v, &job.v_head, &job.v_row);
-      job.seen = masked ? seen.data<bool>() : nullptr;
-      job.out = out.data<float>();
-      job.k2 = job.k, job.v2 = job.v;
-      job.k2_head = job.k_head, job.k2_row = job.k_row, job.v2_head = job.v_head, job.v2_row = job.v_row;
-      job.tree_keys.resize(job.N);
-      for (int n = 0; n < job.N; ++n) {
-        for (int t = 0; t < job.T; ++t) {
-          if (job.seen == nullptr || job.seen[(int64_t)n * job.T + t]) {
-            job.tree_keys[n].push_back(prefix + t);
-          }
-        }
-      }
-      run_attention(job);
-    });
-  }
-
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("rows_attention runs on the CPU only");
-  }
-
-  const char* name() const override { return "RowsAttention"; }
-
-  bool is_equivalent(const mx::Primitive& other) const override {
-    const auto& o = static_cast<const RowsAttention&>(other);
-    return scale_ == o.scale_ && prefix_ == o.prefix_;
-  }
-
- private:
-  float scale_;
-  int prefix_;
-};
-
 // q [1, H, N, D], keys / values [1, Hkv, L, D] (float32; the rows of a head may be a view into a
 // longer cache), seen [N, L - prefix] bool or none -> [1, H, N, D] float32.
 mx::array rows_attention(const mx::array& q, const mx::array& keys, const mx::array& values, float scale,
@@ -423,9 +433,7 @@ mx::array rows_attention(const mx::array& q, const mx::array& keys, const mx::ar
     throw std::invalid_argument("rows_attention: q [1, H, N, D], keys and values [1, Hkv, L, D]");
   }
   const int H = q.shape(1), N = q.shape(2), D = q.shape(3), Hkv = keys.shape(1), L = keys.shape(2);
-  if (q.dtype() != mx::float32 || keys.dtype() != mx::float32 || values.dtype() != mx::float32) {
-    throw std::invalid_argument("rows_attention: float32 only");
-  }
+  check_f32("rows_attention", {&q, &keys, &values});
   if (keys.shape() != values.shape() || keys.shape(3) != D || Hkv < 1 || H % Hkv != 0 ||
       chunk_kernel(H / Hkv, D) == nullptr || prefix < 0 || prefix > L || (!seen && prefix != L)) {
     throw std::invalid_argument("rows_attention: shapes do not match");
@@ -433,78 +441,51 @@ mx::array rows_attention(const mx::array& q, const mx::array& keys, const mx::ar
   if (seen && (seen->ndim() != 2 || seen->shape(0) != N || seen->shape(1) != L - prefix || seen->dtype() != mx::bool_)) {
     throw std::invalid_argument("rows_attention: seen must be bool [N, L - prefix]");
   }
-  auto s = mx::default_stream(mx::Device::cpu);
-  // q whole; the cache views need only rows of D contiguous floats (MLX's slices of the buffer)
-  std::vector<mx::array> inputs = {q};  // read densely in place, or gathered, by the evaluation
-  inputs.push_back(keys);  // views of a cache buffer: read in place by their strides (rows_view)
-  inputs.push_back(values);
+  std::vector<mx::array> inputs = {q, keys, values};  // the cache's views read in place (rows_view)
   if (seen) {
-    inputs.push_back(mx::contiguous(*seen, false, s));
+    inputs.push_back(*seen);
   }
-  return mx::array({1, H, N, D}, mx::float32, std::make_shared<RowsAttention>(s, scale, prefix), inputs);
+  auto body = [scale, prefix](std::vector<mx::array>& ins, std::vector<mx::array>& outs) {
+    const mx::array &q = ins[0], &k = ins[1], &v = ins[2];
+    AttentionJob job;
+    job.H = q.shape(1), job.N = q.shape(2), job.D = q.shape(3);
+    job.Hkv = k.shape(1), job.L = k.shape(2);
+    job.prefix = prefix, job.T = job.L - prefix, job.scale = scale;
+    std::vector<float> q_rows, k_rows, v_rows;
+    job.q = dense(q, q_rows);
+    rows_view(k, k_rows, &job.k, &job.k_head, &job.k_row);
+    rows_view(v, v_rows, &job.v, &job.v_head, &job.v_row);
+    job.k2 = job.k, job.v2 = job.v;  // a row's tree keys are in the same buffer, after the prefix
+    job.k2_head = job.k_head, job.k2_row = job.k_row, job.v2_head = job.v_head, job.v2_row = job.v_row;
+    std::vector<bool> seen_rows;
+    if (ins.size() == 4) {
+      const mx::array& seen = ins[3];
+      seen_rows.resize(seen.size());
+      for (int n = 0; n < seen.shape(0); ++n) {  // by its strides: it may be a view
+        for (int t = 0; t < seen.shape(1); ++t) {
+          seen_rows[(size_t)n * seen.shape(1) + t] = seen.data<bool>()[n * seen.strides(0) + t * seen.strides(1)];
+        }
+      }
+    }
+    job.out = outs[0].data<float>();
+    job.tree_keys.resize(job.N);
+    for (int n = 0; n < job.N; ++n) {
+      for (int t = 0; t < job.T; ++t) {
+        if (seen_rows.empty() || seen_rows[(size_t)n * job.T + t]) {
+          job.tree_keys[n].push_back(prefix + t);
+        }
+      }
+    }
+    run_attention(job);
+  };
+  return cpu_op("RowsAttention", {1, H, N, D}, body, std::move(inputs));
 }
-
 
 // A drafted row's attention (engine/models/mtp.py scratch_attention): one query q [1, H, 1, D]
 // over rows [0, length) of the committed K/V buffers [1, Hkv, cap, D] and rows [0, j] of the
 // draft's scratch [1, Hkv, S, D], length and j int32 scalars read when it runs (so a compiled
 // per-depth step does not depend on them) -> [1, H, 1, D]. The ops form scores the whole buffer
 // and masks it; this reads the rows that count.
-class DraftAttention : public mx::Primitive {
- public:
-  DraftAttention(mx::Stream s, float scale) : mx::Primitive(s), scale_(scale) {}
-
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    mx::array& out = outputs[0];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) {
-      encoder.set_input_array(a);
-    }
-    encoder.set_output_array(out);
-    std::vector<mx::array> ins;
-    for (const auto& a : inputs) {
-      ins.push_back(mx::array::unsafe_weak_copy(a));
-    }
-    encoder.dispatch([ins = std::move(ins), out = mx::array::unsafe_weak_copy(out), scale = scale_]() mutable {
-      const mx::array &q = ins[0], &k = ins[1], &v = ins[2], &sk = ins[4], &sv = ins[5];
-      AttentionJob job;
-      job.H = q.shape(1), job.N = 1, job.D = q.shape(3), job.Hkv = k.shape(1), job.scale = scale;
-      const int cap = k.shape(2), rows = sk.shape(2);
-      job.prefix = std::clamp(ins[3].data<int32_t>()[0], 0, cap);
-      const int own = std::clamp(ins[6].data<int32_t>()[0], 0, rows - 1);
-      job.L = job.prefix + own + 1, job.T = own + 1;
-      std::vector<float> q_rows;
-      std::vector<float> tmp[4];
-      job.q = dense(q, q_rows);
-      rows_view(k, tmp[0], &job.k, &job.k_head, &job.k_row);
-      rows_view(v, tmp[1], &job.v, &job.v_head, &job.v_row);
-      rows_view(sk, tmp[2], &job.k2, &job.k2_head, &job.k2_row);
-      rows_view(sv, tmp[3], &job.v2, &job.v2_head, &job.v2_row);
-      job.seen = nullptr;
-      job.out = out.data<float>();
-      job.tree_keys.assign(1, std::vector<int>());
-      for (int t = 0; t <= own; ++t) {
-        job.tree_keys[0].push_back(t);
-      }
-      run_attention(job);
-    });
-  }
-
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("draft_attention runs on the CPU only");
-  }
-
-  const char* name() const override { return "DraftAttention"; }
-
-  bool is_equivalent(const mx::Primitive& other) const override {
-    return scale_ == static_cast<const DraftAttention&>(other).scale_;
-  }
-
- private:
-  float scale_;
-};
-
 mx::array draft_attention(const mx::array& q, const mx::array& keys, const mx::array& values, const mx::array& length,
                           const mx::array& skeys, const mx::array& svalues, const mx::array& j, float scale) {
   for (const auto* a : {&q, &keys, &values, &skeys, &svalues}) {
@@ -521,9 +502,28 @@ mx::array draft_attention(const mx::array& q, const mx::array& keys, const mx::a
       j.size() != 1 || length.dtype() != mx::int32 || j.dtype() != mx::int32) {
     throw std::invalid_argument("draft_attention: shapes do not match");
   }
-  auto s = mx::default_stream(mx::Device::cpu);
-  return mx::array({1, H, 1, D}, mx::float32, std::make_shared<DraftAttention>(s, scale),
-                   {q, keys, values, length, skeys, svalues, j});
+  auto body = [scale](std::vector<mx::array>& ins, std::vector<mx::array>& outs) {
+    const mx::array &q = ins[0], &k = ins[1], &v = ins[2], &sk = ins[4], &sv = ins[5];
+    AttentionJob job;
+    job.H = q.shape(1), job.N = 1, job.D = q.shape(3), job.Hkv = k.shape(1), job.scale = scale;
+    const int cap = k.shape(2), rows = sk.shape(2);
+    job.prefix = std::clamp(ins[3].data<int32_t>()[0], 0, cap);
+    const int own = std::clamp(ins[6].data<int32_t>()[0], 0, rows - 1);
+    job.L = job.prefix + own + 1, job.T = own + 1;
+    std::vector<float> q_rows, tmp[4];
+    job.q = dense(q, q_rows);
+    rows_view(k, tmp[0], &job.k, &job.k_head, &job.k_row);
+    rows_view(v, tmp[1], &job.v, &job.v_head, &job.v_row);
+    rows_view(sk, tmp[2], &job.k2, &job.k2_head, &job.k2_row);
+    rows_view(sv, tmp[3], &job.v2, &job.v2_head, &job.v2_row);
+    job.out = outs[0].data<float>();
+    job.tree_keys.assign(1, std::vector<int>());
+    for (int t = 0; t <= own; ++t) {
+      job.tree_keys[0].push_back(t);
+    }
+    run_attention(job);
+  };
+  return cpu_op("DraftAttention", {1, H, 1, D}, body, {q, keys, values, length, skeys, svalues, j});
 }
 
 // ---- Gated DeltaNet: a token's step, a tree's verify and its commit -----------------------------
@@ -720,123 +720,6 @@ void gdn_nodes(const GdnShape& sh, int N, const float* x, const float* a, const 
   }
 }
 
-class GdnStep : public mx::Primitive {
- public:
-  GdnStep(mx::Stream s, GdnShape shape) : mx::Primitive(s), shape_(shape) {}
-
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    for (auto& out : outputs) {
-      out.set_data(mx::allocator::malloc(out.nbytes()));
-    }
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) {
-      encoder.set_input_array(a);
-    }
-    for (auto& out : outputs) {
-      encoder.set_output_array(out);
-    }
-    std::vector<mx::array> ins, outs;
-    for (const auto& a : inputs) {
-      ins.push_back(mx::array::unsafe_weak_copy(a));
-    }
-    for (auto& a : outputs) {
-      outs.push_back(mx::array::unsafe_weak_copy(a));
-    }
-    encoder.dispatch([ins = std::move(ins), outs = std::move(outs), shape = shape_]() mutable {
-      std::vector<float> tmp[8];
-      const float* p[8];
-      for (int i = 0; i < 8; ++i) {
-        p[i] = dense(ins[i], tmp[i]);
-      }
-      // the window: the committed conv rows, then the token (row K-1 of [conv_state; x])
-      std::vector<int32_t> taps(shape.K);
-      for (int j = 0; j < shape.K; ++j) {
-        taps[j] = j;
-      }
-      const int32_t parent = -1;
-      std::vector<float> u(shape.Hv * shape.Dv), k((size_t)shape.Hv * shape.Dk), g(shape.Hv);
-      float* S = outs[2].data<float>();
-      gdn_nodes(shape, 1, p[0], p[1], p[2], taps.data(), &parent, p[3], p[4], p[5], p[6], p[7],
-                outs[0].data<float>(), u.data(), k.data(), g.data(), S);
-      // the conv state after the token: its last K-2 rows, then the token's pre-conv row
-      const int C = shape.conv_dim();
-      float* conv = outs[1].data<float>();
-      std::memcpy(conv, p[3] + C, sizeof(float) * (size_t)(shape.K - 2) * C);
-      std::memcpy(conv + (size_t)(shape.K - 2) * C, p[0], sizeof(float) * C);
-    });
-  }
-
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("gdn_step runs on the CPU only");
-  }
-
-  const char* name() const override { return "GdnStep"; }
-
-  bool is_equivalent(const mx::Primitive& other) const override {
-    const auto& o = static_cast<const GdnStep&>(other).shape_;
-    return o.Hk == shape_.Hk && o.Hv == shape_.Hv && o.Dk == shape_.Dk && o.Dv == shape_.Dv && o.K == shape_.K;
-  }
-
- private:
-  GdnShape shape_;
-};
-
-// A primitive whose CPU evaluation runs `body` on its inputs in row-major order (float32 or int32:
-// the wrappers check) and its freshly allocated outputs.
-class CpuPrimitive : public mx::Primitive {
- public:
-  using Body = std::function<void(const std::vector<const void*>&, std::vector<mx::array>&)>;
-  CpuPrimitive(mx::Stream s, const char* name, Body body) : mx::Primitive(s), name_(name), body_(std::move(body)) {}
-
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    for (auto& out : outputs) {
-      out.set_data(mx::allocator::malloc(out.nbytes()));
-    }
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) {
-      encoder.set_input_array(a);
-    }
-    for (auto& out : outputs) {
-      encoder.set_output_array(out);
-    }
-    std::vector<mx::array> ins, outs;
-    for (const auto& a : inputs) {
-      ins.push_back(mx::array::unsafe_weak_copy(a));
-    }
-    for (auto& a : outputs) {
-      outs.push_back(mx::array::unsafe_weak_copy(a));
-    }
-    encoder.dispatch([ins = std::move(ins), outs = std::move(outs), body = body_]() mutable {
-      std::vector<std::vector<float>> tmp(ins.size());
-      std::vector<std::vector<int32_t>> tmp_i(ins.size());
-      std::vector<const void*> p(ins.size());
-      for (size_t i = 0; i < ins.size(); ++i) {  // float32, or int32 (node indices)
-        p[i] = ins[i].dtype() == mx::float32 ? (const void*)dense(ins[i], tmp[i])
-                                             : (const void*)dense_as<int32_t>(ins[i], tmp_i[i]);
-      }
-      body(p, outs);
-    });
-  }
-
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error(std::string(name_) + " runs on the CPU only");
-  }
-
-  const char* name() const override { return name_; }
-
- private:
-  const char* name_;
-  Body body_;
-};
-
-void check_f32(const char* what, std::initializer_list<const mx::array*> arrays) {
-  for (const auto* x : arrays) {
-    if (x->dtype() != mx::float32) {
-      throw std::invalid_argument(std::string(what) + ": float32 only");
-    }
-  }
-}
-
 // A tree's verify: x [N, C] pre-conv rows, a, b [N, Hv], taps [N, K] int32 (engine/gdn/ops.py
 // tree_conv_taps), conv_state [K-1, C], S0 [Hv, Dv, Dk] (read, never written), conv_w [C, K],
 // A_log, dt_bias [Hv] -> [o [N, Hv, Dv], k [N, Hv, Dk], u [N, Hv, Dv], g [N, Hv]]: OpsCore.tree's
@@ -854,9 +737,9 @@ std::vector<mx::array> gdn_tree(const mx::array& x, const mx::array& a, const mx
       A_log.size() != (size_t)Hv || dt_bias.size() != (size_t)Hv) {
     throw std::invalid_argument("gdn_tree: shapes do not match");
   }
-  auto body = [sh, N](const std::vector<const void*>& p, std::vector<mx::array>& outs) {
-    auto f = [&](int i) { return static_cast<const float*>(p[i]); };
-    const auto* taps = static_cast<const int32_t*>(p[3]);
+  auto body = [sh, N](std::vector<mx::array>& ins, std::vector<mx::array>& outs) {
+    const DenseInputs f(ins);
+    const int32_t* taps = f.ints(3);
     std::vector<int32_t> parent(N);
     for (int n = 0; n < N; ++n) {  // tap K-2 is the parent's row of [conv_state; x], or a committed one
       const int r = taps[(int64_t)n * sh.K + sh.K - 2] - (sh.K - 1);
@@ -887,13 +770,12 @@ mx::array gdn_commit(const mx::array& k, const mx::array& u, const mx::array& g,
   if (k.shape() != mx::Shape{N, H, Dk} || u.shape() != mx::Shape{N, H, Dv} || g.shape() != mx::Shape{N, H}) {
     throw std::invalid_argument("gdn_commit: shapes do not match");
   }
-  auto body = [N, H, Dv, Dk, L](const std::vector<const void*>& p, std::vector<mx::array>& outs) {
-    const auto* k = static_cast<const float*>(p[0]);
-    const auto* u = static_cast<const float*>(p[1]);
-    const auto* g = static_cast<const float*>(p[2]);
-    const auto* path = static_cast<const int32_t*>(p[3]);
+  auto body = [N, H, Dv, Dk, L](std::vector<mx::array>& ins, std::vector<mx::array>& outs) {
+    const DenseInputs in(ins);
+    const float *k = in(0), *u = in(1), *g = in(2);
+    const int32_t* path = in.ints(3);
     float* S = outs[0].data<float>();
-    std::memcpy(S, p[4], sizeof(float) * (size_t)H * Dv * Dk);
+    std::memcpy(S, in(4), sizeof(float) * (size_t)H * Dv * Dk);
     for (int i = 0; i < L; ++i) {
       const int n = path[i];
       if (n < 0 || n >= N) {
@@ -905,8 +787,7 @@ mx::array gdn_commit(const mx::array& k, const mx::array& u, const mx::array& g,
       }
     }
   };
-  auto s = mx::default_stream(mx::Device::cpu);
-  return mx::array(S0.shape(), mx::float32, std::make_shared<CpuPrimitive>(s, "GdnCommit", body), {k, u, g, path, S0});
+  return cpu_op("GdnCommit", S0.shape(), body, {k, u, g, path, S0});
 }
 
 // RMS norm of x's rows over its last axis: y = x * (1 / sqrt(mean(x^2) + eps)) * w, float32, what
@@ -920,9 +801,9 @@ mx::array rms_norm(const mx::array& x, const mx::array& w, float eps) {
   }
   const int H = x.shape(-1);
   const int64_t rows = (int64_t)x.size() / H;
-  auto body = [H, rows, eps](const std::vector<const void*>& p, std::vector<mx::array>& outs) {
-    const auto* x = static_cast<const float*>(p[0]);
-    const auto* w = static_cast<const float*>(p[1]);
+  auto body = [H, rows, eps](std::vector<mx::array>& ins, std::vector<mx::array>& outs) {
+    const DenseInputs in(ins);
+    const float *x = in(0), *w = in(1);
     float* y = outs[0].data<float>();
     for (int64_t r = 0; r < rows; ++r) {
       const float* xr = x + r * H;
@@ -943,8 +824,7 @@ mx::array rms_norm(const mx::array& x, const mx::array& w, float eps) {
       }
     }
   };
-  auto s = mx::default_stream(mx::Device::cpu);
-  return mx::array(x.shape(), mx::float32, std::make_shared<CpuPrimitive>(s, "RmsNorm", body), {x, w});
+  return cpu_op("RmsNorm", x.shape(), body, {x, w});
 }
 
 std::vector<mx::array> gdn_step(const mx::array& qkv, const mx::array& a, const mx::array& b,
@@ -952,20 +832,34 @@ std::vector<mx::array> gdn_step(const mx::array& qkv, const mx::array& a, const 
                                 const mx::array& A_log, const mx::array& dt_bias, int Hk, int Dk) {
   const int Hv = S.ndim() == 3 ? S.shape(0) : 0, Dv = S.ndim() == 3 ? S.shape(1) : 0;
   const GdnShape sh{Hk, Hv, Dk, Dv, conv_w.ndim() == 2 ? conv_w.shape(1) : 0};
-  for (const auto* x : {&qkv, &a, &b, &conv_state, &S, &conv_w, &A_log, &dt_bias}) {
-    if (x->dtype() != mx::float32) {
-      throw std::invalid_argument("gdn_step: float32 only");
-    }
-  }
+  check_f32("gdn_step", {&qkv, &a, &b, &conv_state, &S, &conv_w, &A_log, &dt_bias});
   const int C = sh.conv_dim();
   if (Hk < 1 || Hv < 1 || Hv % Hk != 0 || S.shape(2) != Dk || sh.K < 2 || qkv.size() != (size_t)C ||
       a.size() != (size_t)Hv || b.size() != (size_t)Hv || conv_state.shape() != mx::Shape{sh.K - 1, C} ||
       conv_w.shape(0) != C || A_log.size() != (size_t)Hv || dt_bias.size() != (size_t)Hv) {
     throw std::invalid_argument("gdn_step: shapes do not match");
   }
+  auto body = [sh](std::vector<mx::array>& ins, std::vector<mx::array>& outs) {
+    const DenseInputs f(ins);
+    // the window: the committed conv rows, then the token (row K-1 of [conv_state; x])
+    std::vector<int32_t> taps(sh.K);
+    for (int j = 0; j < sh.K; ++j) {
+      taps[j] = j;
+    }
+    const int32_t parent = -1;
+    std::vector<float> u((size_t)sh.Hv * sh.Dv), k((size_t)sh.Hv * sh.Dk), g(sh.Hv);
+    gdn_nodes(sh, 1, f(0), f(1), f(2), taps.data(), &parent, f(3), f(4), f(5), f(6), f(7), outs[0].data<float>(),
+              u.data(), k.data(), g.data(), outs[2].data<float>());
+    // the conv state after the token: its last K-2 rows, then the token's pre-conv row
+    const int C = sh.conv_dim();
+    float* conv = outs[1].data<float>();
+    std::memcpy(conv, f(3) + C, sizeof(float) * (size_t)(sh.K - 2) * C);
+    std::memcpy(conv + (size_t)(sh.K - 2) * C, f(0), sizeof(float) * C);
+  };
   auto s = mx::default_stream(mx::Device::cpu);
   return mx::array::make_arrays({{1, Hv, Dv}, {sh.K - 1, C}, {Hv, Dv, Dk}}, {mx::float32, mx::float32, mx::float32},
-                                std::make_shared<GdnStep>(s, sh), {qkv, a, b, conv_state, S, conv_w, A_log, dt_bias});
+                                std::make_shared<CpuPrimitive>(s, "GdnStep", body),
+                                {qkv, a, b, conv_state, S, conv_w, A_log, dt_bias});
 }
 
 }  // namespace

@@ -130,3 +130,15 @@ def test_a_drafted_row_equals_the_ops(cap, length, rows, j, monkeypatch, rng):
     monkeypatch.setattr(cpu_ext, "ATTENTION", False)
     want = mtp.scratch_attention(q, keys, values, n, skeys, svalues, at, 0.125)
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=2e-5, atol=2e-6)
+
+
+def test_a_mask_view_is_read_by_its_strides(rng):
+    q = arr(rng.normal(size=(1, 6, 5, 64)))
+    k, v = (arr(rng.normal(size=(1, 2, 20, 64))) for _ in range(2))
+    seen = tree_mask(rng, 5)
+    wide = np.zeros((5, 9), dtype=bool)
+    wide[:, 2:7] = seen
+    view = mx.array(wide)[:, 2:7]  # the same mask as a strided view of a wider one
+    got = cpu_ext.rows_attention(q, k, v, 0.125, 15, view)
+    want = cpu_ext.rows_attention(q, k, v, 0.125, 15, mx.array(seen))
+    assert np.array_equal(np.array(got), np.array(want))
