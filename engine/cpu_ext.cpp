@@ -209,9 +209,16 @@ typedef float v4 __attribute__((vector_size(16)));
 // The 16 lanes summed in a fixed tree (a float sum's order is its result: the same everywhere this
 // runs; a chain of 16 dependent adds would cost more than a dot's products).
 inline float lanes_sum(v16 x) {
+  // lane i + lane i + 8, then + 4, then the last four in pairs
+#if defined(__clang__) || __GNUC__ >= 12
   const v8 a8 = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
                 __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
   const v4 a4 = __builtin_shufflevector(a8, a8, 0, 1, 2, 3) + __builtin_shufflevector(a8, a8, 4, 5, 6, 7);
+#else  // the same sums lane by lane (GCC has __builtin_shufflevector from version 12; this is slower)
+  const v8 a8 = {x[0] + x[8], x[1] + x[9], x[2] + x[10], x[3] + x[11],
+                 x[4] + x[12], x[5] + x[13], x[6] + x[14], x[7] + x[15]};
+  const v4 a4 = {a8[0] + a8[4], a8[1] + a8[5], a8[2] + a8[6], a8[3] + a8[7]};
+#endif
   return (a4[0] + a4[2]) + (a4[1] + a4[3]);
 }
 
