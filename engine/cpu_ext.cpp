@@ -188,7 +188,7 @@ struct AttentionJob {
   int64_t k2_head, k2_row, v2_head, v2_row;
   float* out;        // [H, N, D]
   int64_t k_head, k_row, v_head, v_row;
-  int H, Hkv, N, D, L, prefix, T;
+  int H, Hkv, N, D, prefix;
   float scale;
   int chunks;  // chunks a row of the longest key list has
   // per row: its tree keys' indices (into the cache), in order, and how many keys it sees
@@ -456,8 +456,8 @@ mx::array rows_attention(const mx::array& q, const mx::array& keys, const mx::ar
     const mx::array &q = ins[0], &k = ins[1], &v = ins[2];
     AttentionJob job;
     job.H = q.shape(1), job.N = q.shape(2), job.D = q.shape(3);
-    job.Hkv = k.shape(1), job.L = k.shape(2);
-    job.prefix = prefix, job.T = job.L - prefix, job.scale = scale;
+    job.Hkv = k.shape(1), job.prefix = prefix, job.scale = scale;
+    const int T = k.shape(2) - prefix;  // the keys after the prefix: the tree's
     std::vector<float> q_rows, k_rows, v_rows;
     job.q = dense(q, q_rows);
     rows_view(k, k_rows, &job.k, &job.k_head, &job.k_row);
@@ -477,8 +477,8 @@ mx::array rows_attention(const mx::array& q, const mx::array& keys, const mx::ar
     job.out = outs[0].data<float>();
     job.tree_keys.resize(job.N);
     for (int n = 0; n < job.N; ++n) {
-      for (int t = 0; t < job.T; ++t) {
-        if (seen_rows.empty() || seen_rows[(size_t)n * job.T + t]) {
+      for (int t = 0; t < T; ++t) {
+        if (seen_rows.empty() || seen_rows[(size_t)n * T + t]) {
           job.tree_keys[n].push_back(prefix + t);
         }
       }
@@ -516,7 +516,6 @@ mx::array draft_attention(const mx::array& q, const mx::array& keys, const mx::a
     const int cap = k.shape(2), rows = sk.shape(2);
     job.prefix = std::clamp(ins[3].data<int32_t>()[0], 0, cap);
     const int own = std::clamp(ins[6].data<int32_t>()[0], 0, rows - 1);
-    job.L = job.prefix + own + 1, job.T = own + 1;
     std::vector<float> q_rows, tmp[4];
     job.q = dense(q, q_rows);
     rows_view(k, tmp[0], &job.k, &job.k_head, &job.k_row);

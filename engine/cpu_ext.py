@@ -184,9 +184,11 @@ def _open() -> ModuleType | None:
     return None
 
 
-def attention_available(q: mx.array) -> bool:
-    """Whether rows_attention serves this query: float32 on the CPU, switched on, built."""
-    return ATTENTION and q.dtype == mx.float32 and mx.default_device() == mx.cpu and module() is not None
+def serves(switch: bool, *arrays: mx.array) -> bool:
+    """Whether an operation of this module serves these arrays: its switch on (one of the module's
+    flags above, read by the caller when it asks), float32 arrays on the CPU, the extension built."""
+    return switch and all(a.dtype == mx.float32 for a in arrays) and mx.default_device() == mx.cpu \
+        and module() is not None
 
 
 @functools.cache
@@ -202,14 +204,8 @@ def rows_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float, 
     of the L - prefix after them, those its row of `seen` [N, L - prefix] marks (all where None,
     with prefix = L) -> [1, H, N, D]. See engine/cpu_ext.cpp."""
     ext = module()
-    assert ext is not None, "attention_available() first"
+    assert ext is not None, "serves() first"
     return ext.rows_attention(q, keys, values, scale, prefix, seen)
-
-
-def gdn_step_available(*arrays: mx.array) -> bool:
-    """Whether gdn_step serves these arrays: float32 on the CPU, switched on, built."""
-    return GDN_STEP and all(a.dtype == mx.float32 for a in arrays) and mx.default_device() == mx.cpu \
-        and module() is not None
 
 
 def gdn_step(qkv: mx.array, a: mx.array, b: mx.array, conv_state: mx.array, S: mx.array, conv_w: mx.array,
@@ -218,15 +214,9 @@ def gdn_step(qkv: mx.array, a: mx.array, b: mx.array, conv_state: mx.array, S: m
     qkv [1, C], a, b [1, Hv], conv_state [K-1, C], S [Hv, Dv, Dk], conv_w [C, K], A_log, dt_bias
     [Hv] -> (o [1, Hv, Dv], conv state, S), float32. See engine/cpu_ext.cpp."""
     ext = module()
-    assert ext is not None, "gdn_step_available() first"
+    assert ext is not None, "serves() first"
     o, conv, state = ext.gdn_step(qkv, a, b, conv_state, S, conv_w, A_log, dt_bias, Hk, Dk)
     return o, conv, state
-
-
-def gdn_tree_available(*arrays: mx.array) -> bool:
-    """Whether gdn_tree and gdn_commit serve these arrays: float32 on the CPU, switched on, built."""
-    return GDN_TREE and all(a.dtype == mx.float32 for a in arrays) and mx.default_device() == mx.cpu \
-        and module() is not None
 
 
 def gdn_tree(x: mx.array, a: mx.array, b: mx.array, taps: mx.array, conv_state: mx.array, S0: mx.array,
@@ -236,7 +226,7 @@ def gdn_tree(x: mx.array, a: mx.array, b: mx.array, taps: mx.array, conv_state: 
     written): x [N, C], a, b [N, Hv], taps [N, K] int32, conv_state [K-1, C], S0 [Hv, Dv, Dk] ->
     (o [N, Hv, Dv], k [N, Hv, Dk], u [N, Hv, Dv], g [N, Hv]). See engine/cpu_ext.cpp."""
     ext = module()
-    assert ext is not None, "gdn_tree_available() first"
+    assert ext is not None, "serves() first"
     o, k, u, g = ext.gdn_tree(x, a, b, taps, conv_state, S0, conv_w, A_log, dt_bias, Hk, Dk)
     return o, k, u, g
 
@@ -245,7 +235,7 @@ def gdn_commit(k: mx.array, u: mx.array, g: mx.array, path: mx.array, S0: mx.arr
     """The state after an accepted path (int32 node indices root first; -1 entries skipped) of a
     verified tree's rows, by the update a token's step makes."""
     ext = module()
-    assert ext is not None, "gdn_tree_available() first"
+    assert ext is not None, "serves() first"
     return ext.gdn_commit(k, u, g, path, S0)
 
 
@@ -255,16 +245,12 @@ def draft_attention(q: mx.array, keys: mx.array, values: mx.array, length: mx.ar
     [0, length) of keys / values [1, Hkv, cap, D] and rows [0, j] of the scratch [1, Hkv, S, D]
     (length, j int32 scalars, read when it runs) -> [1, H, 1, D]. See engine/cpu_ext.cpp."""
     ext = module()
-    assert ext is not None, "attention_available() first"
-    return ext.draft_attention(q, keys, values, length.astype(mx.int32).reshape(1), skeys, svalues,
-                               j.astype(mx.int32).reshape(1), scale)
+    assert ext is not None, "serves() first"
+    return ext.draft_attention(q, keys, values, length.astype(mx.int32), skeys, svalues, j.astype(mx.int32), scale)
 
 
 def rms_norm(x: mx.array, w: mx.array, eps: float) -> mx.array:
     """x / rms(x) * w over the last axis: the engine's own CPU operation for float32 rows (switched
     on and built), else mx.fast.rms_norm."""
-    if NORMS and x.dtype == mx.float32 and w.dtype == mx.float32 and mx.default_device() == mx.cpu:
-        ext = module()
-        if ext is not None:
-            return ext.rms_norm(x, w, eps)
-    return mx.fast.rms_norm(x, w, eps)
+    ext = module() if serves(NORMS, x, w) else None
+    return mx.fast.rms_norm(x, w, eps) if ext is None else ext.rms_norm(x, w, eps)

@@ -220,19 +220,19 @@ class CpuCore(OpsCore):
     name = "cpu"
 
     def step(self, shape, w, qkv, a, b, conv_state, S):
-        if not cpu_ext.gdn_step_available(qkv, a, b, conv_state, S, w.conv, w.A_log, w.dt_bias):
+        if not cpu_ext.serves(cpu_ext.GDN_STEP, qkv, a, b, conv_state, S, w.conv, w.A_log, w.dt_bias):
             return super().step(shape, w, qkv, a, b, conv_state, S)
         return cpu_ext.gdn_step(qkv, a, b, conv_state, S, w.conv, w.A_log, w.dt_bias, shape.Hk, shape.Dk)
 
     def tree(self, shape, w, qkv, a, b, conv_state, S0, tree):
-        if not cpu_ext.gdn_tree_available(qkv, a, b, conv_state, S0, w.conv, w.A_log, w.dt_bias):
+        if not cpu_ext.serves(cpu_ext.GDN_TREE, qkv, a, b, conv_state, S0, w.conv, w.A_log, w.dt_bias):
             return super().tree(shape, w, qkv, a, b, conv_state, S0, tree)
         o, k, u, g = cpu_ext.gdn_tree(qkv, a, b, tree.conv_taps, conv_state, S0, w.conv, w.A_log, w.dt_bias,
                                       shape.Hk, shape.Dk)
         return o, TreeRows(x=qkv, k=k, u=u, g=g)
 
     def commit(self, rows, path, conv_state, S0):
-        if not cpu_ext.gdn_tree_available(rows.k, rows.u, rows.g, S0):
+        if not cpu_ext.serves(cpu_ext.GDN_TREE, rows.k, rows.u, rows.g, S0):
             return super().commit(rows, path, conv_state, S0)
         path = path if isinstance(path, mx.array) else mx.array(ops.check_path(path, rows.k.shape[0]), dtype=mx.int32)
         S = cpu_ext.gdn_commit(rows.k, rows.u, rows.g, path.astype(mx.int32), S0)
@@ -240,7 +240,7 @@ class CpuCore(OpsCore):
 
     def tree_after(self, shape, w, qkv, a, b, conv_state, S0, tree, fold):
         r = fold.rows
-        if not cpu_ext.gdn_tree_available(r.k, r.u, r.g, S0):
+        if not cpu_ext.serves(cpu_ext.GDN_TREE, r.k, r.u, r.g, S0):
             return super().tree_after(shape, w, qkv, a, b, conv_state, S0, tree, fold)
         S = cpu_ext.gdn_commit(r.k, r.u, r.g, fold.path.astype(mx.int32), S0)  # padding (-1) is skipped
         conv = ops.conv_state_after_padded(r.x, fold.path, conv_state).astype(conv_state.dtype)

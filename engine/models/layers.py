@@ -209,9 +209,7 @@ def cpu_rows_attention(q: mx.array, keys: mx.array) -> bool:
     for the heads' shape. It reads each key and value once and takes the softmax in the same pass:
     one query over 4,000 keys (6 heads, 2 K/V heads of 64) 87-162 us a layer against 278-345 in
     operations, over 64 keys 10-12 against 37-41 (dev CPU, `python scripts/bench_cpu_attention.py`)."""
-    if not cpu_ext.attention_available(q):
-        return False
-    return cpu_ext.supports(q.shape[1] // keys.shape[1], q.shape[-1])
+    return cpu_ext.serves(cpu_ext.ATTENTION, q, keys) and cpu_ext.supports(q.shape[1] // keys.shape[1], q.shape[-1])
 
 
 def chunk_in_ops(scores: int) -> bool:

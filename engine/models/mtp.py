@@ -124,8 +124,7 @@ def scratch_attention(q: mx.array, keys: mx.array, values: mx.array, length: mx.
         # two launches instead of ~15 operations (each a host encoding on a GPU), a drafted depth's
         # biggest share of them
         return attention_kernel.attention_draft_row(q, keys, values, skeys, svalues, length, j).reshape(B, 1, H * D)
-    if cpu_ext.attention_available(q) and all(a.dtype == mx.float32 for a in (keys, values, skeys, svalues)) \
-            and cpu_ext.supports(H // keys.shape[1], D):
+    if cpu_ext.serves(cpu_ext.ATTENTION, q, keys, values, skeys, svalues) and cpu_ext.supports(H // keys.shape[1], D):
         # one operation of the engine's own on the CPU over the rows that count (engine/cpu_ext.cpp)
         return cpu_ext.draft_attention(q, keys, values, length, skeys, svalues, j, scale).reshape(B, 1, H * D)
     Hkv, cap = keys.shape[1], keys.shape[2]
