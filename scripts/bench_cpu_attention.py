@@ -31,18 +31,9 @@ import mlx.core as mx  # noqa: E402
 
 from engine import cpu_ext  # noqa: E402
 from engine.models.layers import attention_ops  # noqa: E402
+from engine.tree import DraftTree  # noqa: E402
 
 HEADS, KV_HEADS, DIM, CALLS = 6, 2, 64, 10
-
-
-def tree(rng: np.random.Generator, n: int) -> np.ndarray:
-    parent = [-1] + [int(rng.integers(0, i)) for i in range(1, n)]
-    seen = np.zeros((n, n), dtype=bool)
-    for i in range(n):
-        j = i
-        while j >= 0:
-            seen[i, j], j = True, parent[j]
-    return seen
 
 
 def main() -> None:
@@ -64,7 +55,8 @@ def main() -> None:
         for rows in (int(x) for x in a.rows.split(",")):
             k, v = kbuf[:, :, :keys], vbuf[:, :, :keys]
             q = mx.array(rng.standard_normal((1, HEADS, rows, DIM)).astype(np.float32))
-            seen = None if rows == 1 else mx.array(tree(rng, rows))
+            parents = (-1, *(int(rng.integers(0, i)) for i in range(1, rows)))
+            seen = None if rows == 1 else mx.array(DraftTree(tuple(range(rows)), parents).ancestor_mask())
             prefix = keys - (0 if rows == 1 else rows)
             mask = None if seen is None else mx.concatenate([mx.ones((rows, prefix), dtype=mx.bool_), seen], axis=1)
             mx.eval(k, v, q, *([] if mask is None else [mask]))

@@ -12,6 +12,7 @@ import pytest
 from engine import cpu_ext
 from engine.models import layers
 from engine.models.layers import attention_ops
+from engine.tree import DraftTree
 
 pytestmark = pytest.mark.skipif(cpu_ext.module() is None,
                                 reason="engine/cpu_ext.cpp not built here (no C++ compiler, headers or nanobind)")
@@ -23,14 +24,7 @@ def arr(x: np.ndarray) -> mx.array:
 
 def tree_mask(rng: np.random.Generator, n: int) -> np.ndarray:
     """[n, n] ancestors-or-self of a random tree in topological order (each node's parent earlier)."""
-    parent = [-1] + [int(rng.integers(0, i)) for i in range(1, n)]
-    seen = np.zeros((n, n), dtype=bool)
-    for i in range(n):
-        j = i
-        while j >= 0:
-            seen[i, j] = True
-            j = parent[j]
-    return seen
+    return DraftTree(tuple(range(n)), (-1, *(int(rng.integers(0, i)) for i in range(1, n)))).ancestor_mask()
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(6, 2, 64), (2, 1, 32), (4, 4, 128), (8, 1, 16), (16, 2, 256)])

@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 
 from engine import cpu_ext
+from engine.forward import tree_batch
 from engine.gdn import ops
 from engine.gdn.core import CpuCore, GDNShape, GDNWeights, OpsCore, TreeInputs
+from engine.tree import DraftTree
 
 pytestmark = pytest.mark.skipif(cpu_ext.module() is None,
                                 reason="engine/cpu_ext.cpp not built here (no C++ compiler, headers or nanobind)")
@@ -34,20 +36,18 @@ def inputs(rng: np.random.Generator, shape: GDNShape, n: int):
     return w, x, a, b, conv_state, S
 
 
-def random_parents(rng: np.random.Generator, n: int) -> list[int]:
-    return [-1] + [int(rng.integers(0, i)) for i in range(1, n)]
+def random_tree(rng: np.random.Generator, n: int) -> DraftTree:
+    return DraftTree(tuple(range(n)), (-1, *(int(rng.integers(0, i)) for i in range(1, n))))
 
 
-def tree_inputs(parents: list[int], K: int) -> TreeInputs:
-    n = len(parents)
-    incl = np.zeros((n, n), dtype=bool)
-    for i in range(n):
-        j = i
-        while j >= 0:
-            incl[i, j], j = True, parents[j]
-    depths = incl.sum(axis=1) - 1
-    return TreeInputs(mx.array(ops.tree_conv_taps(parents, K)), ops.tree_masks(incl), mx.arange(n, dtype=mx.int32),
-                      mx.array(depths.astype(np.int32)), int(depths.max()) + 1)
+def tree_inputs(tree: DraftTree, K: int) -> TreeInputs:
+    """The tree's GDN inputs as a verify builds them (engine/forward.py tree_batch; one node has
+    none there, so built the same way here)."""
+    gdn = tree_batch(tree, 7, K).gdn
+    if gdn is None:
+        gdn = TreeInputs(mx.array(ops.tree_conv_taps(tree.parents, K)), ops.tree_masks(tree.ancestor_mask()),
+                         mx.array(tree.dfs_order), mx.array(tree.depths), 1)
+    return gdn
 
 
 def close(a: mx.array, b: mx.array) -> None:
@@ -66,19 +66,14 @@ def test_step_equals_the_ops(shape, rng):
 @pytest.mark.parametrize("n", [1, 2, 7, 17])
 def test_tree_and_commit_equal_the_ops(shape, n, rng):
     w, x, a, b, conv_state, S0 = inputs(rng, shape, n)
-    parents = random_parents(rng, n)
-    tree = tree_inputs(parents, shape.K)
-    o, rows = CpuCore().tree(shape, w, x, a, b, conv_state, S0, tree)
-    o_ops, rows_ops = OpsCore().tree(shape, w, x, a, b, conv_state, S0, tree)
+    tree = random_tree(rng, n)
+    gdn = tree_inputs(tree, shape.K)
+    o, rows = CpuCore().tree(shape, w, x, a, b, conv_state, S0, gdn)
+    o_ops, rows_ops = OpsCore().tree(shape, w, x, a, b, conv_state, S0, gdn)
     close(o, o_ops)
     for name in ("x", "k", "u", "g"):
         close(getattr(rows, name), getattr(rows_ops, name))
-    leaf = n - 1
-    path = []
-    while leaf >= 0:
-        path.insert(0, leaf)
-        leaf = parents[leaf]
-    path = mx.array(path, dtype=mx.int32)
+    path = mx.array(tree.path_to(n - 1), dtype=mx.int32)
     for got, want in zip(CpuCore().commit(rows, path, conv_state, S0), OpsCore().commit(rows_ops, path, conv_state, S0),
                          strict=True):
         close(got, want)
@@ -90,15 +85,11 @@ def test_a_verify_is_bitwise_plain_decoding(shape, rng):
     state and conv state equal those steps', bit for bit."""
     n = 9
     w, x, a, b, conv_state, S0 = inputs(rng, shape, n)
-    parents = random_parents(rng, n)
-    o, rows = CpuCore().tree(shape, w, x, a, b, conv_state, S0, tree_inputs(parents, shape.K))
+    tree = random_tree(rng, n)
+    o, rows = CpuCore().tree(shape, w, x, a, b, conv_state, S0, tree_inputs(tree, shape.K))
     core = CpuCore()
     for node in range(n):
-        path = []
-        j = node
-        while j >= 0:
-            path.insert(0, j)
-            j = parents[j]
+        path = tree.path_to(node)
         conv, S = conv_state, S0
         for j in path:
             step_o, conv, S = core.step(shape, w, x[j : j + 1], a[j : j + 1], b[j : j + 1], conv, S)
@@ -111,7 +102,7 @@ def test_a_verify_is_bitwise_plain_decoding(shape, rng):
 def test_a_padded_path_commits_its_nodes_only(rng):
     shape = SHAPES[0]
     w, x, a, b, conv_state, S0 = inputs(rng, shape, 5)
-    _, rows = CpuCore().tree(shape, w, x, a, b, conv_state, S0, tree_inputs([-1, 0, 1, 2, 3], shape.K))
+    _, rows = CpuCore().tree(shape, w, x, a, b, conv_state, S0, tree_inputs(DraftTree.chain(0, range(1, 5)), shape.K))
     want = cpu_ext.gdn_commit(rows.k, rows.u, rows.g, mx.array([0, 1, 2], dtype=mx.int32), S0)
     got = cpu_ext.gdn_commit(rows.k, rows.u, rows.g, mx.array([0, 1, 2, -1, -1], dtype=mx.int32), S0)
     assert np.array_equal(np.array(got), np.array(want))
@@ -146,7 +137,7 @@ def test_bad_shapes_are_refused(rng):
 def test_a_strided_path_is_read_by_its_strides(rng):
     shape = SHAPES[0]
     w, x, a, b, conv_state, S0 = inputs(rng, shape, 4)
-    _, rows = CpuCore().tree(shape, w, x, a, b, conv_state, S0, tree_inputs([-1, 0, 1, 2], shape.K))
+    _, rows = CpuCore().tree(shape, w, x, a, b, conv_state, S0, tree_inputs(DraftTree.chain(0, range(1, 4)), shape.K))
     dense = cpu_ext.gdn_commit(rows.k, rows.u, rows.g, mx.array([0, 1, 2], dtype=mx.int32), S0)
     spread = mx.array([0, 9, 1, 9, 2, 9], dtype=mx.int32)[::2]  # a view: every other element
     assert np.array_equal(np.array(cpu_ext.gdn_commit(rows.k, rows.u, rows.g, spread, S0)), np.array(dense))
