@@ -20,10 +20,12 @@
  * Half-width weights: a checkpoint stored in bfloat16 runs in float32 on the CPU, so every weight
  * value is a bfloat16 whose low 16 bits are zero: half of the bytes a step reads (the bundled
  * target's 60 MB of float32 weights a step) are those zeros. engine/half_weights.py hands such a
- * weight to spruce_half_add, which checks every value, keeps a bfloat16 copy and answers products
- * of 1 to SMALL_ROWS rows by it from the copy: half the bytes, the same floats after widening, the
- * same sums in the same order as the float32 kernel here, so the same bits. One-row products by a
- * registered weight take this path too, so a decode step's rows equal a verify's bitwise.
+ * weight to spruce_half_add, which checks every value, keeps a bfloat16 copy laid out in panels
+ * and answers products of 1 to SMALL_ROWS rows by it from the copy with the panel kernel (below):
+ * half the bytes, the same floats after widening, each output summed in k's order whatever the row
+ * count. One-row products by a registered weight take this path too, so a decode step's rows equal
+ * a verify's bitwise. (The float32 kernel sums in another order: a registered weight's products
+ * differ from an unregistered one's by rounding.)
  *
  * engine/blas.py builds this file once per user with the C compiler on PATH and preloads it ahead
  * of OpenBLAS. On x86-64 the vector code is compiled for AVX-512, AVX2 and the baseline, picked at
@@ -103,16 +105,7 @@ typedef int v16i __attribute__((vector_size(64)));
 #define SHUF(a, b, ...) __builtin_shuffle(a, b, (v16i){__VA_ARGS__})
 #endif
 #define LOAD(p) ((v16)(*(const v16u*)(p)))
-typedef unsigned short v16h __attribute__((vector_size(32), aligned(2))); /* 16 bfloat16, unaligned */
 typedef unsigned int v16w __attribute__((vector_size(64)));
-/* 16 bfloat16 widened to float32: the 16 bits become the high half of each float (exact). */
-#define LOAD_HALF(p) ((v16)(__builtin_convertvector(*(const v16h*)(p), v16w) << 16))
-INL float half_at(const uint16_t* p) {
-  const uint32_t bits = (uint32_t)*p << 16;
-  float f;
-  memcpy(&f, &bits, sizeof f);
-  return f;
-}
 /* Four weight rows of the tile after next, one cache line of each per 16 floats: each tile reads
  * only K floats of a row, too short a stream for the hardware prefetcher to start on (at 2-8 rows
  * prefetching the next tile made a 768 x 384 product 1.3-1.7x faster on the dev CPU, and the one
@@ -178,8 +171,7 @@ typedef struct {
   float* C;       /* [M, N], row stride ldc */
   int lda, ldb, ldc;
   int a_transposed;
-  const uint16_t* H; /* B's half-width copy (row stride ldb) where the columns_half kernel reads it */
-  long row0;         /* B holds weight rows from this one on (a block widened from H: see widened_tiles) */
+  const uint32_t* H; /* B's half-width copy in panels (see panel_tile) where panel_columns reads it */
 } product;
 
 /* C[r, n] = alpha * s + beta * C[r, n], with beta 0 overwriting (MLX's output buffer is
@@ -189,26 +181,19 @@ INL void put(const product* p, int r, int n, float s) {
   *c = p->beta == 0.0f ? p->alpha * s : p->alpha * s + p->beta * *c;
 }
 
-/* Weight row n's floats from k on, as 16 lanes: from B, or widened from its half-width copy
- * (`half`, a constant once inlined). */
-INL v16 weight16(const product* p, long n, int k, const int half) {
-  return half ? LOAD_HALF(p->H + n * p->ldb + k) : LOAD(p->B + (n - p->row0) * p->ldb + k);
-}
-INL float weight1(const product* p, long n, int k, const int half) {
-  return half ? half_at(p->H + n * p->ldb + k) : p->B[(n - p->row0) * p->ldb + k];
-}
+/* Weight row n's floats from k on, as 16 lanes. */
+INL v16 weight16(const product* p, long n, int k) { return LOAD(p->B + n * p->ldb + k); }
 
 /* put() of a dot product whose K's tail past the last 16 is added after the lane sum. */
-INL void store(const product* p, int r, int n, float s, int k, const int half) {
+INL void store(const product* p, int r, int n, float s, int k) {
   const float* a = p->A + (long)r * p->lda;
-  for (int kk = k; kk < p->K; ++kk) s += a[kk] * weight1(p, n, kk, half);
+  for (int kk = k; kk < p->K; ++kk) s += a[kk] * p->B[(long)n * p->ldb + kk];
   put(p, r, n, s);
 }
 
 /* R rows (r0..; R <= 4, a constant once inlined) times 4 weight rows (n..): 4R accumulators that
- * stay in registers, each weight vector loaded once for all R rows. The same sums in the same order
- * whether the weights come as floats or widened from halves. */
-INL void tile(const product* p, int r0, int n, const int R, const int half) {
+ * stay in registers, each weight vector loaded once for all R rows. */
+INL void tile(const product* p, int r0, int n, const int R) {
   const int K = p->K;
   const long ldb = p->ldb;
   const float* a = p->A + (long)r0 * p->lda;
@@ -218,14 +203,9 @@ INL void tile(const product* p, int r0, int n, const int R, const int half) {
   }
   int k = 0;
   for (; k + 16 <= K; k += 16) {
-    const v16 b0 = weight16(p, n, k, half), b1 = weight16(p, n + 1, k, half), b2 = weight16(p, n + 2, k, half),
-              b3 = weight16(p, n + 3, k, half);
-    if (half) {
-      PREFETCH(p->H + (n + 8) * ldb + k, ldb);
-    } else if (p->row0 == 0) { /* a widened block's next rows are not in its buffer (widened_tiles
-                                * fetches them; at row 0 the hint is a harmless miss) */
-      PREFETCH(p->B + (n + 8) * ldb + k, ldb);
-    }
+    const v16 b0 = weight16(p, n, k), b1 = weight16(p, n + 1, k), b2 = weight16(p, n + 2, k),
+              b3 = weight16(p, n + 3, k);
+    PREFETCH(p->B + (n + 8) * ldb + k, ldb);
     UNROLL for (int r = 0; r < R; ++r) {
       const v16 x = LOAD(a + (long)r * p->lda + k);
       acc[r][0] += x * b0;
@@ -237,18 +217,18 @@ INL void tile(const product* p, int r0, int n, const int R, const int half) {
   float s[16];
   hsum_n(&acc[0][0], s, 4 * R);
   for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < 4; ++c) store(p, r0 + r, n + c, s[4 * r + c], k, half);
+    for (int c = 0; c < 4; ++c) store(p, r0 + r, n + c, s[4 * r + c], k);
   }
 }
 
 /* One weight row (the last N % 4) times every row. */
-INL void column(const product* p, int n, const int half) {
+INL void column(const product* p, int n) {
   for (int r = 0; r < p->M; ++r) {
     const float* a = p->A + (long)r * p->lda;
     v16 acc = (v16){0};
     int k = 0;
-    for (; k + 16 <= p->K; k += 16) acc += LOAD(a + k) * weight16(p, n, k, half);
-    store(p, r, n, hsum(acc), k, half);
+    for (; k + 16 <= p->K; k += 16) acc += LOAD(a + k) * weight16(p, n, k);
+    store(p, r, n, hsum(acc), k);
   }
 }
 
@@ -260,72 +240,22 @@ INL void column(const product* p, int n, const int half) {
 #endif
 
 /* Weight rows n..n+3 times every row of A, in tiles of up to 4 rows. */
-INL void every_row(const product* p, int n, const int half) {
+INL void every_row(const product* p, int n) {
   int r = 0;
-  for (; r + 4 <= p->M; r += 4) tile(p, r, n, 4, half);
+  for (; r + 4 <= p->M; r += 4) tile(p, r, n, 4);
   switch (p->M - r) { /* each with its own constant R, so each compiles to its own unrolled loop */
-    case 3: tile(p, r, n, 3, half); break;
-    case 2: tile(p, r, n, 2, half); break;
-    case 1: tile(p, r, n, 1, half); break;
+    case 3: tile(p, r, n, 3); break;
+    case 2: tile(p, r, n, 2); break;
+    case 1: tile(p, r, n, 1); break;
     default: break;
   }
 }
 
-/* Above this many rows a product by a half-width copy widens each block of 4 weight rows once into
- * a float32 buffer and runs the float32 tiles over it: the tiles convert their weights for every 4
- * rows, and from 5 rows on that made the copies' products slower than the float32 weights' on the
- * dev CPU (8192 x 384 at 5 / 8 / 17 / 33 rows 0.90 / 0.94 / 0.90 / 0.93x, scripts/bench_gemv_shim.py). */
-#define WIDEN_ABOVE 4
-
-static __thread float* wide_block; /* this thread's buffer for widened_tiles */
-static __thread long wide_floats;
-
-/* Columns [n0, n1) (n0 a multiple of 4) of a product by a half-width copy, every row: each block of
- * 4 weight rows widened into this thread's buffer once, then the float32 tiles over it (the same
- * floats, so the same sums as the tiles reading the copy). Returns where it stopped: n1's last
- * whole block, or n0 where no buffer could be had. */
-INL int widened_tiles(const product* p, int n0, int n1) {
-  const int K = p->K;
-  if (wide_floats < 4L * K) {
-    float* grown = realloc(wide_block, sizeof(float) * 4 * (size_t)K);
-    if (grown == NULL) {
-      return n0;
-    }
-    wide_block = grown;
-    wide_floats = 4L * K;
-  }
-  product q = *p;
-  q.B = wide_block;
-  q.ldb = K;
-  q.H = NULL;
+VECTOR_VARIANTS static void columns(const product* p, int n0, int n1) {
   int n = n0;
-  for (; n + 4 <= n1; n += 4) {
-    for (int i = 0; i < 4; ++i) {
-      const uint16_t* h = p->H + (long)(n + i) * p->ldb;
-      float* w = wide_block + (long)i * K;
-      __builtin_prefetch(h + 4L * p->ldb);
-      int k = 0;
-      for (; k + 16 <= K; k += 16) *(v16u*)(w + k) = LOAD_HALF(h + k);
-      for (; k < K; ++k) w[k] = half_at(h + k);
-    }
-    q.row0 = n;
-    every_row(&q, n, 0);
-  }
-  return n;
+  for (; n + 4 <= n1; n += 4) every_row(p, n);
+  for (; n < n1; ++n) column(p, n);
 }
-
-INL void columns_of(const product* p, int n0, int n1, const int half) {
-  int n = n0;
-  if (half && p->M > WIDEN_ABOVE) {
-    n = widened_tiles(p, n0, n1);
-  }
-  for (; n + 4 <= n1; n += 4) every_row(p, n, half);
-  for (; n < n1; ++n) column(p, n, half);
-}
-
-VECTOR_VARIANTS static void columns(const product* p, int n0, int n1) { columns_of(p, n0, n1, 0); }
-/* The same from B's half-width copy p->H. */
-VECTOR_VARIANTS static void columns_half(const product* p, int n0, int n1) { columns_of(p, n0, n1, 1); }
 
 /* ---- the outer-product kernel: B stored [K, N] --------------------------------------------- */
 
@@ -393,6 +323,110 @@ VECTOR_VARIANTS static void outer_columns(const product* p, int n0, int n1) {
       for (int k = 0; k < p->K; ++k) s += a_at(p, r, k) * p->B[(long)k * p->ldb + n];
       put(p, r, n, s);
     }
+  }
+}
+
+/* ---- the panel kernel: products by a registered weight's bfloat16 copy --------------------- */
+
+/* A registered weight's copy (spruce_half_add) is kept in panels of PANEL weight rows, which are a
+ * product's output columns: panel g holds rows [32g, 32g + 32) for every k, one k after the other,
+ * 64 bytes a k: 16 words whose lane j holds row 32g + j's bfloat16 in its low half and row
+ * 32g + 16 + j's in its high half (rows past the weight's end are zeros). One aligned load gives the
+ * 32 rows' floats at k in two more instructions (the low half shifted up, the high half masked),
+ * and a panel is one sequential stream, which the hardware prefetcher follows.
+ *
+ * The product runs as outer products: C[r, 32g .. 32g + 32) += A[r, k] * (the panel's 32 floats at
+ * k), k after k. Each output is one sum in k's order, whatever the row count, the tile or the
+ * thread: batch invariant, and without the dot-product tiles' lane sums, which on a short K (the
+ * bundled model's 384) cost nearly as much as the multiply-adds. A tile of R rows and G panels
+ * loads each panel's 32 floats once for its R rows. Against the dot-product tiles that read the
+ * copy in rows before (µs a product on one core of the dev CPU, weights from cache, 1 / 4 / 7 / 17
+ * rows): 768 x 384 7.2 / 15.5 / 24.7 / 56.6 against 22.3 / 40.8 / 66.0 / 136.4, 75-95 % of the
+ * core's multiply-add rate from 7 rows on; 8192 x 384 from L3, 217 / 217 / 298 / 643 against
+ * 244 / 440 / 730 / 1573. */
+#define PANEL 32
+/* Each panel's stream is fetched this many k (64-byte lines) ahead into L2: one stream falls far
+ * short of the bandwidth on the hardware prefetcher alone (dev CPU, one core, 7 rows by weights
+ * from L3: 11 GB/s without, 14.7 / 21.5 / 22.8 / 21.6 GB/s at 8 / 64 / 96 / 128 ahead). */
+#define PANEL_AHEAD 64
+#define TILE_ROWS 12 /* rows a tile takes at most: 24 accumulators of the 32 vector registers */
+#define UNROLL_ALL _Pragma("GCC unroll 16")
+
+/* Panels a tile of R rows takes at once: enough accumulators (2RG) to cover the multiply-add's
+ * latency, few enough to stay in registers. */
+INL int panel_group(int R) { return R == 1 ? 8 : R == 2 ? 6 : R == 3 ? 4 : R == 4 ? 3 : R <= 6 ? 2 : 1; }
+
+/* Rows r0 .. r0 + R times panels g0 .. g0 + G (R, G constants once inlined). */
+INL void panel_tile(const product* p, int r0, int g0, const int R, const int G) {
+  v16 acc[TILE_ROWS][8][2];
+  UNROLL_ALL for (int r = 0; r < R; ++r) {
+    UNROLL_ALL for (int g = 0; g < G; ++g) acc[r][g][0] = acc[r][g][1] = (v16){0};
+  }
+  const long panel_words = 16L * p->K;
+  const uint32_t* w = p->H + g0 * panel_words;
+  const float* a = p->A + (long)r0 * p->lda;
+  for (int k = 0; k < p->K; ++k) {
+    UNROLL_ALL for (int g = 0; g < G; ++g) {
+      __builtin_prefetch(w + g * panel_words + 16L * (k + PANEL_AHEAD), 0, 2);
+      const v16w d = *(const v16w*)(w + g * panel_words + 16L * k);
+      const v16 lo = (v16)(d << 16), hi = (v16)(d & 0xffff0000u);
+      UNROLL_ALL for (int r = 0; r < R; ++r) {
+        const float x = a[(long)r * p->lda + k];
+        acc[r][g][0] += x * lo;
+        acc[r][g][1] += x * hi;
+      }
+    }
+  }
+  UNROLL_ALL for (int r = 0; r < R; ++r) {
+    UNROLL_ALL for (int g = 0; g < G; ++g) {
+      const int n = (g0 + g) * PANEL;
+      if (n + PANEL <= p->N) {
+        store_vector(p, r0 + r, n, acc[r][g][0]);
+        store_vector(p, r0 + r, n + 16, acc[r][g][1]);
+      } else { /* the last panel's rows past N */
+        for (int j = 0; j < 16 && n + j < p->N; ++j) put(p, r0 + r, n + j, acc[r][g][0][j]);
+        for (int j = 0; j < 16 && n + 16 + j < p->N; ++j) put(p, r0 + r, n + 16 + j, acc[r][g][1][j]);
+      }
+    }
+  }
+}
+
+/* panel_tile with the row count as a constant: `G` panels, or one. */
+#define PANEL_CASE(R)                                             \
+  case R:                                                         \
+    if (G == 1) {                                                 \
+      panel_tile(p, r0, g, R, 1);                                 \
+    } else {                                                      \
+      panel_tile(p, r0, g, R, panel_group(R));                    \
+    }                                                             \
+    break;
+INL void panel_rows(const product* p, int r0, int g, int rows, int G) {
+  switch (rows) {
+    PANEL_CASE(1) PANEL_CASE(2) PANEL_CASE(3) PANEL_CASE(4) PANEL_CASE(5) PANEL_CASE(6)
+    PANEL_CASE(7) PANEL_CASE(8) PANEL_CASE(9) PANEL_CASE(10) PANEL_CASE(11) PANEL_CASE(12)
+    default: break;
+  }
+}
+
+/* The tiles' shape for M rows: the rows cut into tiles of at most TILE_ROWS, as even as can be
+ * (13 rows as 7 + 6), and the panels a tile takes at once. Beyond one tile a tile has 7 rows or
+ * more, which take one panel at a time. */
+INL int panel_tile_rows(int M) {
+  const int tiles = (M + TILE_ROWS - 1) / TILE_ROWS;
+  return (M + tiles - 1) / tiles;
+}
+
+/* Output columns [n0, n1) of a product by a panel copy, every row. n0 is a multiple of
+ * PANEL * panel_group(panel_tile_rows(M)). */
+VECTOR_VARIANTS static void panel_columns(const product* p, int n0, int n1) {
+  const int R = panel_tile_rows(p->M), G = panel_group(R);
+  const int g1 = (n1 + PANEL - 1) / PANEL;
+  int g = n0 / PANEL;
+  for (; g + G <= g1; g += G) {
+    for (int r0 = 0; r0 < p->M; r0 += R) panel_rows(p, r0, g, p->M - r0 < R ? p->M - r0 : R, G);
+  }
+  for (; g < g1; ++g) { /* the last panels, one at a time */
+    for (int r0 = 0; r0 < p->M; r0 += R) panel_rows(p, r0, g, p->M - r0 < R ? p->M - r0 : R, 1);
   }
 }
 
@@ -595,7 +629,7 @@ void spruce_parallel(task_fn task, void* ctx, int n) {
 
 typedef struct {
   const float* w; /* key: NULL empty, REMOVED */
-  uint16_t* h;
+  uint32_t* h;    /* the copy in panels (see panel_tile) */
   int n, k;       /* rows and columns */
   long ld;        /* row stride of both, in elements */
 } half_entry;
@@ -627,7 +661,7 @@ static half_entry* find_entry(half_table* t, const float* w) {
 /* B's half-width copy where B is a registered weight read in full rows: the first N rows (a view of
  * a weight's leading rows, such as a draft vocabulary's slice of the output embedding, reads the
  * copy's first rows) of K columns at the registered stride; else NULL. */
-static const uint16_t* half_copy(const float* b, int N, int K, int ldb) {
+static const uint32_t* half_copy(const float* b, int N, int K, int ldb) {
   const half_entry* e = find_entry(__atomic_load_n(&half_live, __ATOMIC_ACQUIRE), b);
   return e != NULL && N <= e->n && K == e->k && ldb == e->ld ? e->h : NULL;
 }
@@ -689,14 +723,20 @@ int spruce_half_add(const float* w, int n, int k, long ld) {
       return -1;
     }
   }
-  uint16_t* h = malloc(sizeof(uint16_t) * (size_t)n * (size_t)ld);
+  const long panels = (n + PANEL - 1) / PANEL;
+  uint32_t* h = aligned_alloc(64, sizeof(uint32_t) * 16 * (size_t)k * (size_t)panels); /* 64 bytes a k */
   if (h == NULL) {
     return -1;
   }
-  for (long r = 0; r < n; ++r) {
-    const uint32_t* row = (const uint32_t*)(w + r * ld);
-    for (long c = 0; c < ld; ++c) { /* the stride's gap too (not read): a copy's row is as wide */
-      h[r * ld + c] = c < k ? (uint16_t)(row[c] >> 16) : 0;
+  for (long g = 0; g < panels; ++g) {
+    for (long j = 0; j < 16; ++j) {
+      const long lo = g * PANEL + j, hi = lo + 16; /* the weight rows of lane j's low and high halves */
+      const uint32_t* lo_row = (const uint32_t*)(w + lo * ld);
+      const uint32_t* hi_row = (const uint32_t*)(w + hi * ld);
+      uint32_t* out = h + g * 16L * k + j;
+      for (long c = 0; c < k; ++c) {
+        out[16 * c] = (hi < n ? hi_row[c] & 0xffff0000u : 0) | (lo < n ? lo_row[c] >> 16 : 0);
+      }
     }
   }
   if (t->slot[i].w == NULL) {
@@ -763,23 +803,23 @@ void cblas_sgemm(int order, int trans_a, int trans_b, int M, int N, int K, float
   const int rows_limit = __atomic_load_n(&spruce_small_rows, __ATOMIC_RELAXED);
   if (order == ROW_MAJOR && trans_a == NO_TRANS && trans_b == TRANS && M >= 1 && M <= rows_limit && N >= 1 &&
       K >= 1 && __atomic_load_n(&spruce_half, __ATOMIC_RELAXED)) {
-    const uint16_t* h = half_copy(B, N, K, ldb);
+    const uint32_t* h = half_copy(B, N, K, ldb);
     if (h != NULL) { /* x @ W.T by a registered weight: from its half-width copy, one row included */
-      const product p = {M, N, K, alpha, beta, A, B, C, lda, ldb, ldc, 0, h, 0};
-      pooled(&p, columns_half, 4);
+      const product p = {M, N, K, alpha, beta, A, B, C, lda, ldb, ldc, 0, h};
+      pooled(&p, panel_columns, PANEL * panel_group(panel_tile_rows(M)));
       __atomic_add_fetch(&spruce_half_calls, 1, __ATOMIC_RELAXED);
       return;
     }
   }
   const int small = order == ROW_MAJOR && M >= SMALL_ROWS_FROM && N >= 1 && K >= 1 && M <= rows_limit;
   if (small && trans_a == NO_TRANS && trans_b == TRANS) { /* x @ W.T: a linear layer */
-    const product p = {M, N, K, alpha, beta, A, B, C, lda, ldb, ldc, 0, NULL, 0};
+    const product p = {M, N, K, alpha, beta, A, B, C, lda, ldb, ldc, 0, NULL};
     pooled(&p, columns, 4);
     __atomic_add_fetch(&spruce_gemv_calls, 1, __ATOMIC_RELAXED);
     return;
   }
   if (small && trans_b == NO_TRANS) { /* B stored [K, N]: attention's scores @ V, the GDN heads' */
-    const product p = {M, N, K, alpha, beta, A, B, C, lda, ldb, ldc, trans_a != NO_TRANS, NULL, 0};
+    const product p = {M, N, K, alpha, beta, A, B, C, lda, ldb, ldc, trans_a != NO_TRANS, NULL};
     pooled(&p, outer_columns, 16);
     __atomic_add_fetch(&spruce_gemv_calls, 1, __ATOMIC_RELAXED);
     return;

@@ -5,12 +5,14 @@ so every weight value has 16 low bits that are zero, and a decode step, which re
 once (on all but the smallest models, that reading is what it waits for), spends half of it on
 those zeros. The GEMV shim (engine/gemv_shim.c) keeps a bfloat16 copy of each weight handed to it
 here, after checking that every value is exactly a bfloat16, and computes products of 1 to 33 rows
-by that weight from the copy: the same floats once widened, summed in the same order as its
-float32 kernel, so the same bits with half the bytes read (plain decoding of the bundled target
-1.2-1.4x faster on the dev CPU, of a 150 M-parameter model 1.5x: BENCHMARKS.md, fortieth session).
-One-row products by a registered weight take the shim's kernel too (an unregistered weight's go to
-OpenBLAS's GEMV), so a decode step's row and a verify's rows are bitwise equal. The copies stop at
-MEMORY_SHARE of the machine's memory.
+by that weight from the copy, laid out in panels of 32 weight rows that its outer-product kernel
+streams once for all the product's rows: the same floats once widened, half the bytes read
+(plain decoding of the bundled target 1.2-1.4x faster on the dev CPU, of a 150 M-parameter model
+1.5x: BENCHMARKS.md, fortieth session), and a verify of 7 rows about 2x cheaper in its products
+than with the float32 kernel's tiles (forty-second session). Each output is summed in one order
+whatever the row count, and one-row products by a registered weight take the kernel too (an
+unregistered weight's go to OpenBLAS's GEMV), so a decode step's row and a verify's rows are
+bitwise equal. The copies stop at MEMORY_SHARE of the machine's memory.
 
 `register(owner, arrays)` registers the arrays for as long as `owner` lives: each array is kept
 alive here meanwhile, so its address cannot be handed to another array while the shim still maps

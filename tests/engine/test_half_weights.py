@@ -1,6 +1,7 @@
-"""engine/half_weights.py with the shim's half-width kernel (engine/gemv_shim.c): products by a
-registered weight read its bfloat16 copy and give bitwise the float32 kernel's result; a row's
-result does not depend on how many rows share the product (one row included); weights that are not
+"""engine/half_weights.py with the shim's panel kernel (engine/gemv_shim.c): products by a
+registered weight read its bfloat16 copy and agree with float64 and with the float32 kernel to
+rounding; a row's result does not depend on how many rows share the product (one row included,
+every tile shape of the kernel); weights that are not
 bfloat16 are refused; registrations end with their owner; and a model whose weights are bfloat16
 values decodes with speculation exactly as without."""
 
@@ -45,11 +46,17 @@ def products(x: mx.array, w: mx.array, rows: list[int]) -> dict[int, np.ndarray]
     return {m: np.array(x[:m] @ w.T) for m in rows}
 
 
-ROWS = [1, 2, 3, 4, 5, 8, 17, 33]
+# every tile shape of the panel kernel: one tile of 1-12 rows (panels taken 8 / 6 / 4 / 3 / 2 / 1
+# at a time), then two or three tiles of 7-12
+ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 13, 17, 24, 25, 33]
 
 
-def test_copies_give_the_float32_kernels_bits_and_rows_do_not_depend_on_the_count(rng, half_on):
-    w = bf16_valued(rng, 1031, 384)  # N % 4 = 3: the tiles' tail columns too
+def close(got: np.ndarray, want: np.ndarray) -> bool:
+    return bool(np.abs(got - want).max() <= 1e-4 * max(1.0, float(np.abs(want).max())))
+
+
+def test_copies_agree_with_float64_and_rows_do_not_depend_on_the_count(rng, half_on):
+    w = bf16_valued(rng, 1031, 384)  # 1031 = 32 * 32 + 7: the last panel's rows past the end too
     x = mx.array(rng.standard_normal((33, 384)).astype(np.float32))
     owner = Owner()
     assert half_weights.register(owner, [w]) == 1
@@ -59,12 +66,26 @@ def test_copies_give_the_float32_kernels_bits_and_rows_do_not_depend_on_the_coun
     blas.HALF.value = 0
     floats = products(x, w, ROWS)
     assert blas.half_calls() - calls == len(ROWS)
-    for m in ROWS[1:]:  # 2+ rows without the copy: the shim's float32 kernel, the same sums
-        assert (halves[m] == floats[m]).all(), m
-    for m in ROWS:  # each row as in the 33-row product: batch invariant, one row included
-        assert (halves[m] == halves[33][:m]).all(), m
     want = np.array(x, dtype=np.float64) @ np.array(w, dtype=np.float64).T
-    assert np.abs(halves[33] - want).max() <= 1e-4 * max(1.0, np.abs(want).max())
+    for m in ROWS:
+        assert (halves[m] == halves[33][:m]).all(), m  # each row as in the 33-row product: batch invariant
+        assert close(halves[m], want[:m]) and close(floats[m], want[:m]), m
+
+
+def test_products_that_add_to_their_output_read_the_copy_too(rng, half_on):
+    """A linear layer with a bias runs as C = x @ W.T + C (cblas beta 1), the tail panel included."""
+    w = bf16_valued(rng, 200, 256)
+    x = mx.array(rng.standard_normal((6, 256)).astype(np.float32))
+    bias = mx.array(rng.standard_normal((200,)).astype(np.float32))
+    owner = Owner()
+    assert half_weights.register(owner, [w]) == 1
+    calls = blas.half_calls()
+    got = {m: np.array(mx.addmm(bias, x[:m], w.T, alpha=0.5, beta=2.0)) for m in (1, 6)}
+    assert blas.half_calls() - calls == 2
+    want = 0.5 * (np.array(x, dtype=np.float64) @ np.array(w, dtype=np.float64).T) + 2.0 * np.array(bias)
+    for m, out in got.items():
+        assert close(out, want[:m]), m
+    assert (got[1] == got[6][:1]).all()
 
 
 def test_a_view_of_leading_rows_reads_the_copy_and_other_views_do_not(rng, half_on):
@@ -78,7 +99,7 @@ def test_a_view_of_leading_rows_reads_the_copy_and_other_views_do_not(rng, half_
     inner = np.array(x @ w[100:350].T)  # another address: the float32 kernel
     assert blas.half_calls() - calls == 1
     blas.HALF.value = 0
-    assert (lead == np.array(x @ w[:250].T)).all()
+    assert close(lead, np.array(x @ w[:250].T))  # 250 rows: part of the copy's eighth panel
     assert (inner == np.array(x @ w[100:350].T)).all()
 
 
