@@ -797,6 +797,24 @@ mx::array gdn_commit(const mx::array& k, const mx::array& u, const mx::array& g,
 }
 
 // RMS norm of x's rows over its last axis: y = x * (1 / sqrt(mean(x^2) + eps)) * w, float32, what
+// One row's RMS norm: x / rms(x) * w, the sum of squares in 16 lanes joined in a fixed tree.
+void rms_row(const float* x, const float* w, int H, float eps, float* y) {
+  v16 acc = {};
+  int d = 0;
+  for (; d + 16 <= H; d += 16) {
+    const v16 v = *(const v16u*)(x + d);
+    acc += v * v;
+  }
+  float ss = lanes_sum(acc);
+  for (; d < H; ++d) {
+    ss += x[d] * x[d];
+  }
+  const float inv = 1.0f / std::sqrt(ss / (float)H + eps);
+  for (int i = 0; i < H; ++i) {
+    y[i] = x[i] * inv * w[i];
+  }
+}
+
 // mx.fast.rms_norm computes on the CPU in three operations (a square, a sum, and the rest
 // compiled). A row's sum of squares runs in 16 lanes joined in a fixed tree: the same whatever
 // the number of rows.
@@ -812,22 +830,7 @@ mx::array rms_norm(const mx::array& x, const mx::array& w, float eps) {
     const float *x = in(0), *w = in(1);
     float* y = outs[0].data<float>();
     for (int64_t r = 0; r < rows; ++r) {
-      const float* xr = x + r * H;
-      float* yr = y + r * H;
-      v16 acc = {};
-      int d = 0;
-      for (; d + 16 <= H; d += 16) {
-        const v16 v = *(const v16u*)(xr + d);
-        acc += v * v;
-      }
-      float ss = lanes_sum(acc);
-      for (; d < H; ++d) {
-        ss += xr[d] * xr[d];
-      }
-      const float inv = 1.0f / std::sqrt(ss / (float)H + eps);
-      for (int i = 0; i < H; ++i) {
-        yr[i] = xr[i] * inv * w[i];
-      }
+      rms_row(x + r * H, w, H, eps, y + r * H);
     }
   };
   return cpu_op("RmsNorm", x.shape(), body, {x, w});
@@ -868,6 +871,235 @@ std::vector<mx::array> gdn_step(const mx::array& qkv, const mx::array& a, const 
                                 {qkv, a, b, conv_state, S, conv_w, A_log, dt_bias});
 }
 
+// ---- the MTP head's chain draft: every depth in one operation -----------------------------------
+//
+// engine/drafters/mtp.py drafts a chain depth by depth: a depth's read (the target's lm_head over
+// the draft vocabulary, its top-k and log-probabilities) and, for the next depth, the head's row
+// (engine/models/mtp.py draft_row): ~95 graph nodes a depth, ~0.29 ms on the dev CPU of which the
+// products are ~0.1, and a sync a depth for the stop rule. Here the whole chain is one operation:
+// the same arithmetic row by row (the products through cblas_sgemm as MLX's matmul calls it, so
+// the GEMV shim's panel kernel where the weight is registered: the same sums as the ops path's
+// products), the stop rule applied between depths. What comes back is what the drafter's loop
+// reads: the top-k ids and log-probabilities of each depth it reached, and how many.
+
+using sgemm_fn = void (*)(int, int, int, int, int, int, float, const float*, int, const float*, int, float, float*,
+                          int);
+
+// out [N] = W [N, K] times one row x [K]: as MLX multiplies x @ W.T on the CPU (cblas_sgemm, B
+// transposed), where a BLAS is in the process; else a plain loop.
+void row_times(const float* x, const float* W, int N, int K, float* out) {
+  static sgemm_fn fn = reinterpret_cast<sgemm_fn>(dlsym(RTLD_DEFAULT, "cblas_sgemm"));
+  if (fn != nullptr) {
+    fn(101, 111, 112, 1, N, K, 1.0f, x, K, W, K, 0.0f, out, N);  // row-major, A as is, B transposed
+    return;
+  }
+  for (int n = 0; n < N; ++n) {
+    float acc = 0.0f;
+    for (int k = 0; k < K; ++k) {
+      acc += x[k] * W[(int64_t)n * K + k];
+    }
+    out[n] = acc;
+  }
+}
+
+inline float sigmoid1(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+
+// The head's shape and where its inputs are (MtpChain's inputs, in order: see mtp_chain).
+struct MtpHead {
+  int H, heads, kv_heads, D, I, rope_dims, vocab;  // vocab: the lm_head's rows
+  float eps, scale, rope_base;
+  const float *embed, *lm, *pre_e, *pre_h, *fc, *in_norm, *wq, *wk, *wv, *q_norm, *k_norm, *wo, *post_norm, *gate,
+      *up, *down, *final_norm;
+  const int32_t* vocab_ids;  // the lm_head's rows' token ids, or null: row i is token i
+  // the committed K/V (rows_view) and the draft's own rows
+  const float *keys, *values;
+  int64_t k_head, k_row, v_head, v_row;
+  int length;
+  std::vector<float> sk, sv;  // [kv_heads, S, D]
+  int S;
+};
+
+// RoPE of one head's row at position pos, MLX's non-traditional form over the first rope_dims.
+void rope_row(const MtpHead& m, float* x, int pos) {
+  const int half = m.rope_dims / 2;
+  const float step = std::log(m.rope_base) / (float)half;
+  for (int i = 0; i < half; ++i) {
+    const float theta = (float)pos * std::exp(-(float)i * step);
+    const float c = std::cos(theta), s = std::sin(theta);
+    const float a = x[i], b = x[i + half];
+    x[i] = a * c - b * s;
+    x[i + half] = a * s + b * c;
+  }
+}
+
+// The head's row for `token` at position length + j, with y as its hidden state -> y_out [H] (the
+// final-normed output); writes the row's K/V at scratch row j.
+void mtp_row(MtpHead& m, int token, const float* y, int j, float* y_out) {
+  const int H = m.H, D = m.D, QD = m.heads * D, KD = m.kv_heads * D;
+  std::vector<float> cat(2 * H), x(H), n(H), qg(2 * QD), k(KD), v(KD), att(QD), h(H), mlp_g(m.I), mlp_u(m.I), mo(H);
+  rms_row(m.embed + (int64_t)token * H, m.pre_e, H, m.eps, cat.data());
+  rms_row(y, m.pre_h, H, m.eps, cat.data() + H);
+  row_times(cat.data(), m.fc, H, 2 * H, x.data());
+  rms_row(x.data(), m.in_norm, H, m.eps, n.data());
+  row_times(n.data(), m.wq, 2 * QD, H, qg.data());
+  row_times(n.data(), m.wk, KD, H, k.data());
+  row_times(n.data(), m.wv, KD, H, v.data());
+  std::vector<float> q(QD);
+  const int pos = m.length + j;
+  for (int hd = 0; hd < m.heads; ++hd) {  // per head [query | gate]: the query normed and rotated
+    rms_row(qg.data() + (int64_t)hd * 2 * D, m.q_norm, D, m.eps, q.data() + (int64_t)hd * D);
+    rope_row(m, q.data() + (int64_t)hd * D, pos);
+  }
+  for (int hd = 0; hd < m.kv_heads; ++hd) {
+    float* kr = m.sk.data() + ((int64_t)hd * m.S + j) * D;
+    rms_row(k.data() + (int64_t)hd * D, m.k_norm, D, m.eps, kr);
+    rope_row(m, kr, pos);
+    std::memcpy(m.sv.data() + ((int64_t)hd * m.S + j) * D, v.data() + (int64_t)hd * D, sizeof(float) * D);
+  }
+  AttentionJob job;  // one row over the committed rows and the draft's rows 0..j
+  job.H = m.heads, job.N = 1, job.D = D, job.Hkv = m.kv_heads, job.scale = m.scale, job.prefix = m.length;
+  job.q = q.data();
+  job.k = m.keys, job.v = m.values;
+  job.k_head = m.k_head, job.k_row = m.k_row, job.v_head = m.v_head, job.v_row = m.v_row;
+  job.k2 = m.sk.data(), job.v2 = m.sv.data();
+  job.k2_head = job.v2_head = (int64_t)m.S * D, job.k2_row = job.v2_row = D;
+  job.out = att.data();
+  job.tree_keys.assign(1, std::vector<int>());
+  for (int t = 0; t <= j; ++t) {
+    job.tree_keys[0].push_back(t);
+  }
+  run_attention(job);
+  for (int hd = 0; hd < m.heads; ++hd) {  // the output gate
+    for (int d = 0; d < D; ++d) {
+      att[(int64_t)hd * D + d] *= sigmoid1(qg[(int64_t)hd * 2 * D + D + d]);
+    }
+  }
+  row_times(att.data(), m.wo, H, QD, mo.data());
+  for (int i = 0; i < H; ++i) {
+    h[i] = x[i] + mo[i];
+  }
+  rms_row(h.data(), m.post_norm, H, m.eps, n.data());
+  row_times(n.data(), m.gate, m.I, H, mlp_g.data());
+  row_times(n.data(), m.up, m.I, H, mlp_u.data());
+  for (int i = 0; i < m.I; ++i) {  // silu(gate) * up
+    mlp_g[i] = mlp_g[i] * sigmoid1(mlp_g[i]) * mlp_u[i];
+  }
+  row_times(mlp_g.data(), m.down, H, m.I, mo.data());
+  for (int i = 0; i < H; ++i) {
+    h[i] += mo[i];
+  }
+  rms_row(h.data(), m.final_norm, H, m.eps, y_out);
+}
+
+// A depth's read of the head's output y: the lm_head's logits, their top k (most likely first; a
+// tie to the lower row, as MLX's argmax) as token ids and log-probabilities under all the rows
+// (logsumexp in double) -> the argmax's token id.
+int read_depth(const MtpHead& m, const float* y, int k, std::vector<float>& logits, int32_t* ids, float* logp) {
+  logits.resize(m.vocab);
+  row_times(y, m.lm, m.vocab, m.H, logits.data());
+  float top = logits[0];
+  for (float l : logits) {
+    top = std::max(top, l);
+  }
+  double sum = 0.0;
+  for (float l : logits) {
+    sum += std::exp((double)l - (double)top);
+  }
+  const float lse = (float)((double)top + std::log(sum));
+  std::vector<int> order(m.vocab);
+  for (int i = 0; i < m.vocab; ++i) {
+    order[i] = i;
+  }
+  std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int a, int b) {
+    return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+  });
+  for (int i = 0; i < k; ++i) {
+    ids[i] = m.vocab_ids != nullptr ? m.vocab_ids[order[i]] : order[i];
+    logp[i] = logits[order[i]] - lse;
+  }
+  return ids[0];
+}
+
+// y [H] (the head's output of the last committed row), embed [V, H], lm [N, H] (the lm_head's
+// rows), vocab_ids int32 [N] or none, w: the head's 15 weights (pre-fc norms of the embedding and
+// the hidden state, fc, input norm, q / k / v projections, q and k norms, o projection,
+// post-attention norm, MLP gate / up / down, final norm), keys / values [1, Hkv, cap, D] with
+// rows [0, length) committed, length int32 [1] -> (ids int32 [depth, k], logp float32 [depth, k],
+// depths int32 [1]): the depths drafted, each from the argmax of the one before, until `depth` or
+// until the top-1 path's log-probability falls below log_min_path (rows past it zero).
+std::vector<mx::array> mtp_chain(const mx::array& y, const mx::array& embed, const mx::array& lm,
+                                 const std::optional<mx::array>& vocab_ids, const std::vector<mx::array>& w,
+                                 const mx::array& keys, const mx::array& values, const mx::array& length, int heads,
+                                 int head_dim, int rope_dims, float rope_base, float eps, float scale, int k,
+                                 int depth, float log_min_path) {
+  if (w.size() != 15) {
+    throw std::invalid_argument("mtp_chain: 15 weights");
+  }
+  check_f32("mtp_chain", {&y, &embed, &lm, &keys, &values});
+  for (const auto& a : w) {
+    check_f32("mtp_chain", {&a});
+  }
+  const int H = y.size(), D = head_dim, N = lm.ndim() == 2 ? lm.shape(0) : 0;
+  const int Hkv = keys.ndim() == 4 ? keys.shape(1) : 0, I = w[11].ndim() == 2 ? w[11].shape(0) : 0;
+  const int V = embed.ndim() == 2 ? embed.shape(0) : 0;
+  const auto is = [](const mx::array& a, std::initializer_list<int> shape) { return a.shape() == mx::Shape(shape); };
+  if (H < 1 || heads < 1 || Hkv < 1 || heads % Hkv != 0 || D < 1 || rope_dims < 0 || rope_dims > D ||
+      rope_dims % 2 != 0 || N < 1 || k < 1 || k > N || depth < 1 || embed.ndim() != 2 || embed.shape(1) != H ||
+      !is(lm, {N, H}) || !is(keys, {1, Hkv, keys.shape(2), D}) || values.shape() != keys.shape() ||
+      length.size() != 1 || length.dtype() != mx::int32 || !is(w[0], {H}) || !is(w[1], {H}) ||
+      !is(w[2], {H, 2 * H}) || !is(w[3], {H}) || !is(w[4], {2 * heads * D, H}) || !is(w[5], {Hkv * D, H}) ||
+      !is(w[6], {Hkv * D, H}) || !is(w[7], {D}) || !is(w[8], {D}) || !is(w[9], {H, heads * D}) ||
+      !is(w[10], {H}) || !is(w[12], {I, H}) || !is(w[13], {H, I}) || !is(w[14], {H}) || I < 1 ||
+      (vocab_ids && (vocab_ids->dtype() != mx::int32 || !is(*vocab_ids, {N}))) || chunk_kernel(heads / Hkv, D) == nullptr) {
+    throw std::invalid_argument("mtp_chain: shapes do not match");
+  }
+  std::vector<mx::array> inputs = {y, embed, lm, keys, values, length};
+  inputs.insert(inputs.end(), w.begin(), w.end());
+  if (vocab_ids) {
+    inputs.push_back(*vocab_ids);
+  }
+  auto body = [=](std::vector<mx::array>& ins, std::vector<mx::array>& outs) {
+    std::vector<std::vector<float>> tmp(ins.size());
+    const auto f = [&](int i) { return dense(ins[i], tmp[i]); };
+    MtpHead m{H, heads, Hkv, D, I, rope_dims, N, eps, scale, rope_base};
+    m.embed = f(1), m.lm = f(2);
+    const float** weights[15] = {&m.pre_e, &m.pre_h, &m.fc, &m.in_norm, &m.wq, &m.wk, &m.wv, &m.q_norm,
+                                 &m.k_norm, &m.wo, &m.post_norm, &m.gate, &m.up, &m.down, &m.final_norm};
+    for (int i = 0; i < 15; ++i) {
+      *weights[i] = f(6 + i);
+    }
+    std::vector<int32_t> id_rows;
+    m.vocab_ids = ins.size() > 21 ? dense_as<int32_t>(ins[21], id_rows) : nullptr;
+    std::vector<float> kv_tmp[2];
+    rows_view(ins[3], kv_tmp[0], &m.keys, &m.k_head, &m.k_row);
+    rows_view(ins[4], kv_tmp[1], &m.values, &m.v_head, &m.v_row);
+    m.length = std::clamp(ins[5].data<int32_t>()[0], 0, (int)ins[3].shape(2));
+    m.S = depth;
+    m.sk.assign((size_t)Hkv * depth * D, 0.0f), m.sv.assign((size_t)Hkv * depth * D, 0.0f);
+    int32_t* ids = outs[0].data<int32_t>();
+    float* logp = outs[1].data<float>();
+    std::fill(ids, ids + (size_t)depth * k, 0);
+    std::fill(logp, logp + (size_t)depth * k, 0.0f);
+    std::vector<float> cur(f(0), f(0) + H), next(H), logits;
+    double path = 0.0;
+    int reached = 0;
+    for (int d = 0; d < depth; ++d) {
+      const int token = read_depth(m, cur.data(), k, logits, ids + (size_t)d * k, logp + (size_t)d * k);
+      reached = d + 1;
+      path += logp[(size_t)d * k];
+      if (d + 1 == depth || path < log_min_path || token < 0 || token >= V) {
+        break;
+      }
+      mtp_row(m, token, cur.data(), d, next.data());
+      cur.swap(next);
+    }
+    outs[2].data<int32_t>()[0] = reached;
+  };
+  auto s = mx::default_stream(mx::Device::cpu);
+  return mx::array::make_arrays({{depth, k}, {depth, k}, {1}}, {mx::int32, mx::float32, mx::int32},
+                                std::make_shared<CpuPrimitive>(s, "MtpChain", body), std::move(inputs));
+}
+
 }  // namespace
 
 NB_MODULE(spruce_cpu_ext, m) {
@@ -883,4 +1115,8 @@ NB_MODULE(spruce_cpu_ext, m) {
   m.def("rms_norm", &rms_norm, "RMS norm over the last axis, times a weight, in one CPU operation.");
   m.def("gdn_tree", &gdn_tree, "A tree's verify through a Gated DeltaNet layer's core -> [o, k, u, g].");
   m.def("gdn_commit", &gdn_commit, "The state after an accepted path of a verified tree.");
+  m.def("mtp_chain", &mtp_chain, nb::arg("y"), nb::arg("embed"), nb::arg("lm"), nb::arg("vocab_ids").none(),
+        nb::arg("w"), nb::arg("keys"), nb::arg("values"), nb::arg("length"), nb::arg("heads"), nb::arg("head_dim"),
+        nb::arg("rope_dims"), nb::arg("rope_base"), nb::arg("eps"), nb::arg("scale"), nb::arg("k"), nb::arg("depth"),
+        nb::arg("log_min_path"), "An MTP head's chain draft, every depth in one CPU operation -> [ids, logp, depths].");
 }

@@ -7,7 +7,9 @@ they take and return mx.array and join MLX's graphs (mx.compile included):
 - `rows_attention`: a decode step's or a verify's attention (engine/models/layers.py);
 - `draft_attention`: the MTP head's drafted row (engine/models/mtp.py);
 - `gdn_step`, `gdn_tree`, `gdn_commit`: the GDN core (engine/gdn/core.py CpuCore);
-- `rms_norm`: the RMS norms (engine/models/layers.py RMSNorm, qwen3_5.py GatedRMSNorm).
+- `rms_norm`: the RMS norms (engine/models/layers.py RMSNorm, qwen3_5.py GatedRMSNorm);
+- `mtp_chain`: an MTP head's chain draft, every depth in one operation (engine/drafters/mtp_steps.py
+  CpuChain).
 Each has a module switch below (scripts/variants.py names them) and a twin in MLX's operations that
 its tests hold it to (tests/engine/test_cpu_*.py).
 
@@ -57,6 +59,9 @@ GDN_TREE = True
 # module switch, read when a layer's compiled functions trace (part of their key): False = RMS norms
 # through mx.fast.rms_norm (on the CPU three operations; variant cn0)
 NORMS = True
+# module switch, read when an MTP drafter is made: False = its chains drafted depth by depth in
+# MLX's operations (engine/drafters/mtp_steps.py CompiledDepths; variant cm0)
+MTP_CHAIN = True
 
 log = logging.getLogger("spruce")
 _lock = threading.Lock()
@@ -254,3 +259,21 @@ def rms_norm(x: mx.array, w: mx.array, eps: float) -> mx.array:
     on and built), else mx.fast.rms_norm."""
     ext = module() if serves(NORMS, x, w) else None
     return mx.fast.rms_norm(x, w, eps) if ext is None else ext.rms_norm(x, w, eps)
+
+
+def mtp_chain(y: mx.array, embed: mx.array, lm: mx.array, vocab_ids: mx.array | None, weights: list[mx.array],
+              keys: mx.array, values: mx.array, length: int, *, heads: int, head_dim: int, rope_dims: int,
+              rope_base: float, eps: float, scale: float, k: int, depth: int,
+              log_min_path: float) -> tuple[mx.array, mx.array, mx.array]:
+    """An MTP head's chain draft in one operation: from the head's output y [H] of the last
+    committed row, `depth` depths (fewer where the top-1 path's log-probability falls below
+    log_min_path), each read through the lm_head rows `lm` [N, H] (token ids `vocab_ids` [N], or
+    row i is token i) and drafted on from its argmax -> (ids int32 [depth, k], logp [depth, k], the
+    depths reached int32 [1]). `weights`: the head's 15 (engine/drafters/mtp_steps.py CpuChain
+    lists them); keys / values [1, Hkv, cap, D], rows [0, length) committed. See engine/cpu_ext.cpp."""
+    ext = module()
+    assert ext is not None, "serves() first"
+    ids, logp, reached = ext.mtp_chain(y.reshape(-1), embed, lm, vocab_ids, weights, keys, values,
+                                       mx.array([length], dtype=mx.int32), heads, head_dim, rope_dims, rope_base,
+                                       eps, scale, k, depth, log_min_path)
+    return ids, logp, reached

@@ -36,6 +36,8 @@
   the commit's switch is read when it runs);
 - "-cn0" / "-cn1": RMS norms on the CPU through mx.fast.rms_norm / the engine's own operation
   (engine.cpu_ext.NORMS; part of a layer's trace key);
+- "-cm0" / "-cm1": an MTP chain draft on the CPU depth by depth in MLX's operations / in one
+  operation of the engine's own (engine.cpu_ext.MTP_CHAIN, read per draft);
 - "-srN": products of up to N rows through the GEMV shim's small-row path on the CPU, 0 = none
   (engine.blas.SMALL_ROWS; a no-op without the shim);
 - "-stN": that path on at most N threads, 0 = every core (engine.blas.GEMM_THREADS).
@@ -84,6 +86,7 @@ def _settings() -> dict[str, tuple[list[tuple[Any, str]], Callable[[str], tuple[
         "cg": ([(cpu_ext, "GDN_STEP")], on),
         "ct": ([(cpu_ext, "GDN_TREE")], on),
         "cn": ([(cpu_ext, "NORMS")], on),
+        "cm": ([(cpu_ext, "MTP_CHAIN")], on),
         "sr": ([(blas.SMALL_ROWS, "value")], lambda rest: (int(rest),)),
         "st": ([(blas.GEMM_THREADS, "value")], lambda rest: (int(rest),)),
     }

@@ -104,12 +104,20 @@ def sub_logits(target: CausalLM, vocab: DraftVocab) -> Logits:
             return y if bias is None else y + bias
 
         return quantized
-    transposed = weight.T  # made once: a view built in every depth's graph is a node the CPU evaluates
-    mx.eval(weight, transposed, *([] if bias is None else [bias]))
-
-    def dense(h: mx.array) -> mx.array:
-        y = h @ transposed
-        return y if bias is None else y + bias
-
+    dense = DenseRows(weight, bias)
     half_weights.register(dense, [weight])  # the gathered rows: a copy of their own
     return dense
+
+
+class DenseRows:
+    """h [..., H] -> h @ weight.T (+ bias): the output projection's gathered rows, as a callable
+    that also says what it multiplies by (the CPU's one-operation MTP chain reads `weight`)."""
+
+    def __init__(self, weight: mx.array, bias: mx.array | None) -> None:
+        self.weight, self.bias = weight, bias
+        self.transposed = weight.T  # made once: a view built in every depth's graph is a node the CPU evaluates
+        mx.eval(weight, self.transposed, *([] if bias is None else [bias]))
+
+    def __call__(self, h: mx.array) -> mx.array:
+        y = h @ self.transposed
+        return y if self.bias is None else y + self.bias

@@ -25,11 +25,12 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from engine import cpu_ext
 from engine.config import METHOD_DEPTHS
 from engine.drafters.draft_vocab import DraftVocab
 from engine.drafters.marginals import Marginals
 from engine.drafters.marginals import chain as chain_builder
-from engine.drafters.mtp_steps import CompiledSteps, Depths, PlainDepths
+from engine.drafters.mtp_steps import CompiledSteps, CpuChain, Depths, PlainDepths
 from engine.feature_cache import FeatureCache, FeatureTaps
 from engine.kernels import gpu_backend
 from engine.models.base import CausalLM
@@ -86,6 +87,9 @@ class MTPDrafter:
         self.steps = CompiledSteps(self.logits, self.embed, head, config.max_steps - 1, self.vocab_ids) \
             if config.compiled else None
         self.log_min_path = math.log(config.min_path_prob) if config.min_path_prob > 0 else -math.inf
+        # every depth of a draft in one operation, where the CPU's is built for this head (compiled
+        # steps only: the plain twin stays plain)
+        self.cpu_chain = CpuChain.build(target, head, self.logits, self.vocab_ids) if config.compiled else None
         self.last: mx.array | None = None  # the head's output at the last row it has caught up to
         self.sync_each_depth = (gpu_backend() is None or SYNC_EACH_DEPTH_ON_GPU) if config.sync_each_depth is None \
             else config.sync_each_depth
@@ -176,8 +180,11 @@ class MTPDrafter:
     def _draft(self, y: mx.array, depth: int, k: int) -> Marginals:
         """The top-k marginals of depths 1..depth (fewer where the top-1 path's probability drops
         below min_path_prob), from the head's output y [1, 1, H] of the last committed row."""
-        depths = self._depths(k)
         committed = [a for c in self.cache for a in c.arrays()]
+        if self.cpu_chain is not None and cpu_ext.MTP_CHAIN:  # read per draft: benchmarks switch it
+            ids, logp = self.cpu_chain.draft(y, self.cache[0], depth, k, self.log_min_path, committed)
+            return Marginals(ids.astype(np.int64), logp.astype(np.float64))
+        depths = self._depths(k)
         if not self.sync_each_depth:
             reads = [depths.read(y)]
             while len(reads) < depth:

@@ -11,6 +11,10 @@ Two implementations of one protocol, equal up to float rounding (tests/engine/te
   the buffer grows (every KV_STEP rows). On this CPU a head step is mostly per-op overhead and
   weight reads; one graph per step cuts the first.
 Neither writes committed state: what `close` leaves is what the catch-up wrote.
+
+On the CPU a whole chain draft can also run as one operation of the engine's own (`CpuChain`,
+engine/cpu_ext.cpp mtp_chain): the same depths, reads and stop rule as MTPDrafter's loop over these
+steps, which is its twin (tests/engine/test_mtp_chain.py).
 """
 
 from __future__ import annotations
@@ -20,9 +24,15 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
 
+from engine import cpu_ext
 from engine.cache import KVCache
+from engine.drafters.draft_vocab import DenseRows, output_projection
 from engine.drafters.marginals import top_k_logp
+from engine.models.base import CausalLM
+from engine.models.linear import Linear
 from engine.models.mtp import MTPHead
 
 Logits = Callable[[mx.array], mx.array]  # the target's lm_head: [..., H] -> [..., V]
@@ -144,3 +154,74 @@ class CompiledDepths:
 def _rows_like(buffer: mx.array, rows: int) -> mx.array:
     B, H, _, D = buffer.shape
     return mx.zeros((B, H, rows, D), buffer.dtype)
+
+
+class CpuChain:
+    """Every depth of an MTP chain draft in one CPU operation (engine/cpu_ext.cpp mtp_chain).
+
+    Depth by depth (MTPDrafter._draft over CompiledDepths) a depth is ~95 graph nodes and a sync
+    for the stop rule: ~0.29 ms on the dev CPU, of which the products are about a third. Here the
+    head's rows, the reads (top-k, log-probabilities, argmax) and the stop rule run in one
+    operation over the same weights (its products through the same BLAS call as MLX's, so the
+    GEMV shim's kernel where a weight has a bfloat16 copy). `build` says None where the head is not
+    the plain one this covers (one decoder layer with an output gate, float32 Linear weights without
+    bias, a float32 embedding and lm_head) or the operation is not built: the loop runs then."""
+
+    def __init__(self, head: MTPHead, embed: mx.array, lm: mx.array, vocab_ids: mx.array | None) -> None:
+        layer = head.layers[0]
+        attn, mlp = layer.self_attn, layer.mlp
+        self.embed, self.lm, self.vocab_ids = embed, lm, vocab_ids
+        self.weights = [head.pre_fc_norm_embedding.weight, head.pre_fc_norm_hidden.weight, head.fc.weight,
+                        layer.input_layernorm.weight, attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight,
+                        attn.q_norm.weight, attn.k_norm.weight, attn.o_proj.weight,
+                        layer.post_attention_layernorm.weight, mlp.gate_proj.weight, mlp.up_proj.weight,
+                        mlp.down_proj.weight, head.norm.weight]
+        self.heads, self.head_dim, self.rope_dims = attn.heads, attn.head_dim, attn.rope.dims
+        self.rope_base, self.eps, self.scale = float(attn.rope.base), float(head.norm.eps), float(attn.scale)
+
+    @classmethod
+    def build(cls, target: CausalLM, head: MTPHead, logits: Logits, vocab_ids: mx.array | None) -> CpuChain | None:
+        if mx.default_device() != mx.cpu or cpu_ext.module() is None or len(head.layers) != 1:
+            return None
+        layer = head.layers[0]
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = [head.fc, attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
+                   mlp.down_proj]
+        if "fused" in attn or "fused" in mlp or not attn.output_gate or not cpu_ext.supports(
+                attn.heads // attn.kv_heads, attn.head_dim) or any(type(m) is not Linear or "bias" in m
+                                                                   for m in linears):
+            return None
+        embed = _plain_weight(target.model.embed_tokens)  # type: ignore[attr-defined]
+        if isinstance(logits, DenseRows):  # a draft vocabulary's gathered rows
+            lm = logits.weight if logits.bias is None else None
+        else:
+            lm = _plain_weight(output_projection(target)) if vocab_ids is None else None
+        chain = None if embed is None or lm is None else cls(head, embed, lm, vocab_ids)
+        if chain is None or any(w.dtype != mx.float32 for w in chain.weights):
+            return None
+        return chain
+
+    def draft(self, y: mx.array, cache: KVCache, depth: int, k: int, log_min_path: float,
+              also: list[mx.array]) -> tuple[np.ndarray, np.ndarray]:
+        """From the head's output y [1, 1, H] of the last committed row: (ids [D, k], logp [D, k]) of
+        depths 1..D, D <= depth as the stop rule leaves it; `also` evaluated with it (the catch-up's
+        rows)."""
+        assert cache.keys is not None and cache.values is not None, "the catch-up writes the committed rows first"
+        k = min(k, self.lm.shape[0])
+        ids, logp, reached = cpu_ext.mtp_chain(
+            y, self.embed, self.lm, self.vocab_ids, self.weights, cache.keys, cache.values, cache.offset,
+            heads=self.heads, head_dim=self.head_dim, rope_dims=self.rope_dims, rope_base=self.rope_base,
+            eps=self.eps, scale=self.scale, k=k, depth=depth, log_min_path=max(log_min_path, -3.0e38))
+        mx.eval(ids, logp, reached, also)
+        n = int(np.array(reached)[0])
+        return np.array(ids)[:n], np.array(logp)[:n]
+
+
+def _plain_weight(module: nn.Module) -> mx.array | None:
+    """A float32 Embedding's or Linear's weight, where it is a plain one (no quantization, bias or
+    rotation): what mtp_chain reads rows of."""
+    if type(module) not in (nn.Embedding, Linear, nn.Linear) or "weight" not in module or "bias" in module \
+            or "scales" in module:
+        return None
+    weight: mx.array = module["weight"]
+    return weight if weight.dtype == mx.float32 and weight.ndim == 2 else None

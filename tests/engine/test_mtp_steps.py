@@ -17,6 +17,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from engine import cpu_ext
 from engine.cache import KV_STEP
 from engine.config import EngineConfig, SamplingParams, SpecConfig
 from engine.drafters import BUILDERS
@@ -25,6 +26,14 @@ from engine.drafters.mtp import MTPConfig, MTPDrafter
 from engine.drafters.mtp_steps import CompiledSteps, PlainDepths
 from engine.generate import Engine
 from tests.helpers import generate
+
+
+@pytest.fixture(autouse=True)
+def depth_by_depth(monkeypatch):
+    """The drafts here run depth by depth: on the CPU a whole chain may otherwise be one operation
+    of the engine's own (engine/drafters/mtp_steps.py CpuChain), held to this loop in
+    tests/engine/test_mtp_chain.py."""
+    monkeypatch.setattr(cpu_ext, "MTP_CHAIN", False)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,122 @@
+"""The CPU's one-operation MTP chain draft (engine/cpu_ext.cpp mtp_chain, engine/drafters/mtp_steps.py
+CpuChain) against its twin, the depth-by-depth loop over the compiled steps, on random inputs:
+the same top-k ids and log-probabilities (to float rounding) at every depth, the same stop rule,
+with and without a draft vocabulary, over committed rows on both sides of a KV buffer step; and
+whole generations whose drafts match round by round and whose output equals plain decoding."""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine import cpu_ext
+from engine.cache import KV_STEP
+from engine.config import EngineConfig, SamplingParams, SpecConfig
+from engine.drafters import BUILDERS
+from engine.drafters.draft_vocab import DenseRows, output_projection
+from engine.drafters.marginals import Marginals
+from engine.drafters.mtp import MTPConfig, MTPDrafter
+from engine.drafters.mtp_steps import CompiledSteps, CpuChain
+from engine.generate import Engine
+from tests.helpers import generate
+
+pytestmark = pytest.mark.skipif(mx.default_device() != mx.cpu or cpu_ext.module() is None,
+                                reason="the engine's CPU operations are built on Linux with a C++ compiler")
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_qwen35_mtp):
+    return Engine(EngineConfig(model_path=str(tiny_qwen35_mtp), prefill_chunk=16))
+
+
+def loop_draft(logits, embed, head, cache, y, depth: int, k: int, log_min_path: float, vocab=None) -> Marginals:
+    """MTPDrafter's depth-by-depth draft over the compiled steps (its CPU path without the operation)."""
+    depths = CompiledSteps(logits, embed, head, depth - 1, vocab).begin(cache, k)
+    ids, logp, path = [], [], 0.0
+    for d in range(depth):
+        read = depths.read(y)
+        ids.append(np.array(read.ids))
+        logp.append(np.array(read.logp))
+        path += float(logp[-1][0])
+        if d + 1 == depth or path < log_min_path:
+            break
+        y = depths.advance(read.token, y)
+    depths.close()
+    return Marginals(np.stack(ids), np.stack(logp))
+
+
+def assert_same_draft(got: tuple[np.ndarray, np.ndarray], want: Marginals) -> None:
+    ids, logp = got
+    assert ids.shape == want.ids.shape
+    np.testing.assert_allclose(logp, want.logp, atol=2e-4)
+    np.testing.assert_array_equal(ids, want.ids)
+
+
+@pytest.mark.parametrize("context", [1, 37, KV_STEP + 5])
+@pytest.mark.parametrize("vocab", [False, True], ids=["full", "draft-vocab"])
+def test_one_operation_drafts_what_the_loop_drafts(engine, context, vocab):
+    rng = np.random.default_rng(context + 1000 * vocab)
+    head, target = engine.mtp_head(), engine.model
+    embed = target.model.embed_tokens
+    H, V = target.args.hidden_size, target.args.vocab_size
+    cache = head.make_cache()
+    e, h = (mx.array(rng.standard_normal((1, context, H)).astype(np.float32)) for _ in range(2))
+    y = head(e, h, cache)[:, -1:]  # the committed rows, as a catch-up writes them
+    mx.eval(y, [a for c in cache for a in c.arrays()])
+    rows = output_projection(target).weight  # the lm_head's rows: the embedding's where tied
+    if vocab:  # a draft vocabulary: some rows of the output projection, not in id order
+        ids = mx.array(rng.permutation(V)[: V // 3].astype(np.int32))
+        logits, lm = DenseRows(rows[ids], None), rows[ids]
+    else:
+        ids, logits, lm = None, target.logits, rows
+    chain = CpuChain(head, embed.weight, lm, ids)
+    for depth, bound in ((1, -math.inf), (6, -math.inf), (6, math.log(0.02))):
+        want = loop_draft(logits, embed, head, cache, y, depth, 8, bound, ids)
+        assert_same_draft(chain.draft(y, cache[0], depth, 8, bound, []), want)
+    assert [c.offset for c in cache] == [context]  # nothing written past the committed rows
+
+
+def test_built_for_the_plain_head_only(engine):
+    head, target = engine.mtp_head(), engine.model
+    w = output_projection(target).weight
+    assert CpuChain.build(target, head, target.logits, None) is not None
+    assert CpuChain.build(target, head, DenseRows(w[:40], mx.zeros((40,))), mx.arange(40)) is None  # a bias
+    assert CpuChain.build(target, head, lambda h: h, mx.arange(40)) is None  # rows it cannot read
+
+
+class Twins(MTPDrafter):
+    """Drafts every round with the operation and with the loop, recording both."""
+
+    def __init__(self, engine: Engine, tree: str, config: MTPConfig) -> None:
+        super().__init__(engine.model, engine.mtp_head(), BUILDERS[tree], config)
+        assert self.cpu_chain is not None
+        self.rounds: list[tuple[Marginals, Marginals]] = []
+
+    def _draft(self, y: mx.array, depth: int, k: int) -> Marginals:
+        saved = cpu_ext.MTP_CHAIN
+        try:
+            cpu_ext.MTP_CHAIN = False
+            loop = super()._draft(y, depth, k)
+            cpu_ext.MTP_CHAIN = True
+            one = super()._draft(y, depth, k)
+        finally:
+            cpu_ext.MTP_CHAIN = saved
+        self.rounds.append((one, loop))
+        return one
+
+
+@pytest.mark.parametrize("tree", ["chain", "ddtree"])
+def test_generations_draft_alike_and_equal_plain_decoding(engine, tree):
+    sampling = SamplingParams(max_tokens=30, temperature=0.9, top_p=0.95, seed=5, ignore_eos=True)
+    rng = np.random.default_rng(zlib.crc32(tree.encode()))
+    prompt = [int(t) for t in rng.integers(0, 500, size=24)]
+    drafter = Twins(engine, tree, MTPConfig(min_path_prob=0.05))
+    spec = SpecConfig(method="mtp", tree=tree, budget=10, max_depth=6, adaptive=False)
+    assert generate(engine, prompt, sampling, spec, drafter).tokens == generate(engine, prompt, sampling).tokens
+    assert drafter.rounds
+    for one, loop in drafter.rounds:
+        assert_same_draft((one.ids, one.logp), loop)
