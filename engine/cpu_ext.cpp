@@ -881,6 +881,10 @@ std::vector<mx::array> gdn_step(const mx::array& qkv, const mx::array& a, const 
 // the GEMV shim's panel kernel where the weight is registered: the same sums as the ops path's
 // products), the stop rule applied between depths. What comes back is what the drafter's loop
 // reads: the top-k ids and log-probabilities of each depth it reached, and how many.
+//
+// It can also take the head's catch-up first (engine/models/mtp.py MTPHead.append: the rows of the
+// positions committed since the last draft, ~50 graph nodes): their K/V come back for the drafter
+// to write into the head's cache, with the last row's output, from which the chain drafts.
 
 using sgemm_fn = void (*)(int, int, int, int, int, int, float, const float*, int, const float*, int, float, float*,
                           int);
@@ -911,7 +915,8 @@ struct MtpHead {
   const float *embed, *lm, *pre_e, *pre_h, *fc, *in_norm, *wq, *wk, *wv, *q_norm, *k_norm, *wo, *post_norm, *gate,
       *up, *down, *final_norm;
   const int32_t* vocab_ids;  // the lm_head's rows' token ids, or null: row i is token i
-  // the committed K/V (rows_view) and the draft's own rows
+  // the cache's committed K/V (rows_view), then the rows this operation adds: the catch-up's, then
+  // the draft's
   const float *keys, *values;
   int64_t k_head, k_row, v_head, v_row;
   int length;
@@ -932,31 +937,45 @@ void rope_row(const MtpHead& m, float* x, int pos) {
   }
 }
 
-// The head's row for `token` at position length + j, with y as its hidden state -> y_out [H] (the
-// final-normed output); writes the row's K/V at scratch row j.
-void mtp_row(MtpHead& m, int token, const float* y, int j, float* y_out) {
-  const int H = m.H, D = m.D, QD = m.heads * D, KD = m.kv_heads * D;
-  std::vector<float> cat(2 * H), x(H), n(H), qg(2 * QD), k(KD), v(KD), att(QD), h(H), mlp_g(m.I), mlp_u(m.I), mo(H);
-  rms_row(m.embed + (int64_t)token * H, m.pre_e, H, m.eps, cat.data());
-  rms_row(y, m.pre_h, H, m.eps, cat.data() + H);
-  row_times(cat.data(), m.fc, H, 2 * H, x.data());
-  rms_row(x.data(), m.in_norm, H, m.eps, n.data());
-  row_times(n.data(), m.wq, 2 * QD, H, qg.data());
-  row_times(n.data(), m.wk, KD, H, k.data());
-  row_times(n.data(), m.wv, KD, H, v.data());
-  std::vector<float> q(QD);
-  const int pos = m.length + j;
-  for (int hd = 0; hd < m.heads; ++hd) {  // per head [query | gate]: the query normed and rotated
-    rms_row(qg.data() + (int64_t)hd * 2 * D, m.q_norm, D, m.eps, q.data() + (int64_t)hd * D);
-    rope_row(m, q.data() + (int64_t)hd * D, pos);
+// The fc input of a row: [pre-fc norm of the token's embedding; pre-fc norm of the hidden state]
+// -> fc -> x [H].
+void fc_in(const MtpHead& m, int token, const float* hidden, float* x) {
+  std::vector<float> cat(2 * m.H);
+  rms_row(m.embed + (int64_t)token * m.H, m.pre_e, m.H, m.eps, cat.data());
+  rms_row(hidden, m.pre_h, m.H, m.eps, cat.data() + m.H);
+  row_times(cat.data(), m.fc, m.H, 2 * m.H, x);
+}
+
+// A row's K/V from its fc output x (input norm, projections, k norm, RoPE at pos) into rows s of
+// the head's own rows; the query-and-gate projection into qg where given.
+void row_kv(MtpHead& m, const float* x, int pos, int s, float* n, float* qg) {
+  const int H = m.H, D = m.D, KD = m.kv_heads * D;
+  std::vector<float> k(KD), v(KD);
+  rms_row(x, m.in_norm, H, m.eps, n);
+  if (qg != nullptr) {
+    row_times(n, m.wq, 2 * m.heads * D, H, qg);
   }
+  row_times(n, m.wk, KD, H, k.data());
+  row_times(n, m.wv, KD, H, v.data());
   for (int hd = 0; hd < m.kv_heads; ++hd) {
-    float* kr = m.sk.data() + ((int64_t)hd * m.S + j) * D;
+    float* kr = m.sk.data() + ((int64_t)hd * m.S + s) * D;
     rms_row(k.data() + (int64_t)hd * D, m.k_norm, D, m.eps, kr);
     rope_row(m, kr, pos);
-    std::memcpy(m.sv.data() + ((int64_t)hd * m.S + j) * D, v.data() + (int64_t)hd * D, sizeof(float) * D);
+    std::memcpy(m.sv.data() + ((int64_t)hd * m.S + s) * D, v.data() + (int64_t)hd * D, sizeof(float) * D);
   }
-  AttentionJob job;  // one row over the committed rows and the draft's rows 0..j
+}
+
+// The rest of the head's row after its K/V (row s of the head's own rows, at position pos): the
+// attention over the cache's committed rows and the own rows 0..s, the output gate and
+// projection, the MLP -> y_out [H] (final-normed).
+void row_rest(MtpHead& m, const float* x, const float* qg, int pos, int s, float* y_out) {
+  const int H = m.H, D = m.D, QD = m.heads * D;
+  std::vector<float> q(QD), att(QD), h(H), n(H), mlp_g(m.I), mlp_u(m.I), mo(H);
+  for (int hd = 0; hd < m.heads; ++hd) {  // per head [query | gate]: the query normed and rotated
+    rms_row(qg + (int64_t)hd * 2 * D, m.q_norm, D, m.eps, q.data() + (int64_t)hd * D);
+    rope_row(m, q.data() + (int64_t)hd * D, pos);
+  }
+  AttentionJob job;  // one row over the committed rows and the own rows 0..s
   job.H = m.heads, job.N = 1, job.D = D, job.Hkv = m.kv_heads, job.scale = m.scale, job.prefix = m.length;
   job.q = q.data();
   job.k = m.keys, job.v = m.values;
@@ -965,7 +984,7 @@ void mtp_row(MtpHead& m, int token, const float* y, int j, float* y_out) {
   job.k2_head = job.v2_head = (int64_t)m.S * D, job.k2_row = job.v2_row = D;
   job.out = att.data();
   job.tree_keys.assign(1, std::vector<int>());
-  for (int t = 0; t <= j; ++t) {
+  for (int t = 0; t <= s; ++t) {
     job.tree_keys[0].push_back(t);
   }
   run_attention(job);
@@ -989,6 +1008,16 @@ void mtp_row(MtpHead& m, int token, const float* y, int j, float* y_out) {
     h[i] += mo[i];
   }
   rms_row(h.data(), m.final_norm, H, m.eps, y_out);
+}
+
+// The head's whole row for `token` with y as its hidden state, at row s of its own rows (position
+// length + s) -> y_out [H].
+void mtp_row(MtpHead& m, int token, const float* y, int s, float* y_out) {
+  std::vector<float> x(m.H), n(m.H), qg(2 * m.heads * m.D);
+  fc_in(m, token, y, x.data());
+  const int pos = m.length + s;
+  row_kv(m, x.data(), pos, s, n.data(), qg.data());
+  row_rest(m, x.data(), qg.data(), pos, s, y_out);
 }
 
 // A depth's read of the head's output y: the lm_head's logits, their top k (most likely first; a
@@ -1027,10 +1056,16 @@ int read_depth(const MtpHead& m, const float* y, int k, std::vector<float>& logi
 // rows [0, length) committed, length int32 [1] -> (ids int32 [depth, k], logp float32 [depth, k],
 // depths int32 [1]): the depths drafted, each from the argmax of the one before, until `depth` or
 // until the top-1 path's log-probability falls below log_min_path (rows past it zero).
+//
+// With rows_ids int32 [T] and rows_hidden [T, H] (the catch-up's tokens x_{i+1} and the target's
+// hidden states h_i of T newly committed positions from `length` on), those rows come first: y is
+// then the last of them's output, and three more outputs come back: their keys and values
+// [1, Hkv, T, D] (for the cache) and that output [1, 1, H].
 std::vector<mx::array> mtp_chain(const mx::array& y, const mx::array& embed, const mx::array& lm,
                                  const std::optional<mx::array>& vocab_ids, const std::vector<mx::array>& w,
-                                 const mx::array& keys, const mx::array& values, const mx::array& length, int heads,
-                                 int head_dim, int rope_dims, float rope_base, float eps, float scale, int k,
+                                 const mx::array& keys, const mx::array& values, const mx::array& length,
+                                 const std::optional<mx::array>& rows_ids, const std::optional<mx::array>& rows_hidden,
+                                 int heads, int head_dim, int rope_dims, float rope_base, float eps, float scale, int k,
                                  int depth, float log_min_path) {
   if (w.size() != 15) {
     throw std::invalid_argument("mtp_chain: 15 weights");
@@ -1039,25 +1074,32 @@ std::vector<mx::array> mtp_chain(const mx::array& y, const mx::array& embed, con
   for (const auto& a : w) {
     check_f32("mtp_chain", {&a});
   }
-  const int H = y.size(), D = head_dim, N = lm.ndim() == 2 ? lm.shape(0) : 0;
+  const int H = embed.ndim() == 2 ? embed.shape(1) : 0, D = head_dim, N = lm.ndim() == 2 ? lm.shape(0) : 0;
   const int Hkv = keys.ndim() == 4 ? keys.shape(1) : 0, I = w[11].ndim() == 2 ? w[11].shape(0) : 0;
   const int V = embed.ndim() == 2 ? embed.shape(0) : 0;
+  const int T = rows_ids ? (int)rows_ids->size() : 0;
   const auto is = [](const mx::array& a, std::initializer_list<int> shape) { return a.shape() == mx::Shape(shape); };
   if (H < 1 || heads < 1 || Hkv < 1 || heads % Hkv != 0 || D < 1 || rope_dims < 0 || rope_dims > D ||
-      rope_dims % 2 != 0 || N < 1 || k < 1 || k > N || depth < 1 || embed.ndim() != 2 || embed.shape(1) != H ||
+      rope_dims % 2 != 0 || N < 1 || k < 1 || k > N || depth < 1 || (!rows_ids && (int)y.size() != H) ||
       !is(lm, {N, H}) || !is(keys, {1, Hkv, keys.shape(2), D}) || values.shape() != keys.shape() ||
       length.size() != 1 || length.dtype() != mx::int32 || !is(w[0], {H}) || !is(w[1], {H}) ||
       !is(w[2], {H, 2 * H}) || !is(w[3], {H}) || !is(w[4], {2 * heads * D, H}) || !is(w[5], {Hkv * D, H}) ||
       !is(w[6], {Hkv * D, H}) || !is(w[7], {D}) || !is(w[8], {D}) || !is(w[9], {H, heads * D}) ||
       !is(w[10], {H}) || !is(w[12], {I, H}) || !is(w[13], {H, I}) || !is(w[14], {H}) || I < 1 ||
-      (vocab_ids && (vocab_ids->dtype() != mx::int32 || !is(*vocab_ids, {N}))) || chunk_kernel(heads / Hkv, D) == nullptr) {
+      (vocab_ids && (vocab_ids->dtype() != mx::int32 || !is(*vocab_ids, {N}))) || chunk_kernel(heads / Hkv, D) == nullptr ||
+      bool(rows_ids) != bool(rows_hidden) ||
+      (rows_ids && (T < 1 || rows_ids->dtype() != mx::int32 || rows_ids->ndim() != 1 ||
+                    rows_hidden->dtype() != mx::float32 || !is(*rows_hidden, {T, H})))) {
     throw std::invalid_argument("mtp_chain: shapes do not match");
   }
   std::vector<mx::array> inputs = {y, embed, lm, keys, values, length};
   inputs.insert(inputs.end(), w.begin(), w.end());
-  if (vocab_ids) {
-    inputs.push_back(*vocab_ids);
+  inputs.push_back(vocab_ids ? *vocab_ids : mx::array(0));  // a placeholder where none
+  if (rows_ids) {
+    inputs.push_back(*rows_ids);
+    inputs.push_back(*rows_hidden);
   }
+  const bool has_vocab = bool(vocab_ids);
   auto body = [=](std::vector<mx::array>& ins, std::vector<mx::array>& outs) {
     std::vector<std::vector<float>> tmp(ins.size());
     const auto f = [&](int i) { return dense(ins[i], tmp[i]); };
@@ -1068,19 +1110,39 @@ std::vector<mx::array> mtp_chain(const mx::array& y, const mx::array& embed, con
     for (int i = 0; i < 15; ++i) {
       *weights[i] = f(6 + i);
     }
-    std::vector<int32_t> id_rows;
-    m.vocab_ids = ins.size() > 21 ? dense_as<int32_t>(ins[21], id_rows) : nullptr;
+    std::vector<int32_t> id_rows, row_tokens;
+    m.vocab_ids = has_vocab ? dense_as<int32_t>(ins[21], id_rows) : nullptr;
     std::vector<float> kv_tmp[2];
     rows_view(ins[3], kv_tmp[0], &m.keys, &m.k_head, &m.k_row);
     rows_view(ins[4], kv_tmp[1], &m.values, &m.v_head, &m.v_row);
     m.length = std::clamp(ins[5].data<int32_t>()[0], 0, (int)ins[3].shape(2));
-    m.S = depth;
-    m.sk.assign((size_t)Hkv * depth * D, 0.0f), m.sv.assign((size_t)Hkv * depth * D, 0.0f);
+    m.S = T + depth;  // the head's own rows: the catch-up's, then the draft's
+    m.sk.assign((size_t)Hkv * m.S * D, 0.0f), m.sv.assign((size_t)Hkv * m.S * D, 0.0f);
+    std::vector<float> cur(H), next(H), logits;
+    if (T > 0) {  // the catch-up: every row's K/V, the last row whole
+      const int32_t* tokens = dense_as<int32_t>(ins[22], row_tokens);
+      const float* hidden = f(23);
+      std::vector<float> x(H), n(H), qg(2 * heads * D);
+      for (int t = 0; t < T; ++t) {
+        const int token = std::clamp(tokens[t], 0, V - 1);
+        fc_in(m, token, hidden + (int64_t)t * H, x.data());
+        row_kv(m, x.data(), m.length + t, t, n.data(), t + 1 == T ? qg.data() : nullptr);
+      }
+      row_rest(m, x.data(), qg.data(), m.length + T - 1, T - 1, cur.data());
+      for (int hd = 0; hd < Hkv; ++hd) {  // the catch-up's K/V rows out, [1, Hkv, T, D]
+        std::memcpy(outs[3].data<float>() + (int64_t)hd * T * D, m.sk.data() + (int64_t)hd * m.S * D,
+                    sizeof(float) * T * D);
+        std::memcpy(outs[4].data<float>() + (int64_t)hd * T * D, m.sv.data() + (int64_t)hd * m.S * D,
+                    sizeof(float) * T * D);
+      }
+      std::memcpy(outs[5].data<float>(), cur.data(), sizeof(float) * H);
+    } else {
+      std::memcpy(cur.data(), f(0), sizeof(float) * H);
+    }
     int32_t* ids = outs[0].data<int32_t>();
     float* logp = outs[1].data<float>();
     std::fill(ids, ids + (size_t)depth * k, 0);
     std::fill(logp, logp + (size_t)depth * k, 0.0f);
-    std::vector<float> cur(f(0), f(0) + H), next(H), logits;
     double path = 0.0;
     int reached = 0;
     for (int d = 0; d < depth; ++d) {
@@ -1090,13 +1152,19 @@ std::vector<mx::array> mtp_chain(const mx::array& y, const mx::array& embed, con
       if (d + 1 == depth || path < log_min_path || token < 0 || token >= V) {
         break;
       }
-      mtp_row(m, token, cur.data(), d, next.data());
+      mtp_row(m, token, cur.data(), T + d, next.data());
       cur.swap(next);
     }
     outs[2].data<int32_t>()[0] = reached;
   };
   auto s = mx::default_stream(mx::Device::cpu);
-  return mx::array::make_arrays({{depth, k}, {depth, k}, {1}}, {mx::int32, mx::float32, mx::int32},
+  std::vector<mx::Shape> shapes = {{depth, k}, {depth, k}, {1}};
+  std::vector<mx::Dtype> dtypes = {mx::int32, mx::float32, mx::int32};
+  if (T > 0) {
+    shapes.insert(shapes.end(), {{1, Hkv, T, D}, {1, Hkv, T, D}, {1, 1, H}});
+    dtypes.insert(dtypes.end(), {mx::float32, mx::float32, mx::float32});
+  }
+  return mx::array::make_arrays(std::move(shapes), std::move(dtypes),
                                 std::make_shared<CpuPrimitive>(s, "MtpChain", body), std::move(inputs));
 }
 
@@ -1116,7 +1184,9 @@ NB_MODULE(spruce_cpu_ext, m) {
   m.def("gdn_tree", &gdn_tree, "A tree's verify through a Gated DeltaNet layer's core -> [o, k, u, g].");
   m.def("gdn_commit", &gdn_commit, "The state after an accepted path of a verified tree.");
   m.def("mtp_chain", &mtp_chain, nb::arg("y"), nb::arg("embed"), nb::arg("lm"), nb::arg("vocab_ids").none(),
-        nb::arg("w"), nb::arg("keys"), nb::arg("values"), nb::arg("length"), nb::arg("heads"), nb::arg("head_dim"),
+        nb::arg("w"), nb::arg("keys"), nb::arg("values"), nb::arg("length"), nb::arg("rows_ids").none(),
+        nb::arg("rows_hidden").none(), nb::arg("heads"), nb::arg("head_dim"),
         nb::arg("rope_dims"), nb::arg("rope_base"), nb::arg("eps"), nb::arg("scale"), nb::arg("k"), nb::arg("depth"),
-        nb::arg("log_min_path"), "An MTP head's chain draft, every depth in one CPU operation -> [ids, logp, depths].");
+        nb::arg("log_min_path"), "An MTP head's chain draft, every depth in one CPU operation (after its catch-up where rows are given) "
+        "-> [ids, logp, depths] (+ [keys, values, y] of the catch-up).");
 }

@@ -263,17 +263,20 @@ def rms_norm(x: mx.array, w: mx.array, eps: float) -> mx.array:
 
 def mtp_chain(y: mx.array, embed: mx.array, lm: mx.array, vocab_ids: mx.array | None, weights: list[mx.array],
               keys: mx.array, values: mx.array, length: int, *, heads: int, head_dim: int, rope_dims: int,
-              rope_base: float, eps: float, scale: float, k: int, depth: int,
-              log_min_path: float) -> tuple[mx.array, mx.array, mx.array]:
+              rope_base: float, eps: float, scale: float, k: int, depth: int, log_min_path: float,
+              rows: tuple[mx.array, mx.array] | None = None) -> tuple[mx.array, ...]:
     """An MTP head's chain draft in one operation: from the head's output y [H] of the last
     committed row, `depth` depths (fewer where the top-1 path's log-probability falls below
     log_min_path), each read through the lm_head rows `lm` [N, H] (token ids `vocab_ids` [N], or
     row i is token i) and drafted on from its argmax -> (ids int32 [depth, k], logp [depth, k], the
     depths reached int32 [1]). `weights`: the head's 15 (engine/drafters/mtp_steps.py CpuChain
-    lists them); keys / values [1, Hkv, cap, D], rows [0, length) committed. See engine/cpu_ext.cpp."""
+    lists them); keys / values [1, Hkv, cap, D], rows [0, length) committed.
+    With `rows` = (token ids int32 [T], hidden states [T, H]) of T positions committed from
+    `length` on, the head's catch-up of them runs first and y is not read: three more outputs, their
+    keys and values [1, Hkv, T, D] and the last one's output [1, 1, H]. See engine/cpu_ext.cpp."""
     ext = module()
     assert ext is not None, "serves() first"
-    ids, logp, reached = ext.mtp_chain(y.reshape(-1), embed, lm, vocab_ids, weights, keys, values,
-                                       mx.array([length], dtype=mx.int32), heads, head_dim, rope_dims, rope_base,
-                                       eps, scale, k, depth, log_min_path)
-    return ids, logp, reached
+    ids, hidden = rows if rows is not None else (None, None)
+    return tuple(ext.mtp_chain(y.reshape(-1), embed, lm, vocab_ids, weights, keys, values,
+                               mx.array([length], dtype=mx.int32), ids, hidden, heads, head_dim, rope_dims,
+                               rope_base, eps, scale, k, depth, log_min_path))

@@ -65,6 +65,11 @@ class MTPConfig:
     sync_each_depth: bool | None = None
 
 
+# The most committed rows the CPU's one-operation draft catches up on itself: its rows go one by
+# one, where MLX's catch-up multiplies them together (a round commits a few; a run of rounds
+# without a tree leaves more, up to a skip's whole run).
+CATCH_UP_IN_ONE = 16
+
 # MTPConfig.sync_each_depth's None on a GPU (a module switch, so that benchmarks can compare the two
 # within one engine: scripts/bench_gpu.py's variant suffix "-sd1")
 SYNC_EACH_DEPTH_ON_GPU = False
@@ -126,13 +131,31 @@ class MTPDrafter:
         return self.last
 
     def propose(self, root: int, budget: int, max_depth: int) -> DraftTree:
-        last = self._catch_up()
         depth = min(max_depth, budget, self.config.max_steps)
+        k = max(1, min(budget, self.config.top_k))
+        marginals = self._caught_up_draft(depth, k) if depth >= 1 else None
+        if marginals is not None:
+            return self.build(root, marginals, budget, max_depth)
+        last = self._catch_up()
         if last is None or depth < 1:
             mx.eval([a for c in self.cache for a in c.arrays()])
             return DraftTree.single(root)
-        marginals = self._draft(last, depth, max(1, min(budget, self.config.top_k)))
+        marginals = self._draft(last, depth, k)
         return self.build(root, marginals, budget, max_depth)
+
+    def _caught_up_draft(self, depth: int, k: int) -> Marginals | None:
+        """The catch-up and the draft in one CPU operation (CpuChain.draft_after), where it serves
+        and there are at most CATCH_UP_IN_ONE rows to catch up on; else None (the catch-up in MLX's
+        operations, then _draft)."""
+        if self.cpu_chain is None or not cpu_ext.MTP_CHAIN or self.features is None:
+            return None
+        done, committed = self.cache[0].offset, self.features.length
+        if not 0 < done < committed <= done + CATCH_UP_IN_ONE:
+            return None
+        tokens = mx.array(self.tokens[done + 1 : committed + 1], dtype=mx.int32)
+        ids, logp, self.last = self.cpu_chain.draft_after(tokens, self._hidden(done, committed)[0], self.cache[0],
+                                                          depth, k, self.log_min_path)
+        return Marginals(ids.astype(np.int64), logp.astype(np.float64))
 
     def chain_depth(self, max_depth: int) -> int | None:
         return min(max_depth, self.config.max_steps) if self.build is chain_builder else None

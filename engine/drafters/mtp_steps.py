@@ -207,12 +207,34 @@ class CpuChain:
         depths 1..D, D <= depth as the stop rule leaves it; `also` evaluated with it (the catch-up's
         rows)."""
         assert cache.keys is not None and cache.values is not None, "the catch-up writes the committed rows first"
-        k = min(k, self.lm.shape[0])
-        ids, logp, reached = cpu_ext.mtp_chain(
+        ids, logp, reached = self._run(y, cache, depth, k, log_min_path, None)
+        mx.eval(ids, logp, reached, also)
+        return self._kept(ids, logp, reached)
+
+    def draft_after(self, tokens: mx.array, hidden: mx.array, cache: KVCache, depth: int, k: int,
+                    log_min_path: float) -> tuple[np.ndarray, np.ndarray, mx.array]:
+        """The head's catch-up of T committed positions (tokens int32 [T]: each position's next token;
+        hidden [T, H]: the target's final-normed states), written into `cache` as MTPHead.append
+        writes it, then the draft from its last row -> (ids, logp as `draft`, that row's output
+        [1, 1, H])."""
+        assert cache.keys is not None and cache.values is not None, "the prompt's rows come first (begin)"
+        ids, logp, reached, keys, values, y = self._run(hidden[-1], cache, depth, k, log_min_path, (tokens, hidden))
+        cache.write(keys, values)
+        cache.advance(tokens.shape[0])
+        mx.eval(ids, logp, reached, y, cache.arrays())
+        return (*self._kept(ids, logp, reached), y)
+
+    def _run(self, y: mx.array, cache: KVCache, depth: int, k: int, log_min_path: float,
+             rows: tuple[mx.array, mx.array] | None) -> tuple[mx.array, ...]:
+        assert cache.keys is not None and cache.values is not None
+        return cpu_ext.mtp_chain(
             y, self.embed, self.lm, self.vocab_ids, self.weights, cache.keys, cache.values, cache.offset,
             heads=self.heads, head_dim=self.head_dim, rope_dims=self.rope_dims, rope_base=self.rope_base,
-            eps=self.eps, scale=self.scale, k=k, depth=depth, log_min_path=max(log_min_path, -3.0e38))
-        mx.eval(ids, logp, reached, also)
+            eps=self.eps, scale=self.scale, k=min(k, self.lm.shape[0]), depth=depth,
+            log_min_path=max(log_min_path, -3.0e38), rows=rows)
+
+    @staticmethod
+    def _kept(ids: mx.array, logp: mx.array, reached: mx.array) -> tuple[np.ndarray, np.ndarray]:
         n = int(np.array(reached)[0])
         return np.array(ids)[:n], np.array(logp)[:n]
 

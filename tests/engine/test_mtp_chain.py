@@ -88,35 +88,57 @@ def test_built_for_the_plain_head_only(engine):
     assert CpuChain.build(target, head, lambda h: h, mx.arange(40)) is None  # rows it cannot read
 
 
-class Twins(MTPDrafter):
-    """Drafts every round with the operation and with the loop, recording both."""
+def test_catch_up_in_the_operation_writes_what_the_head_appends(engine):
+    rng = np.random.default_rng(3)
+    head, target = engine.mtp_head(), engine.model
+    embed = target.model.embed_tokens
+    H, V = target.args.hidden_size, target.args.vocab_size
+    e, h = (mx.array(rng.standard_normal((1, 29, H)).astype(np.float32)) for _ in range(2))
+    caches = []
+    for _ in range(2):  # the same committed rows twice
+        cache = head.make_cache()
+        mx.eval(head(e, h, cache), [a for c in cache for a in c.arrays()])
+        caches.append(cache)
+    chain = CpuChain(head, embed.weight, output_projection(target).weight, None)
+    for T in (1, 5):
+        tokens = mx.array(rng.integers(0, V, size=T).astype(np.int32))
+        hidden = mx.array(rng.standard_normal((T, H)).astype(np.float32))
+        y_want = head.append(embed(tokens[None]), hidden[None], caches[0])
+        want = loop_draft(target.logits, embed, head, caches[0], y_want, 6, 8, -math.inf)
+        ids, logp, y = chain.draft_after(tokens, hidden, caches[1][0], 6, 8, -math.inf)
+        assert_same_draft((ids, logp), want)
+        np.testing.assert_allclose(np.array(y), np.array(y_want), atol=1e-4)
+        assert caches[0][0].offset == caches[1][0].offset
+        for a, b in zip(caches[0][0].snapshot(caches[0][0].offset).arrays(),
+                        caches[1][0].snapshot(caches[1][0].offset).arrays(), strict=True):
+            np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-5)
+
+
+class Recorder(MTPDrafter):
+    """Records every tree it proposes."""
 
     def __init__(self, engine: Engine, tree: str, config: MTPConfig) -> None:
         super().__init__(engine.model, engine.mtp_head(), BUILDERS[tree], config)
         assert self.cpu_chain is not None
-        self.rounds: list[tuple[Marginals, Marginals]] = []
+        self.trees: list[list[int]] = []
 
-    def _draft(self, y: mx.array, depth: int, k: int) -> Marginals:
-        saved = cpu_ext.MTP_CHAIN
-        try:
-            cpu_ext.MTP_CHAIN = False
-            loop = super()._draft(y, depth, k)
-            cpu_ext.MTP_CHAIN = True
-            one = super()._draft(y, depth, k)
-        finally:
-            cpu_ext.MTP_CHAIN = saved
-        self.rounds.append((one, loop))
-        return one
+    def propose(self, root, budget, max_depth):
+        tree = super().propose(root, budget, max_depth)
+        self.trees.append([*tree.tokens, *tree.parents])
+        return tree
 
 
 @pytest.mark.parametrize("tree", ["chain", "ddtree"])
-def test_generations_draft_alike_and_equal_plain_decoding(engine, tree):
+def test_generations_draft_alike_and_equal_plain_decoding(engine, tree, monkeypatch):
     sampling = SamplingParams(max_tokens=30, temperature=0.9, top_p=0.95, seed=5, ignore_eos=True)
     rng = np.random.default_rng(zlib.crc32(tree.encode()))
     prompt = [int(t) for t in rng.integers(0, 500, size=24)]
-    drafter = Twins(engine, tree, MTPConfig(min_path_prob=0.05))
     spec = SpecConfig(method="mtp", tree=tree, budget=10, max_depth=6, adaptive=False)
-    assert generate(engine, prompt, sampling, spec, drafter).tokens == generate(engine, prompt, sampling).tokens
-    assert drafter.rounds
-    for one, loop in drafter.rounds:
-        assert_same_draft((one.ids, one.logp), loop)
+    plain = generate(engine, prompt, sampling).tokens
+    trees = []
+    for one_operation in (True, False):
+        monkeypatch.setattr(cpu_ext, "MTP_CHAIN", one_operation)
+        drafter = Recorder(engine, tree, MTPConfig(min_path_prob=0.05))
+        assert generate(engine, prompt, sampling, spec, drafter).tokens == plain
+        trees.append(drafter.trees)
+    assert trees[0] == trees[1] and len(trees[0]) > 3  # the same trees, round by round
