@@ -190,6 +190,10 @@ class MTPDrafter:
             return None
         known = mx.array([self.tokens[done + 1 : committed]], dtype=mx.int32)
         ids = mx.concatenate([known, root.reshape(1, 1).astype(mx.int32)], axis=1)
+        if self.cpu_chain is not None and cpu_ext.MTP_CHAIN and 0 < done and committed - done <= CATCH_UP_IN_ONE:
+            # the catch-up and its row's argmax in one CPU operation, lazy like the rest
+            guess, self.last = self.cpu_chain.guess_after(ids[0], self._hidden(done, committed)[0], self.cache[0])
+            return guess
         self.last = self.head.append(self.embed(ids), self._hidden(done, committed), self.cache)
         token = mx.argmax(self.logits(self.last)[0, 0])
         return (token if self.vocab_ids is None else self.vocab_ids[token]).reshape(1, 1)

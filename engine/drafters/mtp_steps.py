@@ -19,6 +19,7 @@ steps, which is its twin (tests/engine/test_mtp_chain.py).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -223,6 +224,14 @@ class CpuChain:
         cache.advance(tokens.shape[0])
         mx.eval(ids, logp, reached, y, cache.arrays())
         return (*self._kept(ids, logp, reached), y)
+
+    def guess_after(self, tokens: mx.array, hidden: mx.array, cache: KVCache) -> tuple[mx.array, mx.array]:
+        """draft_after's catch-up and its first depth's argmax alone, all lazy (nothing is evaluated:
+        the tokens may still be on their way) -> (the token [1, 1] int32, the last row's output)."""
+        ids, _, _, keys, values, y = self._run(hidden[-1], cache, 1, 1, -math.inf, (tokens, hidden))
+        cache.write(keys, values)
+        cache.advance(tokens.shape[0])
+        return ids, y
 
     def _run(self, y: mx.array, cache: KVCache, depth: int, k: int, log_min_path: float,
              rows: tuple[mx.array, mx.array] | None) -> tuple[mx.array, ...]:

@@ -112,6 +112,14 @@ def test_catch_up_in_the_operation_writes_what_the_head_appends(engine):
         for a, b in zip(caches[0][0].snapshot(caches[0][0].offset).arrays(),
                         caches[1][0].snapshot(caches[1][0].offset).arrays(), strict=True):
             np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-5)
+    # the one-guess try's form (MTPDrafter.guess_after): the catch-up and its argmax, lazily
+    tokens = mx.array(rng.integers(0, V, size=3).astype(np.int32))
+    hidden = mx.array(rng.standard_normal((3, H)).astype(np.float32))
+    y_want = head.append(embed(tokens[None]), hidden[None], caches[0])
+    guess, y = chain.guess_after(tokens, hidden, caches[1][0])
+    assert guess.shape == (1, 1) and int(guess.item()) == int(mx.argmax(target.logits(y_want)[0, 0]).item())
+    np.testing.assert_allclose(np.array(y), np.array(y_want), atol=1e-4)
+    assert caches[0][0].offset == caches[1][0].offset
 
 
 class Recorder(MTPDrafter):
