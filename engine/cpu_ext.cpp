@@ -871,6 +871,74 @@ std::vector<mx::array> gdn_step(const mx::array& qkv, const mx::array& a, const 
                                 {qkv, a, b, conv_state, S, conv_w, A_log, dt_bias});
 }
 
+// ---- RoPE ------------------------------------------------------------------------------------
+//
+// MLX's rope on the CPU is no kernel but its fallback's graph: ~15 nodes compiled (positions,
+// inverse frequencies through an exponential, the angles, cos, sin, two products and a sum or
+// difference a half), built anew on every call of every attention layer. Here one operation with
+// the fallback's formula (inverse frequency i = base^(-i / half), angle = position * that) but the
+// angles, their cos and sin in double: MLX takes the angle in float32, which at position 4,000 is
+// off by up to ~5e-4 radians, so this rotation is the more exact of the two and differs from MLX's
+// by MLX's error. The halves' products are rounded apart from their sum (built with
+// -ffp-contract=off), and a row's rotation depends only on its position: a verify row and the
+// decode step at the same position are rotated alike (tests/engine/test_cpu_rope.py).
+
+// cos and sin of the `half` angles at position pos.
+void rope_angles(int pos, int half, float base, float* c, float* s) {
+  const double step = std::log((double)base) / half;
+  for (int i = 0; i < half; ++i) {
+    const double theta = (double)pos * std::exp(-(double)i * step);
+    c[i] = (float)std::cos(theta), s[i] = (float)std::sin(theta);
+  }
+}
+
+// x[i], x[i + half] rotated by angle i, for i < half (the rest of a head's row left as it is).
+void rotate_half(float* x, int half, const float* c, const float* s) {
+  for (int i = 0; i < half; ++i) {
+    const float a = x[i], b = x[i + half];
+    x[i] = a * c[i] - b * s[i];
+    x[i + half] = a * s[i] + b * c[i];
+  }
+}
+
+// x [B, H, T, D] float32 rotated over its first `dims` of D: row t at position offset + t, or at
+// positions[t] (int32 [T]: a verify's rows) -> [B, H, T, D].
+mx::array rope(const mx::array& x, int dims, float base, const mx::array& offset,
+               const std::optional<mx::array>& positions) {
+  check_f32("rope", {&x});
+  const int T = x.ndim() == 4 ? x.shape(2) : 0, D = x.ndim() == 4 ? x.shape(3) : 0;
+  if (x.ndim() != 4 || dims < 2 || dims % 2 != 0 || dims > D || offset.size() != 1 || offset.dtype() != mx::int32 ||
+      (positions && (positions->dtype() != mx::int32 || positions->size() != (size_t)T))) {
+    throw std::invalid_argument("rope: x [B, H, T, D] float32, dims even and <= D, int32 offset or positions [T]");
+  }
+  std::vector<mx::array> inputs = {x, offset};
+  if (positions) {
+    inputs.push_back(*positions);
+  }
+  auto body = [dims, base](std::vector<mx::array>& ins, std::vector<mx::array>& outs) {
+    const mx::array& x = ins[0];
+    const int rows = x.shape(0) * x.shape(1), T = x.shape(2), D = x.shape(3), half = dims / 2;
+    std::vector<float> tmp;
+    std::vector<int32_t> pos_tmp;
+    const float* in = dense(x, tmp);
+    const int32_t* pos = ins.size() > 2 ? dense_as<int32_t>(ins[2], pos_tmp) : nullptr;
+    const int32_t offset = ins[1].data<int32_t>()[0];
+    std::vector<float> c((size_t)T * half), sn((size_t)T * half);  // each row's angles, for every head
+    for (int t = 0; t < T; ++t) {
+      rope_angles(pos != nullptr ? pos[t] : offset + t, half, base, c.data() + (size_t)t * half,
+                  sn.data() + (size_t)t * half);
+    }
+    float* out = outs[0].data<float>();
+    std::memcpy(out, in, sizeof(float) * (size_t)rows * T * D);
+    for (int r = 0; r < rows; ++r) {
+      for (int t = 0; t < T; ++t) {
+        rotate_half(out + ((size_t)r * T + t) * D, half, c.data() + (size_t)t * half, sn.data() + (size_t)t * half);
+      }
+    }
+  };
+  return cpu_op("Rope", x.shape(), body, std::move(inputs));
+}
+
 // ---- the MTP head's chain draft: every depth in one operation -----------------------------------
 //
 // engine/drafters/mtp.py drafts a chain depth by depth: a depth's read (the target's lm_head over
@@ -924,17 +992,11 @@ struct MtpHead {
   int S;
 };
 
-// RoPE of one head's row at position pos, MLX's non-traditional form over the first rope_dims.
+// RoPE of one head's row at position pos, over the first rope_dims (rope's arithmetic, below).
 void rope_row(const MtpHead& m, float* x, int pos) {
-  const int half = m.rope_dims / 2;
-  const float step = std::log(m.rope_base) / (float)half;
-  for (int i = 0; i < half; ++i) {
-    const float theta = (float)pos * std::exp(-(float)i * step);
-    const float c = std::cos(theta), s = std::sin(theta);
-    const float a = x[i], b = x[i + half];
-    x[i] = a * c - b * s;
-    x[i + half] = a * s + b * c;
-  }
+  std::vector<float> c(m.rope_dims / 2), sn(m.rope_dims / 2);
+  rope_angles(pos, m.rope_dims / 2, m.rope_base, c.data(), sn.data());
+  rotate_half(x, m.rope_dims / 2, c.data(), sn.data());
 }
 
 // The fc input of a row: [pre-fc norm of the token's embedding; pre-fc norm of the hidden state]
@@ -1183,6 +1245,8 @@ NB_MODULE(spruce_cpu_ext, m) {
   m.def("rms_norm", &rms_norm, "RMS norm over the last axis, times a weight, in one CPU operation.");
   m.def("gdn_tree", &gdn_tree, "A tree's verify through a Gated DeltaNet layer's core -> [o, k, u, g].");
   m.def("gdn_commit", &gdn_commit, "The state after an accepted path of a verified tree.");
+  m.def("rope", &rope, nb::arg("x"), nb::arg("dims"), nb::arg("base"), nb::arg("offset"),
+        nb::arg("positions").none(), "RoPE of [B, H, T, D] rows in one CPU operation (MLX's non-traditional form).");
   m.def("mtp_chain", &mtp_chain, nb::arg("y"), nb::arg("embed"), nb::arg("lm"), nb::arg("vocab_ids").none(),
         nb::arg("w"), nb::arg("keys"), nb::arg("values"), nb::arg("length"), nb::arg("rows_ids").none(),
         nb::arg("rows_hidden").none(), nb::arg("heads"), nb::arg("head_dim"),

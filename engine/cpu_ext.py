@@ -8,6 +8,7 @@ they take and return mx.array and join MLX's graphs (mx.compile included):
 - `draft_attention`: the MTP head's drafted row (engine/models/mtp.py);
 - `gdn_step`, `gdn_tree`, `gdn_commit`: the GDN core (engine/gdn/core.py CpuCore);
 - `rms_norm`: the RMS norms (engine/models/layers.py RMSNorm, qwen3_5.py GatedRMSNorm);
+- `rope`: the rotary embedding (engine/models/layers.py apply_rope);
 - `mtp_chain`: an MTP head's chain draft, every depth in one operation (engine/drafters/mtp_steps.py
   CpuChain).
 Each has a module switch below (scripts/variants.py names them) and a twin in MLX's operations that
@@ -59,6 +60,9 @@ GDN_TREE = True
 # module switch, read when a layer's compiled functions trace (part of their key): False = RMS norms
 # through mx.fast.rms_norm (on the CPU three operations; variant cn0)
 NORMS = True
+# module switch, read per call (and when an MTP draft step traces): False = RoPE through MLX's
+# rope, compiled (on the CPU ~15 graph nodes; variant cr0)
+ROPE = True
 # module switch, read when an MTP drafter is made: False = its chains drafted depth by depth in
 # MLX's operations (engine/drafters/mtp_steps.py CompiledDepths; variant cm0)
 MTP_CHAIN = True
@@ -259,6 +263,17 @@ def rms_norm(x: mx.array, w: mx.array, eps: float) -> mx.array:
     on and built), else mx.fast.rms_norm."""
     ext = module() if serves(NORMS, x, w) else None
     return mx.fast.rms_norm(x, w, eps) if ext is None else ext.rms_norm(x, w, eps)
+
+
+def rope(x: mx.array, dims: int, base: float, offset: int | mx.array = 0,
+         positions: mx.array | None = None) -> mx.array:
+    """x [B, H, T, D] float32 rotated over its first `dims` (MLX's non-traditional RoPE, scale 1):
+    row t at position offset + t (an int, or an int32 scalar array read when it runs), or at
+    positions[t] (int32 [T]) -> [B, H, T, D]. See engine/cpu_ext.cpp."""
+    ext = module()
+    assert ext is not None, "serves() first"
+    off = offset.astype(mx.int32).reshape(1) if isinstance(offset, mx.array) else mx.array([offset], dtype=mx.int32)
+    return ext.rope(x, dims, base, off, positions if positions is None else positions.astype(mx.int32))
 
 
 def mtp_chain(y: mx.array, embed: mx.array, lm: mx.array, vocab_ids: mx.array | None, weights: list[mx.array],

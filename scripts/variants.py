@@ -36,6 +36,8 @@
   the commit's switch is read when it runs);
 - "-cn0" / "-cn1": RMS norms on the CPU through mx.fast.rms_norm / the engine's own operation
   (engine.cpu_ext.NORMS; part of a layer's trace key);
+- "-cr0" / "-cr1": RoPE on the CPU through MLX's rope (compiled) / the engine's own operation
+  (engine.cpu_ext.ROPE; read per call);
 - "-cm0" / "-cm1": an MTP chain draft on the CPU depth by depth in MLX's operations / in one
   operation of the engine's own (engine.cpu_ext.MTP_CHAIN, read per draft);
 - "-srN": products of up to N rows through the GEMV shim's small-row path on the CPU, 0 = none
@@ -87,6 +89,7 @@ def _settings() -> dict[str, tuple[list[tuple[Any, str]], Callable[[str], tuple[
         "ct": ([(cpu_ext, "GDN_TREE")], on),
         "cn": ([(cpu_ext, "NORMS")], on),
         "cm": ([(cpu_ext, "MTP_CHAIN")], on),
+        "cr": ([(cpu_ext, "ROPE")], on),
         "sr": ([(blas.SMALL_ROWS, "value")], lambda rest: (int(rest),)),
         "st": ([(blas.GEMM_THREADS, "value")], lambda rest: (int(rest),)),
     }

@@ -113,10 +113,20 @@ def apply_rope(x: mx.array, rope: RopeSpec, offset: int | mx.array, batch: Batch
     Verify rows are laid out as batch rows so that mx.fast.rope takes one offset per row:
     the same kernel as the chain path, hence the same rounding.
     """
+    if cpu_rope(x):
+        # one operation of the engine's own (engine/cpu_ext.cpp): a verify row at its position is
+        # rotated as the decode step at that position is
+        return cpu_ext.rope(x, rope.dims, rope.base, offset, batch.positions)
     if batch.positions is None:
         return _rope(x, rope, offset)
     rows = x.swapaxes(0, 2)  # [T, H, 1, D]
     return _rope(rows, rope, batch.positions).swapaxes(0, 2)
+
+
+def cpu_rope(x: mx.array) -> bool:
+    """Whether RoPE runs as the engine's own CPU operation: on the CPU in float32 where it is built,
+    one graph node for MLX's rope's ~15 (compiled) in every attention layer of every step."""
+    return cpu_ext.serves(cpu_ext.ROPE, x) and x.ndim == 4
 
 
 def _rope(x: mx.array, rope: RopeSpec, offset: int | mx.array) -> mx.array:
@@ -145,7 +155,7 @@ def apply_rope_pair(q: mx.array, k: mx.array, rope: RopeSpec, offset: int | mx.a
     q and k go through one call, stacked on the head axis: each head's arithmetic is the same, so
     are the bits, and a step, a verify or an MTP draft depth saves a dozen nodes an attention layer.
     Elsewhere the rope is one launch each."""
-    if mx.default_device() != mx.cpu:
+    if mx.default_device() != mx.cpu or cpu_rope(q):  # one launch or one operation each
         return apply_rope(q, rope, offset, batch), apply_rope(k, rope, offset, batch)
     both = apply_rope(mx.concatenate([q, k], axis=1), rope, offset, batch)
     return both[:, : q.shape[1]], both[:, q.shape[1] :]

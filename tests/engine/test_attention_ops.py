@@ -8,6 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from engine import cpu_ext
 from engine.models import layers
 from engine.models.layers import attention_ops, attention_parts, one_row_in_ops
 
@@ -120,9 +121,11 @@ def test_rope_of_q_and_k_together_is_bitwise_the_rope_of_each(rows, tree, offset
 
 @pytest.mark.parametrize("rows", [1, 7, 40])
 @pytest.mark.parametrize("offset", [0, 195, 4000, "array", "positions"])
-def test_the_cpu_rope_compiled_is_bitwise_mlx_rope(rows, offset):
-    """apply_rope on the CPU runs MLX's rope compiled (its ~30 eager operations fused); each row's
-    rotation is bitwise the eager one's, at an int offset, an array offset and a verify's positions."""
+def test_the_cpu_rope_compiled_is_bitwise_mlx_rope(rows, offset, monkeypatch):
+    """apply_rope on the CPU without the engine's own operation (tests/engine/test_cpu_rope.py) runs
+    MLX's rope compiled (its ~30 eager operations fused); each row's rotation is bitwise the eager
+    one's, at an int offset, an array offset and a verify's positions."""
+    monkeypatch.setattr(cpu_ext, "ROPE", False)
     rng = np.random.default_rng(rows)
     x = mx.array(rng.normal(size=(1, 6, rows, 64)).astype(np.float32))
     rope = layers.RopeSpec(16, 1e7)
