@@ -974,6 +974,69 @@ void row_times(const float* x, const float* W, int N, int K, float* out) {
   }
 }
 
+// ---- a layer's MLP block ----------------------------------------------------------------------
+//
+// The second half of a decoder layer, h = x + out (the mixer's output), then h + down(SiLU(gate(n))
+// * up(n)) with n = h's RMS norm: in MLX's operations an add, a norm, three products, the compiled
+// SiLU-and-product and an add, with the views around them (~11 graph nodes a layer). Here one
+// operation over a few rows (a decode step, a verify), its products through cblas_sgemm as MLX
+// calls it (the GEMV shim's kernels: batch invariant), every other step row by row, the SiLU in
+// the GDN conv's form (2^ in 16 lanes). So a row's result does not depend on the other rows
+// (tests/engine/test_cpu_mlp.py).
+
+// out [M, N] = A [M, K] times W [N, K] transposed, as row_times for M rows.
+void rows_times(const float* A, const float* W, int M, int N, int K, float* out) {
+  static sgemm_fn fn = reinterpret_cast<sgemm_fn>(dlsym(RTLD_DEFAULT, "cblas_sgemm"));
+  if (fn != nullptr) {
+    fn(101, 111, 112, M, N, K, 1.0f, A, K, W, K, 0.0f, out, N);
+    return;
+  }
+  for (int m = 0; m < M; ++m) {
+    row_times(A + (int64_t)m * K, W, N, K, out + (int64_t)m * N);
+  }
+}
+
+// x, out [..., H] (rows of the stream and the mixer's output), norm_w [H], gate_w, up_w [I, H],
+// down_w [H, I] -> [..., H].
+mx::array mlp_block(const mx::array& x, const mx::array& out, const mx::array& norm_w, const mx::array& gate_w,
+                    const mx::array& up_w, const mx::array& down_w, float eps) {
+  check_f32("mlp_block", {&x, &out, &norm_w, &gate_w, &up_w, &down_w});
+  const int H = x.ndim() >= 1 ? x.shape(-1) : 0, I = gate_w.ndim() == 2 ? gate_w.shape(0) : 0;
+  const auto is = [](const mx::array& a, std::initializer_list<int> shape) { return a.shape() == mx::Shape(shape); };
+  if (H < 1 || I < 1 || x.size() == 0 || out.shape() != x.shape() || !is(norm_w, {H}) || !is(gate_w, {I, H}) ||
+      !is(up_w, {I, H}) || !is(down_w, {H, I})) {
+    throw std::invalid_argument("mlp_block: shapes do not match");
+  }
+  const int M = (int)(x.size() / H);
+  auto body = [H, I, M, eps](std::vector<mx::array>& ins, std::vector<mx::array>& outs) {
+    const DenseInputs in(ins);
+    const float *x = in(0), *o = in(1), *norm_w = in(2), *gate_w = in(3), *up_w = in(4), *down_w = in(5);
+    float* y = outs[0].data<float>();
+    std::vector<float> h((size_t)M * H), n((size_t)M * H), g((size_t)M * I), u((size_t)M * I), d((size_t)M * H);
+    for (size_t i = 0; i < h.size(); ++i) {
+      h[i] = x[i] + o[i];
+    }
+    for (int r = 0; r < M; ++r) {
+      rms_row(h.data() + (int64_t)r * H, norm_w, H, eps, n.data() + (int64_t)r * H);
+    }
+    rows_times(n.data(), gate_w, M, I, H, g.data());
+    rows_times(n.data(), up_w, M, I, H, u.data());
+    size_t i = 0;
+    for (; i + 16 <= g.size(); i += 16) {  // SiLU(gate) * up
+      const v16 v = *(const v16u*)(g.data() + i);
+      *(v16u*)(g.data() + i) = v / (1.0f + exp2_any(-v * LOG2E)) * *(const v16u*)(u.data() + i);
+    }
+    for (; i < g.size(); ++i) {
+      g[i] = g[i] / (1.0f + exp2f(-g[i] * LOG2E)) * u[i];
+    }
+    rows_times(g.data(), down_w, M, H, I, d.data());
+    for (size_t j = 0; j < h.size(); ++j) {
+      y[j] = h[j] + d[j];
+    }
+  };
+  return cpu_op("MlpBlock", x.shape(), body, {x, out, norm_w, gate_w, up_w, down_w});
+}
+
 inline float sigmoid1(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 
 // The head's shape and where its inputs are (MtpChain's inputs, in order: see mtp_chain).
@@ -1245,6 +1308,8 @@ NB_MODULE(spruce_cpu_ext, m) {
   m.def("rms_norm", &rms_norm, "RMS norm over the last axis, times a weight, in one CPU operation.");
   m.def("gdn_tree", &gdn_tree, "A tree's verify through a Gated DeltaNet layer's core -> [o, k, u, g].");
   m.def("gdn_commit", &gdn_commit, "The state after an accepted path of a verified tree.");
+  m.def("mlp_block", &mlp_block, nb::arg("x"), nb::arg("out"), nb::arg("norm_w"), nb::arg("gate_w"), nb::arg("up_w"),
+        nb::arg("down_w"), nb::arg("eps"), "A decoder layer's residual add, norm, SwiGLU MLP and add in one CPU operation.");
   m.def("rope", &rope, nb::arg("x"), nb::arg("dims"), nb::arg("base"), nb::arg("offset"),
         nb::arg("positions").none(), "RoPE of [B, H, T, D] rows in one CPU operation (MLX's non-traditional form).");
   m.def("mtp_chain", &mtp_chain, nb::arg("y"), nb::arg("embed"), nb::arg("lm"), nb::arg("vocab_ids").none(),

@@ -9,6 +9,7 @@ they take and return mx.array and join MLX's graphs (mx.compile included):
 - `gdn_step`, `gdn_tree`, `gdn_commit`: the GDN core (engine/gdn/core.py CpuCore);
 - `rms_norm`: the RMS norms (engine/models/layers.py RMSNorm, qwen3_5.py GatedRMSNorm);
 - `rope`: the rotary embedding (engine/models/layers.py apply_rope);
+- `mlp_block`: a decoder layer's residual add, norm and MLP (engine/models/qwen3_5.py);
 - `mtp_chain`: an MTP head's chain draft, every depth in one operation (engine/drafters/mtp_steps.py
   CpuChain).
 Each has a module switch below (scripts/variants.py names them) and a twin in MLX's operations that
@@ -60,6 +61,9 @@ GDN_TREE = True
 # module switch, read when a layer's compiled functions trace (part of their key): False = RMS norms
 # through mx.fast.rms_norm (on the CPU three operations; variant cn0)
 NORMS = True
+# module switch, read when a layer's compiled functions trace (part of their key): False = a
+# decode step's or a verify's MLP block in MLX's operations (variant cf0)
+MLP = True
 # module switch, read per call (and when an MTP draft step traces): False = RoPE through MLX's
 # rope, compiled (on the CPU ~15 graph nodes; variant cr0)
 ROPE = True
@@ -263,6 +267,15 @@ def rms_norm(x: mx.array, w: mx.array, eps: float) -> mx.array:
     on and built), else mx.fast.rms_norm."""
     ext = module() if serves(NORMS, x, w) else None
     return mx.fast.rms_norm(x, w, eps) if ext is None else ext.rms_norm(x, w, eps)
+
+
+def mlp_block(x: mx.array, out: mx.array, norm_w: mx.array, gate_w: mx.array, up_w: mx.array, down_w: mx.array,
+              eps: float) -> mx.array:
+    """h + down(SiLU(gate(n)) * up(n)) with h = x + out and n = h's RMS norm (norm_w, eps), rows
+    [..., H], weights [I, H] / [I, H] / [H, I] -> [..., H]. See engine/cpu_ext.cpp."""
+    ext = module()
+    assert ext is not None, "serves() first"
+    return ext.mlp_block(x, out, norm_w, gate_w, up_w, down_w, eps)
 
 
 def rope(x: mx.array, dims: int, base: float, offset: int | mx.array = 0,

@@ -170,9 +170,9 @@ def tree_arrays(batch: Batch) -> tuple[mx.array, ...]:
 # what a layer's traced functions depend on: (mode, compiled, folding, fused add + norm, fused gated
 # norm, the CPU's gates through 2^, an output of the last layer pending, projections fused with
 # the residual adds after them, and with the norms and SwiGLU before them: fused_qmm.wiring(), and
-# a GDN layer's token step, its tree verify, and the RMS norms, in the CPU's own operations:
-# cpu_ext.GDN_STEP, cpu_ext.GDN_TREE, cpu_ext.NORMS)
-TraceKey = tuple[Mode, bool, bool, bool, bool, bool, bool, bool, bool, bool, bool, bool]
+# a GDN layer's token step, its tree verify, the RMS norms and the MLP block, in the CPU's own
+# operations: cpu_ext.GDN_STEP, cpu_ext.GDN_TREE, cpu_ext.NORMS, cpu_ext.MLP)
+TraceKey = tuple[Mode, bool, bool, bool, bool, bool, bool, bool, bool, bool, bool, bool, bool]
 
 
 class _Phases:
@@ -242,7 +242,7 @@ class DecoderLayer(nn.Module):
         # a trace per setting of the fused norms and of the CPU's gates (engine/cpu_exp.py), and
         # per input (the stream alone, or with the last layer's output pending)
         key: TraceKey = (mode, compiled, folding, *fused_norms.traces(), cpu_exp.POW_GATES, chained,
-                         *fused_qmm.wiring(), cpu_ext.GDN_STEP, cpu_ext.GDN_TREE, cpu_ext.NORMS)
+                         *fused_qmm.wiring(), cpu_ext.GDN_STEP, cpu_ext.GDN_TREE, cpu_ext.NORMS, cpu_ext.MLP)
         if key not in self._phases.by_mode:
             before, after = self._pure_functions(mode)
             if compiled:
@@ -261,9 +261,17 @@ class DecoderLayer(nn.Module):
                 return x, self.input_layernorm(x)
             return residual_norm(x, pending[0], self.input_layernorm, fused)
 
+        one_block = not fused and mode != "chain" and self.cpu_mlp_block()
+
         def finish(x: mx.array, out: mx.array) -> tuple[mx.array, ...]:
             """The residual add of the mixer's output, then the MLP on its norm -> the stream, with
             the MLP's output added, or left pending where the adds are fused."""
+            if one_block and cpu_ext.serves(True, x, out):
+                # one operation of the engine's own for ~11 graph nodes (engine/cpu_ext.cpp): a
+                # decode step's and a verify's rows alike
+                mlp, norm = self.mlp, self.post_attention_layernorm
+                return (cpu_ext.mlp_block(x, out, norm.weight, mlp.gate_proj.weight, mlp.up_proj.weight,
+                                          mlp.down_proj.weight, norm.eps),)
             h, normed = residual_norm(x, out, self.post_attention_layernorm, fused)
             m = self.mlp(normed)
             return (h, m) if fused else (h + m,)
@@ -288,6 +296,16 @@ class DecoderLayer(nn.Module):
             return finish(x, out), result
 
         return layer, _identity
+
+    def cpu_mlp_block(self) -> bool:
+        """Whether the MLP block can run as the CPU's one operation (cpu_ext.MLP on, built): plain
+        float32 Linear projections without bias, not fused."""
+        mlp = self.mlp
+        projections = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        return cpu_ext.MLP and mx.default_device() == mx.cpu and cpu_ext.module() is not None \
+            and "fused" not in mlp and all(type(p) is Linear and "bias" not in p and p.weight.dtype == mx.float32
+                                           for p in projections) \
+            and self.post_attention_layernorm.weight.dtype == mx.float32
 
     def _qmm_fused_functions(self, mode: Mode, gated: bool) -> tuple[Callable[..., Any], Callable[..., Any]]:
         """The layer with each norm in the launch of the projection after it and each residual add
