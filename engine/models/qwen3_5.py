@@ -301,10 +301,10 @@ class DecoderLayer(nn.Module):
         """Whether the MLP block can run as the CPU's one operation (cpu_ext.MLP on, built): plain
         float32 Linear projections without bias, not fused."""
         mlp = self.mlp
+        if not cpu_ext.MLP or mx.default_device() != mx.cpu or cpu_ext.module() is None or "fused" in mlp:
+            return False
         projections = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-        return cpu_ext.MLP and mx.default_device() == mx.cpu and cpu_ext.module() is not None \
-            and "fused" not in mlp and all(type(p) is Linear and "bias" not in p and p.weight.dtype == mx.float32
-                                           for p in projections) \
+        return all(type(p) is Linear and "bias" not in p and p.weight.dtype == mx.float32 for p in projections) \
             and self.post_attention_layernorm.weight.dtype == mx.float32
 
     def _qmm_fused_functions(self, mode: Mode, gated: bool) -> tuple[Callable[..., Any], Callable[..., Any]]:
