@@ -1037,6 +1037,60 @@ mx::array mlp_block(const mx::array& x, const mx::array& out, const mx::array& n
   return cpu_op("MlpBlock", x.shape(), body, {x, out, norm_w, gate_w, up_w, down_w});
 }
 
+// ---- a norm and the products that read it ---------------------------------------------------
+//
+// A layer's mixer reads its normed input through several products (a GDN layer's qkv, z, b and a
+// projections; attention's q, k and v): in MLX's operations a norm, a product each and their views.
+// Here one operation: the rows normed as rms_norm does (or taken as they are), then each product
+// through cblas_sgemm as MLX's matmul calls it, so every output is bitwise what the operations give
+// (tests/engine/test_cpu_products.py).
+
+// x [M, K], norm_w [K] or none, weights [N_i, K] -> [M, N_i] each.
+std::vector<mx::array> norm_products(const mx::array& x, const std::optional<mx::array>& norm_w, float eps,
+                                     const std::vector<mx::array>& weights) {
+  check_f32("norm_products", {&x});
+  const int M = x.ndim() == 2 ? x.shape(0) : 0, K = x.ndim() == 2 ? x.shape(1) : 0;
+  bool ok = M >= 1 && K >= 1 && !weights.empty() && (!norm_w || (norm_w->dtype() == mx::float32 &&
+                                                                  norm_w->shape() == mx::Shape{K}));
+  std::vector<mx::Shape> shapes;
+  for (const auto& w : weights) {
+    ok = ok && w.dtype() == mx::float32 && w.ndim() == 2 && w.shape(1) == K && w.shape(0) >= 1;
+    shapes.push_back({M, ok ? (int)w.shape(0) : 0});
+  }
+  if (!ok) {
+    throw std::invalid_argument("norm_products: x [M, K] float32, norm [K] or none, weights [N, K] float32");
+  }
+  std::vector<mx::array> inputs = {x};
+  inputs.insert(inputs.end(), weights.begin(), weights.end());
+  if (norm_w) {
+    inputs.push_back(*norm_w);
+  }
+  const bool normed = bool(norm_w);
+  const int n_weights = (int)weights.size();
+  auto body = [M, K, eps, normed, n_weights](std::vector<mx::array>& ins, std::vector<mx::array>& outs) {
+    std::vector<float> tmp, rows;
+    const float* a = dense(ins[0], tmp);
+    if (normed) {
+      std::vector<float> w_tmp;
+      const float* w = dense(ins[1 + n_weights], w_tmp);
+      rows.resize((size_t)M * K);
+      for (int r = 0; r < M; ++r) {
+        rms_row(a + (int64_t)r * K, w, K, eps, rows.data() + (int64_t)r * K);
+      }
+      a = rows.data();
+    }
+    for (int i = 0; i < n_weights; ++i) {
+      std::vector<float> w_tmp;
+      const float* w = ins[1 + i].flags().row_contiguous ? ins[1 + i].data<float>() : dense(ins[1 + i], w_tmp);
+      rows_times(a, w, M, outs[i].shape(1), K, outs[i].data<float>());
+    }
+  };
+  std::vector<mx::Dtype> dtypes(weights.size(), mx::float32);
+  return mx::array::make_arrays(std::move(shapes), std::move(dtypes),
+                                std::make_shared<CpuPrimitive>(mx::default_stream(mx::Device::cpu), "NormProducts", body),
+                                std::move(inputs));
+}
+
 inline float sigmoid1(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 
 // The head's shape and where its inputs are (MtpChain's inputs, in order: see mtp_chain).
@@ -1308,6 +1362,8 @@ NB_MODULE(spruce_cpu_ext, m) {
   m.def("rms_norm", &rms_norm, "RMS norm over the last axis, times a weight, in one CPU operation.");
   m.def("gdn_tree", &gdn_tree, "A tree's verify through a Gated DeltaNet layer's core -> [o, k, u, g].");
   m.def("gdn_commit", &gdn_commit, "The state after an accepted path of a verified tree.");
+  m.def("norm_products", &norm_products, nb::arg("x"), nb::arg("norm_w").none(), nb::arg("eps"), nb::arg("weights"),
+        "Rows RMS-normed (or not) and multiplied by several weights in one CPU operation.");
   m.def("mlp_block", &mlp_block, nb::arg("x"), nb::arg("out"), nb::arg("norm_w"), nb::arg("gate_w"), nb::arg("up_w"),
         nb::arg("down_w"), nb::arg("eps"), "A decoder layer's residual add, norm, SwiGLU MLP and add in one CPU operation.");
   m.def("rope", &rope, nb::arg("x"), nb::arg("dims"), nb::arg("base"), nb::arg("offset"),

@@ -10,6 +10,7 @@ they take and return mx.array and join MLX's graphs (mx.compile included):
 - `rms_norm`: the RMS norms (engine/models/layers.py RMSNorm, qwen3_5.py GatedRMSNorm);
 - `rope`: the rotary embedding (engine/models/layers.py apply_rope);
 - `mlp_block`: a decoder layer's residual add, norm and MLP (engine/models/qwen3_5.py);
+- `norm_products`: a mixer's input norm and the products that read it (qwen3_5.py, layers.py);
 - `mtp_chain`: an MTP head's chain draft, every depth in one operation (engine/drafters/mtp_steps.py
   CpuChain).
 Each has a module switch below (scripts/variants.py names them) and a twin in MLX's operations that
@@ -64,6 +65,9 @@ NORMS = True
 # module switch, read when a layer's compiled functions trace (part of their key): False = a
 # decode step's or a verify's MLP block in MLX's operations (variant cf0)
 MLP = True
+# module switch, read when a layer's compiled functions trace (part of their key): False = a
+# decode step's or a verify's mixer input norm and projections in MLX's operations (variant cp0)
+PRODUCTS = True
 # module switch, read per call (and when an MTP draft step traces): False = RoPE through MLX's
 # rope, compiled (on the CPU ~15 graph nodes; variant cr0)
 ROPE = True
@@ -267,6 +271,15 @@ def rms_norm(x: mx.array, w: mx.array, eps: float) -> mx.array:
     on and built), else mx.fast.rms_norm."""
     ext = module() if serves(NORMS, x, w) else None
     return mx.fast.rms_norm(x, w, eps) if ext is None else ext.rms_norm(x, w, eps)
+
+
+def norm_products(x: mx.array, weights: list[mx.array], norm_w: mx.array | None = None,
+                  eps: float = 0.0) -> list[mx.array]:
+    """Rows x [M, K], RMS-normed by norm_w [K] (eps) where given, times each weight [N_i, K]
+    transposed -> [M, N_i] each: bitwise the norm's and the matmuls' results. See engine/cpu_ext.cpp."""
+    ext = module()
+    assert ext is not None, "serves() first"
+    return list(ext.norm_products(x, norm_w, eps, weights))
 
 
 def mlp_block(x: mx.array, out: mx.array, norm_w: mx.array, gate_w: mx.array, up_w: mx.array, down_w: mx.array,

@@ -39,6 +39,8 @@
 - "-cf0" / "-cf1": a decode step's and a verify's MLP block (residual add, norm, MLP, add) on the
   CPU in MLX's operations / in one operation of the engine's own (engine.cpu_ext.MLP; part of a
   layer's trace key);
+- "-cp0" / "-cp1": a mixer's input norm and projections on the CPU in MLX's operations / in one
+  operation of the engine's own (engine.cpu_ext.PRODUCTS; part of a layer's trace key);
 - "-cr0" / "-cr1": RoPE on the CPU through MLX's rope (compiled) / the engine's own operation
   (engine.cpu_ext.ROPE; read per call);
 - "-cm0" / "-cm1": an MTP chain draft on the CPU depth by depth in MLX's operations / in one
@@ -94,6 +96,7 @@ def _settings() -> dict[str, tuple[list[tuple[Any, str]], Callable[[str], tuple[
         "cm": ([(cpu_ext, "MTP_CHAIN")], on),
         "cr": ([(cpu_ext, "ROPE")], on),
         "cf": ([(cpu_ext, "MLP")], on),
+        "cp": ([(cpu_ext, "PRODUCTS")], on),
         "sr": ([(blas.SMALL_ROWS, "value")], lambda rest: (int(rest),)),
         "st": ([(blas.GEMM_THREADS, "value")], lambda rest: (int(rest),)),
     }

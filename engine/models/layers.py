@@ -123,6 +123,23 @@ def apply_rope(x: mx.array, rope: RopeSpec, offset: int | mx.array, batch: Batch
     return _rope(rows, rope, batch.positions).swapaxes(0, 2)
 
 
+def cpu_products(x: mx.array, modules: list[nn.Module]) -> bool:
+    """Whether a norm and the products that read it run as the engine's own CPU operation
+    (cpu_ext.norm_products, bitwise the operations' results): the switch on, rows [M, K] float32 on
+    the CPU, each module a plain Linear (no bias, not quantized, float32)."""
+    return cpu_ext.PRODUCTS and cpu_ext.serves(True, x) and x.ndim == 2 and all(
+        type(m) is Linear and "bias" not in m and m["weight"].dtype == mx.float32 for m in modules)
+
+
+def norm_then(flat: mx.array, modules: list[nn.Module], norm: RMSNorm | None) -> list[mx.array]:
+    """[m(norm(flat)) for m in modules]: in one CPU operation where cpu_products says so."""
+    if cpu_products(flat, modules):
+        return cpu_ext.norm_products(flat, [m["weight"] for m in modules], None if norm is None else norm.weight,
+                                     0.0 if norm is None else norm.eps)
+    flat = flat if norm is None else norm(flat)
+    return [m(flat) for m in modules]
+
+
 def cpu_rope(x: mx.array) -> bool:
     """Whether RoPE runs as the engine's own CPU operation: on the CPU in float32 where it is built,
     one graph node for MLX's rope's ~15 (compiled) in every attention layer of every step."""
@@ -269,8 +286,7 @@ class Attention(nn.Module):
         if "fused" in self:
             q, k, v = fused_qmm.project(self.fused, flat, norm=norm)
         else:
-            flat = flat if norm is None else norm(flat)
-            q, k, v = self.q_proj(flat), self.k_proj(flat), self.v_proj(flat)
+            q, k, v = norm_then(flat, [self.q_proj, self.k_proj, self.v_proj], norm)
         q = q.reshape(B, T, self.heads, -1)
         if self.output_gate:
             q, gate = mx.split(q, 2, axis=-1)

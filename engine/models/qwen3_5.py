@@ -22,7 +22,7 @@ from engine.kernels import select_gdn_core
 from engine.models import fused_qmm
 from engine.models.base import ModelArgs, decoder_fields
 from engine.models.fused import fuse_into
-from engine.models.layers import CHAIN, MLP, Attention, Batch, Mode, RMSNorm, RopeSpec
+from engine.models.layers import CHAIN, MLP, Attention, Batch, Mode, RMSNorm, RopeSpec, norm_then
 from engine.models.linear import Linear
 
 
@@ -120,8 +120,7 @@ class GatedDeltaNet(nn.Module):
         if "fused" in self:
             qkv, z, b, a = fused_qmm.project(self.fused, flat, norm=norm)
         else:
-            flat = flat if norm is None else norm(flat)
-            qkv, z, b, a = (p(flat) for p in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a))
+            qkv, z, b, a = norm_then(flat, [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a], norm)
         w = GDNWeights(self.conv1d.weight, self.A_log, self.dt_bias, self.conv1d.views)
         result: tuple[mx.array, ...]
         if mode == "tree" and fold:
@@ -171,8 +170,9 @@ def tree_arrays(batch: Batch) -> tuple[mx.array, ...]:
 # norm, the CPU's gates through 2^, an output of the last layer pending, projections fused with
 # the residual adds after them, and with the norms and SwiGLU before them: fused_qmm.wiring(), and
 # a GDN layer's token step, its tree verify, the RMS norms and the MLP block, in the CPU's own
-# operations: cpu_ext.GDN_STEP, cpu_ext.GDN_TREE, cpu_ext.NORMS, cpu_ext.MLP)
-TraceKey = tuple[Mode, bool, bool, bool, bool, bool, bool, bool, bool, bool, bool, bool, bool]
+# operations: cpu_ext.GDN_STEP, cpu_ext.GDN_TREE, cpu_ext.NORMS, cpu_ext.MLP, and the input norm
+# with the mixer's projections in one: cpu_ext.PRODUCTS)
+TraceKey = tuple[Mode, bool, bool, bool, bool, bool, bool, bool, bool, bool, bool, bool, bool, bool]
 
 
 class _Phases:
@@ -242,7 +242,8 @@ class DecoderLayer(nn.Module):
         # a trace per setting of the fused norms and of the CPU's gates (engine/cpu_exp.py), and
         # per input (the stream alone, or with the last layer's output pending)
         key: TraceKey = (mode, compiled, folding, *fused_norms.traces(), cpu_exp.POW_GATES, chained,
-                         *fused_qmm.wiring(), cpu_ext.GDN_STEP, cpu_ext.GDN_TREE, cpu_ext.NORMS, cpu_ext.MLP)
+                         *fused_qmm.wiring(), cpu_ext.GDN_STEP, cpu_ext.GDN_TREE, cpu_ext.NORMS, cpu_ext.MLP,
+                         cpu_ext.PRODUCTS)
         if key not in self._phases.by_mode:
             before, after = self._pure_functions(mode)
             if compiled:
@@ -276,10 +277,16 @@ class DecoderLayer(nn.Module):
             m = self.mlp(normed)
             return (h, m) if fused else (h + m,)
 
+        # the input norm inside the mixer's projections' operation (layers.norm_then) where nothing
+        # is pending: one CPU operation for the norm and its products
+        norm_inside = not fused and cpu_ext.PRODUCTS
+
         if self.is_attention:
             attn = self.self_attn
 
             def project(x: mx.array, pending: Pending) -> list[mx.array]:
+                if norm_inside and not pending:
+                    return [x, *attn.project(x, norm=self.input_layernorm)]
                 x, normed = start(x, pending)
                 return [x, *attn.project(normed)]
 
@@ -291,8 +298,11 @@ class DecoderLayer(nn.Module):
 
         def layer(x: mx.array, pending: Pending, conv_state: mx.array, S: mx.array, tree: tuple[mx.array, ...],
                   levels: int, fold: tuple[mx.array, ...] = ()):
-            x, normed = start(x, pending)
-            out, result = gdn.forward(mode, normed, conv_state, S, tree, levels, fold, gated)
+            if norm_inside and not pending:
+                out, result = gdn.forward(mode, x, conv_state, S, tree, levels, fold, gated, norm=self.input_layernorm)
+            else:
+                x, normed = start(x, pending)
+                out, result = gdn.forward(mode, normed, conv_state, S, tree, levels, fold, gated)
             return finish(x, out), result
 
         return layer, _identity
