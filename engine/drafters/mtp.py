@@ -7,7 +7,9 @@ proposal the rows of the positions committed since the last one are appended in 
 whose last row (the root's token with the last committed hidden state) already gives the
 marginal of depth 1; deeper steps feed the head its own output and the top-1 token, in rows past
 the committed ones that the draft drops again (engine/drafters/mtp_steps.py: compiled, or the
-plain twin through the head's cache).
+plain twin through the head's cache). On the CPU the catch-up and every depth of a draft run as
+one operation of the engine's own where it is built for the head (CpuChain), the loop over the
+steps being its twin.
 
 Each depth costs a head pass and a target lm_head pass, most of the drafting time, so the draft
 stops early where deeper depths could not matter: once the top-1 path's probability under the

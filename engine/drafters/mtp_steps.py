@@ -240,7 +240,7 @@ class CpuChain:
             y, self.embed, self.lm, self.vocab_ids, self.weights, cache.keys, cache.values, cache.offset,
             heads=self.heads, head_dim=self.head_dim, rope_dims=self.rope_dims, rope_base=self.rope_base,
             eps=self.eps, scale=self.scale, k=min(k, self.lm.shape[0]), depth=depth,
-            log_min_path=max(log_min_path, -3.0e38), rows=rows)
+            log_min_path=log_min_path, rows=rows)
 
     @staticmethod
     def _kept(ids: mx.array, logp: mx.array, reached: mx.array) -> tuple[np.ndarray, np.ndarray]:
