@@ -7,7 +7,8 @@
 // ("mlx"), so it takes and returns mx.array.
 //
 // The operations: rows_attention and draft_attention (below), the GDN core's gdn_step, gdn_tree and
-// gdn_commit (engine/gdn/core.py CpuCore; their own comment further down), rms_norm. Each is held
+// gdn_commit (engine/gdn/core.py CpuCore; their own comment further down), rms_norm, rope,
+// norm_products, mlp_block and the MTP head's mtp_chain (each with its comment). Each is held
 // to its twin in MLX's operations by the tests, and each computes a row the same way whatever the
 // other rows of the call are. Built with -ffp-contract=off (engine/cpu_ext.py), so a product and a
 // sum are rounded apart wherever they appear, as those invariances need.
