@@ -958,22 +958,26 @@ mx::array rope(const mx::array& x, int dims, float base, const mx::array& offset
 using sgemm_fn = void (*)(int, int, int, int, int, int, float, const float*, int, const float*, int, float, float*,
                           int);
 
-// out [N] = W [N, K] times one row x [K]: as MLX multiplies x @ W.T on the CPU (cblas_sgemm, B
-// transposed), where a BLAS is in the process; else a plain loop.
-void row_times(const float* x, const float* W, int N, int K, float* out) {
+// out [M, N] = A [M, K] times W [N, K] transposed: as MLX multiplies x @ W.T on the CPU
+// (cblas_sgemm, B transposed), where a BLAS is in the process; else a plain loop.
+void rows_times(const float* A, const float* W, int M, int N, int K, float* out) {
   static sgemm_fn fn = reinterpret_cast<sgemm_fn>(dlsym(RTLD_DEFAULT, "cblas_sgemm"));
   if (fn != nullptr) {
-    fn(101, 111, 112, 1, N, K, 1.0f, x, K, W, K, 0.0f, out, N);  // row-major, A as is, B transposed
+    fn(101, 111, 112, M, N, K, 1.0f, A, K, W, K, 0.0f, out, N);  // row-major, A as is, B transposed
     return;
   }
-  for (int n = 0; n < N; ++n) {
-    float acc = 0.0f;
-    for (int k = 0; k < K; ++k) {
-      acc += x[k] * W[(int64_t)n * K + k];
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t n = 0; n < N; ++n) {
+      float acc = 0.0f;
+      for (int64_t k = 0; k < K; ++k) {
+        acc += A[m * K + k] * W[n * K + k];
+      }
+      out[m * N + n] = acc;
     }
-    out[n] = acc;
   }
 }
+
+inline void row_times(const float* x, const float* W, int N, int K, float* out) { rows_times(x, W, 1, N, K, out); }
 
 // ---- a layer's MLP block ----------------------------------------------------------------------
 //
@@ -985,15 +989,27 @@ void row_times(const float* x, const float* W, int N, int K, float* out) {
 // the GDN conv's form (2^ in 16 lanes). So a row's result does not depend on the other rows
 // (tests/engine/test_cpu_mlp.py).
 
-// out [M, N] = A [M, K] times W [N, K] transposed, as row_times for M rows.
-void rows_times(const float* A, const float* W, int M, int N, int K, float* out) {
-  static sgemm_fn fn = reinterpret_cast<sgemm_fn>(dlsym(RTLD_DEFAULT, "cblas_sgemm"));
-  if (fn != nullptr) {
-    fn(101, 111, 112, M, N, K, 1.0f, A, K, W, K, 0.0f, out, N);
-    return;
+// y = h + down(SiLU(gate(n)) * up(n)) for M rows h [M, H], n = h's RMS norm (norm_w, eps); gate,
+// up [I, H], down [H, I]. y may be h.
+void mlp_rows(const float* h, int M, int H, int I, const float* norm_w, const float* gate_w, const float* up_w,
+              const float* down_w, float eps, float* y) {
+  std::vector<float> n((size_t)M * H), g((size_t)M * I), u((size_t)M * I), d((size_t)M * H);
+  for (int r = 0; r < M; ++r) {
+    rms_row(h + (int64_t)r * H, norm_w, H, eps, n.data() + (int64_t)r * H);
   }
-  for (int m = 0; m < M; ++m) {
-    row_times(A + (int64_t)m * K, W, N, K, out + (int64_t)m * N);
+  rows_times(n.data(), gate_w, M, I, H, g.data());
+  rows_times(n.data(), up_w, M, I, H, u.data());
+  size_t i = 0;
+  for (; i + 16 <= g.size(); i += 16) {  // SiLU(gate) * up
+    const v16 v = *(const v16u*)(g.data() + i);
+    *(v16u*)(g.data() + i) = v / (1.0f + exp2_any(-v * LOG2E)) * *(const v16u*)(u.data() + i);
+  }
+  for (; i < g.size(); ++i) {
+    g[i] = g[i] / (1.0f + exp2f(-g[i] * LOG2E)) * u[i];
+  }
+  rows_times(g.data(), down_w, M, H, I, d.data());
+  for (size_t j = 0; j < d.size(); ++j) {
+    y[j] = h[j] + d[j];
   }
 }
 
@@ -1012,28 +1028,11 @@ mx::array mlp_block(const mx::array& x, const mx::array& out, const mx::array& n
   auto body = [H, I, M, eps](std::vector<mx::array>& ins, std::vector<mx::array>& outs) {
     const DenseInputs in(ins);
     const float *x = in(0), *o = in(1), *norm_w = in(2), *gate_w = in(3), *up_w = in(4), *down_w = in(5);
-    float* y = outs[0].data<float>();
-    std::vector<float> h((size_t)M * H), n((size_t)M * H), g((size_t)M * I), u((size_t)M * I), d((size_t)M * H);
+    std::vector<float> h((size_t)M * H);
     for (size_t i = 0; i < h.size(); ++i) {
       h[i] = x[i] + o[i];
     }
-    for (int r = 0; r < M; ++r) {
-      rms_row(h.data() + (int64_t)r * H, norm_w, H, eps, n.data() + (int64_t)r * H);
-    }
-    rows_times(n.data(), gate_w, M, I, H, g.data());
-    rows_times(n.data(), up_w, M, I, H, u.data());
-    size_t i = 0;
-    for (; i + 16 <= g.size(); i += 16) {  // SiLU(gate) * up
-      const v16 v = *(const v16u*)(g.data() + i);
-      *(v16u*)(g.data() + i) = v / (1.0f + exp2_any(-v * LOG2E)) * *(const v16u*)(u.data() + i);
-    }
-    for (; i < g.size(); ++i) {
-      g[i] = g[i] / (1.0f + exp2f(-g[i] * LOG2E)) * u[i];
-    }
-    rows_times(g.data(), down_w, M, H, I, d.data());
-    for (size_t j = 0; j < h.size(); ++j) {
-      y[j] = h[j] + d[j];
-    }
+    mlp_rows(h.data(), M, H, I, norm_w, gate_w, up_w, down_w, eps, outs[0].data<float>());
   };
   return cpu_op("MlpBlock", x.shape(), body, {x, out, norm_w, gate_w, up_w, down_w});
 }
@@ -1081,9 +1080,8 @@ std::vector<mx::array> norm_products(const mx::array& x, const std::optional<mx:
       a = rows.data();
     }
     for (int i = 0; i < n_weights; ++i) {
-      std::vector<float> w_tmp;
-      const float* w = ins[1 + i].flags().row_contiguous ? ins[1 + i].data<float>() : dense(ins[1 + i], w_tmp);
-      rows_times(a, w, M, outs[i].shape(1), K, outs[i].data<float>());
+      std::vector<float> w_tmp;  // in place where contiguous: the registered weight's own address
+      rows_times(a, dense(ins[1 + i], w_tmp), M, outs[i].shape(1), K, outs[i].data<float>());
     }
   };
   std::vector<mx::Dtype> dtypes(weights.size(), mx::float32);
@@ -1110,12 +1108,14 @@ struct MtpHead {
   int S;
 };
 
-// RoPE of one head's row at position pos, over the first rope_dims (rope's arithmetic, below).
-void rope_row(const MtpHead& m, float* x, int pos) {
-  std::vector<float> c(m.rope_dims / 2), sn(m.rope_dims / 2);
-  rope_angles(pos, m.rope_dims / 2, m.rope_base, c.data(), sn.data());
-  rotate_half(x, m.rope_dims / 2, c.data(), sn.data());
-}
+// A row's RoPE angles (rope's arithmetic, above), taken once for all its heads.
+struct RowAngles {
+  std::vector<float> c, s;
+  RowAngles(const MtpHead& m, int pos) : c(m.rope_dims / 2), s(m.rope_dims / 2) {
+    rope_angles(pos, m.rope_dims / 2, m.rope_base, c.data(), s.data());
+  }
+  void rotate(float* head_row) const { rotate_half(head_row, (int)c.size(), c.data(), s.data()); }
+};
 
 // The fc input of a row: [pre-fc norm of the token's embedding; pre-fc norm of the hidden state]
 // -> fc -> x [H].
@@ -1126,10 +1126,11 @@ void fc_in(const MtpHead& m, int token, const float* hidden, float* x) {
   row_times(cat.data(), m.fc, m.H, 2 * m.H, x);
 }
 
-// A row's K/V from its fc output x (input norm, projections, k norm, RoPE at pos) into rows s of
-// the head's own rows; the query-and-gate projection into qg where given.
-void row_kv(MtpHead& m, const float* x, int pos, int s, float* n, float* qg) {
+// A row's K/V from its fc output x (input norm, projections, k norm, RoPE) into row s of the
+// head's own rows (position length + s); the query-and-gate projection into qg where given.
+void row_kv(MtpHead& m, const float* x, int s, float* n, float* qg) {
   const int H = m.H, D = m.D, KD = m.kv_heads * D;
+  const RowAngles angles(m, m.length + s);
   std::vector<float> k(KD), v(KD);
   rms_row(x, m.in_norm, H, m.eps, n);
   if (qg != nullptr) {
@@ -1140,20 +1141,21 @@ void row_kv(MtpHead& m, const float* x, int pos, int s, float* n, float* qg) {
   for (int hd = 0; hd < m.kv_heads; ++hd) {
     float* kr = m.sk.data() + ((int64_t)hd * m.S + s) * D;
     rms_row(k.data() + (int64_t)hd * D, m.k_norm, D, m.eps, kr);
-    rope_row(m, kr, pos);
+    angles.rotate(kr);
     std::memcpy(m.sv.data() + ((int64_t)hd * m.S + s) * D, v.data() + (int64_t)hd * D, sizeof(float) * D);
   }
 }
 
-// The rest of the head's row after its K/V (row s of the head's own rows, at position pos): the
-// attention over the cache's committed rows and the own rows 0..s, the output gate and
-// projection, the MLP -> y_out [H] (final-normed).
-void row_rest(MtpHead& m, const float* x, const float* qg, int pos, int s, float* y_out) {
+// The rest of the head's row after its K/V (row s of the head's own rows): the attention over the
+// cache's committed rows and the own rows 0..s, the output gate and projection, the MLP block
+// (mlp_block's arithmetic) -> y_out [H] (final-normed).
+void row_rest(MtpHead& m, const float* x, const float* qg, int s, float* y_out) {
   const int H = m.H, D = m.D, QD = m.heads * D;
-  std::vector<float> q(QD), att(QD), h(H), n(H), mlp_g(m.I), mlp_u(m.I), mo(H);
+  const RowAngles angles(m, m.length + s);
+  std::vector<float> q(QD), att(QD), h(H), mo(H);
   for (int hd = 0; hd < m.heads; ++hd) {  // per head [query | gate]: the query normed and rotated
     rms_row(qg + (int64_t)hd * 2 * D, m.q_norm, D, m.eps, q.data() + (int64_t)hd * D);
-    rope_row(m, q.data() + (int64_t)hd * D, pos);
+    angles.rotate(q.data() + (int64_t)hd * D);
   }
   AttentionJob job;  // one row over the committed rows and the own rows 0..s
   job.H = m.heads, job.N = 1, job.D = D, job.Hkv = m.kv_heads, job.scale = m.scale, job.prefix = m.length;
@@ -1177,16 +1179,7 @@ void row_rest(MtpHead& m, const float* x, const float* qg, int pos, int s, float
   for (int i = 0; i < H; ++i) {
     h[i] = x[i] + mo[i];
   }
-  rms_row(h.data(), m.post_norm, H, m.eps, n.data());
-  row_times(n.data(), m.gate, m.I, H, mlp_g.data());
-  row_times(n.data(), m.up, m.I, H, mlp_u.data());
-  for (int i = 0; i < m.I; ++i) {  // silu(gate) * up
-    mlp_g[i] = mlp_g[i] * sigmoid1(mlp_g[i]) * mlp_u[i];
-  }
-  row_times(mlp_g.data(), m.down, H, m.I, mo.data());
-  for (int i = 0; i < H; ++i) {
-    h[i] += mo[i];
-  }
+  mlp_rows(h.data(), 1, H, m.I, m.post_norm, m.gate, m.up, m.down, m.eps, h.data());
   rms_row(h.data(), m.final_norm, H, m.eps, y_out);
 }
 
@@ -1195,9 +1188,8 @@ void row_rest(MtpHead& m, const float* x, const float* qg, int pos, int s, float
 void mtp_row(MtpHead& m, int token, const float* y, int s, float* y_out) {
   std::vector<float> x(m.H), n(m.H), qg(2 * m.heads * m.D);
   fc_in(m, token, y, x.data());
-  const int pos = m.length + s;
-  row_kv(m, x.data(), pos, s, n.data(), qg.data());
-  row_rest(m, x.data(), qg.data(), pos, s, y_out);
+  row_kv(m, x.data(), s, n.data(), qg.data());
+  row_rest(m, x.data(), qg.data(), s, y_out);
 }
 
 // A depth's read of the head's output y: the lm_head's logits, their top k (most likely first; a
@@ -1306,9 +1298,9 @@ std::vector<mx::array> mtp_chain(const mx::array& y, const mx::array& embed, con
       for (int t = 0; t < T; ++t) {
         const int token = std::clamp(tokens[t], 0, V - 1);
         fc_in(m, token, hidden + (int64_t)t * H, x.data());
-        row_kv(m, x.data(), m.length + t, t, n.data(), t + 1 == T ? qg.data() : nullptr);
+        row_kv(m, x.data(), t, n.data(), t + 1 == T ? qg.data() : nullptr);
       }
-      row_rest(m, x.data(), qg.data(), m.length + T - 1, T - 1, cur.data());
+      row_rest(m, x.data(), qg.data(), T - 1, cur.data());
       for (int hd = 0; hd < Hkv; ++hd) {  // the catch-up's K/V rows out, [1, Hkv, T, D]
         std::memcpy(outs[3].data<float>() + (int64_t)hd * T * D, m.sk.data() + (int64_t)hd * m.S * D,
                     sizeof(float) * T * D);
