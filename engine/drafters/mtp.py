@@ -149,15 +149,23 @@ class MTPDrafter:
         """The catch-up and the draft in one CPU operation (CpuChain.draft_after), where it serves
         and there are at most CATCH_UP_IN_ONE rows to catch up on; else None (the catch-up in MLX's
         operations, then _draft)."""
-        if self.cpu_chain is None or not cpu_ext.MTP_CHAIN or self.features is None:
+        if self.features is None:
             return None
         done, committed = self.cache[0].offset, self.features.length
-        if not 0 < done < committed <= done + CATCH_UP_IN_ONE:
+        chain = self._catching_up_in_one(done, committed) if committed > done else None
+        if chain is None:
             return None
         tokens = mx.array(self.tokens[done + 1 : committed + 1], dtype=mx.int32)
-        ids, logp, self.last = self.cpu_chain.draft_after(tokens, self._hidden(done, committed)[0], self.cache[0],
-                                                          depth, k, self.log_min_path)
+        ids, logp, self.last = chain.draft_after(tokens, self._hidden(done, committed)[0], self.cache[0], depth, k,
+                                                 self.log_min_path)
         return Marginals(ids.astype(np.int64), logp.astype(np.float64))
+
+    def _catching_up_in_one(self, done: int, committed: int) -> CpuChain | None:
+        """The CPU's one operation (CpuChain) where it takes the catch-up of positions [done,
+        committed): it serves this head, the prompt's rows are in, and there are few enough."""
+        if cpu_ext.MTP_CHAIN and 0 < done and committed - done <= CATCH_UP_IN_ONE:
+            return self.cpu_chain
+        return None
 
     def chain_depth(self, max_depth: int) -> int | None:
         return min(max_depth, self.config.max_steps) if self.build is chain_builder else None
@@ -192,9 +200,10 @@ class MTPDrafter:
             return None
         known = mx.array([self.tokens[done + 1 : committed]], dtype=mx.int32)
         ids = mx.concatenate([known, root.reshape(1, 1).astype(mx.int32)], axis=1)
-        if self.cpu_chain is not None and cpu_ext.MTP_CHAIN and 0 < done and committed - done <= CATCH_UP_IN_ONE:
+        chain = self._catching_up_in_one(done, committed)
+        if chain is not None:
             # the catch-up and its row's argmax in one CPU operation, lazy like the rest
-            guess, self.last = self.cpu_chain.guess_after(ids[0], self._hidden(done, committed)[0], self.cache[0])
+            guess, self.last = chain.guess_after(ids[0], self._hidden(done, committed)[0], self.cache[0])
             return guess
         self.last = self.head.append(self.embed(ids), self._hidden(done, committed), self.cache)
         token = mx.argmax(self.logits(self.last)[0, 0])

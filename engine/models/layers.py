@@ -131,6 +131,16 @@ def cpu_products(x: mx.array, modules: list[nn.Module]) -> bool:
         type(m) is Linear and "bias" not in m and m["weight"].dtype == mx.float32 for m in modules)
 
 
+def cpu_mlp(mlp: MLP, norm: RMSNorm) -> bool:
+    """Whether a layer's MLP block (its residual add, `norm`, the MLP and the add after it) runs as
+    the engine's own CPU operation (cpu_ext.mlp_block): the switch on, on the CPU where it is built,
+    float32 Linear projections without bias, not fused."""
+    if not cpu_ext.MLP or mx.default_device() != mx.cpu or cpu_ext.module() is None or "fused" in mlp:
+        return False
+    return all(type(p) is Linear and "bias" not in p and p["weight"].dtype == mx.float32
+               for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)) and norm.weight.dtype == mx.float32
+
+
 def norm_then(flat: mx.array, modules: list[nn.Module], norm: RMSNorm | None) -> list[mx.array]:
     """[m(norm(flat)) for m in modules]: in one CPU operation where cpu_products says so."""
     if cpu_products(flat, modules):

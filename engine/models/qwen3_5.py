@@ -22,7 +22,7 @@ from engine.kernels import select_gdn_core
 from engine.models import fused_qmm
 from engine.models.base import ModelArgs, decoder_fields
 from engine.models.fused import fuse_into
-from engine.models.layers import CHAIN, MLP, Attention, Batch, Mode, RMSNorm, RopeSpec, norm_then
+from engine.models.layers import CHAIN, MLP, Attention, Batch, Mode, RMSNorm, RopeSpec, cpu_mlp, norm_then
 from engine.models.linear import Linear
 
 
@@ -262,7 +262,7 @@ class DecoderLayer(nn.Module):
                 return x, self.input_layernorm(x)
             return residual_norm(x, pending[0], self.input_layernorm, fused)
 
-        one_block = not fused and mode != "chain" and self.cpu_mlp_block()
+        one_block = not fused and mode != "chain" and cpu_mlp(self.mlp, self.post_attention_layernorm)
 
         def finish(x: mx.array, out: mx.array) -> tuple[mx.array, ...]:
             """The residual add of the mixer's output, then the MLP on its norm -> the stream, with
@@ -306,16 +306,6 @@ class DecoderLayer(nn.Module):
             return finish(x, out), result
 
         return layer, _identity
-
-    def cpu_mlp_block(self) -> bool:
-        """Whether the MLP block can run as the CPU's one operation (cpu_ext.MLP on, built): plain
-        float32 Linear projections without bias, not fused."""
-        mlp = self.mlp
-        if not cpu_ext.MLP or mx.default_device() != mx.cpu or cpu_ext.module() is None or "fused" in mlp:
-            return False
-        projections = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-        return all(type(p) is Linear and "bias" not in p and p.weight.dtype == mx.float32 for p in projections) \
-            and self.post_attention_layernorm.weight.dtype == mx.float32
 
     def _qmm_fused_functions(self, mode: Mode, gated: bool) -> tuple[Callable[..., Any], Callable[..., Any]]:
         """The layer with each norm in the launch of the projection after it and each residual add
