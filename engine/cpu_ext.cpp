@@ -8,10 +8,11 @@
 //
 // The operations: rows_attention and draft_attention (below), the GDN core's gdn_step, gdn_tree and
 // gdn_commit (engine/gdn/core.py CpuCore; their own comment further down), rms_norm, rope,
-// norm_products, mlp_block and the MTP head's mtp_chain (each with its comment). Each is held
-// to its twin in MLX's operations by the tests, and each computes a row the same way whatever the
-// other rows of the call are. Built with -ffp-contract=off (engine/cpu_ext.py), so a product and a
-// sum are rounded apart wherever they appear, as those invariances need.
+// norm_products, mlp_block, the MTP head's mtp_chain and the sampler's choose_rows (each with its
+// comment). Each is held to its twin in MLX's operations by the tests, and each computes a row the
+// same way whatever the other rows of the call are. Built with -ffp-contract=off
+// (engine/cpu_ext.py), so a product and a sum are rounded apart wherever they appear, as those
+// invariances need.
 //
 // rows_attention: attention of a few query rows (a decode step, a verify's tree) over a K/V cache
 // in one operation. In MLX operations it is a product, a maximum, an exponential pass, a sum, a
@@ -1340,6 +1341,138 @@ std::vector<mx::array> mtp_chain(const mx::array& y, const mx::array& embed, con
                                 std::make_shared<CpuPrimitive>(s, "MtpChain", body), std::move(inputs));
 }
 
+// choose_rows: each row's token, chosen as engine/device_sampler.py's choose does in MLX's
+// operations, and where asked the target's top-token probability of each row (its
+// top_probability), in one operation. In MLX's operations the two are ~13 graph nodes, each a pass
+// over the vocabulary with its own scheduling: ~180 us a decode step on the dev CPU, a tenth of the
+// step, where these passes take ~25.
+// - greedy (temperature 0): the first largest logit, as MLX's argmax;
+// - sampled: p = 2^(((x - max) / t) log2 e) (without the division at t = 1), its running sum in
+//   vocabulary order (MLX's cumsum on the CPU: a sequential sum), the first token whose running sum
+//   passes u * total, the last token with p > 0 where rounding runs past the end. The same
+//   arithmetic step for step, powf through whatever `powf` the process resolves (the engine's
+//   exp2 shim where it is preloaded, engine/exp2_shim.c), as MLX's power reaches it: the same
+//   tokens bit for bit (tests/engine/test_cpu_choose.py). Top-k, top-p and min-p cuts stay in
+//   MLX's operations (engine/device_sampler.py does not call this with them).
+// - top: 1 / sum(2^((r - max) log2 e)) over the row of `raw` (the logits before bias and
+//   penalties), summed in order where MLX's reduction sums in lanes: the same value within float32
+//   rounding. It steers only the tree-size controller (engine/spec_gate.py), never a token.
+using powf_fn = float (*)(float, float);
+
+powf_fn process_powf() {
+  static const powf_fn fn = [] {
+    void* sym = dlsym(RTLD_DEFAULT, "powf");
+    return sym != nullptr ? reinterpret_cast<powf_fn>(sym) : static_cast<powf_fn>(::powf);
+  }();
+  return fn;
+}
+
+constexpr float LOG2E_F = 1.4426950408889634f;  // MLX multiplies a float32 array by the float32 of log2 e
+
+inline float row_max(const float* x, int V) {
+  float m = x[0];
+  for (int i = 1; i < V; ++i) {
+    m = x[i] > m ? x[i] : m;
+  }
+  return m;
+}
+
+// The running sum's total of 2^(((x - m) / t) log2 e) into p (t = 1: no division), in order.
+float shifted_powers(const float* x, int V, float m, float t, float* p) {
+  const powf_fn pw = process_powf();
+  float total = 0.0f;
+  for (int i = 0; i < V; ++i) {
+    const float y = t == 1.0f ? (x[i] - m) * LOG2E_F : ((x[i] - m) / t) * LOG2E_F;
+    p[i] = pw(2.0f, y);
+    total = i == 0 ? p[i] : total + p[i];
+  }
+  return total;
+}
+
+int32_t choose_row(const float* x, int V, float t, float u, std::vector<float>& p, float* top_total) {
+  const float m = row_max(x, V);
+  if (t <= 0.0f) {
+    int best = 0;
+    for (int i = 1; i < V; ++i) {
+      best = x[i] > x[best] ? i : best;
+    }
+    return best;
+  }
+  const float total = shifted_powers(x, V, m, t, p.data());
+  if (t == 1.0f && top_total != nullptr) {
+    *top_total = total;
+  }
+  const float threshold = u * total;
+  float run = 0.0f;
+  for (int i = 0; i < V; ++i) {
+    run = i == 0 ? p[i] : run + p[i];
+    if (run > threshold) {
+      return i;
+    }
+  }
+  for (int i = V - 1; i > 0; --i) {  // rounding ran past the end: the last live token
+    if (p[i] > 0.0f) {
+      return i;
+    }
+  }
+  return p[0] > 0.0f ? 0 : V - 1;
+}
+
+std::vector<mx::array> choose_rows(const mx::array& logits, const std::optional<mx::array>& uniforms, float temperature,
+                                   const std::optional<mx::array>& raw) {
+  check_f32("choose_rows", {&logits});
+  if (logits.ndim() != 2 || logits.shape(1) < 1) {
+    throw std::invalid_argument("choose_rows: logits must be [N, V]");
+  }
+  const int N = logits.shape(0), V = logits.shape(1);
+  const bool sampled = temperature > 0.0f;
+  if (sampled && (!uniforms || uniforms->dtype() != mx::float32 || uniforms->size() != (size_t)N)) {
+    throw std::invalid_argument("choose_rows: a sampled choice needs float32 uniforms [N]");
+  }
+  if (raw && (raw->dtype() != mx::float32 || raw->shape() != logits.shape())) {
+    throw std::invalid_argument("choose_rows: raw must be float32 and shaped as logits");
+  }
+  std::vector<mx::array> inputs = {logits};
+  if (sampled) {
+    inputs.push_back(*uniforms);
+  }
+  const bool top = raw.has_value();
+  // the same array for both (no bias, no penalties): its total at t = 1 is the top's sum too
+  const bool same = top && raw->id() == logits.id();
+  if (top && !same) {
+    inputs.push_back(*raw);
+  }
+  auto body = [N, V, temperature, sampled, top, same](std::vector<mx::array>& ins, std::vector<mx::array>& outs) {
+    const DenseInputs in(ins);
+    const float* x = in(0);
+    const float* u = sampled ? in(1) : nullptr;
+    const float* r = !top ? nullptr : same ? x : in(sampled ? 2 : 1);
+    int32_t* ids = outs[0].data<int32_t>();
+    std::vector<float> p(V);
+    for (int n = 0; n < N; ++n) {
+      float total = -1.0f;
+      const float* row = x + (int64_t)n * V;
+      ids[n] = choose_row(row, V, temperature, sampled ? u[n] : 0.0f, p, same ? &total : nullptr);
+      if (top) {
+        const float* rr = r + (int64_t)n * V;
+        if (total < 0.0f) {
+          total = shifted_powers(rr, V, row_max(rr, V), 1.0f, p.data());
+        }
+        outs[1].data<float>()[n] = 1.0f / total;
+      }
+    }
+  };
+  auto s = mx::default_stream(mx::Device::cpu);
+  std::vector<mx::Shape> shapes = {{N}};
+  std::vector<mx::Dtype> dtypes = {mx::int32};
+  if (top) {
+    shapes.push_back({N});
+    dtypes.push_back(mx::float32);
+  }
+  return mx::array::make_arrays(std::move(shapes), std::move(dtypes),
+                                std::make_shared<CpuPrimitive>(s, "ChooseRows", body), std::move(inputs));
+}
+
 }  // namespace
 
 NB_MODULE(spruce_cpu_ext, m) {
@@ -1367,4 +1500,7 @@ NB_MODULE(spruce_cpu_ext, m) {
         nb::arg("rope_dims"), nb::arg("rope_base"), nb::arg("eps"), nb::arg("scale"), nb::arg("k"), nb::arg("depth"),
         nb::arg("log_min_path"), "An MTP head's chain draft, every depth in one CPU operation (after its catch-up where rows are given) "
         "-> [ids, logp, depths] (+ [keys, values, y] of the catch-up).");
+  m.def("choose_rows", &choose_rows, nb::arg("logits"), nb::arg("uniforms").none(), nb::arg("temperature"),
+        nb::arg("raw").none(), "Each row's token (greedy or the seeded draw) and, where raw is given, its top-token "
+        "probability, in one CPU operation -> [ids] (+ [top]).");
 }

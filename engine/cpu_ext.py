@@ -12,7 +12,9 @@ they take and return mx.array and join MLX's graphs (mx.compile included):
 - `mlp_block`: a decoder layer's residual add, norm and MLP (engine/models/qwen3_5.py);
 - `norm_products`: a mixer's input norm and the products that read it (qwen3_5.py, layers.py);
 - `mtp_chain`: an MTP head's chain draft, every depth in one operation (engine/drafters/mtp_steps.py
-  CpuChain).
+  CpuChain);
+- `choose_rows`: each row's token, greedy or the seeded draw, and the target's top-token probability
+  (engine/device_sampler.py).
 Each has a module switch below (scripts/variants.py names them) and a twin in MLX's operations that
 its tests hold it to (tests/engine/test_cpu_*.py).
 
@@ -74,6 +76,9 @@ ROPE = True
 # module switch, read when an MTP drafter is made: False = its chains drafted depth by depth in
 # MLX's operations (engine/drafters/mtp_steps.py CompiledDepths; variant cm0)
 MTP_CHAIN = True
+# module switch, read per call: False = the sampler's choice and top-token probability in MLX's
+# operations (engine/device_sampler.py; variant cs0)
+CHOOSE = True
 
 log = logging.getLogger("spruce")
 _lock = threading.Lock()
@@ -321,3 +326,14 @@ def mtp_chain(y: mx.array, embed: mx.array, lm: mx.array, vocab_ids: mx.array | 
     return tuple(ext.mtp_chain(y.reshape(-1), embed, lm, vocab_ids, weights, keys, values,
                                mx.array([length], dtype=mx.int32), ids, hidden, heads, head_dim, rope_dims,
                                rope_base, eps, scale, k, depth, log_min_path))
+
+
+def choose_rows(logits: mx.array, uniforms: mx.array | None, temperature: float,
+                raw: mx.array | None = None) -> tuple[mx.array, mx.array | None]:
+    """logits [N, V] float32 -> (int32 [N] each row's token: the argmax at temperature 0, else the
+    draw at `uniforms` [N] as engine/device_sampler.py's choose without cuts; and, where `raw`
+    [N, V] is given, float32 [N] its rows' top-token probability, else None). See engine/cpu_ext.cpp."""
+    ext = module()
+    assert ext is not None, "serves() first"
+    out = ext.choose_rows(logits, uniforms, float(temperature), raw)
+    return out[0], (out[1] if raw is not None else None)

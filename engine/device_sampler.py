@@ -20,8 +20,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import mlx.core as mx
+import numpy as np
 
-from engine import cpu_exp
+from engine import cpu_exp, cpu_ext
 from engine.config import SamplingParams
 from engine.sampler import position_uniform
 
@@ -33,6 +34,32 @@ def node_uniforms(seed: int, positions: Iterable[int]) -> mx.array:
 
 def choose(logits: mx.array, params: SamplingParams, uniforms: mx.array | None) -> mx.array:
     """logits [N, V] -> int32 [N]: argmax when greedy, else the seeded draw at `uniforms` [N]."""
+    return choose_and_top(logits, params, uniforms)[0]
+
+
+def choose_and_top(logits: mx.array, params: SamplingParams, uniforms: mx.array | None,
+                   raw: mx.array | None = None) -> tuple[mx.array, mx.array | None]:
+    """choose(), and where `raw` (the logits before bias and penalties; `logits` itself without
+    them) is given its rows' top_probability, else None. On the CPU, for float32 logits and no
+    top_k / top_p / min_p cut, both in one operation of the engine's own (engine/cpu_ext.cpp
+    choose_rows: the same tokens, bit for bit, at a tenth of MLX's operations' scheduling)."""
+    if _one_operation(logits, params, raw):
+        temperature = 0.0 if params.greedy else params.temperature
+        return cpu_ext.choose_rows(logits, uniforms, temperature, raw)
+    return _choose_ops(logits, params, uniforms), None if raw is None else top_probability(raw)
+
+
+def _one_operation(logits: mx.array, params: SamplingParams, raw: mx.array | None) -> bool:
+    """Whether choose_rows serves this choice: float32 on the CPU with 2^ for exp (its arithmetic is
+    that path's), no cut, and a temperature that float32 does not round to 0."""
+    plain = params.greedy or (params.top_k <= 0 or params.top_k >= logits.shape[-1]) and params.top_p >= 1.0 \
+        and params.min_p <= 0.0 and float(np.float32(params.temperature)) > 0.0
+    arrays = (logits,) if raw is None else (logits, raw)
+    return plain and logits.ndim == 2 and cpu_exp.POW_EXP and cpu_ext.serves(cpu_ext.CHOOSE, *arrays)
+
+
+def _choose_ops(logits: mx.array, params: SamplingParams, uniforms: mx.array | None) -> mx.array:
+    """choose() in MLX's operations (the twin of choose_rows; every backend, every cut)."""
     if params.greedy:
         return mx.argmax(logits, axis=-1).astype(mx.int32)
     assert uniforms is not None

@@ -313,16 +313,16 @@ class Rounds:
         committed_len = self.seq.covered
         logits = forward.verify(self.model, self.cache, tree, committed_len, tokens=tokens)
         tree_tokens = tokens if tokens is not None and tree.size > 1 else None  # a one-node tree's root: no tree
-        choices = None
+        choices = top = None
         if self.on_device and not (self.draw_visited and tree.size > 1):
             positions = committed_len + tree.depths + 1  # the index each node's token will take
             uniforms = None if self.params.greedy else device_sampler.node_uniforms(self.seed, positions)
-            choices = device_sampler.choose(self._adjusted(logits, tree, tree_tokens), self.params, uniforms)
+            wants_top = self.confides and (
+                TOP_ON_DEVICE if TOP_ON_DEVICE is not None else tree.size == 1 or not self.top_on_cpu)
+            choices, top = device_sampler.choose_and_top(self._adjusted(logits, tree, tree_tokens), self.params,
+                                                         uniforms, logits if wants_top else None)
         committed = tree.size == 1 and choices is not None
-        flight = InFlight(tree, committed_len, logits, choices, committed, t0, draft_ms, tokens=tree_tokens)
-        if self.confides and choices is not None and (
-                TOP_ON_DEVICE if TOP_ON_DEVICE is not None else tree.size == 1 or not self.top_on_cpu):
-            flight.top = device_sampler.top_probability(logits)
+        flight = InFlight(tree, committed_len, logits, choices, committed, t0, draft_ms, tokens=tree_tokens, top=top)
         if choices is not None and committed:  # the root is accepted whatever the choice: commit now
             if self.penalties is not None:  # emitted whatever lands: the round queued behind sees it
                 self.penalties.add(choices[:1])

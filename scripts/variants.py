@@ -45,9 +45,17 @@
   (engine.cpu_ext.ROPE; read per call);
 - "-cm0" / "-cm1": an MTP chain draft on the CPU depth by depth in MLX's operations / in one
   operation of the engine's own (engine.cpu_ext.MTP_CHAIN, read per draft);
+- "-cs0" / "-cs1": the sampler's choice and the target's top-token probability on the CPU in MLX's
+  operations / in one operation of the engine's own (engine.cpu_ext.CHOOSE, read per call);
 - "-srN": products of up to N rows through the GEMV shim's small-row path on the CPU, 0 = none
   (engine.blas.SMALL_ROWS; a no-op without the shim);
-- "-stN": that path on at most N threads, 0 = every core (engine.blas.GEMM_THREADS).
+- "-stN": that path on at most N threads, 0 = every core (engine.blas.GEMM_THREADS);
+- "-sl0" / "-sl1": a pipelined round on the CPU with a drafter on started at once / once the round
+  before has landed (engine.round.START_LATE_ON_CPU);
+- "-saN": that round's first N layers handed over before the round before lands
+  (engine.round.START_AHEAD_LAYERS);
+- "-ra0" / "-ra1": the plain round right after a tree pipelined or landed alone on the CPU
+  (engine.round.RESTART_ALONE_ON_CPU).
 
 Other suffixes are left to the caller (bench_gpu's "-mlxqmm", profile_rounds' own probes).
 Compiled layer graphs are per model instance and trace on first use, so each engine's graphs carry
@@ -97,8 +105,12 @@ def _settings() -> dict[str, tuple[list[tuple[Any, str]], Callable[[str], tuple[
         "cr": ([(cpu_ext, "ROPE")], on),
         "cf": ([(cpu_ext, "MLP")], on),
         "cp": ([(cpu_ext, "PRODUCTS")], on),
+        "cs": ([(cpu_ext, "CHOOSE")], on),
         "sr": ([(blas.SMALL_ROWS, "value")], lambda rest: (int(rest),)),
         "st": ([(blas.GEMM_THREADS, "value")], lambda rest: (int(rest),)),
+        "sl": ([(rounds, "START_LATE_ON_CPU")], on),
+        "sa": ([(rounds, "START_AHEAD_LAYERS")], lambda rest: (int(rest),)),
+        "ra": ([(rounds, "RESTART_ALONE_ON_CPU")], on),
     }
 
 

@@ -1,0 +1,101 @@
+"""The CPU's choice operation (engine/cpu_ext.cpp choose_rows) against the sampler's MLX operations
+(engine/device_sampler.py _choose_ops, top_probability) on random logits: the same token bit for
+bit, greedy and sampled at several temperatures, with ties, masked tokens and uniforms at the ends
+of [0, 1); the top-token probability within float32 rounding, of the raw logits where a bias
+changed the chosen ones; a row's token whatever the other rows are; and choose_and_top takes it
+only where it computes what the operations do (no top-k, top-p or min-p cut)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine import cpu_ext, device_sampler
+from engine.config import SamplingParams
+
+pytestmark = pytest.mark.skipif(mx.default_device() != mx.cpu or cpu_ext.module() is None,
+                                reason="the engine's CPU operations are built on Linux with a C++ compiler")
+
+
+def logits_for(rng: np.random.Generator, rows: int, vocab: int, spread: float, ties: bool) -> np.ndarray:
+    x = (rng.standard_normal((rows, vocab)) * spread).astype(np.float32)
+    if ties:  # several tokens share the largest logit: the first one is the argmax
+        x[:, 1 : min(4, vocab)] = x.max(axis=-1, keepdims=True)
+    if vocab > 8:  # masked tokens (a grammar's or a bias's -inf)
+        x[:, rng.integers(0, vocab, size=vocab // 8)] = -np.inf
+    return x
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0, 0.7, 1.3, 0.05])
+@pytest.mark.parametrize(("rows", "vocab"), [(1, 8192), (17, 8192), (5, 3), (3, 151)])
+def test_the_same_tokens_as_the_operations(temperature, rows, vocab):
+    rng = np.random.default_rng(rows * 1000 + vocab + int(temperature * 100))
+    params = SamplingParams(temperature=temperature, seed=3)
+    for trial in range(12):
+        x = mx.array(logits_for(rng, rows, vocab, float(rng.choice([0.3, 3.0, 30.0])), ties=trial % 3 == 0))
+        uniforms = None
+        if temperature > 0:
+            u = rng.random(rows).astype(np.float32)
+            u[: rows // 3] = np.float32(1.0) - np.float32(2.0**-24)  # next to 1: the draw's end
+            u[rows // 3 : rows // 2] = 0.0
+            uniforms = mx.array(u)
+        want = np.array(device_sampler._choose_ops(x, params, uniforms))
+        got, top = cpu_ext.choose_rows(x, uniforms, temperature, x)
+        assert np.array_equal(np.array(got), want)
+        assert top is not None
+        np.testing.assert_allclose(np.array(top), np.array(device_sampler.top_probability(x)), rtol=3e-6)
+
+
+def test_the_top_is_of_the_raw_logits():
+    rng = np.random.default_rng(1)
+    raw = mx.array(logits_for(rng, 4, 500, 2.0, ties=False))
+    biased = raw + mx.array(rng.normal(size=500).astype(np.float32) * 4)
+    u = mx.array(rng.random(4).astype(np.float32))
+    for temperature in (0.0, 1.0, 0.8):
+        params = SamplingParams(temperature=temperature, seed=0)
+        uniforms = u if temperature else None
+        got, top = cpu_ext.choose_rows(biased, uniforms, temperature, raw)
+        assert np.array_equal(np.array(got), np.array(device_sampler._choose_ops(biased, params, uniforms)))
+        assert top is not None
+        np.testing.assert_allclose(np.array(top), np.array(device_sampler.top_probability(raw)), rtol=3e-6)
+    ids, none = cpu_ext.choose_rows(biased, None, 0.0)
+    assert none is None and np.array_equal(np.array(ids), np.array(mx.argmax(biased, axis=-1)))
+
+
+def test_a_row_is_chosen_alone():
+    rng = np.random.default_rng(2)
+    x = mx.array(logits_for(rng, 9, 2000, 3.0, ties=False))
+    u = mx.array(rng.random(9).astype(np.float32))
+    many, tops = cpu_ext.choose_rows(x, u, 1.0, x)
+    assert tops is not None
+    for n in range(9):
+        one, top = cpu_ext.choose_rows(x[n : n + 1], u[n : n + 1], 1.0, x[n : n + 1])
+        assert top is not None
+        assert int(one[0]) == int(many[n]) and float(top[0]) == float(tops[n])
+
+
+@pytest.mark.parametrize(("cut", "served"), [({}, True), ({"top_k": 20}, False), ({"top_p": 0.9}, False),
+                                             ({"min_p": 0.05}, False), ({"top_k": 9000}, True)])
+def test_choose_and_top_takes_it_where_there_is_no_cut(cut, served):
+    rng = np.random.default_rng(3)
+    x = mx.array(logits_for(rng, 3, 8192, 3.0, ties=False))
+    params = SamplingParams(temperature=0.9, seed=1, **cut)
+    u = device_sampler.node_uniforms(1, [10, 11, 11])
+    assert device_sampler._one_operation(x, params, x) is served
+    ids, top = device_sampler.choose_and_top(x, params, u, x)
+    assert np.array_equal(np.array(ids), np.array(device_sampler._choose_ops(x, params, u)))
+    assert top is not None
+    np.testing.assert_allclose(np.array(top), np.array(device_sampler.top_probability(x)), rtol=3e-6)
+    assert not device_sampler._one_operation(x.astype(mx.bfloat16), params, None)
+    assert not device_sampler._one_operation(x, SamplingParams(temperature=1e-46), None)  # 0 in float32
+
+
+def test_bad_shapes_are_refused():
+    x = mx.zeros((2, 10))
+    with pytest.raises(ValueError, match="uniforms"):
+        cpu_ext.choose_rows(x, None, 1.0)
+    with pytest.raises(ValueError, match="raw"):
+        cpu_ext.choose_rows(x, None, 0.0, mx.zeros((2, 11)))
+    with pytest.raises(ValueError, match=r"\[N, V\]"):
+        cpu_ext.choose_rows(mx.zeros((10,)), None, 0.0)
