@@ -1344,8 +1344,8 @@ std::vector<mx::array> mtp_chain(const mx::array& y, const mx::array& embed, con
 // choose_rows: each row's token, chosen as engine/device_sampler.py's choose does in MLX's
 // operations, and where asked the target's top-token probability of each row (its
 // top_probability), in one operation. In MLX's operations the two are ~13 graph nodes, each a pass
-// over the vocabulary with its own scheduling: ~180 us a decode step on the dev CPU, a tenth of the
-// step, where these passes take ~25.
+// over the vocabulary with its own scheduling: one row of 8,192 logits, sampled, evaluated alone on
+// the dev CPU, 184 us against 125-138 here, ~67 of either the evaluation's own round trip.
 // - greedy (temperature 0): the first largest logit, as MLX's argmax;
 // - sampled: p = 2^(((x - max) / t) log2 e) (without the division at t = 1), its running sum in
 //   vocabulary order (MLX's cumsum on the CPU: a sequential sum), the first token whose running sum
@@ -1355,8 +1355,10 @@ std::vector<mx::array> mtp_chain(const mx::array& y, const mx::array& embed, con
 //   tokens bit for bit (tests/engine/test_cpu_choose.py). Top-k, top-p and min-p cuts stay in
 //   MLX's operations (engine/device_sampler.py does not call this with them).
 // - top: 1 / sum(2^((r - max) log2 e)) over the row of `raw` (the logits before bias and
-//   penalties), summed in order where MLX's reduction sums in lanes: the same value within float32
-//   rounding. It steers only the tree-size controller (engine/spec_gate.py), never a token.
+//   penalties), a pass of exp2_lanes in 16 lanes (~2 us for 8,192 logits against ~30 through
+//   powf), whatever the draw computed. Within float32 rounding of MLX's value (its sum in another
+//   order: ~1e-5 relative over 8,192 terms); it steers only the tree-size controller
+//   (engine/spec_gate.py), never a token.
 using powf_fn = float (*)(float, float);
 
 powf_fn process_powf() {
@@ -1389,8 +1391,24 @@ float shifted_powers(const float* x, int V, float m, float t, float* p) {
   return total;
 }
 
-int32_t choose_row(const float* x, int V, float t, float u, std::vector<float>& p, float* top_total) {
+// sum(2^((x - max) log2 e)) of a row in 16 lanes (exp2_lanes' series; a masked -inf token counts
+// 2^-125 instead of 0): the top-token probability's total where no draw computed it. Not the
+// draw's arithmetic, and need not be: it steers the controller only.
+float top_total(const float* x, int V) {
   const float m = row_max(x, V);
+  v16 acc = {};
+  int i = 0;
+  for (; i + 16 <= V; i += 16) {
+    acc += exp2_lanes((*(const v16u*)(x + i) - m) * LOG2E_F);
+  }
+  float total = lanes_sum(acc);
+  for (; i < V; ++i) {
+    total += std::exp2((x[i] - m) * LOG2E_F);
+  }
+  return total;
+}
+
+int32_t choose_row(const float* x, int V, float t, float u, std::vector<float>& p) {
   if (t <= 0.0f) {
     int best = 0;
     for (int i = 1; i < V; ++i) {
@@ -1398,10 +1416,7 @@ int32_t choose_row(const float* x, int V, float t, float u, std::vector<float>& 
     }
     return best;
   }
-  const float total = shifted_powers(x, V, m, t, p.data());
-  if (t == 1.0f && top_total != nullptr) {
-    *top_total = total;
-  }
+  const float total = shifted_powers(x, V, row_max(x, V), t, p.data());
   const float threshold = u * total;
   float run = 0.0f;
   for (int i = 0; i < V; ++i) {
@@ -1437,28 +1452,20 @@ std::vector<mx::array> choose_rows(const mx::array& logits, const std::optional<
     inputs.push_back(*uniforms);
   }
   const bool top = raw.has_value();
-  // the same array for both (no bias, no penalties): its total at t = 1 is the top's sum too
-  const bool same = top && raw->id() == logits.id();
-  if (top && !same) {
+  if (top) {
     inputs.push_back(*raw);
   }
-  auto body = [N, V, temperature, sampled, top, same](std::vector<mx::array>& ins, std::vector<mx::array>& outs) {
+  auto body = [N, V, temperature, sampled, top](std::vector<mx::array>& ins, std::vector<mx::array>& outs) {
     const DenseInputs in(ins);
     const float* x = in(0);
     const float* u = sampled ? in(1) : nullptr;
-    const float* r = !top ? nullptr : same ? x : in(sampled ? 2 : 1);
+    const float* r = top ? in(sampled ? 2 : 1) : nullptr;
     int32_t* ids = outs[0].data<int32_t>();
-    std::vector<float> p(V);
+    std::vector<float> p(sampled ? V : 0);
     for (int n = 0; n < N; ++n) {
-      float total = -1.0f;
-      const float* row = x + (int64_t)n * V;
-      ids[n] = choose_row(row, V, temperature, sampled ? u[n] : 0.0f, p, same ? &total : nullptr);
+      ids[n] = choose_row(x + (int64_t)n * V, V, temperature, sampled ? u[n] : 0.0f, p);
       if (top) {
-        const float* rr = r + (int64_t)n * V;
-        if (total < 0.0f) {
-          total = shifted_powers(rr, V, row_max(rr, V), 1.0f, p.data());
-        }
-        outs[1].data<float>()[n] = 1.0f / total;
+        outs[1].data<float>()[n] = 1.0f / top_total(r + (int64_t)n * V, V);
       }
     }
   };

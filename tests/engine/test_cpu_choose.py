@@ -1,7 +1,8 @@
 """The CPU's choice operation (engine/cpu_ext.cpp choose_rows) against the sampler's MLX operations
 (engine/device_sampler.py _choose_ops, top_probability) on random logits: the same token bit for
 bit, greedy and sampled at several temperatures, with ties, masked tokens and uniforms at the ends
-of [0, 1); the top-token probability within float32 rounding, of the raw logits where a bias
+of [0, 1); the top-token probability within float32 rounding (its sum of ~8,000 terms in another
+order: 2e-5 relative), of the raw logits where a bias
 changed the chosen ones; a row's token whatever the other rows are; and choose_and_top takes it
 only where it computes what the operations do (no top-k, top-p or min-p cut)."""
 
@@ -44,7 +45,7 @@ def test_the_same_tokens_as_the_operations(temperature, rows, vocab):
         got, top = cpu_ext.choose_rows(x, uniforms, temperature, x)
         assert np.array_equal(np.array(got), want)
         assert top is not None
-        np.testing.assert_allclose(np.array(top), np.array(device_sampler.top_probability(x)), rtol=3e-6)
+        np.testing.assert_allclose(np.array(top), np.array(device_sampler.top_probability(x)), rtol=2e-5)
 
 
 def test_the_top_is_of_the_raw_logits():
@@ -58,7 +59,7 @@ def test_the_top_is_of_the_raw_logits():
         got, top = cpu_ext.choose_rows(biased, uniforms, temperature, raw)
         assert np.array_equal(np.array(got), np.array(device_sampler._choose_ops(biased, params, uniforms)))
         assert top is not None
-        np.testing.assert_allclose(np.array(top), np.array(device_sampler.top_probability(raw)), rtol=3e-6)
+        np.testing.assert_allclose(np.array(top), np.array(device_sampler.top_probability(raw)), rtol=2e-5)
     ids, none = cpu_ext.choose_rows(biased, None, 0.0)
     assert none is None and np.array_equal(np.array(ids), np.array(mx.argmax(biased, axis=-1)))
 
@@ -86,7 +87,7 @@ def test_choose_and_top_takes_it_where_there_is_no_cut(cut, served):
     ids, top = device_sampler.choose_and_top(x, params, u, x)
     assert np.array_equal(np.array(ids), np.array(device_sampler._choose_ops(x, params, u)))
     assert top is not None
-    np.testing.assert_allclose(np.array(top), np.array(device_sampler.top_probability(x)), rtol=3e-6)
+    np.testing.assert_allclose(np.array(top), np.array(device_sampler.top_probability(x)), rtol=2e-5)
     assert not device_sampler._one_operation(x.astype(mx.bfloat16), params, None)
     assert not device_sampler._one_operation(x, SamplingParams(temperature=1e-46), None)  # 0 in float32
 
