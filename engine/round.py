@@ -123,6 +123,15 @@ START_LATE_ON_CPU = True
 # (scripts/bench_start_late.py --ahead-layers 0,2), three runs: 0.875-0.946x -> 0.907-0.986x of
 # plain decoding (BENCHMARKS.md, issue 17, twelfth session).
 START_AHEAD_LAYERS = 2
+# ...and from one pipelined round to the next, AHEAD_RAMP layers more, until the whole round is
+# started at once as plain decoding's are. A late start idles the worker between the layers handed
+# ahead and the start, for the host's landing, its token's trip out and the next graph's first
+# evaluation call: 2.5 % of plain decoding's speed at 64 prompt tokens after the forty-second
+# session's faster steps (variant -sl0). Starting at once right after a tree puts the next round's
+# compute before the token (a gap of two rounds, the p99 that START_LATE_ON_CPU is for); each
+# layer more than the round before delays one token by that layer only, so the gaps grow by
+# AHEAD_RAMP layers for a few rounds and the stretch after them runs unstarved. 0: no ramp.
+AHEAD_RAMP = 2
 # ...except behind the plain round right after a tree: that round was not queued ahead (its root and
 # position came with the tree's landing), so it runs whole between two tokens, after the tree's
 # commit, and the next round's graph and first layers queued before it lands came on top: on the
@@ -194,6 +203,7 @@ class Rounds:
         self.top_on_cpu = mx.default_device() == mx.cpu
         self.start_late = START_LATE_ON_CPU and drafts and mx.default_device() == mx.cpu
         self._tree_landed = False  # the last round landed was a tree (RESTART_ALONE_ON_CPU)
+        self._ahead_layers = START_AHEAD_LAYERS  # layers the next pipelined round hands over early (AHEAD_RAMP)
         on_gpu = mx.default_device() != mx.cpu
         self.chains_on_device = self.on_device and isinstance(drafter, ChainsOnDevice) and (
             CHAIN_ON_DEVICE if CHAIN_ON_DEVICE is not None else on_gpu)
@@ -226,6 +236,7 @@ class Rounds:
         t1 = time.perf_counter()
         flight = self._queue(tree, tokens, t0, (t1 - t0) * 1e3)
         flight.proposed, flight.arm, flight.evidence = proposed, arm if budget == arm else -1, evidence
+        self._ahead_layers = START_AHEAD_LAYERS  # a round not queued ahead: the ramp starts again
         flight.restart = self._tree_landed
         blas.pace(host_busy=self.can_pipeline(flight))  # the host builds the next round meanwhile
         self.start(flight)
@@ -291,10 +302,15 @@ class Rounds:
             ahead.unstarted = [ahead.choices if ahead.choices is not None else ahead.logits]
         ahead.evidence = evidence
         blas.pace(host_busy=self.can_pipeline(ahead))
-        if not self.start_late:
+        layers = self._ahead_layers if ahead.committed else 0
+        if not ahead.committed:  # a tree: the ramp starts again after it
+            self._ahead_layers = START_AHEAD_LAYERS
+        elif AHEAD_RAMP and START_AHEAD_LAYERS:
+            self._ahead_layers = min(self._ahead_layers + AHEAD_RAMP, len(self.cache))
+        if not self.start_late or (AHEAD_RAMP and layers >= len(self.cache)):
             self.start(ahead)
-        elif START_AHEAD_LAYERS and ahead.committed:  # a plain round: its layers' states are its own graph
-            mx.async_eval(*(a for c in self.cache[:START_AHEAD_LAYERS] for a in c.arrays()))
+        elif layers:  # a plain round: its layers' states are its own graph
+            mx.async_eval(*(a for c in self.cache[:layers] for a in c.arrays()))
         ahead.ahead_ms = (time.perf_counter() - t0) * 1e3
         self._ahead_ms += ahead.ahead_ms
         return ahead

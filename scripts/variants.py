@@ -54,6 +54,8 @@
   before has landed (engine.round.START_LATE_ON_CPU);
 - "-saN": that round's first N layers handed over before the round before lands
   (engine.round.START_AHEAD_LAYERS);
+- "-rpN": N layers more handed over early from one such round to the next, 0 = none
+  (engine.round.AHEAD_RAMP);
 - "-ra0" / "-ra1": the plain round right after a tree pipelined or landed alone on the CPU
   (engine.round.RESTART_ALONE_ON_CPU).
 
@@ -111,6 +113,7 @@ def _settings() -> dict[str, tuple[list[tuple[Any, str]], Callable[[str], tuple[
         "sl": ([(rounds, "START_LATE_ON_CPU")], on),
         "sa": ([(rounds, "START_AHEAD_LAYERS")], lambda rest: (int(rest),)),
         "ra": ([(rounds, "RESTART_ALONE_ON_CPU")], on),
+        "rp": ([(rounds, "AHEAD_RAMP")], lambda rest: (int(rest),)),
     }
 
 

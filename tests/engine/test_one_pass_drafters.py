@@ -327,17 +327,19 @@ def test_one_guess_rounds_are_queued_before_the_round_before_lands(engine, monke
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "seeded"])
-@pytest.mark.parametrize("ahead", [0, 2, 99])
-def test_layers_handed_over_ahead_change_no_token(engine, monkeypatch, ahead, sampling):
+@pytest.mark.parametrize(("ahead", "ramp"), [(0, 0), (2, 0), (99, 0), (2, 2), (1, 3)])
+def test_layers_handed_over_ahead_change_no_token(engine, monkeypatch, ahead, ramp, sampling):
     """On the CPU with a drafter on, a pipelined plain round starts late but its first
-    START_AHEAD_LAYERS layers are evaluated before the previous round lands (99: all of them). The
-    output is plain decoding's whatever the setting, through plain rounds and the one-guess tries
-    queued between them."""
+    START_AHEAD_LAYERS layers are evaluated before the previous round lands (99: all of them), and
+    AHEAD_RAMP more from one such round to the next until it starts at once. The output is plain
+    decoding's whatever the setting, through plain rounds and the one-guess tries queued between
+    them."""
     from engine import round as round_mod
     from engine import spec_control
     from engine.round import Rounds
 
     monkeypatch.setattr(round_mod, "START_AHEAD_LAYERS", ahead)
+    monkeypatch.setattr(round_mod, "AHEAD_RAMP", ramp)
     monkeypatch.setattr(spec_control.SpecController, "budget", lambda self: 1 if self.rounds % 5 == 4 else 0)
     late: list[bool] = []
     real = Rounds.launch_after
@@ -348,6 +350,28 @@ def test_layers_handed_over_ahead_change_no_token(engine, monkeypatch, ahead, sa
     out = generate(engine, prompt, sampling, SpecConfig(method="mtp", tree="ddtree", budget=10, max_depth=6))
     assert out.tokens == plain
     assert len(late) >= 10 and all(late) == (mx.default_device() == mx.cpu)
+
+
+def test_the_layers_handed_over_ahead_ramp_up_after_a_tree(engine, monkeypatch):
+    """AHEAD_RAMP: after a round that was not queued ahead (the first one, a tree, a one-guess
+    try), each pipelined plain round hands over AHEAD_RAMP layers more than the one before, from
+    START_AHEAD_LAYERS up to all of them."""
+    from engine import round as round_mod
+    from engine import spec_control
+    from engine.round import Rounds
+
+    monkeypatch.setattr(round_mod, "START_AHEAD_LAYERS", 2)
+    monkeypatch.setattr(round_mod, "AHEAD_RAMP", 2)
+    monkeypatch.setattr(spec_control.SpecController, "budget", lambda self: 1 if self.rounds % 9 == 8 else 0)
+    seen: list[int] = []
+    real = Rounds.launch_after
+    monkeypatch.setattr(Rounds, "launch_after", lambda self, f: seen.append(self._ahead_layers) or real(self, f))
+    generate(engine, PROMPTS[1], SAMPLED, SpecConfig(method="mtp", tree="ddtree", budget=10, max_depth=6))
+    layers = len(engine.make_cache())
+    ramp = [min(n, layers) for n in range(2, layers + 2, 2)]
+    assert layers > 2 and seen[: len(ramp)] == ramp
+    assert all(b == min(a + 2, layers) or b == 2 for a, b in zip(seen, seen[1:], strict=False))
+    assert max(seen) == layers and seen.count(2) >= 2  # the ramp reached the top and started again
 
 
 def test_mtp_depth_is_the_specs(engine):
