@@ -328,12 +328,13 @@ def mtp_chain(y: mx.array, embed: mx.array, lm: mx.array, vocab_ids: mx.array | 
                                rope_base, eps, scale, k, depth, log_min_path))
 
 
-def choose_rows(logits: mx.array, uniforms: mx.array | None, temperature: float,
-                raw: mx.array | None = None) -> tuple[mx.array, mx.array | None]:
+def choose_rows(logits: mx.array, uniforms: mx.array | None, temperature: float, raw: mx.array | None = None,
+                top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> tuple[mx.array, mx.array | None]:
     """logits [N, V] float32 -> (int32 [N] each row's token: the argmax at temperature 0, else the
-    draw at `uniforms` [N] as engine/device_sampler.py's choose without cuts; and, where `raw`
-    [N, V] is given, float32 [N] its rows' top-token probability, else None). See engine/cpu_ext.cpp."""
+    draw at `uniforms` [N] after the top_k / top_p / min_p cuts, as engine/device_sampler.py's
+    choose; and, where `raw` [N, V] is given, float32 [N] its rows' top-token probability, else
+    None). See engine/cpu_ext.cpp."""
     ext = module()
     assert ext is not None, "serves() first"
-    out = ext.choose_rows(logits, uniforms, float(temperature), raw)
+    out = ext.choose_rows(logits, uniforms, float(temperature), raw, int(top_k), float(top_p), float(min_p))
     return out[0], (out[1] if raw is not None else None)

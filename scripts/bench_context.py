@@ -1,7 +1,8 @@
 """Decode speed against context length, plain and with speculation, side by side.
 
     python scripts/bench_context.py [--model DIR] [--lengths 64,2048,4000,8000] [--tokens 96] [--runs 3]
-                                    [--temperature 1.0 --seed 0] [--text long]
+                                    [--temperature 1.0 --seed 0] [--top-k 20 --top-p 0.8 --repetition-penalty 1.1]
+                                    [--text long]
                                     [--methods none,ngram,ngram-fixed]   (also: draft, mtp, dflash, each -fixed;
                                                                           mtp-v0, dflash-v0: no draft vocabulary)
 
@@ -25,6 +26,7 @@ left to libm), interleaved, each with its paired ratio to the engine as it is.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -63,7 +65,7 @@ def distinct_8grams(tokens: list[int]) -> float:
 
 
 def run(engine: Engine, prompt: list[int], spec: SpecConfig, tokens: int, base: SamplingParams) -> dict[str, float]:
-    sampling = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=base.temperature, seed=base.seed)
+    sampling = dataclasses.replace(base, max_tokens=tokens, ignore_eos=True)
     req = GenerationRequest(prompt_ids=prompt, sampling=sampling, spec=spec)
     gaps: list[float] = []
     out: list[int] = []
@@ -108,6 +110,9 @@ def main() -> None:
     ap.add_argument("--methods", default="none,ngram,ngram-fixed")
     ap.add_argument("--temperature", type=float, default=0.0, help="sampled with --seed: every method emits "
                     "the same tokens (greedy output after random ids tends to loop)")
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--repetition-penalty", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--text", default="", help="a prompt kind of bench_spec.py instead of random ids")
     ap.add_argument("--variants", default="engine", help="engine variants (scripts/variants.py), e.g. engine,pw0")
@@ -124,7 +129,8 @@ def main() -> None:
 
         text = render(engine, PROMPTS[a.text][0])
         lengths = [len(text)]
-    base = SamplingParams(temperature=a.temperature, seed=a.seed)
+    base = SamplingParams(temperature=a.temperature, seed=a.seed, top_k=a.top_k, top_p=a.top_p,
+                          repetition_penalty=a.repetition_penalty)
     results: dict[tuple[str, int], list[dict[str, float]]] = {}
     gaps: dict[tuple[str, int], list[list[float]]] = {}
     for r in range(a.runs + 1):  # the first round warms up (compiles) and is dropped
@@ -139,6 +145,9 @@ def main() -> None:
                         gaps.setdefault((label(m, v), n), []).append(GAPS[-1])
     med = {k: {f: statistics.median(x[f] for x in v) for f in v[0]} for k, v in results.items()}
     decoding = "greedy" if a.temperature == 0 else f"temperature {a.temperature}, seed {a.seed}"
+    cuts = [f"{n} {v}" for n, v, off in (("top_k", a.top_k, 0), ("top_p", a.top_p, 1.0),
+                                         ("repetition penalty", a.repetition_penalty, 1.0)) if v != off]
+    decoding += "".join(f", {c}" for c in cuts)
     prompts = f"the {a.text} prompt" if a.text else "random-id prompts"
     print(f"model {a.model.name}, {a.tokens} new tokens ({decoding}) after {prompts}, medians of {a.runs}")
     several = len(variants) > 1

@@ -2,9 +2,10 @@
 (engine/device_sampler.py _choose_ops, top_probability) on random logits: the same token bit for
 bit, greedy and sampled at several temperatures, with ties, masked tokens and uniforms at the ends
 of [0, 1); the top-token probability within float32 rounding (its sum of ~8,000 terms in another
-order: 2e-5 relative), of the raw logits where a bias
-changed the chosen ones; a row's token whatever the other rows are; and choose_and_top takes it
-only where it computes what the operations do (no top-k, top-p or min-p cut)."""
+order: 2e-5 relative), of the raw logits where a bias changed the chosen ones; a row's token
+whatever the other rows are; top-k, top-p and min-p cuts as the operations cut, ties and ranks
+included; and choose_and_top takes it on the CPU but where float32 would round a setting across
+an edge the operations test in double."""
 
 from __future__ import annotations
 
@@ -76,20 +77,51 @@ def test_a_row_is_chosen_alone():
         assert int(one[0]) == int(many[n]) and float(top[0]) == float(tops[n])
 
 
-@pytest.mark.parametrize(("cut", "served"), [({}, True), ({"top_k": 20}, False), ({"top_p": 0.9}, False),
-                                             ({"min_p": 0.05}, False), ({"top_k": 9000}, True)])
-def test_choose_and_top_takes_it_where_there_is_no_cut(cut, served):
+CUTS = [{"top_k": 20}, {"top_p": 0.8}, {"top_k": 20, "top_p": 0.8}, {"min_p": 0.05}, {"top_k": 50, "min_p": 0.1},
+        {"top_k": 3, "top_p": 0.5, "min_p": 0.2}, {"top_p": 0.999}, {"top_k": 1}, {"top_k": 9000}]
+
+
+@pytest.mark.parametrize("cut", CUTS, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_same_tokens_as_the_operations_with_cuts(cut, temperature):
+    """Top-k, top-p and min-p as the operations cut: ties at the k-th value kept, the top-p total in
+    vocabulary order (device_sampler._total on the CPU), ranks compared in float32."""
+    rng = np.random.default_rng(len(cut) * 10 + int(temperature * 10))
+    params = SamplingParams(temperature=temperature, seed=3, **cut)
+    for trial in range(8):
+        rows, vocab = int(rng.integers(1, 9)), int(rng.choice([30, 8192]))
+        x = logits_for(rng, rows, vocab, float(rng.choice([0.3, 3.0, 30.0])), ties=trial % 2 == 0)
+        if trial % 4 == 1:  # many values tied at the top-k / top-p edges
+            x = np.round(x)
+        u = rng.random(rows).astype(np.float32)
+        u[: rows // 3] = np.float32(1.0) - np.float32(2.0**-24)
+        X, U = mx.array(x), mx.array(u)
+        want = np.array(device_sampler._choose_ops(X, params, U))
+        top_k = min(params.top_k, vocab)
+        got, _ = cpu_ext.choose_rows(X, U, temperature, None, top_k, params.top_p, params.min_p)
+        assert np.array_equal(np.array(got), want), (cut, trial)
+
+
+@pytest.mark.parametrize("cut", [{}, *CUTS])
+def test_choose_and_top_takes_it_on_the_cpu(cut):
     rng = np.random.default_rng(3)
     x = mx.array(logits_for(rng, 3, 8192, 3.0, ties=False))
     params = SamplingParams(temperature=0.9, seed=1, **cut)
     u = device_sampler.node_uniforms(1, [10, 11, 11])
-    assert device_sampler._one_operation(x, params, x) is served
+    assert device_sampler._one_operation(x, params, x)
     ids, top = device_sampler.choose_and_top(x, params, u, x)
     assert np.array_equal(np.array(ids), np.array(device_sampler._choose_ops(x, params, u)))
     assert top is not None
     np.testing.assert_allclose(np.array(top), np.array(device_sampler.top_probability(x)), rtol=2e-5)
-    assert not device_sampler._one_operation(x.astype(mx.bfloat16), params, None)
+
+
+def test_where_float32_would_round_across_an_edge_the_operations_run():
+    x = mx.zeros((1, 10))
+    assert not device_sampler._one_operation(x.astype(mx.bfloat16), SamplingParams(), None)
     assert not device_sampler._one_operation(x, SamplingParams(temperature=1e-46), None)  # 0 in float32
+    assert not device_sampler._one_operation(x, SamplingParams(temperature=1.0, top_p=1 - 1e-12), None)  # 1
+    assert not device_sampler._one_operation(x, SamplingParams(temperature=1.0, min_p=1e-50), None)  # 0
+    assert device_sampler._one_operation(x, SamplingParams(temperature=1.0, top_p=0.99999), None)
 
 
 def test_bad_shapes_are_refused():
