@@ -11,7 +11,8 @@ keeps every tied token, the host keeps the lower ids; in float32 two slightly di
 tie after exp); tests/unit/test_device_sampler.py measures both.
 
 Spec and plain decoding draw through the same function, so their outputs stay identical to each
-other. Logit bias and penalties are applied before it (engine/device_penalties.py); logprobs and a
+other. On the CPU that function is one operation of the engine's own (engine/cpu_ext.cpp
+choose_rows), the operations below its twin, bit for bit (tests/engine/test_cpu_choose.py). Logit bias and penalties are applied before it (engine/device_penalties.py); logprobs and a
 grammar's mask stay on the host.
 """
 
