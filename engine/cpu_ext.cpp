@@ -1393,8 +1393,8 @@ float shifted_powers(const float* x, int V, float m, float t, float* p) {
 }
 
 // sum(2^((x - max) log2 e)) of a row in 16 lanes (exp2_lanes' series; a masked -inf token counts
-// 2^-125 instead of 0): the top-token probability's total where no draw computed it. Not the
-// draw's arithmetic, and need not be: it steers the controller only.
+// 2^-125 instead of 0): the top-token probability's total. Not the draw's arithmetic, and need not
+// be: it steers the controller only.
 float top_total(const float* x, int V) {
   const float m = row_max(x, V);
   v16 acc = {};
