@@ -2,7 +2,7 @@
 
     python scripts/bench_context.py [--model DIR] [--lengths 64,2048,4000,8000] [--tokens 96] [--runs 3]
                                     [--temperature 1.0 --seed 0] [--top-k 20 --top-p 0.8 --repetition-penalty 1.1]
-                                    [--text long]
+                                    [--text long] [--max-stall X]
                                     [--methods none,ngram,ngram-fixed]   (also: draft, mtp, dflash, each -fixed;
                                                                           mtp-v0, dflash-v0: no draft vocabulary)
 
@@ -113,6 +113,8 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--repetition-penalty", type=float, default=1.0)
+    ap.add_argument("--max-stall", type=float, default=None,
+                    help="the controller's stall cap for every adaptive method (--spec-max-stall)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--text", default="", help="a prompt kind of bench_spec.py instead of random ids")
     ap.add_argument("--variants", default="engine", help="engine variants (scripts/variants.py), e.g. engine,pw0")
@@ -139,7 +141,10 @@ def main() -> None:
             for m in methods:
                 for v in variants:
                     with variant_setting(f"x-{v}" if v != "engine" else "x"):
-                        out = run(engine, prompt, METHODS[m], a.tokens, base)
+                        spec = METHODS[m]
+                        if a.max_stall is not None and spec.method != "none" and spec.adaptive:
+                            spec = dataclasses.replace(spec, max_stall=a.max_stall)
+                        out = run(engine, prompt, spec, a.tokens, base)
                     if r:
                         results.setdefault((label(m, v), n), []).append(out)
                         gaps.setdefault((label(m, v), n), []).append(GAPS[-1])
