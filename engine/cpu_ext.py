@@ -14,7 +14,8 @@ they take and return mx.array and join MLX's graphs (mx.compile included):
 - `mtp_chain`: an MTP head's chain draft, every depth in one operation (engine/drafters/mtp_steps.py
   CpuChain);
 - `choose_rows`: each row's token, greedy or the seeded draw, and the target's top-token probability
-  (engine/device_sampler.py).
+  (engine/device_sampler.py);
+- `penalize_rows`: a request's logit bias and penalties (engine/device_penalties.py).
 Each has a module switch below (scripts/variants.py names them) and a twin in MLX's operations that
 its tests hold it to (tests/engine/test_cpu_*.py).
 
@@ -76,8 +77,9 @@ ROPE = True
 # module switch, read when an MTP drafter is made: False = its chains drafted depth by depth in
 # MLX's operations (engine/drafters/mtp_steps.py CompiledDepths; variant cm0)
 MTP_CHAIN = True
-# module switch, read per call: False = the sampler's choice and top-token probability in MLX's
-# operations (engine/device_sampler.py; variant cs0)
+# module switch, read per call: False = the sampler's choice and top-token probability, and a
+# request's bias and penalties, in MLX's operations (engine/device_sampler.py,
+# engine/device_penalties.py; variant cs0)
 CHOOSE = True
 
 log = logging.getLogger("spruce")
@@ -338,3 +340,15 @@ def choose_rows(logits: mx.array, uniforms: mx.array | None, temperature: float,
     assert ext is not None, "serves() first"
     out = ext.choose_rows(logits, uniforms, float(temperature), raw, int(top_k), float(top_p), float(min_p))
     return out[0], (out[1] if raw is not None else None)
+
+
+def penalize_rows(x: mx.array, counts: mx.array, bias: mx.array | None, in_prompt: mx.array | None,
+                  frequency: float, presence: float, repetition: float, penalized: bool) -> mx.array:
+    """x [N, V] float32 with a request's bias [V] added, frequency and presence penalties by the
+    completion's counts [V] taken off where `penalized`, and the repetition penalty applied on the
+    tokens `in_prompt` [V] (float32 0 / 1) marks or counts holds, where in_prompt is given: as
+    engine/device_penalties.py DevicePenalties._adjust. See engine/cpu_ext.cpp."""
+    ext = module()
+    assert ext is not None, "serves() first"
+    return ext.penalize_rows(x, counts, bias, in_prompt, float(frequency), float(presence), float(repetition),
+                             bool(penalized))

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 import numpy as np
 
+from engine import cpu_ext
 from engine.config import SamplingParams
 from engine.tree import DraftTree
 
@@ -51,6 +52,7 @@ class DevicePenalties:
             ids = np.array([t for t in prompt if 0 <= t < vocab], dtype=np.int64)
             mask[ids] = True
             self.in_prompt = mx.array(mask)
+        self._prompt_marks: mx.array | None = None  # in_prompt as float32 0 / 1 (the CPU's penalize_rows)
         self.counts = mx.zeros((vocab,), dtype=mx.float32)
         if generated:
             self.add(list(generated))
@@ -78,13 +80,26 @@ class DevicePenalties:
             x = mx.where(seen, mx.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty), x)
         return x
 
+    def _adjust_rows(self, x: mx.array) -> mx.array:
+        """_adjust of every row of x [R, V] by the completion's counts: on the CPU one operation of the
+        engine's own (engine/cpu_ext.cpp penalize_rows, the same float32 steps: the same bits), else
+        MLX's operations."""
+        if x.ndim == 2 and cpu_ext.serves(cpu_ext.CHOOSE, x, self.counts):
+            if self.repeats and self._prompt_marks is None:
+                assert self.in_prompt is not None
+                self._prompt_marks = self.in_prompt.astype(mx.float32)
+            p = self.params
+            return cpu_ext.penalize_rows(x, self.counts, self.bias, self._prompt_marks if self.repeats else None,
+                                         p.frequency_penalty, p.presence_penalty, p.repetition_penalty, p.penalized)
+        return self._adjust(x, self.counts[None], self.bias, None if self.in_prompt is None else self.in_prompt[None])
+
     def apply(self, logits: mx.array, tree: DraftTree | None = None, tokens: mx.array | None = None,
               rows: Sequence[int] | None = None) -> mx.array:
         """logits [R, V] of tree nodes `rows` (default: every node, R = tree.size; a one-node round
         without a tree) -> float32 adjusted logits. `tokens` [1, N]: the tree's tokens where they are
         still on the device (the host's tree then holds placeholders)."""
         x = logits.astype(mx.float32)
-        out = self._adjust(x, self.counts[None], self.bias, None if self.in_prompt is None else self.in_prompt[None])
+        out = self._adjust_rows(x)
         if tree is None or tree.size == 1:
             return out
         nodes = range(tree.size) if rows is None else rows

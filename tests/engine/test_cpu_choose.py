@@ -132,3 +132,30 @@ def test_bad_shapes_are_refused():
         cpu_ext.choose_rows(x, None, 0.0, mx.zeros((2, 11)))
     with pytest.raises(ValueError, match=r"\[N, V\]"):
         cpu_ext.choose_rows(mx.zeros((10,)), None, 0.0)
+
+
+@pytest.mark.parametrize("settings", [{"repetition_penalty": 1.1}, {"repetition_penalty": 0.8},
+                                      {"frequency_penalty": 0.5, "presence_penalty": -0.3},
+                                      {"logit_bias": ((3, 5.0), (7, -100.0))},
+                                      {"frequency_penalty": 1.2, "presence_penalty": 0.4, "repetition_penalty": 1.3,
+                                       "logit_bias": ((1, 2.5),)}])
+def test_penalties_in_one_operation_are_the_operations(settings, monkeypatch):
+    """DevicePenalties' rows through penalize_rows: bit for bit its MLX operations (_adjust), for a
+    one-node round and a tree's rows (whose path pairs the operations recompute after it)."""
+    from engine.device_penalties import DevicePenalties
+    from engine.tree import DraftTree
+
+    rng = np.random.default_rng(len(settings))
+    vocab = 300
+    params = SamplingParams(temperature=0.8, seed=0, **settings)
+    prompt = rng.integers(0, vocab, size=40).tolist()
+    generated = rng.integers(0, vocab, size=25).tolist()
+    tree = DraftTree((5, 7, 9, 7, 3), (-1, 0, 0, 1, 3))  # token 7 twice on one path
+    for rows, shape_tree in ((1, None), (tree.size, tree)):
+        x = mx.array((rng.standard_normal((rows, vocab)) * 4).astype(np.float32))
+        got = np.array(DevicePenalties(params, vocab, prompt, generated).apply(x, shape_tree))
+        monkeypatch.setattr(cpu_ext, "CHOOSE", False)
+        want = np.array(DevicePenalties(params, vocab, prompt, generated).apply(x, shape_tree))
+        monkeypatch.setattr(cpu_ext, "CHOOSE", True)
+        assert np.array_equal(got, want)
+        assert not np.array_equal(got, np.array(x))  # something was adjusted
