@@ -48,11 +48,11 @@ class DevicePenalties:
         self.repeats = params.repetition_penalty != 1.0
         self.in_prompt: mx.array | None = None
         if self.repeats:
-            mask = np.zeros(vocab, dtype=bool)
+            # float32 0 / 1, as the CPU's penalize_rows reads it (the operations' logical_or alike)
+            mask = np.zeros(vocab, dtype=np.float32)
             ids = np.array([t for t in prompt if 0 <= t < vocab], dtype=np.int64)
-            mask[ids] = True
+            mask[ids] = 1.0
             self.in_prompt = mx.array(mask)
-        self._prompt_marks: mx.array | None = None  # in_prompt as float32 0 / 1 (the CPU's penalize_rows)
         self.counts = mx.zeros((vocab,), dtype=mx.float32)
         if generated:
             self.add(list(generated))
@@ -85,11 +85,8 @@ class DevicePenalties:
         engine's own (engine/cpu_ext.cpp penalize_rows, the same float32 steps: the same bits), else
         MLX's operations."""
         if x.ndim == 2 and cpu_ext.serves(cpu_ext.CHOOSE, x, self.counts):
-            if self.repeats and self._prompt_marks is None:
-                assert self.in_prompt is not None
-                self._prompt_marks = self.in_prompt.astype(mx.float32)
             p = self.params
-            return cpu_ext.penalize_rows(x, self.counts, self.bias, self._prompt_marks if self.repeats else None,
+            return cpu_ext.penalize_rows(x, self.counts, self.bias, self.in_prompt,
                                          p.frequency_penalty, p.presence_penalty, p.repetition_penalty, p.penalized)
         return self._adjust(x, self.counts[None], self.bias, None if self.in_prompt is None else self.in_prompt[None])
 

@@ -127,8 +127,12 @@ def cpu_products(x: mx.array, modules: list[nn.Module]) -> bool:
     """Whether a norm and the products that read it run as the engine's own CPU operation
     (cpu_ext.norm_products, bitwise the operations' results): the switch on, rows [M, K] float32 on
     the CPU, each module a plain Linear (no bias, not quantized, float32)."""
-    return cpu_ext.PRODUCTS and cpu_ext.serves(True, x) and x.ndim == 2 and all(
-        type(m) is Linear and "bias" not in m and m["weight"].dtype == mx.float32 for m in modules)
+    return cpu_ext.PRODUCTS and cpu_ext.serves(True, x) and x.ndim == 2 and all(map(_plain_float_linear, modules))
+
+
+def _plain_float_linear(m: nn.Module) -> bool:
+    """A Linear the CPU's operations read the weight of: no bias, not quantized, float32."""
+    return type(m) is Linear and "bias" not in m and m["weight"].dtype == mx.float32
 
 
 def cpu_mlp(mlp: MLP, norm: RMSNorm) -> bool:
@@ -137,8 +141,8 @@ def cpu_mlp(mlp: MLP, norm: RMSNorm) -> bool:
     float32 Linear projections without bias, not fused."""
     if not cpu_ext.MLP or mx.default_device() != mx.cpu or cpu_ext.module() is None or "fused" in mlp:
         return False
-    return all(type(p) is Linear and "bias" not in p and p["weight"].dtype == mx.float32
-               for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)) and norm.weight.dtype == mx.float32
+    projections = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    return all(map(_plain_float_linear, projections)) and norm.weight.dtype == mx.float32
 
 
 def norm_then(flat: mx.array, modules: list[nn.Module], norm: RMSNorm | None) -> list[mx.array]:
