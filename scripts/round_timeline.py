@@ -3,9 +3,10 @@ queueing), whether it was pipelined (queued before the previous round landed), i
 the budget the controller gave it, and the gap since the previous landing (what a streaming client
 waits). For finding where a tail of slow gaps comes from.
 
-    python scripts/round_timeline.py [--method ngram] [--prompt-ids 64] [--tokens 96] [--temperature 1]
+    python scripts/round_timeline.py [--method ngram] [--prompt-ids 64 | --text chat] [--tokens 96] [--temperature 1]
 
-Runs the bundled target on a prompt of random ids (seeded); the engine is called directly, one
+Runs the bundled target on a prompt of random ids (seeded), or on bench_spec.py's prompt of a
+kind (`--text`); the engine is called directly, one
 warm-up generation first. Prints one line per launch and per landing, then the gaps' median, p95
 and max for rounds that were and were not pipelined.
 """
@@ -67,10 +68,16 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--text", default="", help="a prompt kind of bench_spec.py (e.g. chat) instead of random ids")
     a = ap.parse_args()
     instrument()
     engine = Engine(EngineConfig(model_path=str(BUNDLED / "target")))
-    prompt = [int(t) for t in np.random.RandomState(0).randint(0, 8000, size=a.prompt_ids)]
+    if a.text:
+        from scripts.bench_spec import PROMPTS, render
+
+        prompt = render(engine, PROMPTS[a.text][0])
+    else:
+        prompt = [int(t) for t in np.random.RandomState(0).randint(0, 8000, size=a.prompt_ids)]
     params = SamplingParams(max_tokens=a.tokens, temperature=a.temperature, seed=a.seed)
     spec = SpecConfig(method=a.method, **({"tree": a.tree} if a.tree else {}))
     for _ in range(2):  # a warm-up generation, then the one printed
