@@ -18,7 +18,9 @@ builds it), for trees of each row count (a chain of up to 8 with siblings), each
 
 Each commit is undone by a rewind, so every verify starts from the same committed length.
 `--compile on,off` measures both ways in one process (off: the layers run their pure functions
-and the GDN commit its ops or kernel call uncompiled, what compilation saves on the host). A
+and the GDN commit its ops or kernel call uncompiled, what compilation saves on the host); `sg0`
+compiles layer by layer, a one-token pass not in segments (engine/models/segments.py), and a
+repeated list (`on,sg0,on,sg0`) alternates the settings. A
 cProfile of the builds of the largest row count goes to DIR/host_profile_N_<compile>.txt;
 everything to DIR/host.json. `--new-sizes 9,10,...` then verifies tree sizes not seen before in
 the process: the first verify of each (the compiled layers trace it) against later ones.
@@ -59,6 +61,7 @@ from engine import forward  # noqa: E402
 from engine.cache import GDNCache  # noqa: E402
 from engine.kernels import backend_default  # noqa: E402
 from engine.models.layers import Batch  # noqa: E402
+from engine.models import segments  # noqa: E402
 from engine.models.qwen3_5 import DecoderLayer  # noqa: E402
 
 
@@ -196,7 +199,8 @@ def main() -> None:
                     help="tree sizes not verified before: the first verify of each against later ones "
                          "(what tree sizes cost the compiled layers once), after everything else")
     ap.add_argument("--compile", default="on",
-                    help="on, off or on,off: the layers' compiled functions")
+                    help="on, off, sg0 or a list (on,sg0,on,sg0 alternates): the layers' compiled functions; "
+                         "sg0: compiled layer by layer, a one-token pass not in segments")
     ap.add_argument("--commit-split", action="store_true",
                     help="time the commit by layer kind: commit_build_ms = the GDN layers' (built and "
                          "evaluated), commit_eval_ms = the attention layers'")
@@ -216,9 +220,11 @@ def main() -> None:
     result: dict[str, Any] = dict(device=str(mx.default_device()), mlx=mx.__version__, shape=args.shape,
                                   layers=layers, dtype=args.dtype, bits=args.bits,
                                   date=time.strftime("%Y-%m-%d"), modes={})
-    for mode in args.compile.split(","):
-        DecoderLayer.compile_decode = GDNCache.compile_commit = mode == "on"
-        rows = result["modes"][mode] = {}
+    for i, mode in enumerate(args.compile.split(",")):
+        DecoderLayer.compile_decode = GDNCache.compile_commit = mode != "off"
+        segments.SEGMENTS = mode != "sg0"
+        label = mode if mode not in result["modes"] else f"{mode}.{i}"  # a setting repeated to alternate
+        rows = result["modes"][label] = {}
         for n in args.rows:
             rows[str(n)] = phases(model, cache, len(prompt), n, args.runs, args.commit_split)
             print(f"compile {mode} N={n}: " + ", ".join(f"{k} {v:.3f}" for k, v in rows[str(n)].items()), flush=True)
@@ -227,7 +233,7 @@ def main() -> None:
         text = profile_builds(model, cache, len(prompt), n, 10)
         (args.out / f"host_profile_{n}_{mode}.txt").write_text(text)
         print("\n".join(text.splitlines()[:24]), flush=True)
-    DecoderLayer.compile_decode = GDNCache.compile_commit = True
+    DecoderLayer.compile_decode = GDNCache.compile_commit = segments.SEGMENTS = True
     if args.commit_probe:
         result["commit_probe"] = commit_probe(model, cache, len(prompt), max(args.rows), args.runs)
         print(f"commit probe N={max(args.rows)}: "

@@ -57,7 +57,9 @@
 - "-rpN": N layers more handed over early from one such round to the next, 0 = none
   (engine.round.AHEAD_RAMP);
 - "-ra0" / "-ra1": the plain round right after a tree pipelined or landed alone on the CPU
-  (engine.round.RESTART_ALONE_ON_CPU).
+  (engine.round.RESTART_ALONE_ON_CPU);
+- "-sg0" / "-sg1": a one-token pass layer by layer / in compiled segments between the attention
+  layers' cache accesses (engine.models.segments.SEGMENTS).
 
 Other suffixes are left to the caller (bench_gpu's "-mlxqmm", profile_rounds' own probes).
 Compiled layer graphs are per model instance and trace on first use, so each engine's graphs carry
@@ -78,7 +80,7 @@ def _settings() -> dict[str, tuple[list[tuple[Any, str]], Callable[[str], tuple[
     from engine import round as rounds
     from engine.cache import GDNCache
     from engine.drafters import mtp
-    from engine.models import fused_qmm
+    from engine.models import fused_qmm, segments
 
     def on(rest: str) -> tuple[bool]:
         return (rest == "1",)
@@ -114,6 +116,7 @@ def _settings() -> dict[str, tuple[list[tuple[Any, str]], Callable[[str], tuple[
         "sa": ([(rounds, "START_AHEAD_LAYERS")], lambda rest: (int(rest),)),
         "ra": ([(rounds, "RESTART_ALONE_ON_CPU")], on),
         "rp": ([(rounds, "AHEAD_RAMP")], lambda rest: (int(rest),)),
+        "sg": ([(segments, "SEGMENTS")], on),
     }
 
 

@@ -19,7 +19,7 @@ from engine.feature_cache import FeatureCache
 from engine.gdn.core import Fold, GDNCore, GDNShape, GDNWeights, TreeInputs, TreeRows
 from engine.gdn.ops import ConvViews
 from engine.kernels import select_gdn_core
-from engine.models import fused_qmm
+from engine.models import fused_qmm, segments
 from engine.models.base import ModelArgs, decoder_fields
 from engine.models.fused import fuse_into
 from engine.models.layers import CHAIN, MLP, Attention, Batch, Mode, RMSNorm, RopeSpec, cpu_mlp, norm_then
@@ -167,12 +167,19 @@ def tree_arrays(batch: Batch) -> tuple[mx.array, ...]:
 
 
 # what a layer's traced functions depend on: (mode, compiled, folding, fused add + norm, fused gated
-# norm, the CPU's gates through 2^, an output of the last layer pending, projections fused with
-# the residual adds after them, and with the norms and SwiGLU before them: fused_qmm.wiring(), and
-# a GDN layer's token step, its tree verify, the RMS norms and the MLP block, in the CPU's own
-# operations: cpu_ext.GDN_STEP, cpu_ext.GDN_TREE, cpu_ext.NORMS, cpu_ext.MLP, and the input norm
-# with the mixer's projections in one: cpu_ext.PRODUCTS)
-TraceKey = tuple[Mode, bool, bool, bool, bool, bool, bool, bool, bool, bool, bool, bool, bool, bool]
+# norm, the CPU's gates through 2^, projections fused with the residual adds after them, and with
+# the norms and SwiGLU before them: fused_qmm.wiring(), a GDN layer's token step, its tree verify,
+# the RMS norms and the MLP block, in the CPU's own operations: cpu_ext.GDN_STEP, cpu_ext.GDN_TREE,
+# cpu_ext.NORMS, cpu_ext.MLP, and the input norm with the mixer's projections in one:
+# cpu_ext.PRODUCTS; an output of the last layer pending)
+TraceKey = tuple[object, ...]
+
+
+def trace_settings() -> tuple[bool, ...]:
+    """The module settings a layer's traced functions depend on (a TraceKey's fields after the
+    mode, the compilation and the folding, but for the last layer's output pending)."""
+    return (*fused_norms.traces(), cpu_exp.POW_GATES, *fused_qmm.wiring(), cpu_ext.GDN_STEP, cpu_ext.GDN_TREE,
+            cpu_ext.NORMS, cpu_ext.MLP, cpu_ext.PRODUCTS)
 
 
 class _Phases:
@@ -241,15 +248,18 @@ class DecoderLayer(nn.Module):
         compiled = self.compile_decode and mode != "chain"
         # a trace per setting of the fused norms and of the CPU's gates (engine/cpu_exp.py), and
         # per input (the stream alone, or with the last layer's output pending)
-        key: TraceKey = (mode, compiled, folding, *fused_norms.traces(), cpu_exp.POW_GATES, chained,
-                         *fused_qmm.wiring(), cpu_ext.GDN_STEP, cpu_ext.GDN_TREE, cpu_ext.NORMS, cpu_ext.MLP,
-                         cpu_ext.PRODUCTS)
+        key: TraceKey = (mode, compiled, folding, *trace_settings(), chained)
         if key not in self._phases.by_mode:
             before, after = self._pure_functions(mode)
             if compiled:
                 before, after = mx.compile(before), mx.compile(after)
             self._phases.by_mode[key] = (before, after)
         return self._phases.by_mode[key]
+
+    def token_functions(self) -> tuple[Callable[..., Any], Callable[..., Any]]:
+        """The one-token pure functions, uncompiled: what a segment of a one-token pass traces
+        (engine/models/segments.py)."""
+        return self._pure_functions("token")
 
     def _pure_functions(self, mode: Mode) -> tuple[Callable[..., Any], Callable[..., Any]]:
         fused, gated = fused_norms.traces()
@@ -362,6 +372,7 @@ class TextModel(nn.Module):
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
         self.layers = [layer_cls(a, is_attn, core) for is_attn in a.layer_is_attention]
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self._segments = segments.Segments(a.layer_is_attention)
 
     def __call__(self, tokens: mx.array, cache: list[LayerCache], batch: Batch) -> mx.array:
         """A FeatureCache after the layer caches records the hidden states it taps (DFlash, MTP), in
@@ -369,15 +380,21 @@ class TextModel(nn.Module):
         features = cache[-1] if len(cache) == len(self.layers) + 1 else None
         assert features is None or isinstance(features, FeatureCache)
         taps = features.taps.layers if features is not None else ()
-        h, tapped = self.embed_tokens(tokens), []
+        h = self.embed_tokens(tokens)
+        tapped: list[mx.array] = []
         pending: Pending = ()
         every = batch.eval_every
-        for i, (layer, c) in enumerate(zip(self.layers, cache[: len(self.layers)], strict=True)):
-            h, pending = layer.chained(h, pending, c, batch)
-            if i in taps:
-                tapped.append(h + pending[0] if pending else h)
-            if every and (i + 1) % every == 0 and i + 1 < len(self.layers):
-                mx.async_eval(h, *pending)  # the device starts on these layers while the host builds the next
+        if tokens.shape[1] == 1 and segments.SEGMENTS and not every and self.layers[0].compile_decode:
+            # a few compiled calls for the whole pass (engine/models/segments.py)
+            h, pending, tapped = self._segments.run(self.layers, cache[: len(self.layers)], batch, h, taps,
+                                                    trace_settings())
+        else:
+            for i, (layer, c) in enumerate(zip(self.layers, cache[: len(self.layers)], strict=True)):
+                h, pending = layer.chained(h, pending, c, batch)
+                if i in taps:
+                    tapped.append(h + pending[0] if pending else h)
+                if every and (i + 1) % every == 0 and i + 1 < len(self.layers):
+                    mx.async_eval(h, *pending)  # the device starts on these layers while the host builds the next
         if pending:  # the last layer's output, added in the final norm's launch
             _, h = residual_norm(h, pending[0], self.norm, fused=True)
         else:
