@@ -60,8 +60,8 @@ from shaped_checkpoint import SHAPES, bundled_text_config  # noqa: E402
 from engine import forward  # noqa: E402
 from engine.cache import GDNCache  # noqa: E402
 from engine.kernels import backend_default  # noqa: E402
-from engine.models.layers import Batch  # noqa: E402
 from engine.models import segments  # noqa: E402
+from engine.models.layers import Batch  # noqa: E402
 from engine.models.qwen3_5 import DecoderLayer  # noqa: E402
 
 
