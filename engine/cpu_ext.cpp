@@ -30,6 +30,7 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -1518,14 +1519,153 @@ void apply_cuts(float* p, int V, const Cuts& c, std::vector<uint32_t>& ranked, s
   }
 }
 
+// A top-k draw narrowed to the values that can reach the k-th largest (the bundled model's default
+// top-k of 20 among 8,192): the same token as choose_row's full pass, without 2^y of every logit.
+// y = ((x - max) / t) log2 e is computed for every logit as shifted_powers does (float operations
+// are monotone, so y orders as x does); 2^y only where y >= y_k - NARROW, y_k the k-th largest y.
+// Why that is exact: the k entries of largest y all have y >= y_k, so the k-th largest 2^y is at
+// least 2^y_k (1 - e) for a powf of relative error e, and an entry below y_k - NARROW has 2^y at
+// most 2^(y_k - NARROW) (1 + e), less than that for any e under 2^-16 (libm's powf and the exp2
+// shim: under 2^-23). So every value the operations keep, ties at the k-th included, is among
+// those computed, and the k-th largest of them is theirs; top-p, min-p, the total and the draw
+// then run over the kept values in vocabulary order, which is where the full pass's running sums
+// add anything but zeros. Where that reasoning does not hold, the full pass runs: a NaN or +inf
+// logit, or a k-th largest value under FLT_MIN (a subnormal 2^y has no such relative error, and a
+// zero keeps every token). Returns -1 there.
+constexpr float NARROW = 1e-4f;  // > 2^-15 / ln 2 plus y's rounding at |y| < 150 (2^-17)
+
+struct Narrow {
+  std::vector<float> y, kept_p;
+  std::vector<int> kept;
+  std::vector<uint32_t> bits;
+};
+
+int32_t draw_top_k(const float* x, int V, float t, const Cuts& c, float u, Narrow& s) {
+  const float m = row_max(x, V);
+  s.y.resize(V);
+  bool nan = false;
+  for (int i = 0; i < V; ++i) {
+    const float y = t == 1.0f ? (x[i] - m) * LOG2E_F : ((x[i] - m) / t) * LOG2E_F;
+    s.y[i] = y;
+    nan |= y != y;
+  }
+  if (nan) {
+    return -1;
+  }
+  // the k-th largest y: a min-heap of the k largest seen
+  const int k = c.top_k;
+  std::vector<float>& heap = s.kept_p;
+  heap.assign(s.y.begin(), s.y.begin() + k);
+  std::make_heap(heap.begin(), heap.end(), std::greater<float>());
+  for (int i = k; i < V; ++i) {
+    if (s.y[i] > heap.front()) {
+      std::pop_heap(heap.begin(), heap.end(), std::greater<float>());
+      heap.back() = s.y[i];
+      std::push_heap(heap.begin(), heap.end(), std::greater<float>());
+    }
+  }
+  const float floor_y = heap.front() - NARROW;
+  const powf_fn pw = process_powf();
+  s.kept.clear();
+  s.kept_p.clear();
+  s.bits.clear();
+  for (int i = 0; i < V; ++i) {
+    if (s.y[i] >= floor_y) {
+      const float p = pw(2.0f, s.y[i]);
+      s.kept.push_back(i);
+      s.kept_p.push_back(p);
+      s.bits.push_back(bits_of(p));
+    }
+  }
+  const int n = (int)s.kept.size();
+  std::nth_element(s.bits.begin(), s.bits.begin() + (k - 1), s.bits.end(), std::greater<uint32_t>());
+  const float kth = float_of(s.bits[k - 1]);
+  if (!(kth >= FLT_MIN) || kth == INFINITY) {
+    return -1;
+  }
+  // top-k, then top-p over what it kept (ranked best first), then min-p: compacted in place
+  int live = 0;
+  for (int j = 0; j < n; ++j) {
+    if (s.kept_p[j] >= kth) {
+      s.kept[live] = s.kept[j];
+      s.kept_p[live++] = s.kept_p[j];
+    }
+  }
+  if (c.top_p < 1.0f) {
+    s.bits.resize(live);
+    float total = 0.0f;
+    for (int j = 0; j < live; ++j) {
+      s.bits[j] = bits_of(s.kept_p[j]);
+      total = j == 0 ? s.kept_p[j] : total + s.kept_p[j];
+    }
+    std::sort(s.bits.begin(), s.bits.end(), std::greater<uint32_t>());
+    // the operations rank the k values top-k took (not its ties past k): the first k of these
+    const int ranks = std::min(live, k);
+    const float target = c.top_p * total;
+    float cum = 0.0f, cut = INFINITY;
+    for (int j = 0; j < ranks; ++j) {
+      const float v = float_of(s.bits[j]);
+      cum = j == 0 ? v : cum + v;
+      if (cum - v < target) {
+        cut = std::min(cut, v);
+      }
+    }
+    int kept = 0;
+    for (int j = 0; j < live; ++j) {
+      if (s.kept_p[j] >= cut) {
+        s.kept[kept] = s.kept[j];
+        s.kept_p[kept++] = s.kept_p[j];
+      }
+    }
+    live = kept;
+  }
+  if (c.min_p > 0.0f && live > 0) {
+    float top = s.kept_p[0];
+    for (int j = 1; j < live; ++j) {
+      top = s.kept_p[j] > top ? s.kept_p[j] : top;
+    }
+    const float floor_ = c.min_p * top;
+    int kept = 0;
+    for (int j = 0; j < live; ++j) {
+      if (s.kept_p[j] >= floor_) {
+        s.kept[kept] = s.kept[j];
+        s.kept_p[kept++] = s.kept_p[j];
+      }
+    }
+    live = kept;
+  }
+  if (live == 0) {
+    return -1;
+  }
+  float total = 0.0f;
+  for (int j = 0; j < live; ++j) {
+    total = j == 0 ? s.kept_p[j] : total + s.kept_p[j];
+  }
+  const float threshold = u * total;
+  float run = 0.0f;
+  for (int j = 0; j < live; ++j) {
+    run = j == 0 ? s.kept_p[j] : run + s.kept_p[j];
+    if (run > threshold) {
+      return s.kept[j];
+    }
+  }
+  return s.kept[live - 1];  // rounding ran past the end: the last live token
+}
+
 int32_t choose_row(const float* x, int V, float t, const Cuts& cuts, float u, std::vector<float>& p,
-                   std::vector<uint32_t>& ranked, std::vector<uint32_t>& tmp) {
+                   std::vector<uint32_t>& ranked, std::vector<uint32_t>& tmp, Narrow* narrow) {
   if (t <= 0.0f) {
     int best = 0;
     for (int i = 1; i < V; ++i) {
       best = x[i] > x[best] ? i : best;
     }
     return best;
+  }
+  if (narrow != nullptr && 0 < cuts.top_k && cuts.top_k < V) {
+    const int32_t id = draw_top_k(x, V, t, cuts, u, *narrow);
+    if (id >= 0) {
+      return id;
+    }
   }
   float total = shifted_powers(x, V, row_max(x, V), t, p.data());
   if ((0 < cuts.top_k && cuts.top_k < V) || cuts.top_p < 1.0f || cuts.min_p > 0.0f) {
@@ -1551,7 +1691,8 @@ int32_t choose_row(const float* x, int V, float t, const Cuts& cuts, float u, st
 }
 
 std::vector<mx::array> choose_rows(const mx::array& logits, const std::optional<mx::array>& uniforms, float temperature,
-                                   const std::optional<mx::array>& raw, int top_k, float top_p, float min_p) {
+                                   const std::optional<mx::array>& raw, int top_k, float top_p, float min_p,
+                                   bool narrow) {
   check_f32("choose_rows", {&logits});
   if (logits.ndim() != 2 || logits.shape(1) < 1) {
     throw std::invalid_argument("choose_rows: logits must be [N, V]");
@@ -1573,7 +1714,8 @@ std::vector<mx::array> choose_rows(const mx::array& logits, const std::optional<
     inputs.push_back(*raw);
   }
   const Cuts cuts{top_k, top_p, min_p};
-  auto body = [N, V, temperature, sampled, top, cuts](std::vector<mx::array>& ins, std::vector<mx::array>& outs) {
+  auto body = [N, V, temperature, sampled, top, cuts, narrow](std::vector<mx::array>& ins,
+                                                               std::vector<mx::array>& outs) {
     const DenseInputs in(ins);
     const float* x = in(0);
     const float* u = sampled ? in(1) : nullptr;
@@ -1581,8 +1723,10 @@ std::vector<mx::array> choose_rows(const mx::array& logits, const std::optional<
     int32_t* ids = outs[0].data<int32_t>();
     std::vector<float> p(sampled ? V : 0);
     std::vector<uint32_t> ranked, tmp;
+    Narrow scratch;
     for (int n = 0; n < N; ++n) {
-      ids[n] = choose_row(x + (int64_t)n * V, V, temperature, cuts, sampled ? u[n] : 0.0f, p, ranked, tmp);
+      ids[n] = choose_row(x + (int64_t)n * V, V, temperature, cuts, sampled ? u[n] : 0.0f, p, ranked, tmp,
+                          narrow ? &scratch : nullptr);
       if (top) {
         outs[1].data<float>()[n] = 1.0f / top_total(r + (int64_t)n * V, V);
       }
@@ -1683,8 +1827,10 @@ NB_MODULE(spruce_cpu_ext, m) {
         "-> [ids, logp, depths] (+ [keys, values, y] of the catch-up).");
   m.def("choose_rows", &choose_rows, nb::arg("logits"), nb::arg("uniforms").none(), nb::arg("temperature"),
         nb::arg("raw").none(), nb::arg("top_k") = 0, nb::arg("top_p") = 1.0f, nb::arg("min_p") = 0.0f,
+        nb::arg("narrow") = true,
         "Each row's token (greedy or the seeded draw) and, where raw is given, its top-token "
-        "probability, in one CPU operation -> [ids] (+ [top]).");
+        "probability, in one CPU operation -> [ids] (+ [top]); narrow: a top-k draw computes 2^y only "
+        "where it can reach the k-th largest value.");
   m.def("penalize_rows", &penalize_rows, nb::arg("x"), nb::arg("counts"), nb::arg("bias").none(),
         nb::arg("in_prompt").none(), nb::arg("frequency"), nb::arg("presence"), nb::arg("repetition"),
         nb::arg("penalized"), "A request's logit bias and penalties over [N, V] rows in one CPU operation.");

@@ -81,6 +81,9 @@ MTP_CHAIN = True
 # request's bias and penalties, in MLX's operations (engine/device_sampler.py,
 # engine/device_penalties.py; variant cs0)
 CHOOSE = True
+# module switch, read per call: False = a top-k draw computes 2^y of every logit (choose_rows' full
+# pass, its twin) instead of only those that can reach the k-th largest (variant cw0)
+NARROW_TOP_K = True
 
 log = logging.getLogger("spruce")
 _lock = threading.Lock()
@@ -338,7 +341,8 @@ def choose_rows(logits: mx.array, uniforms: mx.array | None, temperature: float,
     None). See engine/cpu_ext.cpp."""
     ext = module()
     assert ext is not None, "serves() first"
-    out = ext.choose_rows(logits, uniforms, float(temperature), raw, int(top_k), float(top_p), float(min_p))
+    out = ext.choose_rows(logits, uniforms, float(temperature), raw, int(top_k), float(top_p), float(min_p),
+                          NARROW_TOP_K)
     return out[0], (out[1] if raw is not None else None)
 
 

@@ -26,7 +26,8 @@ per forward are honest only on output that does not loop), and `same`: how many 
 output shares with the prompt's first row (its first method and variant).
 
 Runs the bundled target and drafters (or `--model`'s, e.g. scripts/widen_checkpoint.py's 9B-wide
-pair) on bench_spec.py's prompts, greedy, one warm-up generation of
+pair) on bench_spec.py's prompts, greedy (or with the checkpoint's sampling defaults and a seed:
+`--defaults --seed N`), one warm-up generation of
 each prompt, method and variant, then `--runs` measured ones; prints ms a round (mean over the
 measured rounds) per phase, method and variant. `--variants` compares engine settings in one
 process, interleaved run by run, named by the variant suffixes of scripts/variants.py:
@@ -74,7 +75,14 @@ import engine.sampler as sampler  # noqa: E402
 from engine.config import EngineConfig, SamplingParams, SpecConfig  # noqa: E402
 from engine.generate import BUNDLED, Engine  # noqa: E402
 from engine.types import GenerationRequest  # noqa: E402
-from scripts.bench_spec import PROMPTS, distinct_8grams, parse_methods, render, warm_like_serve  # noqa: E402
+from scripts.bench_spec import (  # noqa: E402
+    PROMPTS,
+    checkpoint_defaults,
+    distinct_8grams,
+    parse_methods,
+    render,
+    warm_like_serve,
+)
 from scripts.variants import variant_setting  # noqa: E402
 
 TOTALS: dict[str, float] = defaultdict(float)
@@ -215,6 +223,9 @@ def main() -> None:
     ap.add_argument("--kinds", default="code")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--adaptive", action="store_true")
+    ap.add_argument("--defaults", action="store_true",
+                    help="sample with the checkpoint's generation_config and --seed instead of greedy")
+    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--variants", default="engine",
                     help="engine settings to compare, interleaved run by run: engine (as it is), or "
                          "scripts/variants.py's suffixes joined with -, e.g. engine,ev0,fold0,ev0-fold0")
@@ -233,8 +244,13 @@ def main() -> None:
     warm_like_serve(engine, specs.values())
     # the tree builders are looked up when a drafter is made: the wrappers above are already in place
     base = SamplingParams(temperature=0.0, max_tokens=a.tokens)
+    decoding = "greedy"
+    if a.defaults:
+        base = checkpoint_defaults(engine, a.seed, a.tokens)
+        decoding = (f"sampled (temperature {base.temperature}, top_p {base.top_p}, top_k {base.top_k}, "
+                    f"repetition penalty {base.repetition_penalty}, seed {a.seed})")
     report: dict[str, Any] = {"args": {k: str(v) for k, v in vars(a).items()}, "rows": []}
-    print(f"ms a round (mean over measured rounds), {a.tokens} tokens greedy, budget {a.budget}, dtype {a.dtype}")
+    print(f"ms a round (mean over measured rounds), {a.tokens} tokens {decoding}, budget {a.budget}, dtype {a.dtype}")
     print(f"{'prompt':8} {'method':18} {'variant':14} {'same':>4} {'rounds':>6} {'tok/fwd':>7} {'8-gram':>6} "
           f"{'tok/s':>7} {'round':>6} {'med':>6} {'propose':>7} "
           f"{'margin':>7} {'build':>6} {'verify':>6} {'queue':>6} {'land':>6} {'walk':>6} {'commit':>6} {'encode':>6}")

@@ -47,6 +47,8 @@
   operation of the engine's own (engine.cpu_ext.MTP_CHAIN, read per draft);
 - "-cs0" / "-cs1": the sampler's choice and the target's top-token probability on the CPU in MLX's
   operations / in one operation of the engine's own (engine.cpu_ext.CHOOSE, read per call);
+- "-cw0" / "-cw1": a top-k draw on the CPU computing 2^y of every logit / only of those that can
+  reach the k-th largest (engine.cpu_ext.NARROW_TOP_K);
 - "-srN": products of up to N rows through the GEMV shim's small-row path on the CPU, 0 = none
   (engine.blas.SMALL_ROWS; a no-op without the shim);
 - "-stN": that path on at most N threads, 0 = every core (engine.blas.GEMM_THREADS);
@@ -110,6 +112,7 @@ def _settings() -> dict[str, tuple[list[tuple[Any, str]], Callable[[str], tuple[
         "cf": ([(cpu_ext, "MLP")], on),
         "cp": ([(cpu_ext, "PRODUCTS")], on),
         "cs": ([(cpu_ext, "CHOOSE")], on),
+        "cw": ([(cpu_ext, "NARROW_TOP_K")], on),
         "sr": ([(blas.SMALL_ROWS, "value")], lambda rest: (int(rest),)),
         "st": ([(blas.GEMM_THREADS, "value")], lambda rest: (int(rest),)),
         "sl": ([(rounds, "START_LATE_ON_CPU")], on),

@@ -159,3 +159,65 @@ def test_penalties_in_one_operation_are_the_operations(settings, monkeypatch):
         monkeypatch.setattr(cpu_ext, "CHOOSE", True)
         assert np.array_equal(got, want)
         assert not np.array_equal(got, np.array(x))  # something was adjusted
+
+
+def near_ties(rng: np.random.Generator, x: np.ndarray, k: int) -> np.ndarray:
+    """x with values a few float32 steps around each row's k-th largest: distinct logits whose
+    2^y may round to the k-th value's (ties after exp that the operations keep)."""
+    x = x.copy()
+    for row in x:
+        kth = np.sort(row[np.isfinite(row)])[::-1][min(k, np.isfinite(row).sum()) - 1]
+        at = rng.choice(row.size, size=min(12, row.size), replace=False)
+        steps = rng.integers(-6, 3, size=at.size)
+        row[at] = [np.float32(kth) if s == 0 else np.nextafter(np.float32(kth), np.float32(np.inf * np.sign(s)),
+                                                             dtype=np.float32) if abs(s) == 1 else
+                   np.float32(kth) + np.float32(s) * np.spacing(np.float32(kth)) for s in steps]
+    return x
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 20, 50, 4095])
+@pytest.mark.parametrize("temperature", [0.05, 0.7, 1.0, 1.3, 7.5])
+def test_a_narrowed_top_k_draw_is_the_full_pass(top_k, temperature, monkeypatch):
+    """The top-k draw that computes 2^y only where it can reach the k-th largest value (the fast
+    path) against choose_rows' full pass (its twin) and the operations: the same token bit for bit,
+    near-ties at the k-th value, masked tokens, top-p and min-p after it, uniforms at both ends."""
+    rng = np.random.default_rng(top_k * 100 + int(temperature * 10))
+    for trial in range(6):
+        rows, vocab = 8, int(rng.choice([4096, 8192]))
+        x = logits_for(rng, rows, vocab, float(rng.choice([0.3, 3.0, 30.0])), ties=trial % 2 == 0)
+        x = near_ties(rng, x, top_k) if trial % 3 != 2 else np.round(x)
+        u = rng.random(rows).astype(np.float32)
+        u[0], u[1] = np.float32(1.0) - np.float32(2.0**-24), 0.0
+        X, U = mx.array(x), mx.array(u)
+        for top_p, min_p in ((1.0, 0.0), (0.8, 0.0), (0.95, 0.05)):
+            params = SamplingParams(temperature=temperature, seed=0, top_k=top_k, top_p=top_p, min_p=min_p)
+            monkeypatch.setattr(cpu_ext, "NARROW_TOP_K", True)
+            fast, _ = cpu_ext.choose_rows(X, U, temperature, None, top_k, top_p, min_p)
+            monkeypatch.setattr(cpu_ext, "NARROW_TOP_K", False)
+            full, _ = cpu_ext.choose_rows(X, U, temperature, None, top_k, top_p, min_p)
+            ops = device_sampler._choose_ops(X, params, U)
+            assert np.array_equal(np.array(fast), np.array(full)), (trial, top_p, min_p)
+            assert np.array_equal(np.array(fast), np.array(ops)), (trial, top_p, min_p)
+
+
+def test_the_narrow_draw_leaves_the_odd_rows_to_the_full_pass(monkeypatch):
+    """Where its reasoning does not hold the narrow draw hands the row to the full pass: a NaN or
+    +inf logit, every logit masked, a k-th largest value that 2^y rounds to a subnormal or to 0
+    (a wide spread at a low temperature). The same tokens either way."""
+    rng = np.random.default_rng(7)
+    x = logits_for(rng, 6, 4096, 3.0, ties=False)
+    x[0, 17] = np.nan
+    x[1, 99] = np.inf
+    x[2, :] = -np.inf
+    x[3] = (rng.standard_normal(4096) * 2000).astype(np.float32)  # 2^y of the 20th largest: 0
+    x[4] = np.linspace(0, -120, 4096, dtype=np.float32)  # around the subnormal edge at t = 1
+    X, U = mx.array(x), mx.array(rng.random(6).astype(np.float32))
+    for temperature in (1.0, 0.05):
+        monkeypatch.setattr(cpu_ext, "NARROW_TOP_K", True)
+        fast, _ = cpu_ext.choose_rows(X, U, temperature, None, 20, 0.8, 0.0)
+        monkeypatch.setattr(cpu_ext, "NARROW_TOP_K", False)
+        full, _ = cpu_ext.choose_rows(X, U, temperature, None, 20, 0.8, 0.0)
+        assert np.array_equal(np.array(fast), np.array(full))
+        params = SamplingParams(temperature=temperature, seed=0, top_k=20, top_p=0.8)
+        ops = np.array(device_sampler._choose_ops(X[2:], params, U[2:]))
+        assert np.array_equal(np.array(fast)[2:], ops)
