@@ -1552,7 +1552,7 @@ int32_t draw_top_k(const float* x, int V, float t, const Cuts& c, float u, Narro
   if (nan) {
     return -1;
   }
-  // the k-th largest y: a min-heap of the k largest seen
+  // the k-th largest y: a min-heap of the k largest seen (in kept_p's storage, refilled below)
   const int k = c.top_k;
   std::vector<float>& heap = s.kept_p;
   heap.assign(s.y.begin(), s.y.begin() + k);
