@@ -1540,6 +1540,18 @@ struct Narrow {
   std::vector<uint32_t> bits;
 };
 
+// The first `live` kept values at or above `floor`, compacted to the front in order -> how many.
+int keep_from(Narrow& s, int live, float floor) {
+  int kept = 0;
+  for (int j = 0; j < live; ++j) {
+    if (s.kept_p[j] >= floor) {
+      s.kept[kept] = s.kept[j];
+      s.kept_p[kept++] = s.kept_p[j];
+    }
+  }
+  return kept;
+}
+
 int32_t draw_top_k(const float* x, int V, float t, const Cuts& c, float u, Narrow& s) {
   const float m = row_max(x, V);
   s.y.resize(V);
@@ -1584,13 +1596,7 @@ int32_t draw_top_k(const float* x, int V, float t, const Cuts& c, float u, Narro
     return -1;
   }
   // top-k, then top-p over what it kept (ranked best first), then min-p: compacted in place
-  int live = 0;
-  for (int j = 0; j < n; ++j) {
-    if (s.kept_p[j] >= kth) {
-      s.kept[live] = s.kept[j];
-      s.kept_p[live++] = s.kept_p[j];
-    }
-  }
+  int live = keep_from(s, n, kth);
   if (c.top_p < 1.0f) {
     s.bits.resize(live);
     float total = 0.0f;
@@ -1610,29 +1616,14 @@ int32_t draw_top_k(const float* x, int V, float t, const Cuts& c, float u, Narro
         cut = std::min(cut, v);
       }
     }
-    int kept = 0;
-    for (int j = 0; j < live; ++j) {
-      if (s.kept_p[j] >= cut) {
-        s.kept[kept] = s.kept[j];
-        s.kept_p[kept++] = s.kept_p[j];
-      }
-    }
-    live = kept;
+    live = keep_from(s, live, cut);
   }
   if (c.min_p > 0.0f && live > 0) {
     float top = s.kept_p[0];
     for (int j = 1; j < live; ++j) {
       top = s.kept_p[j] > top ? s.kept_p[j] : top;
     }
-    const float floor_ = c.min_p * top;
-    int kept = 0;
-    for (int j = 0; j < live; ++j) {
-      if (s.kept_p[j] >= floor_) {
-        s.kept[kept] = s.kept[j];
-        s.kept_p[kept++] = s.kept_p[j];
-      }
-    }
-    live = kept;
+    live = keep_from(s, live, c.min_p * top);
   }
   if (live == 0) {
     return -1;
