@@ -60,6 +60,8 @@
   (engine.round.AHEAD_RAMP);
 - "-ra0" / "-ra1": the plain round right after a tree pipelined or landed alone on the CPU
   (engine.round.RESTART_ALONE_ON_CPU);
+- "-dv0" / "-dv1": a sampled tree's nodes on the CPU all drawn in the verify's graph / each drawn
+  as the accept walk visits it (engine.round.DRAW_VISITED_ON_CPU);
 - "-sg0" / "-sg1": a one-token pass layer by layer / in compiled segments between the attention
   layers' cache accesses (engine.models.segments.SEGMENTS).
 
@@ -119,6 +121,7 @@ def _settings() -> dict[str, tuple[list[tuple[Any, str]], Callable[[str], tuple[
         "sa": ([(rounds, "START_AHEAD_LAYERS")], lambda rest: (int(rest),)),
         "ra": ([(rounds, "RESTART_ALONE_ON_CPU")], on),
         "rp": ([(rounds, "AHEAD_RAMP")], lambda rest: (int(rest),)),
+        "dv": ([(rounds, "DRAW_VISITED_ON_CPU")], on),
         "sg": ([(segments, "SEGMENTS")], on),
     }
 
