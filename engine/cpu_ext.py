@@ -84,6 +84,9 @@ CHOOSE = True
 # module switch, read per call: False = a top-k draw computes 2^y of every logit (choose_rows' full
 # pass, its twin) instead of only those that can reach the k-th largest (variant cw0)
 NARROW_TOP_K = True
+# module switch, read per call: False = a sampled tree's node drawn as the accept walk visits it in a
+# graph of its own (penalize_rows, choose_rows) instead of at once on the host (draw_now; variant dn0)
+DRAW_NOW = True
 
 log = logging.getLogger("spruce")
 _lock = threading.Lock()
@@ -344,6 +347,21 @@ def choose_rows(logits: mx.array, uniforms: mx.array | None, temperature: float,
     out = ext.choose_rows(logits, uniforms, float(temperature), raw, int(top_k), float(top_p), float(min_p),
                           NARROW_TOP_K)
     return out[0], (out[1] if raw is not None else None)
+
+
+def draw_now(logits: mx.array, row: int, counts: mx.array | None, bias: mx.array | None, in_prompt: mx.array | None,
+             cols: list[int], extra: list[float], frequency: float, presence: float, repetition: float,
+             penalized: bool, temperature: float, top_k: int, top_p: float, min_p: float, u: float) -> int:
+    """Row `row` of the (evaluated or lazy) logits [N, V] float32: its sampled token, chosen at once on
+    this thread, after the request's bias and penalties where `counts` [V] is given (the node's path
+    tokens `cols` counted `extra` more times): what penalize_rows and choose_rows give that row in a
+    graph. See engine/cpu_ext.cpp."""
+    ext = module()
+    assert ext is not None, "serves() first"
+    return int(ext.draw_now(logits, int(row), counts, bias, in_prompt, [int(c) for c in cols],
+                            [float(e) for e in extra], float(frequency), float(presence), float(repetition),
+                            bool(penalized), float(temperature), int(top_k), float(top_p), float(min_p), float(u),
+                            NARROW_TOP_K))
 
 
 def penalize_rows(x: mx.array, counts: mx.array, bias: mx.array | None, in_prompt: mx.array | None,

@@ -90,6 +90,12 @@ class DevicePenalties:
                                          p.frequency_penalty, p.presence_penalty, p.repetition_penalty, p.penalized)
         return self._adjust(x, self.counts[None], self.bias, None if self.in_prompt is None else self.in_prompt[None])
 
+    def path_counts(self, tree: DraftTree, node: int) -> tuple[list[int], list[float]]:
+        """The tokens on `node`'s path below the root, each once, and how many times each is there:
+        what `apply` counts again for that node's row (its tree's tokens on the host)."""
+        counted = Counter(tree.tokens[j] for j in tree.path_to(node)[1:])
+        return list(counted), [float(k) for k in counted.values()]
+
     def apply(self, logits: mx.array, tree: DraftTree | None = None, tokens: mx.array | None = None,
               rows: Sequence[int] | None = None) -> mx.array:
         """logits [R, V] of tree nodes `rows` (default: every node, R = tree.size; a one-node round

@@ -56,6 +56,12 @@ def choose_and_top(logits: mx.array, params: SamplingParams, uniforms: mx.array 
     return _choose_ops(logits, params, uniforms), None if raw is None else top_probability(raw)
 
 
+def one_operation(logits: mx.array, params: SamplingParams) -> bool:
+    """Whether the CPU's operations choose from these logits for these settings (choose_rows, and
+    a node drawn at once: cpu_ext.draw_now)."""
+    return _one_operation(logits, params, None)
+
+
 def _one_operation(logits: mx.array, params: SamplingParams, raw: mx.array | None) -> bool:
     """Whether choose_rows serves this choice: float32 on the CPU with 2^ for exp (its arithmetic is
     that path's), and a temperature, top_p and min_p that float32 does not round across the edges

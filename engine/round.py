@@ -28,7 +28,7 @@ from typing import cast
 import mlx.core as mx
 import numpy as np
 
-from engine import blas, device_sampler, forward, sampler
+from engine import blas, cpu_ext, device_sampler, forward, sampler
 from engine.cache import LayerCache
 from engine.config import SamplingParams, SpecConfig
 from engine.device_penalties import DevicePenalties
@@ -45,7 +45,7 @@ from engine.drafters.base import (
 )
 from engine.logits_extras import token_logprobs, top_probabilities
 from engine.models.base import CausalLM
-from engine.sampler import TokenConstraint
+from engine.sampler import TokenConstraint, position_uniform
 from engine.spec_control import RoundCosts, SpecController
 from engine.spec_evidence import ByEvidence
 from engine.tree import DraftTree
@@ -404,21 +404,37 @@ class Rounds:
         return top_probabilities(host_logits[list(path)])
 
     def _draw(self, flight: InFlight, node: int) -> int:
-        """Node `node`'s token, drawn as a one-row device draw at its position's uniform."""
+        """Node `node`'s token, drawn as a one-row device draw at its position's uniform: at once on
+        the host where the CPU's operations serve it (cpu_ext.draw_now: the same bits as the graph
+        below, without an evaluation of its own), else as a graph."""
         position = flight.committed_len + int(flight.tree.depths[node]) + 1
+        params = self.params
+        if cpu_ext.DRAW_NOW and device_sampler.one_operation(flight.logits, params):
+            pen = self._penalties(flight.logits.shape[-1]) if params.reweights else None
+            cols, extra = pen.path_counts(flight.tree, node) if pen is not None else ([], [])
+            return cpu_ext.draw_now(
+                flight.logits, node, None if pen is None else pen.counts, None if pen is None else pen.bias,
+                None if pen is None else pen.in_prompt, cols, extra, params.frequency_penalty,
+                params.presence_penalty, params.repetition_penalty, params.penalized, params.temperature,
+                min(params.top_k, flight.logits.shape[-1]), params.top_p, params.min_p,
+                position_uniform(self.seed, position))
         uniforms = device_sampler.node_uniforms(self.seed, [position])
         row = self._adjusted(flight.logits[node : node + 1], flight.tree, None, [node])
-        return int(device_sampler.choose(row, self.params, uniforms)[0])
+        return int(device_sampler.choose(row, params, uniforms)[0])
+
+    def _penalties(self, vocab: int) -> DevicePenalties:
+        """The request's bias and penalties on the device, made at their first use."""
+        if self.penalties is None:
+            self.penalties = DevicePenalties(self.params, vocab, self.seq.tokens[: self.seq.prompt_len],
+                                             self.seq.generated)
+        return self.penalties
 
     def _adjusted(self, logits: mx.array, tree: DraftTree, tokens: mx.array | None,
                   rows: list[int] | None = None) -> mx.array:
         """Tree rows' logits with the request's bias and penalties (as they are, without any)."""
         if not self.params.reweights:
             return logits
-        if self.penalties is None:
-            self.penalties = DevicePenalties(self.params, logits.shape[-1], self.seq.tokens[: self.seq.prompt_len],
-                                             self.seq.generated)
-        return self.penalties.apply(logits, tree, tokens, rows)
+        return self._penalties(logits.shape[-1]).apply(logits, tree, tokens, rows)
 
     def _count(self, flight: InFlight, accepted: int, emitted: int, t2: float, t3: float) -> None:
         s = self.stats

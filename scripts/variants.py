@@ -49,6 +49,8 @@
   operations / in one operation of the engine's own (engine.cpu_ext.CHOOSE, read per call);
 - "-cw0" / "-cw1": a top-k draw on the CPU computing 2^y of every logit / only of those that can
   reach the k-th largest (engine.cpu_ext.NARROW_TOP_K);
+- "-dn0" / "-dn1": a visited node of a sampled tree on the CPU drawn in a graph of its own / at once
+  on the host (engine.cpu_ext.DRAW_NOW);
 - "-srN": products of up to N rows through the GEMV shim's small-row path on the CPU, 0 = none
   (engine.blas.SMALL_ROWS; a no-op without the shim);
 - "-stN": that path on at most N threads, 0 = every core (engine.blas.GEMM_THREADS);
@@ -115,6 +117,7 @@ def _settings() -> dict[str, tuple[list[tuple[Any, str]], Callable[[str], tuple[
         "cp": ([(cpu_ext, "PRODUCTS")], on),
         "cs": ([(cpu_ext, "CHOOSE")], on),
         "cw": ([(cpu_ext, "NARROW_TOP_K")], on),
+        "dn": ([(cpu_ext, "DRAW_NOW")], on),
         "sr": ([(blas.SMALL_ROWS, "value")], lambda rest: (int(rest),)),
         "st": ([(blas.GEMM_THREADS, "value")], lambda rest: (int(rest),)),
         "sl": ([(rounds, "START_LATE_ON_CPU")], on),

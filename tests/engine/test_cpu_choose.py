@@ -15,6 +15,7 @@ import pytest
 
 from engine import cpu_ext, device_sampler
 from engine.config import SamplingParams
+from engine.sampler import position_uniform
 
 pytestmark = pytest.mark.skipif(mx.default_device() != mx.cpu or cpu_ext.module() is None,
                                 reason="the engine's CPU operations are built on Linux with a C++ compiler")
@@ -221,3 +222,49 @@ def test_the_narrow_draw_leaves_the_odd_rows_to_the_full_pass(monkeypatch):
         params = SamplingParams(temperature=temperature, seed=0, top_k=20, top_p=0.8)
         ops = np.array(device_sampler._choose_ops(X[2:], params, U[2:]))
         assert np.array_equal(np.array(fast)[2:], ops)
+
+
+@pytest.mark.parametrize("settings", [{}, {"repetition_penalty": 1.1}, {"repetition_penalty": 0.8},
+                                      {"frequency_penalty": 0.4, "presence_penalty": 0.3},
+                                      {"logit_bias": ((5, 3.0), (7, -100.0)), "repetition_penalty": 1.2,
+                                       "frequency_penalty": -0.2}])
+@pytest.mark.parametrize("cut", [{}, {"top_k": 20, "top_p": 0.8}, {"top_p": 0.9}, {"min_p": 0.05}])
+def test_a_node_drawn_at_once_is_the_graphs_draw(settings, cut):
+    """cpu_ext.draw_now (a visited node of a sampled tree, chosen on the host at once: the fast
+    path) against the node's one-row graph (DevicePenalties.apply, then choose: its twin): the same
+    token for every node of a tree whose paths repeat tokens, with and without penalties."""
+    from engine.device_penalties import DevicePenalties
+    from engine.tree import DraftTree
+
+    rng = np.random.default_rng(len(settings) * 10 + len(cut))
+    vocab = 2048
+    tree = DraftTree((7, 9, 9, 7, 5, 9, 11, 7), (-1, 0, 1, 1, 2, 3, 4, 6))  # 9 and 7 twice on some paths
+    params = SamplingParams(temperature=0.8, seed=4, **settings, **cut)
+    prompt, generated = [int(t) for t in rng.integers(0, vocab, 40)], [7, 9, 12, 9]
+    for trial in range(6):
+        logits = mx.array(logits_for(rng, tree.size, vocab, float(rng.choice([0.5, 3.0])), ties=trial % 2 == 0))
+        pen = DevicePenalties(params, vocab, prompt, generated) if params.reweights else None
+        for node in range(tree.size):
+            position = 100 + int(tree.depths[node])
+            row = logits[node : node + 1] if pen is None else pen.apply(logits[node : node + 1], tree, None, [node])
+            want = int(device_sampler.choose(row, params, device_sampler.node_uniforms(4, [position]))[0])
+            cols, extra = pen.path_counts(tree, node) if pen is not None else ([], [])
+            got = cpu_ext.draw_now(logits, node, None if pen is None else pen.counts,
+                                   None if pen is None else pen.bias, None if pen is None else pen.in_prompt,
+                                   cols, extra, params.frequency_penalty, params.presence_penalty,
+                                   params.repetition_penalty, params.penalized, params.temperature,
+                                   min(params.top_k, vocab), params.top_p, params.min_p,
+                                   position_uniform(4, position))
+            assert got == want, (trial, node)
+
+
+def test_a_node_drawn_at_once_refuses_what_it_cannot_draw():
+    x = mx.zeros((2, 16))
+    with pytest.raises(ValueError):
+        cpu_ext.draw_now(x, 2, None, None, None, [], [], 0, 0, 1, False, 1.0, 0, 1.0, 0.0, 0.5)  # no such row
+    with pytest.raises(ValueError):
+        cpu_ext.draw_now(x, 0, None, None, None, [], [], 0, 0, 1, False, 0.0, 0, 1.0, 0.0, 0.5)  # greedy
+    with pytest.raises(ValueError):
+        cpu_ext.draw_now(x, 0, mx.zeros((8,)), None, None, [], [], 0, 0, 1, False, 1.0, 0, 1.0, 0.0, 0.5)
+    with pytest.raises(ValueError):
+        cpu_ext.draw_now(x, 0, mx.zeros((16,)), None, None, [99], [1.0], 0, 0, 1, False, 1.0, 0, 1.0, 0.0, 0.5)

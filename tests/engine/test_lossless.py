@@ -292,3 +292,28 @@ def test_layers_with_fused_projections_change_no_token(tiny_qwen35, engine, samp
     assert_fan_and_random_trees_lossless(wired, sampling, "fan")
     assert_fan_and_random_trees_lossless(wired, sampling, "random")
     assert len(calls) >= 4
+
+
+@pytest.mark.parametrize("penalties", [{}, {"repetition_penalty": 1.3, "frequency_penalty": 0.2}],
+                         ids=["plain-draw", "penalties"])
+def test_nodes_drawn_at_once_change_no_token(engine, penalties, monkeypatch):
+    """A sampled tree's visited nodes chosen on the host at once (engine/cpu_ext.cpp draw_now, the
+    CPU's default) or each in a graph of its own (its twin): random trees and fans around plain
+    decoding emit plain decoding's tokens either way, penalties on paths that repeat tokens
+    included, and the at-once path ran."""
+    import mlx.core as mx
+
+    from engine import cpu_ext
+
+    if not cpu_ext.serves(True, mx.zeros((1,))):
+        pytest.skip("the engine's CPU operations")
+    sampling = dataclasses.replace(SAMPLED, **penalties)
+    calls: list[int] = []
+    real = cpu_ext.draw_now
+    monkeypatch.setattr(cpu_ext, "draw_now", lambda *a: calls.append(1) or real(*a))
+    for draw_now in (True, False):
+        monkeypatch.setattr(cpu_ext, "DRAW_NOW", draw_now)
+        assert_fan_and_random_trees_lossless(engine, sampling, "random")
+        assert_fan_and_random_trees_lossless(engine, sampling, "fan")
+        assert bool(calls) == draw_now
+        calls.clear()
