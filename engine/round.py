@@ -179,8 +179,9 @@ class Rounds:
         # (the same function on one row, so the same tokens as plain decoding's one-row draws):
         # drawing all 17 nodes of a tree cost 3.9 ms on the dev CPU against ~0.37 ms a node, and
         # the walk visits only the accepted path and one more node. Since a node is drawn at once on
-        # the host (cpu_ext.draw_now, ~30 us with the default top-k), drawing every node in the
-        # graph (variant -dv0) measured 0.91-0.93x for DDTree@16 rounds and even for chains. On a GPU all nodes are drawn
+        # the host (cpu_ext.draw_now, ~30 us with the default top-k); drawing every node in the
+        # graph (variant -dv0) measured 0.90-0.93x for DDTree@16 rounds and 0.98-1.01x for chains
+        # even before that (BENCHMARKS.md, issue 17, forty-fourth session). On a GPU all nodes are drawn
         # in the verify's graph, so that only N ids travel.
         self.draw_visited = DRAW_VISITED_ON_CPU and self.on_device and not params.greedy \
             and mx.default_device() == mx.cpu
