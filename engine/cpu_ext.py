@@ -85,7 +85,8 @@ CHOOSE = True
 # pass, its twin) instead of only those that can reach the k-th largest (variant cw0)
 NARROW_TOP_K = True
 # module switch, read per call: False = a sampled tree's node drawn as the accept walk visits it in a
-# graph of its own (penalize_rows, choose_rows) instead of at once on the host (draw_now; variant dn0)
+# graph of its own (penalize_rows, choose_rows) instead of at once on the host (draw_now), and a
+# tree's accepted rows' top-token probability in NumPy instead of top_rows_now (variant dn0)
 DRAW_NOW = True
 
 log = logging.getLogger("spruce")
@@ -347,6 +348,16 @@ def choose_rows(logits: mx.array, uniforms: mx.array | None, temperature: float,
     out = ext.choose_rows(logits, uniforms, float(temperature), raw, int(top_k), float(top_p), float(min_p),
                           NARROW_TOP_K)
     return out[0], (out[1] if raw is not None else None)
+
+
+def top_rows_now(logits: mx.array, rows: list[int]) -> list[float]:
+    """The top-token probability of rows `rows` of logits [N, V] float32, computed at once on this
+    thread (1 / sum(2^((x - max) log2 e)) in 16 lanes: within ~2e-5 of engine/logits_extras.py
+    top_probabilities, which it stands in for where only the controller reads it). See
+    engine/cpu_ext.cpp."""
+    ext = module()
+    assert ext is not None, "serves() first"
+    return list(ext.top_rows_now(logits, [int(r) for r in rows]))
 
 
 def draw_now(logits: mx.array, row: int, counts: mx.array | None, bias: mx.array | None, in_prompt: mx.array | None,

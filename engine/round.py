@@ -399,6 +399,9 @@ class Rounds:
         """The target's top-token probability at the rows of `path` (each emitted token's row)."""
         if flight.top is not None:
             return np.array(flight.top)[list(path)]
+        if host_logits is None and cpu_ext.serves(cpu_ext.DRAW_NOW, flight.logits) and flight.logits.ndim == 2:
+            # at once on the host, in the CPU's own operation (a few us against ~0.12 ms in NumPy)
+            return np.array(cpu_ext.top_rows_now(flight.logits, list(path)))
         if host_logits is None:
             # the CPU's logits, read where they are (evaluated with the choices or the walk's
             # draws; an MLX read-out would queue behind the next round's first layers)

@@ -50,7 +50,8 @@
 - "-cw0" / "-cw1": a top-k draw on the CPU computing 2^y of every logit / only of those that can
   reach the k-th largest (engine.cpu_ext.NARROW_TOP_K);
 - "-dn0" / "-dn1": a visited node of a sampled tree on the CPU drawn in a graph of its own / at once
-  on the host (engine.cpu_ext.DRAW_NOW);
+  on the host, and a tree's accepted rows' top-token probability in NumPy / at once in the CPU's
+  own operation (engine.cpu_ext.DRAW_NOW);
 - "-srN": products of up to N rows through the GEMV shim's small-row path on the CPU, 0 = none
   (engine.blas.SMALL_ROWS; a no-op without the shim);
 - "-stN": that path on at most N threads, 0 = every core (engine.blas.GEMM_THREADS);

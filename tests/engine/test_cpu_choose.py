@@ -268,3 +268,17 @@ def test_a_node_drawn_at_once_refuses_what_it_cannot_draw():
         cpu_ext.draw_now(x, 0, mx.zeros((8,)), None, None, [], [], 0, 0, 1, False, 1.0, 0, 1.0, 0.0, 0.5)
     with pytest.raises(ValueError):
         cpu_ext.draw_now(x, 0, mx.zeros((16,)), None, None, [99], [1.0], 0, 0, 1, False, 1.0, 0, 1.0, 0.0, 0.5)
+
+
+def test_rows_top_at_once_is_the_controllers_confidence():
+    """cpu_ext.top_rows_now (a tree's accepted rows, at once on the host) against the host's float64
+    top_probabilities: within float32 rounding, masked tokens included; bad rows refused."""
+    from engine.logits_extras import top_probabilities
+
+    rng = np.random.default_rng(9)
+    x = logits_for(rng, 6, 8192, 3.0, ties=True)
+    rows = [0, 3, 5, 3]
+    got = np.array(cpu_ext.top_rows_now(mx.array(x), rows))
+    np.testing.assert_allclose(got, top_probabilities(x[rows]), rtol=2e-5)
+    with pytest.raises(ValueError):
+        cpu_ext.top_rows_now(mx.array(x), [6])
