@@ -1811,6 +1811,7 @@ std::vector<float> top_rows_now(const mx::array& logits, const std::vector<int>&
     throw std::invalid_argument("top_rows_now: logits [N, V]");
   }
   const int N = logits.shape(0), V = logits.shape(1);
+  nb::gil_scoped_release free_threads;  // the wait for the verify lets the server's other threads run
   mx::eval({logits});
   std::vector<float> tmp;
   const float* x = dense(logits, tmp);
@@ -1854,6 +1855,7 @@ int32_t draw_now(const mx::array& logits, int row, const std::optional<mx::array
   if (cols.size() != extra.size()) {
     throw std::invalid_argument("draw_now: one extra count a column");
   }
+  nb::gil_scoped_release free_threads;  // the wait for the verify lets the server's other threads run
   mx::eval(wait);
   std::vector<float> tmp, ctmp, btmp, stmp;
   const float* x = dense(logits, tmp) + (int64_t)row * V;
