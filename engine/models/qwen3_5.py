@@ -24,6 +24,7 @@ from engine.models.base import ModelArgs, decoder_fields
 from engine.models.fused import fuse_into
 from engine.models.layers import CHAIN, MLP, Attention, Batch, Mode, RMSNorm, RopeSpec, cpu_mlp, norm_then
 from engine.models.linear import Linear
+from engine.models.segments import Pending, split, with_pending
 
 
 def args_from_config(cfg: dict[str, Any]) -> ModelArgs:
@@ -217,7 +218,7 @@ class DecoderLayer(nn.Module):
 
     def __call__(self, x: mx.array, cache: LayerCache, batch: Batch) -> mx.array:
         h, pending = self.chained(x, (), cache, batch)
-        return h + pending[0] if pending else h
+        return with_pending(h, pending)
 
     def chained(self, x: mx.array, pending: Pending, cache: LayerCache, batch: Batch) -> tuple[mx.array, Pending]:
         """The layer on the residual stream x + pending (pending: the last layer's MLP output, not
@@ -229,7 +230,7 @@ class DecoderLayer(nn.Module):
         if self.is_attention:
             assert isinstance(cache, KVCache)
             x, q, k, v, *gate = before(x, pending)
-            return _split(after(x, self.self_attn.attend(q, k, v, cache, batch), *gate))
+            return split(after(x, self.self_attn.attend(q, k, v, cache, batch), *gate))
         assert isinstance(cache, GDNCache)
         levels = 0 if batch.gdn is None else batch.gdn.levels
         if mode == "tree":
@@ -241,7 +242,7 @@ class DecoderLayer(nn.Module):
         h, result = before(x, pending, conv_state, S, tree_arrays(batch), levels,
                            *(() if fold is None else (fold.arrays(),)))
         self.linear_attn.store(cache, batch, mode, result, x.shape[1])
-        return _split(after(h))
+        return split(after(h))
 
     def _functions(self, mode: Mode, folding: bool = False,
                    chained: bool = False) -> tuple[Callable[..., Any], Callable[..., Any]]:
@@ -346,20 +347,12 @@ class DecoderLayer(nn.Module):
         return layer, _identity
 
 
-Pending = tuple[mx.array, ...]  # a layer's output not yet added to the residual stream: () or (y,)
-
-
 def residual_norm(x: mx.array, y: mx.array, norm: RMSNorm, fused: bool) -> tuple[mx.array, mx.array]:
     """(h, norm(h)) with h = x + y: one launch where the fused add and norm cover the rows."""
     if fused and fused_norms.add_covers(x, y, norm.weight):
         return fused_norms.add_norm(x, y, norm.weight, norm.eps)
     h = x + y
     return h, norm(h)
-
-
-def _split(out: tuple[mx.array, ...]) -> tuple[mx.array, Pending]:
-    """A layer's (h,) or (h, pending) -> (h, pending)."""
-    return out[0], tuple(out[1:])
 
 
 def _identity(h: tuple[mx.array, ...]) -> tuple[mx.array, ...]:
@@ -392,7 +385,7 @@ class TextModel(nn.Module):
             for i, (layer, c) in enumerate(zip(self.layers, cache[: len(self.layers)], strict=True)):
                 h, pending = layer.chained(h, pending, c, batch)
                 if i in taps:
-                    tapped.append(h + pending[0] if pending else h)
+                    tapped.append(with_pending(h, pending))
                 if every and (i + 1) % every == 0 and i + 1 < len(self.layers):
                     mx.async_eval(h, *pending)  # the device starts on these layers while the host builds the next
         if pending:  # the last layer's output, added in the final norm's launch

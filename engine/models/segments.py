@@ -34,7 +34,7 @@ from engine.models.layers import Batch
 # compare the two)
 SEGMENTS = True
 
-Pending = tuple[mx.array, ...]
+Pending = tuple[mx.array, ...]  # a layer's output not yet added to the residual stream: () or (y,)
 
 
 class TokenLayer(Protocol):  # engine.models.qwen3_5.DecoderLayer
@@ -71,11 +71,13 @@ def plan(is_attention: Sequence[bool]) -> tuple[Segment, ...]:
     return tuple(segments)
 
 
-def _split(out: tuple[mx.array, ...]) -> tuple[mx.array, Pending]:
+def split(out: tuple[mx.array, ...]) -> tuple[mx.array, Pending]:
+    """A layer's (h,) or (h, pending) -> (h, pending)."""
     return out[0], tuple(out[1:])
 
 
-def _tap(h: mx.array, pending: Pending) -> mx.array:
+def with_pending(h: mx.array, pending: Pending) -> mx.array:
+    """The residual stream with the last layer's pending output added (what a drafter taps)."""
     return h + pending[0] if pending else h
 
 
@@ -90,17 +92,17 @@ def segment_function(layers: Sequence[TokenLayer], segment: Segment, taps: froze
         tapped: list[mx.array] = []
         if segment.opens is not None:
             _, output = layers[segment.opens].token_functions()
-            h, pending = _split(output(h, *carry))
+            h, pending = split(output(h, *carry))
             if segment.opens in taps:
-                tapped.append(_tap(h, pending))
+                tapped.append(with_pending(h, pending))
         results = []
         for i, (conv_state, S) in zip(segment.gdn, states, strict=True):
             layer, finish = layers[i].token_functions()
             out, result = layer(h, pending, conv_state, S, (), 0)
-            h, pending = _split(finish(out))
+            h, pending = split(finish(out))
             results.append(result)
             if i in taps:
-                tapped.append(_tap(h, pending))
+                tapped.append(with_pending(h, pending))
         projections: list[mx.array] = []
         if segment.closes is not None:
             project, _ = layers[segment.closes].token_functions()
