@@ -1859,8 +1859,9 @@ int32_t draw_now(const mx::array& logits, int row, const std::optional<mx::array
   mx::eval(wait);
   std::vector<float> tmp, ctmp, btmp, stmp;
   const float* x = dense(logits, tmp) + (int64_t)row * V;
-  std::vector<float> y(x, x + V);
+  std::vector<float> y;  // the adjusted row, where there are penalties: else the row is read in place
   if (counts.has_value()) {
+    y.resize(V);
     const Penalties pen{frequency, presence, repetition, penalized, in_prompt.has_value()};
     const float* c = dense(*counts, ctmp);
     const float* b = bias.has_value() ? dense(*bias, btmp) : nullptr;
@@ -1880,7 +1881,7 @@ int32_t draw_now(const mx::array& logits, int row, const std::optional<mx::array
   std::vector<float> p(V);
   std::vector<uint32_t> ranked, rtmp;
   Narrow scratch;
-  return choose_row(y.data(), V, temperature, Cuts{top_k, top_p, min_p}, u, p, ranked, rtmp,
+  return choose_row(y.empty() ? x : y.data(), V, temperature, Cuts{top_k, top_p, min_p}, u, p, ranked, rtmp,
                     narrow ? &scratch : nullptr);
 }
 
