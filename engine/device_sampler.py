@@ -11,10 +11,11 @@ keeps every tied token, the host keeps the lower ids; in float32 two slightly di
 tie after exp); tests/unit/test_device_sampler.py measures both.
 
 Spec and plain decoding draw through the same function, so their outputs stay identical to each
-other. On the CPU that function is one operation of the engine's own (engine/cpu_ext.cpp
-choose_rows), the operations below its twin, bit for bit (tests/engine/test_cpu_choose.py). Logit
-bias and penalties are applied before it (engine/device_penalties.py); logprobs and a grammar's
-mask stay on the host.
+other. On CUDA a draw with a top-k (and a greedy row whose top-token probability is asked for) is
+one launch of engine/choose_kernel.py, whose sums run in their own order. On the CPU that function
+is one operation of the engine's own (engine/cpu_ext.cpp choose_rows), the operations below its
+twin, bit for bit (tests/engine/test_cpu_choose.py). Logit bias and penalties are applied before
+it (engine/device_penalties.py); logprobs and a grammar's mask stay on the host.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from collections.abc import Iterable
 import mlx.core as mx
 import numpy as np
 
-from engine import cpu_exp, cpu_ext
+from engine import choose_kernel, cpu_exp, cpu_ext
 from engine.config import SamplingParams
 from engine.sampler import position_uniform
 
@@ -53,6 +54,8 @@ def choose_and_top(logits: mx.array, params: SamplingParams, uniforms: mx.array 
             return cpu_ext.choose_rows(logits, None, 0.0, raw)
         top_k = min(params.top_k, logits.shape[-1])  # k >= V cuts nothing
         return cpu_ext.choose_rows(logits, uniforms, params.temperature, raw, top_k, params.top_p, params.min_p)
+    if choose_kernel.serves(logits, params, raw):  # one CUDA launch instead of ~20 (engine/choose_kernel.py)
+        return choose_kernel.choose(logits, params, uniforms, raw)
     return _choose_ops(logits, params, uniforms), None if raw is None else top_probability(raw)
 
 

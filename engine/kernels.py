@@ -111,10 +111,16 @@ ATTN_DRAFT = KernelSpec("spruce_attn_draft", "attn_rows.kernel", ("q", "keys", "
 ADD_NORM = KernelSpec("spruce_add_norm", "add_norm.kernel", ("x", "y", "w", "eps"), ("h", "out"), header=())
 GATED_NORM = KernelSpec("spruce_gated_norm", "gated_norm.kernel", ("o", "z", "w", "eps"), ("out",), header=(),
                         contiguous=False)
+# each row's token (argmax, or the seeded draw under top-k / top-p / min-p) in one launch, and with
+# SPR_TOP the raw logits' top-token probability (engine/choose_kernel.py)
+CHOOSE = KernelSpec("spruce_choose", "choose.kernel", ("logits", "uniforms", "cuts"), ("tokens",),
+                    header=("choose_cuda.h",), backends=("cuda",))
+CHOOSE_TOP = KernelSpec("spruce_choose_top", "choose.kernel", (*CHOOSE.inputs, "raw"), ("tokens", "top"),
+                        header=CHOOSE.header, backends=("cuda",), defines=("SPR_TOP",))
 KERNELS = (GDN_STEP, GDN_CHAIN, GDN_TREE_FRONT, GDN_TREE, GDN_TREE_FRONT_FOLD, GDN_TREE_FOLD, GDN_COMMIT, QMM_ROWS,
            READ_FLOOR, READ_STREAM, QMM_MMA, QMM_MMA_NORM, QMM_MMA_RES, QMM_MMA_SWIGLU, QMM_MMA_SWIGLU_RES,
            ATTN_ROWS, ATTN_ONE, ATTN_MERGE, ATTN_DRAFT,
-           ADD_NORM, GATED_NORM)
+           ADD_NORM, GATED_NORM, CHOOSE, CHOOSE_TOP)
 
 
 def read_source(file: str) -> str:

@@ -65,6 +65,8 @@
   (engine.round.RESTART_ALONE_ON_CPU);
 - "-dv0" / "-dv1": a sampled tree's nodes on the CPU all drawn in the verify's graph / each drawn
   as the accept walk visits it (engine.round.DRAW_VISITED_ON_CPU);
+- "-ck0" / "-ck1": the sampler's choice on CUDA in MLX's operations / in one launch of its kernel
+  (engine.choose_kernel.KERNEL);
 - "-sg0" / "-sg1": a one-token pass layer by layer / in compiled segments between the attention
   layers' cache accesses (engine.models.segments.SEGMENTS).
 
@@ -83,7 +85,7 @@ from typing import Any
 
 def _settings() -> dict[str, tuple[list[tuple[Any, str]], Callable[[str], tuple[Any, ...]]]]:
     """suffix prefix -> (the (owner, attribute) pairs it sets, the values from the suffix's rest)."""
-    from engine import attention_rows, blas, cpu_exp, cpu_ext, forward, fused_norms, qmm
+    from engine import attention_rows, blas, choose_kernel, cpu_exp, cpu_ext, forward, fused_norms, qmm
     from engine import round as rounds
     from engine.cache import GDNCache
     from engine.drafters import mtp
@@ -127,6 +129,7 @@ def _settings() -> dict[str, tuple[list[tuple[Any, str]], Callable[[str], tuple[
         "rp": ([(rounds, "AHEAD_RAMP")], lambda rest: (int(rest),)),
         "dv": ([(rounds, "DRAW_VISITED_ON_CPU")], on),
         "sg": ([(segments, "SEGMENTS")], on),
+        "ck": ([(choose_kernel.KERNEL, "value")], on),
     }
 
 

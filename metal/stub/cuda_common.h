@@ -31,12 +31,25 @@ inline float __int_as_float(int x) {
   std::memcpy(&f, &x, sizeof f);
   return f;
 }
+inline unsigned __float_as_uint(float x) {
+  unsigned u;
+  std::memcpy(&u, &x, sizeof u);
+  return u;
+}
+// one block runs at a time in both stand-ins, and the lockstep one switches threads only at its
+// barriers and shuffles: a plain read-modify-write is atomic there
+inline int atomicAdd(int* p, int v) {
+  const int old = *p;
+  *p = old + v;
+  return old;
+}
 inline float expf(float x) { return std::exp(x); }
 inline float logf(float x) { return std::log(x); }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 inline float sqrtf(float x) { return std::sqrt(x); }
 inline float fabsf(float x) { return std::fabs(x); }
 inline float fmaxf(float a, float b) { return a > b ? a : b; }
+inline float fminf(float a, float b) { return a < b ? a : b; }
 inline float fmaf(float a, float b, float c) { return std::fma(a, b, c); }
 using std::max;
 using std::min;

@@ -27,7 +27,9 @@ SHAPES = {"bundled": dict(Hk=6, Hv=12, Dk=32, Dv=32, K=4), "9b": dict(Hk=16, Hv=
 def dtypes_for(spec: KernelSpec, activations: str) -> dict[str, str]:
     out = {}
     for n in (*spec.inputs, *spec.outputs):
-        if spec.name.endswith(("add_norm", "gated_norm")):  # rows in the activations' dtype, o, w, eps fp32
+        if spec.name.startswith("spruce_choose"):  # logits in the activations' dtype, tokens int32
+            out[n] = activations if n in ("logits", "raw") else "int32" if n == "tokens" else "float32"
+        elif spec.name.endswith(("add_norm", "gated_norm")):  # rows in the activations' dtype, o, w, eps fp32
             out[n] = activations if n in ("x", "y", "h", "out", "z") else "float32"
         elif spec.name.startswith("spruce_attn"):  # rows and cache in the activations' dtype, the mask bool
             out[n] = ("bool" if n == "ancestors" else "int32" if n in ("length", "srow")
@@ -47,6 +49,8 @@ def template_for(spec: KernelSpec, shape: str, activations: str = "float32") -> 
     if "qmm_mma" in spec.name:
         return dict(OutT=activations, GS=64, BITS=4, NT=3 if shape == "9b" else 1, RT=2, KW=8,
                     DQ=1 if shape == "9b" else 0)
+    if spec.name.startswith("spruce_choose"):
+        return dict(GREEDY=0, CAP=2048)
     if spec.name.endswith("read_stream"):
         return dict(OutT=activations)
     if spec.name.endswith(("add_norm", "gated_norm")):

@@ -1,0 +1,128 @@
+// Helpers of choose.kernel (CUDA only): block-wide reductions in a fixed order, float keys that
+// sort as their values do, and a bitonic sort in shared memory. A block's threads are whole warps.
+#define SPR_FULL 0xffffffffu
+
+// (value, index) pairs: the larger value, the lower index among equal values (MLX's argmax takes the
+// first largest); an index < 0 is a thread that saw no element and loses to any that did
+SPR_FN bool spr_beats(float v, int i, float bv, int bi) {
+  return i >= 0 && (bi < 0 || v > bv || (v == bv && i < bi));
+}
+
+// The block's largest (value, index): butterflies in each warp, then the warps' results in warp
+// order, read by every thread. red_f / red_i hold one entry a warp.
+SPR_FN void spr_block_argmax(float& v, int& i, float* red_f, int* red_i) {
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(SPR_FULL, v, o);
+    const int oi = __shfl_xor_sync(SPR_FULL, i, o);
+    if (spr_beats(ov, oi, v, i)) {
+      v = ov;
+      i = oi;
+    }
+  }
+  if (threadIdx.x % 32 == 0) {
+    red_f[threadIdx.x / 32] = v;
+    red_i[threadIdx.x / 32] = i;
+  }
+  __syncthreads();
+  v = red_f[0];
+  i = red_i[0];
+  for (int w = 1; w < int(blockDim.x / 32); ++w) {
+    if (spr_beats(red_f[w], red_i[w], v, i)) {
+      v = red_f[w];
+      i = red_i[w];
+    }
+  }
+  __syncthreads();  // red_* may be written again right after
+}
+
+// The block's sum, in one order whatever the data: each lane's own, the warp's butterfly, the warps
+// in warp order.
+SPR_FN float spr_block_sum(float v, float* red_f) {
+  for (int o = 16; o > 0; o >>= 1) {
+    v += __shfl_xor_sync(SPR_FULL, v, o);
+  }
+  if (threadIdx.x % 32 == 0) {
+    red_f[threadIdx.x / 32] = v;
+  }
+  __syncthreads();
+  float s = red_f[0];
+  for (int w = 1; w < int(blockDim.x / 32); ++w) {
+    s += red_f[w];
+  }
+  __syncthreads();
+  return s;
+}
+
+SPR_FN int spr_block_count(int v, int* red_i) {
+  for (int o = 16; o > 0; o >>= 1) {
+    v += __shfl_xor_sync(SPR_FULL, v, o);
+  }
+  if (threadIdx.x % 32 == 0) {
+    red_i[threadIdx.x / 32] = v;
+  }
+  __syncthreads();
+  int s = 0;
+  for (int w = 0; w < int(blockDim.x / 32); ++w) {
+    s += red_i[w];
+  }
+  __syncthreads();
+  return s;
+}
+
+SPR_FN float spr_block_min(float v, float* red_f) {
+  for (int o = 16; o > 0; o >>= 1) {
+    v = fminf(v, __shfl_xor_sync(SPR_FULL, v, o));
+  }
+  if (threadIdx.x % 32 == 0) {
+    red_f[threadIdx.x / 32] = v;
+  }
+  __syncthreads();
+  float s = red_f[0];
+  for (int w = 1; w < int(blockDim.x / 32); ++w) {
+    s = fminf(s, red_f[w]);
+  }
+  __syncthreads();
+  return s;
+}
+
+// A float's bits as an unsigned that orders as the value does (-inf lowest, NaN past +inf).
+SPR_FN unsigned spr_ordered(float x) {
+  const unsigned u = __float_as_uint(x);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+SPR_FN float spr_unordered(unsigned o) {
+  return __uint_as_float((o & 0x80000000u) ? (o & 0x7fffffffu) : ~o);
+}
+// A key that sorts ascending as (value descending, index ascending).
+SPR_FN unsigned long long spr_desc_key(float x, int i) {
+  return (static_cast<unsigned long long>(~spr_ordered(x)) << 32) | static_cast<unsigned>(i);
+}
+SPR_FN float spr_key_value(unsigned long long key) { return spr_unordered(~static_cast<unsigned>(key >> 32)); }
+SPR_FN int spr_key_index(unsigned long long key) { return static_cast<int>(key & 0xffffffffu); }
+
+// Sorts a[0, P) ascending, P a power of two; every thread of the block takes part.
+SPR_FN void spr_bitonic_sort(unsigned long long* a, int P) {
+  for (int size = 2; size <= P; size <<= 1) {
+    for (int stride = size >> 1; stride > 0; stride >>= 1) {
+      for (int j = int(threadIdx.x); j < P / 2; j += int(blockDim.x)) {
+        const int lo = 2 * stride * (j / stride) + j % stride;
+        const int hi = lo + stride;
+        const bool up = (lo & size) == 0;
+        const unsigned long long A = a[lo], B = a[hi];
+        if ((A > B) == up) {
+          a[lo] = B;
+          a[hi] = A;
+        }
+      }
+      __syncthreads();
+    }
+  }
+}
+
+SPR_FN int spr_pow2_at_least(int n) {
+  int p = 1;
+  while (p < n) {
+    p <<= 1;
+  }
+  return p;
+}

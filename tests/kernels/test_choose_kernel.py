@@ -1,0 +1,217 @@
+"""metal/choose.kernel (CUDA only): each row's token in one launch, held to the host's float64
+sampler (engine/sampler.py) with the rules the device's operations are held to
+(tests/unit/test_device_sampler.py: the same token except where the uniform falls within float32
+rounding of a CDF boundary, or a cut within rounding of a token's mass). Executed on the CPU by the
+lockstep SIMT emulation (every CI run: warps, shuffles, barriers, shared memory and the narrowing
+paths), and on CUDA through MLX where a GPU is (the hardware's expf and scheduling)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine import choose_kernel, device_sampler
+from engine.config import SamplingParams
+from engine.device_sampler import node_uniforms
+from engine.kernels import CHOOSE, CHOOSE_TOP, gpu_backend
+from engine.sampler import position_uniform, process_logits, sample_token
+from tests.kernels.emulate import SIMT_AVAILABLE, emulate_simt, from_bf16_bits, to_bf16_bits
+from tests.unit.test_device_sampler import straddles_a_cut
+
+emulated = pytest.mark.skipif(not SIMT_AVAILABLE, reason="the lockstep emulation needs g++ and Linux's ucontext")
+on_cuda = pytest.mark.skipif(gpu_backend() != "cuda", reason="needs MLX's CUDA backend")
+
+PARAMS = [
+    SamplingParams(temperature=0.7, top_k=20, seed=1),
+    SamplingParams(temperature=1.0, top_k=40, top_p=0.8, seed=1),
+    SamplingParams(temperature=0.6, top_k=20, top_p=0.95, min_p=0.05, seed=1),
+    SamplingParams(temperature=1.3, top_k=5, seed=1),
+    SamplingParams(temperature=0.8, top_k=200, top_p=0.9, seed=1),
+    SamplingParams(temperature=1.0, top_k=1, seed=1),
+]
+
+
+def cuts_of(params: SamplingParams) -> np.ndarray:
+    return np.array([params.temperature, params.top_p, params.min_p, params.top_k], dtype=np.float32)
+
+
+def emulated_choice(logits: np.ndarray, params: SamplingParams, positions: list[int], tmp, *, cap: int = 2048,
+                    threads: int | None = None, bf16: bool = False, top: bool = False):
+    """The emulated kernel on float32 logits [N, V] (bf16: handed over as bfloat16) -> tokens, and
+    the top-token probabilities where `top`."""
+    N, V = logits.shape
+    greedy = params.greedy
+    u = np.zeros(N, np.float32) if greedy else np.array(node_uniforms(params.seed, positions))
+    rows = to_bf16_bits(logits) if bf16 else logits
+    inputs = {"logits": rows, "uniforms": u, "cuts": cuts_of(params) if not greedy else np.ones(4, np.float32)}
+    outputs = {"tokens": ((N,), np.int32)}
+    if top:
+        inputs["raw"] = rows
+        outputs["top"] = ((N,), np.float32)
+    out = emulate_simt(CHOOSE_TOP if top else CHOOSE, inputs, outputs, {"GREEDY": int(greedy), "CAP": cap},
+                       groups=N, threads=threads or choose_kernel.block_threads(V), tmp=tmp,
+                       halves={"logits": "bfloat16", "raw": "bfloat16"} if bf16 else None)
+    return (out["tokens"], out["top"]) if top else out["tokens"]
+
+
+def assert_host_draws(got: np.ndarray, logits: np.ndarray, params: SamplingParams, positions: list[int],
+                      least: float) -> None:
+    """Every token the host's float64 sampler would draw, but where rounding explains the difference."""
+    host = np.array([sample_token(logits[i], params, params.seed, p) for i, p in enumerate(positions)])
+    tol = logits.shape[1] * float(np.finfo(np.float32).eps)
+    for i in np.flatnonzero(got != host):
+        if straddles_a_cut(logits[i], params) or tie_at_top_k(logits[i], params.top_k):
+            continue
+        probs = process_logits(logits[i], params)
+        cdf = np.cumsum(probs)
+        u = position_uniform(params.seed, positions[i])
+        lo, hi = sorted((int(got[i]), int(host[i])))
+        assert abs(cdf[lo] - u) < tol or np.isclose(probs[lo], probs[hi]), (i, got[i], host[i], u)
+    assert (got == host).mean() >= least
+
+
+def tie_at_top_k(row: np.ndarray, k: int) -> bool:
+    """Whether tokens tie with the k-th largest logit past k: the kernel keeps them all (as the
+    operations do), the host the lower ids, so top-p's total and cut move (bf16 rows tie often)."""
+    return 0 < k < row.size and int((row >= np.sort(row)[::-1][k - 1]).sum()) > k
+
+
+def random_rows(rng: np.random.Generator, rows: int, vocab: int) -> np.ndarray:
+    return (rng.normal(size=(rows, vocab)) * rng.uniform(0.5, 4.0, size=(rows, 1))).astype(np.float32)
+
+
+@emulated
+@pytest.mark.parametrize("params", PARAMS, ids=lambda p: f"t{p.temperature}-k{p.top_k}-p{p.top_p}-m{p.min_p}")
+@pytest.mark.parametrize("vocab", [512, 3000])
+def test_emulated_draw_equals_host_draw_but_at_boundaries(params, vocab, rng, tmp_path):
+    params = dataclasses.replace(params, seed=int(rng.integers(1 << 31)))
+    logits = random_rows(rng, 24, vocab)
+    positions = list(range(50, 74))
+    assert_host_draws(emulated_choice(logits, params, positions, tmp_path), logits, params, positions, 0.95)
+
+
+def per_thread_bound_overflows(row: np.ndarray, k: int, threads: int, cap: int) -> bool:
+    """Whether the tokens at or above the k-th largest of the threads' maxima (thread t holds tokens
+    t, t + threads, ...; no bound where k > threads) are more than `cap`: the kernel then narrows its
+    threshold by bisection."""
+    maxima = np.sort(np.array([row[t::threads].max() for t in range(threads)]))[::-1]
+    bound = maxima[k - 1] if k <= threads else -np.inf
+    return int((row >= bound).sum()) > cap
+
+
+@emulated
+@pytest.mark.parametrize("params", [PARAMS[1], PARAMS[2]], ids=["k40-p0.8", "k20-p0.95-m0.05"])
+def test_emulated_bisection_gives_the_same_draws(params, rng, tmp_path):
+    """With room for 64 tokens and 32 threads over 2,048 logits, rows whose largest logits crowd into
+    one thread's tokens (every 32nd raised) gather too many at the threads' bound; the narrowed
+    threshold must give the host's draws all the same."""
+    params = dataclasses.replace(params, seed=int(rng.integers(1 << 31)))
+    logits = random_rows(rng, 16, 2048)
+    logits[:, 5::32] += 6.0 * np.abs(logits).mean(axis=1, keepdims=True)
+    assert sum(per_thread_bound_overflows(r, params.top_k, 32, 64) for r in logits) >= 12  # the path runs
+    positions = list(range(7, 23))
+    got = emulated_choice(logits, params, positions, tmp_path, cap=64, threads=32)
+    assert_host_draws(got, logits, params, positions, 0.9)
+
+
+@emulated
+def test_emulated_ties_wider_than_the_room_are_defined(tmp_path):
+    """More than CAP tokens tied at the largest logit draw the argmax; a tie at the cut wider than
+    CAP - k keeps the tokens above it. Never a token outside the row, never a hang."""
+    params = SamplingParams(temperature=1.0, top_k=20, seed=3)
+    flat = np.zeros((1, 512), np.float32)
+    tie = np.full((1, 512), -5.0, np.float32)
+    tie[0, 100:300] = 1.0  # 200 tokens tied where the 20th largest falls
+    tie[0, [7, 400, 401]] = [3.0, 2.5, 2.0]
+    got = emulated_choice(np.concatenate([flat, tie]), params, [0, 1], tmp_path, cap=64, threads=32)
+    assert got[0] == 0
+    assert got[1] in (7, 400, 401)
+
+
+@emulated
+def test_emulated_masked_tokens_are_never_drawn(rng, tmp_path):
+    params = SamplingParams(temperature=2.0, top_k=20, seed=5)
+    logits = rng.normal(size=(12, 700)).astype(np.float32)
+    logits[:, ::2] = -np.inf
+    logits[:6, :690] = -np.inf  # fewer live tokens than k in half the rows
+    got = emulated_choice(logits, params, list(range(12)), tmp_path)
+    assert (got % 2 == 1).all() and (got[:6] >= 690).all()
+
+
+@emulated
+def test_emulated_greedy_is_the_first_argmax_and_top_is_the_raw_probability(rng, tmp_path):
+    logits = rng.normal(size=(9, 1000)).astype(np.float32)
+    logits[3, [10, 500]] = 9.0  # a tie: the first index, as MLX's argmax
+    tokens, top = emulated_choice(logits, SamplingParams(), [0] * 9, tmp_path, top=True)
+    assert np.array_equal(tokens, logits.argmax(axis=1))
+    x = logits.astype(np.float64)
+    want = 1.0 / np.exp(x - x.max(axis=1, keepdims=True)).sum(axis=1)
+    assert np.allclose(top, want, rtol=2e-6, atol=0)
+
+
+@emulated
+def test_emulated_bfloat16_rows(rng, tmp_path):
+    """bf16 logits (a GPU model's): many exact ties at every cut, read through the kernel's own
+    conversion; held to the host's draw on the same values."""
+    params = dataclasses.replace(PARAMS[2], seed=int(rng.integers(1 << 31)))
+    logits = from_bf16_bits(to_bf16_bits(random_rows(rng, 16, 4096)))
+    positions = list(range(300, 316))
+    got = emulated_choice(logits, params, positions, tmp_path, bf16=True)
+    assert_host_draws(got, logits, params, positions, 0.9)
+
+
+def test_serves_only_what_it_computes():
+    """The settings the kernel takes; everything else keeps the operations (also off the GPU)."""
+    x = mx.zeros((2, 100), dtype=mx.bfloat16)
+    cases = [(SamplingParams(temperature=0.7, top_k=20), None, True),
+             (SamplingParams(temperature=0.7, top_k=0, top_p=0.9), None, False),  # no top-k
+             (SamplingParams(temperature=0.7, top_k=choose_kernel.MAX_TOP_K + 1), None, False),
+             (SamplingParams(temperature=0.7, top_k=100), None, False),  # k >= V cuts nothing
+             (SamplingParams(), None, False),  # an argmax alone is one launch already
+             (SamplingParams(), x, True)]
+    for params, raw, want in cases:
+        assert choose_kernel.serves(x, params, raw) == (want and gpu_backend() == "cuda"), params
+
+
+# ---- on CUDA ----
+
+@on_cuda
+@pytest.mark.parametrize("params", PARAMS, ids=lambda p: f"t{p.temperature}-k{p.top_k}-p{p.top_p}-m{p.min_p}")
+@pytest.mark.parametrize(("vocab", "dtype"), [(8192, mx.float32), (248320, mx.bfloat16)])
+def test_gpu_draw_equals_host_draw_but_at_boundaries(params, vocab, dtype, rng):
+    params = dataclasses.replace(params, seed=int(rng.integers(1 << 31)))
+    rows = 40
+    x = mx.array(random_rows(rng, rows, vocab)).astype(dtype)
+    logits = np.array(x.astype(mx.float32))
+    positions = list(range(1000, 1000 + rows))
+    got, _ = choose_kernel.choose(x, params, node_uniforms(params.seed, positions))
+    assert_host_draws(np.array(got), logits, params, positions, 0.9)
+    # and the operations it replaces: the same draws, but where rounding explains a difference
+    ops = np.array(device_sampler._choose_ops(x, params, node_uniforms(params.seed, positions)))
+    assert (ops == np.array(got)).mean() >= 0.9
+
+
+@on_cuda
+def test_gpu_rows_do_not_depend_on_the_launch(rng):
+    """A row's token and top probability are the same whatever the launch's other rows: a verify
+    row and a decode step choose alike."""
+    params = SamplingParams(temperature=0.7, top_k=20, top_p=0.8, seed=2)
+    x = mx.array(random_rows(rng, 17, 248320)).astype(mx.bfloat16)
+    u = node_uniforms(2, range(17))
+    full, full_top = choose_kernel.choose(x, params, u, x)
+    for n in (1, 5):
+        part, part_top = choose_kernel.choose(x[:n], params, u[:n], x[:n])
+        assert np.array_equal(np.array(part), np.array(full)[:n])
+        assert np.array_equal(np.array(part_top), np.array(full_top)[:n])
+
+
+@on_cuda
+def test_gpu_greedy_and_top(rng):
+    x = mx.array(rng.normal(size=(17, 248320)).astype(np.float32)).astype(mx.bfloat16)
+    tokens, top = choose_kernel.choose(x, SamplingParams(), None, x)
+    assert np.array_equal(np.array(tokens), np.array(mx.argmax(x, axis=-1)))
+    want = np.array(device_sampler.top_probability(x))
+    assert np.allclose(np.array(top), want, rtol=1e-4, atol=0)
