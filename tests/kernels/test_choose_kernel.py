@@ -59,18 +59,19 @@ def emulated_choice(logits: np.ndarray, params: SamplingParams, positions: list[
 
 def assert_host_draws(got: np.ndarray, logits: np.ndarray, params: SamplingParams, positions: list[int],
                       least: float) -> None:
-    """Every token the host's float64 sampler would draw, but where rounding explains the difference."""
+    """Every token the host's float64 sampler would draw, but where rounding explains the difference;
+    `least`: the share of equal draws among the rows without a tie at a cut (a guard against a
+    systematic difference)."""
     host = np.array([sample_token(logits[i], params, params.seed, p) for i, p in enumerate(positions)])
     tol = logits.shape[1] * float(np.finfo(np.float32).eps)
-    for i in np.flatnonzero(got != host):
-        if straddles_a_cut(logits[i], params) or tie_at_top_k(logits[i], params.top_k):
-            continue
+    at_cut = np.array([straddles_a_cut(r, params) or tie_at_top_k(r, params.top_k) for r in logits])
+    for i in np.flatnonzero((got != host) & ~at_cut):
         probs = process_logits(logits[i], params)
         cdf = np.cumsum(probs)
         u = position_uniform(params.seed, positions[i])
         lo, hi = sorted((int(got[i]), int(host[i])))
         assert abs(cdf[lo] - u) < tol or np.isclose(probs[lo], probs[hi]), (i, got[i], host[i], u)
-    assert (got == host).mean() >= least
+    assert (~at_cut).sum() >= len(got) // 4 and (got == host)[~at_cut].mean() >= least
 
 
 def tie_at_top_k(row: np.ndarray, k: int) -> bool:
@@ -155,12 +156,12 @@ def test_emulated_greedy_is_the_first_argmax_and_top_is_the_raw_probability(rng,
 @emulated
 def test_emulated_bfloat16_rows(rng, tmp_path):
     """bf16 logits (a GPU model's): many exact ties at every cut, read through the kernel's own
-    conversion; held to the host's draw on the same values."""
+    conversion; held to the host's draw on the same values (about 40 % of these rows tie at a cut)."""
     params = dataclasses.replace(PARAMS[2], seed=int(rng.integers(1 << 31)))
-    logits = from_bf16_bits(to_bf16_bits(random_rows(rng, 16, 4096)))
-    positions = list(range(300, 316))
+    logits = from_bf16_bits(to_bf16_bits(random_rows(rng, 48, 4096)))
+    positions = list(range(300, 348))
     got = emulated_choice(logits, params, positions, tmp_path, bf16=True)
-    assert_host_draws(got, logits, params, positions, 0.9)
+    assert_host_draws(got, logits, params, positions, 0.85)
 
 
 def test_serves_only_what_it_computes():
@@ -180,7 +181,7 @@ def test_serves_only_what_it_computes():
 
 @on_cuda
 @pytest.mark.parametrize("params", PARAMS, ids=lambda p: f"t{p.temperature}-k{p.top_k}-p{p.top_p}-m{p.min_p}")
-@pytest.mark.parametrize(("vocab", "dtype"), [(8192, mx.float32), (248320, mx.bfloat16)])
+@pytest.mark.parametrize(("vocab", "dtype"), [(8192, mx.float32), (248320, mx.float32), (8192, mx.bfloat16)])
 def test_gpu_draw_equals_host_draw_but_at_boundaries(params, vocab, dtype, rng):
     params = dataclasses.replace(params, seed=int(rng.integers(1 << 31)))
     rows = 40
