@@ -10,8 +10,8 @@
 #   the kernel, alternated in one process (no bundled weights needed);
 # - widen: the 4-bit 9B-shaped pair in /tmp/q9 (needs the bundled weights);
 # - rounds: plain decoding and MTP chains on that pair under the bundled model's default sampling,
-#   the kernel on and off ("-ck0") interleaved run by run, then greedy with both (the greedy rows'
-#   top-token probability is the kernel's other use);
+#   the kernel on and off ("-ck0") interleaved run by run; rounds-greedy: the same greedy (the
+#   greedy rows' top-token probability is the kernel's other use);
 # - lossless: speculation against plain decoding with the kernel in the choice (tiny fp32 models).
 set -u
 OUT=${OUT:-/tmp/out}
@@ -28,11 +28,11 @@ for stage in $stages; do
     widen) [ -f /tmp/q9/target/config.json ] || timeout 120 python scripts/widen_checkpoint.py /tmp/q9 --shape 9b --bits 4 ;;
     rounds) timeout 400 python scripts/profile_rounds.py --model /tmp/q9/target --dflash-model /tmp/q9/dflash \
               --dtype bfloat16 --methods none,mtp:chain --kinds code --runs 3 --tokens 128 --defaults --seed 0 \
-              --variants engine,ck0 --json "$OUT/rounds-sampled.json"
-            timeout 200 python scripts/profile_rounds.py --model /tmp/q9/target --dflash-model /tmp/q9/dflash \
+              --variants engine,ck0 --json "$OUT/rounds-sampled.json" ;;
+    rounds-greedy) timeout 300 python scripts/profile_rounds.py --model /tmp/q9/target --dflash-model /tmp/q9/dflash \
               --dtype bfloat16 --methods none,mtp:chain --kinds code --runs 2 --tokens 128 \
               --variants engine,ck0 --json "$OUT/rounds-greedy.json" ;;
-    lossless) timeout 400 python -m pytest -q -p no:cacheprovider -x tests/engine/test_lossless.py -k "sampl or seed" \
+    lossless) timeout 400 python -m pytest -q -p no:cacheprovider -x tests/engine/test_lossless.py -k "spec_equals_plain or stops_where_plain" \
                 | tail -5 ;;
     *) echo "unknown stage $stage" ;;
   esac 2>&1 | tee "$OUT/$stage.log"
