@@ -14,6 +14,9 @@ within rounding of a CDF boundary, or a cut within rounding of a token's mass, a
 differ from the host's float64 sampler (tests/kernels/test_choose_kernel.py holds the kernel to
 that sampler with the rules tests/unit/test_device_sampler.py holds the operations to).
 
+A plain round's logit bias and penalties are applied inside the same launch (eight more operations
+of the repetition penalty alone otherwise), with the operations' float32 steps: the same values.
+
 It serves a draw with a top-k of 1 to MAX_TOP_K (the default sampling of Qwen3.5 checkpoints and
 of the bundled model: 20), and greedy rows when their top-token probability is asked for (an argmax
 alone is one launch already). Other settings, Metal and the CPU keep their paths.
@@ -26,7 +29,8 @@ import functools
 import mlx.core as mx
 
 from engine.config import SamplingParams
-from engine.kernels import CHOOSE, CHOOSE_TOP, FastPath, compiled_kernel, gpu_backend
+from engine.device_penalties import DevicePenalties
+from engine.kernels import CHOOSE, CHOOSE_PEN, CHOOSE_TOP, CHOOSE_TOP_PEN, FastPath, compiled_kernel, gpu_backend
 
 CAP = 2048  # tokens a row's block holds in shared memory (24 KiB with their probabilities)
 MAX_TOP_K = CAP // 2  # leaves room for ties at the k-th logit
@@ -51,17 +55,22 @@ def serves(logits: mx.array, params: SamplingParams, raw: mx.array | None) -> bo
 
 
 def choose(logits: mx.array, params: SamplingParams, uniforms: mx.array | None,
-           raw: mx.array | None = None) -> tuple[mx.array, mx.array | None]:
+           raw: mx.array | None = None, penalties: DevicePenalties | None = None) -> tuple[mx.array, mx.array | None]:
     """logits [N, V] -> (int32 [N] tokens, float32 [N] top-token probabilities of `raw` or None);
-    uniforms [N] float32 for a draw. The caller checks serves()."""
+    uniforms [N] float32 for a draw; `penalties`: a plain round's bias and penalties, applied in the
+    launch (the same values as DevicePenalties.apply's). The caller checks serves()."""
     N, V = logits.shape
     greedy = params.greedy
     cuts = _no_cuts() if greedy else _cuts(params.temperature, params.top_p, params.min_p, params.top_k)
     if uniforms is None:
         assert greedy, "a draw needs its uniforms"
         uniforms = _unused_uniforms(N)
-    spec = CHOOSE if raw is None else CHOOSE_TOP
+    if penalties is None:
+        spec = CHOOSE if raw is None else CHOOSE_TOP
+    else:
+        spec = CHOOSE_PEN if raw is None else CHOOSE_TOP_PEN
     inputs = [logits, uniforms, cuts] + ([] if raw is None else [raw])
+    inputs += [] if penalties is None else penalties.kernel_inputs()
     threads = block_threads(V)
     outs = compiled_kernel(spec, "cuda")(
         inputs=inputs, template=[("GREEDY", int(greedy)), ("CAP", CAP)], grid=(N * threads, 1, 1),

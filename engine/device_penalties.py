@@ -54,6 +54,7 @@ class DevicePenalties:
             mask[ids] = 1.0
             self.in_prompt = mx.array(mask)
         self.counts = mx.zeros((vocab,), dtype=mx.float32)
+        self._neutral: tuple[mx.array, mx.array] | None = None  # kernel_inputs' zeros and penalties
         if generated:
             self.add(list(generated))
 
@@ -66,6 +67,21 @@ class DevicePenalties:
                 return
             idx = mx.array(list(tokens), dtype=mx.int32)
         self.counts = self.counts.at[idx].add(1.0)
+
+    def kernel_inputs(self) -> list[mx.array]:
+        """What engine/choose_kernel.py's penalties build reads: counts, bias, in_prompt [V] float32
+        (zeros where the request has none: they change no bit there) and the penalties [4] float32
+        (frequency, presence, repetition; 0 and 1 where not penalized: no bit either)."""
+        if self._neutral is None:
+            p = self.params
+            zeros = mx.zeros(self.counts.shape, dtype=mx.float32)
+            penalized = p.penalized
+            pens = mx.array([p.frequency_penalty if penalized else 0.0, p.presence_penalty if penalized else 0.0,
+                             p.repetition_penalty if self.repeats else 1.0, 0.0], dtype=mx.float32)
+            self._neutral = (zeros, pens)
+        zeros, pens = self._neutral
+        return [self.counts, zeros if self.bias is None else self.bias,
+                zeros if self.in_prompt is None else self.in_prompt, pens]
 
     def _adjust(self, x: mx.array, counts: mx.array, bias: mx.array | None, in_prompt: mx.array | None) -> mx.array:
         """The host's adjust_logits elementwise in float32; counts / bias / in_prompt broadcast to x."""

@@ -27,6 +27,7 @@ import numpy as np
 
 from engine import choose_kernel, cpu_exp, cpu_ext
 from engine.config import SamplingParams
+from engine.device_penalties import DevicePenalties
 from engine.sampler import position_uniform
 
 
@@ -41,14 +42,21 @@ def choose(logits: mx.array, params: SamplingParams, uniforms: mx.array | None) 
 
 
 def choose_and_top(logits: mx.array, params: SamplingParams, uniforms: mx.array | None,
-                   raw: mx.array | None = None) -> tuple[mx.array, mx.array | None]:
+                   raw: mx.array | None = None,
+                   penalties: DevicePenalties | None = None) -> tuple[mx.array, mx.array | None]:
     """choose(), and where `raw` (the logits before bias and penalties; `logits` itself without
-    them) is given its rows' top_probability, else None. On the CPU, for float32 logits, both in
+    them) is given its rows' top_probability, else None. `penalties`: a one-node round's bias and
+    penalties, not yet applied to `logits` (in the CUDA kernel's launch where it serves, else by
+    DevicePenalties.apply first). On the CPU, for float32 logits, both in
     one operation of the engine's own (engine/cpu_ext.cpp choose_rows: the same tokens, bit for
     bit, cuts included, without MLX's operations' scheduling; a sampled row of 8,192 logits
     evaluated alone on the dev CPU took 125-140 us against ~185, 150-170 against ~270 with the
     bundled model's default top-k and top-p, ~100 since a top-k draw computes 2^y only where it can
     reach the k-th largest value: eight rows 257 against 722 us)."""
+    if penalties is not None:
+        if choose_kernel.serves(logits, params, raw):
+            return choose_kernel.choose(logits, params, uniforms, raw, penalties)
+        logits = penalties.apply(logits)
     if _one_operation(logits, params, raw):
         if params.greedy:
             return cpu_ext.choose_rows(logits, None, 0.0, raw)

@@ -117,10 +117,17 @@ CHOOSE = KernelSpec("spruce_choose", "choose.kernel", ("logits", "uniforms", "cu
                     header=("choose_cuda.h",), backends=("cuda",))
 CHOOSE_TOP = KernelSpec("spruce_choose_top", "choose.kernel", (*CHOOSE.inputs, "raw"), ("tokens", "top"),
                         header=CHOOSE.header, backends=("cuda",), defines=("SPR_TOP",))
+# a plain round's logit bias and penalties applied inside the launch (engine/device_penalties.py's
+# steps), with and without the top probability
+CHOOSE_PEN = KernelSpec("spruce_choose_pen", "choose.kernel", (*CHOOSE.inputs, "counts", "bias", "in_prompt", "pens"),
+                        CHOOSE.outputs, header=CHOOSE.header, backends=("cuda",), defines=("SPR_PENALTIES",))
+CHOOSE_TOP_PEN = KernelSpec("spruce_choose_top_pen", "choose.kernel", (*CHOOSE_TOP.inputs, *CHOOSE_PEN.inputs[3:]),
+                            CHOOSE_TOP.outputs, header=CHOOSE.header, backends=("cuda",),
+                            defines=("SPR_TOP", "SPR_PENALTIES"))
 KERNELS = (GDN_STEP, GDN_CHAIN, GDN_TREE_FRONT, GDN_TREE, GDN_TREE_FRONT_FOLD, GDN_TREE_FOLD, GDN_COMMIT, QMM_ROWS,
            READ_FLOOR, READ_STREAM, QMM_MMA, QMM_MMA_NORM, QMM_MMA_RES, QMM_MMA_SWIGLU, QMM_MMA_SWIGLU_RES,
            ATTN_ROWS, ATTN_ONE, ATTN_MERGE, ATTN_DRAFT,
-           ADD_NORM, GATED_NORM, CHOOSE, CHOOSE_TOP)
+           ADD_NORM, GATED_NORM, CHOOSE, CHOOSE_TOP, CHOOSE_PEN, CHOOSE_TOP_PEN)
 
 
 def read_source(file: str) -> str:

@@ -338,8 +338,11 @@ class Rounds:
             uniforms = None if self.params.greedy else device_sampler.node_uniforms(self.seed, positions)
             wants_top = self.confides and (
                 TOP_ON_DEVICE if TOP_ON_DEVICE is not None else tree.size == 1 or not self.top_on_cpu)
-            choices, top = device_sampler.choose_and_top(self._adjusted(logits, tree, tree_tokens), self.params,
-                                                         uniforms, logits if wants_top else None)
+            # a one-node round's bias and penalties go with its choice (one CUDA launch for both)
+            pen = self._penalties(logits.shape[-1]) if self.params.reweights and tree.size == 1 else None
+            rows = logits if pen is not None else self._adjusted(logits, tree, tree_tokens)
+            choices, top = device_sampler.choose_and_top(rows, self.params, uniforms, logits if wants_top else None,
+                                                         penalties=pen)
         committed = tree.size == 1 and choices is not None
         flight = InFlight(tree, committed_len, logits, choices, committed, t0, draft_ms, tokens=tree_tokens, top=top)
         if choices is not None and committed:  # the root is accepted whatever the choice: commit now

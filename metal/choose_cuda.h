@@ -126,3 +126,16 @@ SPR_FN int spr_pow2_at_least(int n) {
   }
   return p;
 }
+
+// A logit with the request's bias and penalties, as engine/device_penalties.py's operations compute
+// it in float32: x + bias, x - (frequency * count + (count > 0 ? presence : 0)), then the repetition
+// penalty (x / r where x > 0, else x * r) on tokens of the prompt or the completion. Each step
+// rounded once, as each of those operations is; neutral values (0, 1) change no bit.
+SPR_FN float spr_adjusted(float x, float count, float bias, float in_prompt, const float* pens) {
+  x = __fadd_rn(x, bias);
+  x = __fsub_rn(x, __fadd_rn(__fmul_rn(pens[0], count), count > 0.0f ? pens[1] : 0.0f));
+  if (in_prompt != 0.0f || count > 0.0f) {
+    x = x > 0.0f ? __fdiv_rn(x, pens[2]) : __fmul_rn(x, pens[2]);
+  }
+  return x;
+}

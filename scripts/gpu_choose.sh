@@ -12,7 +12,8 @@
 # - rounds: plain decoding and MTP chains on that pair under the bundled model's default sampling,
 #   the kernel on and off ("-ck0") interleaved run by run; rounds-greedy: the same greedy (the
 #   greedy rows' top-token probability is the kernel's other use);
-# - lossless: speculation against plain decoding with the kernel in the choice (tiny fp32 models).
+# - lossless: speculation against plain decoding with the kernel in the choice, penalties included
+#   (tiny fp32 models).
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -32,7 +33,7 @@ for stage in $stages; do
     rounds-greedy) timeout 300 python scripts/profile_rounds.py --model /tmp/q9/target --dflash-model /tmp/q9/dflash \
               --dtype bfloat16 --methods none,mtp:chain --kinds code --runs 2 --tokens 128 \
               --variants engine,ck0 --json "$OUT/rounds-greedy.json" ;;
-    lossless) timeout 400 python -m pytest -q -p no:cacheprovider -x tests/engine/test_lossless.py -k "spec_equals_plain or stops_where_plain" \
+    lossless) timeout 400 python -m pytest -q -p no:cacheprovider tests/engine/test_lossless.py tests/engine/test_penalties_logprobs.py -k "spec_equals_plain or stops_where_plain or lossless_and_matter or what_the_host" \
                 | tail -5 ;;
     *) echo "unknown stage $stage" ;;
   esac 2>&1 | tee "$OUT/$stage.log"

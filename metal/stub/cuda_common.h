@@ -43,6 +43,10 @@ inline int atomicAdd(int* p, int v) {
   *p = old + v;
   return old;
 }
+inline float __fadd_rn(float a, float b) { return a + b; }  // IEEE, round to nearest: the CPU's float
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
 inline float expf(float x) { return std::exp(x); }
 inline float logf(float x) { return std::log(x); }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }

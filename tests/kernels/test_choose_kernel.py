@@ -15,8 +15,9 @@ import pytest
 
 from engine import choose_kernel, device_sampler
 from engine.config import SamplingParams
+from engine.device_penalties import DevicePenalties
 from engine.device_sampler import node_uniforms
-from engine.kernels import CHOOSE, CHOOSE_TOP, gpu_backend
+from engine.kernels import CHOOSE, CHOOSE_PEN, CHOOSE_TOP, CHOOSE_TOP_PEN, gpu_backend
 from engine.sampler import position_uniform, process_logits, sample_token
 from tests.kernels.emulate import SIMT_AVAILABLE, emulate_simt, from_bf16_bits, to_bf16_bits
 from tests.unit.test_device_sampler import straddles_a_cut
@@ -221,3 +222,141 @@ def test_gpu_greedy_and_top(rng):
     assert np.array_equal(np.array(tokens), np.array(mx.argmax(x, axis=-1)))
     want = np.array(device_sampler.top_probability(x))
     assert np.allclose(np.array(top), want, rtol=1e-4, atol=0)
+
+
+# ---- a plain round's bias and penalties inside the launch ----
+
+PENALTIES = [{"repetition_penalty": 1.3},
+             {"repetition_penalty": 0.8, "frequency_penalty": 0.4, "presence_penalty": -0.3},
+             {"logit_bias": ((3, 5.0), (7, -100.0), (650, 2.5))},
+             {"frequency_penalty": 1.2, "presence_penalty": 0.4, "repetition_penalty": 1.1,
+              "logit_bias": ((1, 2.5),)}]
+
+
+def penalised(rng: np.random.Generator, vocab: int, settings: dict, greedy: bool = False):
+    """A request's DevicePenalties over a random prompt and completion, and its params."""
+    params = SamplingParams(temperature=0.0 if greedy else 0.8, top_k=20, top_p=0.9, seed=int(rng.integers(1 << 31)),
+                            **settings)
+    prompt = [int(t) for t in rng.integers(0, vocab, size=40)]
+    generated = [int(t) for t in rng.integers(0, vocab, size=30)] + prompt[:5]
+    return params, DevicePenalties(params, vocab, prompt, generated)
+
+
+@emulated
+@pytest.mark.parametrize("settings", PENALTIES, ids=["rep", "rep-freq-pres", "bias", "all"])
+def test_emulated_penalties_in_the_launch_are_the_operations_values(settings, rng, tmp_path):
+    """The launch with the penalties draws exactly what the plain launch draws from the rows the
+    operations adjusted (DevicePenalties.apply): the same float32 values, so the same tokens, ties
+    and boundaries included; greedy with the raw rows' top probability too."""
+    logits = random_rows(rng, 16, 700)
+    for greedy in (False, True):
+        params, pen = penalised(rng, 700, settings, greedy)
+        adjusted = np.array(pen.apply(mx.array(logits)))
+        assert not np.array_equal(adjusted, logits)
+        u = np.zeros(16, np.float32) if greedy else np.array(node_uniforms(params.seed, range(16)))
+        cuts = np.ones(4, np.float32) if greedy else cuts_of(params)
+        counts, bias, in_prompt, pens = (np.array(a) for a in pen.kernel_inputs())
+        spec = CHOOSE_TOP_PEN if greedy else CHOOSE_PEN
+        inputs = {"logits": logits, "uniforms": u, "cuts": cuts, "counts": counts, "bias": bias,
+                  "in_prompt": in_prompt, "pens": pens}
+        outputs = {"tokens": ((16,), np.int32)}
+        if greedy:
+            inputs["raw"] = logits
+            outputs["top"] = ((16,), np.float32)
+        got = emulate_simt(spec, inputs, outputs, {"GREEDY": int(greedy), "CAP": 2048}, groups=16,
+                           threads=choose_kernel.block_threads(700), tmp=tmp_path)
+        if greedy:
+            assert np.array_equal(got["tokens"], adjusted.argmax(axis=1))
+            x = logits.astype(np.float64)
+            assert np.allclose(got["top"], 1.0 / np.exp(x - x.max(axis=1, keepdims=True)).sum(axis=1), rtol=2e-6)
+        else:
+            want = emulated_choice(adjusted, params, list(range(16)), tmp_path)
+            assert np.array_equal(got["tokens"], want)
+
+
+@on_cuda
+@pytest.mark.parametrize("settings", PENALTIES, ids=["rep", "rep-freq-pres", "bias", "all"])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_gpu_penalties_in_the_launch_are_the_operations_values(settings, dtype, rng):
+    """On CUDA, against MLX's own operations on the device: the same draws exactly (an FMA that
+    contracted a step the operations round twice would move values by an ulp and show here)."""
+    vocab = 248320
+    x = mx.array(random_rows(rng, 24, vocab)).astype(dtype)
+    params, pen = penalised(rng, vocab, settings)
+    u = node_uniforms(params.seed, range(24))
+    got, _ = choose_kernel.choose(x, params, u, None, pen)
+    want, _ = choose_kernel.choose(pen.apply(x), params, u)
+    assert np.array_equal(np.array(got), np.array(want))
+
+
+
+def tie_probes(settings: dict, vocab: int, rows: int, rng: np.random.Generator):
+    """Rows whose two largest adjusted logits tie exactly under the operations' float32 steps and not
+    under a step rounded otherwise (x * (1 / r) for x / r; an FMA for frequency * count + presence).
+    Row r has tokens 2r + 100 and 2r + 101: one penalised (a), the other (b) never penalised, with
+    b's logit the operations' value of a's. A tie's argmax is the lower id; a takes the id that
+    moves the argmax under the other rounding. -> (logits, generated tokens, the argmax of each row)."""
+    f32 = np.float32
+    rep, freq, pres = (f32(settings.get(k, d)) for k, d in
+                       (("repetition_penalty", 1.0), ("frequency_penalty", 0.0), ("presence_penalty", 0.0)))
+    logits = np.full((rows, vocab), -1e4, dtype=np.float32)  # far below any probe, however penalised
+    generated, want = [], []
+    # counts whose frequency * count + presence rounds apart with one rounding and with two (the
+    # repetition probes take any)
+    counts = [c for c in range(1, 60) if rep != 1.0 or freq * f32(c) + pres != f32(np.float64(freq) * c + pres)]
+    for r in range(rows):
+        lo, hi = 2 * r + 100, 2 * r + 101
+        count = counts[r % len(counts)]
+        for _ in range(10_000):
+            x = f32(rng.uniform(1.0, 9.0))
+            if rep != 1.0:
+                right, other = x / rep, x * (f32(1.0) / rep)
+            else:
+                right = x - (freq * f32(count) + pres)
+                other = x - f32(np.float64(freq) * count + np.float64(pres))  # one rounding: an FMA's
+            if right != other:
+                break
+        else:
+            raise AssertionError(f"no probe for {settings}")
+        a, b = (hi, lo) if other > right else (lo, hi)
+        logits[r, a], logits[r, b] = x, right
+        generated += [a] * count
+        want.append(lo)
+    return logits, generated, np.array(want)
+
+
+PROBES = [{"repetition_penalty": 1.3}, {"repetition_penalty": 0.7},
+          {"frequency_penalty": 0.4, "presence_penalty": 0.6}, {"frequency_penalty": 1.1, "presence_penalty": -0.35}]
+
+
+def probe_case(settings: dict, rng: np.random.Generator, vocab: int):
+    logits, generated, want = tie_probes(settings, vocab, 16, rng)
+    params = SamplingParams(**settings)
+    pen = DevicePenalties(params, vocab, [5, 6, 7], generated)
+    return logits, params, pen, want
+
+
+@emulated
+@pytest.mark.parametrize("settings", PROBES, ids=["rep1.3", "rep0.7", "freq-pres", "freq-pres-neg"])
+def test_emulated_penalties_round_each_step_as_the_operations(settings, rng, tmp_path):
+    """Ties that hold only under the operations' roundings: the operations' argmax and the launch's
+    are the lower id of each (x * (1 / r) for x / r fails this, so would an FMA)."""
+    logits, params, pen, want = probe_case(settings, rng, 512)
+    assert np.array_equal(np.array(pen.apply(mx.array(logits))).argmax(axis=1), want)  # the probes hold
+    counts, bias, in_prompt, pens = (np.array(a) for a in pen.kernel_inputs())
+    got = emulate_simt(CHOOSE_TOP_PEN, {"logits": logits, "uniforms": np.zeros(16, np.float32),
+                                        "cuts": np.ones(4, np.float32), "raw": logits, "counts": counts,
+                                        "bias": bias, "in_prompt": in_prompt, "pens": pens},
+                       {"tokens": ((16,), np.int32), "top": ((16,), np.float32)}, {"GREEDY": 1, "CAP": 2048},
+                       groups=16, threads=choose_kernel.block_threads(512), tmp=tmp_path)
+    assert np.array_equal(got["tokens"], want)
+
+
+@on_cuda
+@pytest.mark.parametrize("settings", PROBES, ids=["rep1.3", "rep0.7", "freq-pres", "freq-pres-neg"])
+def test_gpu_penalties_round_each_step_as_the_operations(settings, rng):
+    logits, params, pen, want = probe_case(settings, rng, 248320)
+    x = mx.array(logits)
+    assert np.array_equal(np.array(mx.argmax(pen.apply(x), axis=-1)), want)  # MLX's operations on the device
+    got, _ = choose_kernel.choose(x, params, None, x, pen)
+    assert np.array_equal(np.array(got), want)
