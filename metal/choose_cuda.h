@@ -35,55 +35,36 @@ SPR_FN void spr_block_argmax(float& v, int& i, float* red_f, int* red_i) {
   __syncthreads();  // red_* may be written again right after
 }
 
-// The block's sum, in one order whatever the data: each lane's own, the warp's butterfly, the warps
-// in warp order.
-SPR_FN float spr_block_sum(float v, float* red_f) {
+// A block-wide reduction in one order whatever the data: each lane's own value, the warp's
+// butterfly, then the warps in warp order, read by every thread. red holds one entry a warp.
+struct SprAdd {
+  template <typename T>
+  SPR_FN T operator()(T a, T b) const {
+    return a + b;
+  }
+};
+struct SprMin {
+  SPR_FN float operator()(float a, float b) const { return fminf(a, b); }
+};
+template <typename T, typename Op>
+SPR_FN T spr_block_reduce(T v, T* red, Op op) {
   for (int o = 16; o > 0; o >>= 1) {
-    v += __shfl_xor_sync(SPR_FULL, v, o);
+    v = op(v, __shfl_xor_sync(SPR_FULL, v, o));
   }
   if (threadIdx.x % 32 == 0) {
-    red_f[threadIdx.x / 32] = v;
+    red[threadIdx.x / 32] = v;
   }
   __syncthreads();
-  float s = red_f[0];
+  T s = red[0];
   for (int w = 1; w < int(blockDim.x / 32); ++w) {
-    s += red_f[w];
+    s = op(s, red[w]);
   }
-  __syncthreads();
+  __syncthreads();  // red may be written again right after
   return s;
 }
-
-SPR_FN int spr_block_count(int v, int* red_i) {
-  for (int o = 16; o > 0; o >>= 1) {
-    v += __shfl_xor_sync(SPR_FULL, v, o);
-  }
-  if (threadIdx.x % 32 == 0) {
-    red_i[threadIdx.x / 32] = v;
-  }
-  __syncthreads();
-  int s = 0;
-  for (int w = 0; w < int(blockDim.x / 32); ++w) {
-    s += red_i[w];
-  }
-  __syncthreads();
-  return s;
-}
-
-SPR_FN float spr_block_min(float v, float* red_f) {
-  for (int o = 16; o > 0; o >>= 1) {
-    v = fminf(v, __shfl_xor_sync(SPR_FULL, v, o));
-  }
-  if (threadIdx.x % 32 == 0) {
-    red_f[threadIdx.x / 32] = v;
-  }
-  __syncthreads();
-  float s = red_f[0];
-  for (int w = 1; w < int(blockDim.x / 32); ++w) {
-    s = fminf(s, red_f[w]);
-  }
-  __syncthreads();
-  return s;
-}
+SPR_FN float spr_block_sum(float v, float* red_f) { return spr_block_reduce(v, red_f, SprAdd()); }
+SPR_FN int spr_block_count(int v, int* red_i) { return spr_block_reduce(v, red_i, SprAdd()); }
+SPR_FN float spr_block_min(float v, float* red_f) { return spr_block_reduce(v, red_f, SprMin()); }
 
 // A float's bits as an unsigned that orders as the value does (-inf lowest, NaN past +inf).
 SPR_FN unsigned spr_ordered(float x) {
