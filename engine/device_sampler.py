@@ -15,7 +15,8 @@ other. On CUDA a draw with a top-k (and a greedy row whose top-token probability
 one launch of engine/choose_kernel.py, whose sums run in their own order. On the CPU that function
 is one operation of the engine's own (engine/cpu_ext.cpp choose_rows), the operations below its
 twin, bit for bit (tests/engine/test_cpu_choose.py). Logit bias and penalties are applied before
-it (engine/device_penalties.py); logprobs and a grammar's mask stay on the host.
+it (engine/device_penalties.py; on CUDA a one-node round's inside the kernel's launch, with the
+same float32 steps); logprobs and a grammar's mask stay on the host.
 """
 
 from __future__ import annotations
@@ -47,12 +48,12 @@ def choose_and_top(logits: mx.array, params: SamplingParams, uniforms: mx.array 
     """choose(), and where `raw` (the logits before bias and penalties; `logits` itself without
     them) is given its rows' top_probability, else None. `penalties`: a one-node round's bias and
     penalties, not yet applied to `logits` (in the CUDA kernel's launch where it serves, else by
-    DevicePenalties.apply first). On the CPU, for float32 logits, both in
-    one operation of the engine's own (engine/cpu_ext.cpp choose_rows: the same tokens, bit for
-    bit, cuts included, without MLX's operations' scheduling; a sampled row of 8,192 logits
-    evaluated alone on the dev CPU took 125-140 us against ~185, 150-170 against ~270 with the
-    bundled model's default top-k and top-p, ~100 since a top-k draw computes 2^y only where it can
-    reach the k-th largest value: eight rows 257 against 722 us)."""
+    DevicePenalties.apply first). On the CPU, for float32 logits, both in one operation of the
+    engine's own (engine/cpu_ext.cpp choose_rows: the same tokens, bit for bit, cuts included,
+    without MLX's operations' scheduling; a sampled row of 8,192 logits evaluated alone on the dev
+    CPU took 125-140 us against ~185, 150-170 against ~270 with the bundled model's default top-k
+    and top-p, ~100 since a top-k draw computes 2^y only where it can reach the k-th largest value:
+    eight rows 257 against 722 us)."""
     if penalties is not None:
         if choose_kernel.serves(logits, params, raw):
             return choose_kernel.choose(logits, params, uniforms, raw, penalties)
