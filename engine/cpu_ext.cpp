@@ -1194,10 +1194,65 @@ void mtp_row(MtpHead& m, int token, const float* y, int s, float* y_out) {
   row_rest(m, x.data(), qg.data(), s, y_out);
 }
 
+// How a chain token is guessed where the target samples (mtp_chain's `uniforms`): the request's
+// temperature, top-k (0: at most DRAW_MOST tokens) and top-p, and this depth's uniform.
+struct DraftDraw {
+  float temperature, top_p, u;
+  int top_k;
+};
+constexpr int DRAW_MOST = 64;
+
+// The token a seeded draw at uniform u takes from the head's top-n rows `order` (most likely first):
+// p = exp((l - l_max) / t), the top-p cut over them best first, then the running sum in the target's
+// vocabulary order (token ids) and the first token where it passes u times the total. The target
+// draws its token at the same position with the same u in that order, so where the head's
+// distribution is close to the target's the two coincide far more often than the target's draw
+// equals the head's argmax. A guess, not the target's arithmetic: the accept rule decides.
+int coupled_row(const MtpHead& m, const std::vector<float>& logits, const std::vector<int>& order, int n,
+                const DraftDraw& d) {
+  std::vector<double> p(n);
+  double total = 0.0;
+  for (int j = 0; j < n; ++j) {
+    p[j] = std::exp(((double)logits[order[j]] - (double)logits[order[0]]) / (double)d.temperature);
+    total += p[j];
+  }
+  int kept = n;
+  if (d.top_p < 1.0f) {
+    double before = 0.0;
+    for (int j = 0; j < n; ++j) {
+      if (before >= d.top_p * total) {
+        kept = j;
+        break;
+      }
+      before += p[j];
+    }
+  }
+  std::vector<std::pair<int32_t, int>> by_id(kept);  // (token id, rank)
+  for (int j = 0; j < kept; ++j) {
+    by_id[j] = {m.vocab_ids != nullptr ? m.vocab_ids[order[j]] : order[j], j};
+  }
+  std::sort(by_id.begin(), by_id.end());
+  double mass = 0.0;
+  for (int j = 0; j < kept; ++j) {
+    mass += p[j];
+  }
+  const double target = (double)d.u * mass;
+  double run = 0.0;
+  for (const auto& [id, j] : by_id) {
+    run += p[j];
+    if (run > target) {
+      return order[j];
+    }
+  }
+  return order[by_id.back().second];
+}
+
 // A depth's read of the head's output y: the lm_head's logits, their top k (most likely first; a
 // tie to the lower row, as MLX's argmax) as token ids and log-probabilities under all the rows
-// (logsumexp in double) -> the argmax's token id.
-int read_depth(const MtpHead& m, const float* y, int k, std::vector<float>& logits, int32_t* ids, float* logp) {
+// (logsumexp in double) -> the argmax's token id. With `draw`, the drawn token (coupled_row) comes
+// first instead, the others after it in order, and its id is returned.
+int read_depth(const MtpHead& m, const float* y, int k, std::vector<float>& logits, int32_t* ids, float* logp,
+               const DraftDraw* draw = nullptr) {
   logits.resize(m.vocab);
   row_times(y, m.lm, m.vocab, m.H, logits.data());
   float top = logits[0];
@@ -1213,9 +1268,17 @@ int read_depth(const MtpHead& m, const float* y, int k, std::vector<float>& logi
   for (int i = 0; i < m.vocab; ++i) {
     order[i] = i;
   }
-  std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int a, int b) {
+  const int n = draw == nullptr ? k
+                                : std::max(k, std::min(m.vocab, 0 < draw->top_k ? std::min(draw->top_k, m.vocab)
+                                                                                  : DRAW_MOST));
+  std::partial_sort(order.begin(), order.begin() + n, order.end(), [&](int a, int b) {
     return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
   });
+  if (draw != nullptr) {  // the drawn row first, the others after it in order
+    const int row = coupled_row(m, logits, order, std::min(n, 0 < draw->top_k ? draw->top_k : n), *draw);
+    const auto at = std::find(order.begin(), order.begin() + n, row);
+    std::rotate(order.begin(), at, at + 1);
+  }
   for (int i = 0; i < k; ++i) {
     ids[i] = m.vocab_ids != nullptr ? m.vocab_ids[order[i]] : order[i];
     logp[i] = logits[order[i]] - lse;
@@ -1235,12 +1298,18 @@ int read_depth(const MtpHead& m, const float* y, int k, std::vector<float>& logi
 // hidden states h_i of T newly committed positions from `length` on), those rows come first: y is
 // then the last of them's output, and three more outputs come back: their keys and values
 // [1, Hkv, T, D] (for the cache) and that output [1, 1, H].
+//
+// With uniforms float32 [>= depth] (where the target samples), each depth's chain token is the one
+// a draw at that depth's uniform takes from the head's distribution under draw_temperature,
+// draw_top_k and draw_top_p (read_depth's `draw`: coupled_row), not the argmax; the stop rule then
+// follows the drawn path.
 std::vector<mx::array> mtp_chain(const mx::array& y, const mx::array& embed, const mx::array& lm,
                                  const std::optional<mx::array>& vocab_ids, const std::vector<mx::array>& w,
                                  const mx::array& keys, const mx::array& values, const mx::array& length,
                                  const std::optional<mx::array>& rows_ids, const std::optional<mx::array>& rows_hidden,
                                  int heads, int head_dim, int rope_dims, float rope_base, float eps, float scale, int k,
-                                 int depth, float log_min_path) {
+                                 int depth, float log_min_path, const std::optional<mx::array>& uniforms,
+                                 float draw_temperature, int draw_top_k, float draw_top_p) {
   if (w.size() != 15) {
     throw std::invalid_argument("mtp_chain: 15 weights");
   }
@@ -1263,7 +1332,8 @@ std::vector<mx::array> mtp_chain(const mx::array& y, const mx::array& embed, con
       (vocab_ids && (vocab_ids->dtype() != mx::int32 || !is(*vocab_ids, {N}))) || chunk_kernel(heads / Hkv, D) == nullptr ||
       bool(rows_ids) != bool(rows_hidden) ||
       (rows_ids && (T < 1 || rows_ids->dtype() != mx::int32 || rows_ids->ndim() != 1 ||
-                    rows_hidden->dtype() != mx::float32 || !is(*rows_hidden, {T, H})))) {
+                    rows_hidden->dtype() != mx::float32 || !is(*rows_hidden, {T, H}))) ||
+      (uniforms && (uniforms->dtype() != mx::float32 || (int)uniforms->size() < depth || !(draw_temperature > 0.0f)))) {
     throw std::invalid_argument("mtp_chain: shapes do not match");
   }
   std::vector<mx::array> inputs = {y, embed, lm, keys, values, length};
@@ -1272,6 +1342,10 @@ std::vector<mx::array> mtp_chain(const mx::array& y, const mx::array& embed, con
   if (rows_ids) {
     inputs.push_back(*rows_ids);
     inputs.push_back(*rows_hidden);
+  }
+  const int u_at = uniforms ? (int)inputs.size() : -1;
+  if (uniforms) {
+    inputs.push_back(*uniforms);
   }
   const bool has_vocab = bool(vocab_ids);
   auto body = [=](std::vector<mx::array>& ins, std::vector<mx::array>& outs) {
@@ -1319,8 +1393,12 @@ std::vector<mx::array> mtp_chain(const mx::array& y, const mx::array& embed, con
     std::fill(logp, logp + (size_t)depth * k, 0.0f);
     double path = 0.0;
     int reached = 0;
+    std::vector<float> u_tmp;
+    const float* us = u_at >= 0 ? dense(ins[u_at], u_tmp) : nullptr;
     for (int d = 0; d < depth; ++d) {
-      const int token = read_depth(m, cur.data(), k, logits, ids + (size_t)d * k, logp + (size_t)d * k);
+      const DraftDraw draw{draw_temperature, draw_top_p, us != nullptr ? us[d] : 0.0f, draw_top_k};
+      const int token = read_depth(m, cur.data(), k, logits, ids + (size_t)d * k, logp + (size_t)d * k,
+                                   us != nullptr ? &draw : nullptr);
       reached = d + 1;
       path += logp[(size_t)d * k];
       if (d + 1 == depth || path < log_min_path || token < 0 || token >= V) {
@@ -1910,8 +1988,11 @@ NB_MODULE(spruce_cpu_ext, m) {
         nb::arg("w"), nb::arg("keys"), nb::arg("values"), nb::arg("length"), nb::arg("rows_ids").none(),
         nb::arg("rows_hidden").none(), nb::arg("heads"), nb::arg("head_dim"),
         nb::arg("rope_dims"), nb::arg("rope_base"), nb::arg("eps"), nb::arg("scale"), nb::arg("k"), nb::arg("depth"),
-        nb::arg("log_min_path"), "An MTP head's chain draft, every depth in one CPU operation (after its catch-up where rows are given) "
-        "-> [ids, logp, depths] (+ [keys, values, y] of the catch-up).");
+        nb::arg("log_min_path"), nb::arg("uniforms").none() = nb::none(), nb::arg("draw_temperature") = 1.0f,
+        nb::arg("draw_top_k") = 0, nb::arg("draw_top_p") = 1.0f,
+        "An MTP head's chain draft, every depth in one CPU operation (after its catch-up where rows are given) "
+        "-> [ids, logp, depths] (+ [keys, values, y] of the catch-up); with uniforms, each chain token drawn "
+        "at its depth's uniform under the draw_* settings instead of the argmax.");
   m.def("choose_rows", &choose_rows, nb::arg("logits"), nb::arg("uniforms").none(), nb::arg("temperature"),
         nb::arg("raw").none(), nb::arg("top_k") = 0, nb::arg("top_p") = 1.0f, nb::arg("min_p") = 0.0f,
         nb::arg("narrow") = true,

@@ -46,6 +46,7 @@ import subprocess
 import sysconfig
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
@@ -319,7 +320,8 @@ def rope(x: mx.array, dims: int, base: float, offset: int | mx.array = 0,
 def mtp_chain(y: mx.array, embed: mx.array, lm: mx.array, vocab_ids: mx.array | None, weights: list[mx.array],
               keys: mx.array, values: mx.array, length: int, *, heads: int, head_dim: int, rope_dims: int,
               rope_base: float, eps: float, scale: float, k: int, depth: int, log_min_path: float,
-              rows: tuple[mx.array, mx.array] | None = None) -> tuple[mx.array, ...]:
+              rows: tuple[mx.array, mx.array] | None = None,
+              draws: ChainDraws | None = None) -> tuple[mx.array, ...]:
     """An MTP head's chain draft in one operation: from the head's output y [H] of the last
     committed row, `depth` depths (fewer where the top-1 path's log-probability falls below
     log_min_path), each read through the lm_head rows `lm` [N, H] (token ids `vocab_ids` [N], or
@@ -328,13 +330,28 @@ def mtp_chain(y: mx.array, embed: mx.array, lm: mx.array, vocab_ids: mx.array | 
     lists them); keys / values [1, Hkv, cap, D], rows [0, length) committed.
     With `rows` = (token ids int32 [T], hidden states [T, H]) of T positions committed from
     `length` on, the head's catch-up of them runs first and y is not read: three more outputs, their
-    keys and values [1, Hkv, T, D] and the last one's output [1, 1, H]. See engine/cpu_ext.cpp."""
+    keys and values [1, Hkv, T, D] and the last one's output [1, 1, H]. With `draws`, each depth's
+    chain token is the one a draw at its uniform takes from the head's distribution under the
+    request's settings, not the argmax. See engine/cpu_ext.cpp."""
     ext = module()
     assert ext is not None, "serves() first"
     ids, hidden = rows if rows is not None else (None, None)
+    extra = () if draws is None else (draws.uniforms, draws.temperature, draws.top_k, draws.top_p)
     return tuple(ext.mtp_chain(y.reshape(-1), embed, lm, vocab_ids, weights, keys, values,
                                mx.array([length], dtype=mx.int32), ids, hidden, heads, head_dim, rope_dims,
-                               rope_base, eps, scale, k, depth, log_min_path))
+                               rope_base, eps, scale, k, depth, log_min_path, *extra))
+
+
+@dataclass(frozen=True)
+class ChainDraws:
+    """Where the target samples, how an MTP chain guesses each depth's token: by a draw at the
+    uniform the target's own draw at that position will use (uniforms float32 [>= depth]), under the
+    request's temperature, top-k and top-p (engine/cpu_ext.cpp coupled_row)."""
+
+    uniforms: mx.array
+    temperature: float
+    top_k: int
+    top_p: float
 
 
 def choose_rows(logits: mx.array, uniforms: mx.array | None, temperature: float, raw: mx.array | None = None,

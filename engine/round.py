@@ -230,6 +230,9 @@ class Rounds:
             chain = cast(ChainsOnDevice, self.drafter).chain_on_device(root, budget, self.spec.max_depth) \
                 if self.chains_on_device else None
             if chain is None:
+                sample_like = getattr(self.drafter, "sample_like", None)
+                if sample_like is not None:  # depth 1 guesses the root row's draw: position covered + 1
+                    sample_like(self.params, self.seed, self.seq.covered + 1)
                 tree = self.drafter.propose(root, budget, self.spec.max_depth)
             else:  # the tree's tokens reach the host when it lands (placeholders until then)
                 tree = DraftTree.chain(root, [0] * chain.shape[0])

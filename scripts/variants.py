@@ -67,6 +67,8 @@
   as the accept walk visits it (engine.round.DRAW_VISITED_ON_CPU);
 - "-ck0" / "-ck1": the sampler's choice on CUDA in MLX's operations / in one launch of its kernel
   (engine.choose_kernel.KERNEL);
+- "-cu0" / "-cu1": an MTP chain on the CPU guessing each depth's token by its argmax / by a draw at
+  the uniform the target's draw will use, where the target samples (engine.drafters.mtp.COUPLED_DRAWS);
 - "-sg0" / "-sg1": a one-token pass layer by layer / in compiled segments between the attention
   layers' cache accesses (engine.models.segments.SEGMENTS).
 
@@ -130,6 +132,7 @@ def _settings() -> dict[str, tuple[list[tuple[Any, str]], Callable[[str], tuple[
         "dv": ([(rounds, "DRAW_VISITED_ON_CPU")], on),
         "sg": ([(segments, "SEGMENTS")], on),
         "ck": ([(choose_kernel.KERNEL, "value")], on),
+        "cu": ([(mtp, "COUPLED_DRAWS")], on),
     }
 
 

@@ -28,7 +28,8 @@ import mlx.core as mx
 import numpy as np
 
 from engine import cpu_ext
-from engine.config import METHOD_DEPTHS
+from engine.config import METHOD_DEPTHS, SamplingParams
+from engine.device_sampler import node_uniforms
 from engine.drafters.draft_vocab import DraftVocab
 from engine.drafters.marginals import Marginals
 from engine.drafters.marginals import chain as chain_builder
@@ -72,6 +73,12 @@ class MTPConfig:
 # without a tree leaves more, up to a skip's whole run).
 CATCH_UP_IN_ONE = 16
 
+# Where the target samples, the CPU's one-operation chain guesses each depth's token by a draw at
+# the uniform the target's own draw at that position will use, under the request's settings, where
+# it took the argmax (MTPDrafter.sample_like; scripts/variants.py's "-cu0" turns it off). The accept
+# rule is unchanged, so the output is too; only how often the guesses are accepted moves.
+COUPLED_DRAWS = True
+
 # MTPConfig.sync_each_depth's None on a GPU (a module switch, so that benchmarks can compare the two
 # within one engine: scripts/bench_gpu.py's variant suffix "-sd1")
 SYNC_EACH_DEPTH_ON_GPU = False
@@ -98,6 +105,7 @@ class MTPDrafter:
         # steps only: the plain twin stays plain)
         self.cpu_chain = CpuChain.build(target, head, self.logits, self.vocab_ids) if config.compiled else None
         self.last: mx.array | None = None  # the head's output at the last row it has caught up to
+        self.draws: tuple[SamplingParams, int, int] | None = None  # sample_like's (params, seed, position)
         self.sync_each_depth = (gpu_backend() is None or SYNC_EACH_DEPTH_ON_GPU) if config.sync_each_depth is None \
             else config.sync_each_depth
 
@@ -132,6 +140,20 @@ class MTPDrafter:
             self.last = self.head.append(self.embed(ids), self._hidden(done, committed), self.cache)
         return self.last
 
+    def sample_like(self, params: SamplingParams | None, seed: int = 0, position: int = 0) -> None:
+        """Guess the next draft's chain tokens as the target's seeded draws would take them from the
+        head's distribution (COUPLED_DRAWS; the CPU's one-operation chain only): depth d at the
+        uniform of position `position` + d - 1, the index the target's draw at the parent node's row
+        gives its token. None, or greedy params: the argmax, as always."""
+        self.draws = None if params is None or params.greedy else (params, seed, position)
+
+    def _chain_draws(self, depth: int) -> cpu_ext.ChainDraws | None:
+        if not COUPLED_DRAWS or self.draws is None:
+            return None
+        params, seed, position = self.draws
+        return cpu_ext.ChainDraws(node_uniforms(seed, range(position, position + depth)), params.temperature,
+                                  params.top_k, params.top_p)
+
     def propose(self, root: int, budget: int, max_depth: int) -> DraftTree:
         depth = min(max_depth, budget, self.config.max_steps)
         k = max(1, min(budget, self.config.top_k))
@@ -157,7 +179,7 @@ class MTPDrafter:
             return None
         tokens = mx.array(self.tokens[done + 1 : committed + 1], dtype=mx.int32)
         ids, logp, self.last = chain.draft_after(tokens, self._hidden(done, committed)[0], self.cache[0], depth, k,
-                                                 self.log_min_path)
+                                                 self.log_min_path, self._chain_draws(depth))
         return Marginals(ids.astype(np.int64), logp.astype(np.float64))
 
     def _catching_up_in_one(self, done: int, committed: int) -> CpuChain | None:
@@ -220,7 +242,8 @@ class MTPDrafter:
         below min_path_prob), from the head's output y [1, 1, H] of the last committed row."""
         committed = [a for c in self.cache for a in c.arrays()]
         if self.cpu_chain is not None and cpu_ext.MTP_CHAIN:  # read per draft: benchmarks switch it
-            ids, logp = self.cpu_chain.draft(y, self.cache[0], depth, k, self.log_min_path, committed)
+            ids, logp = self.cpu_chain.draft(y, self.cache[0], depth, k, self.log_min_path, committed,
+                                             self._chain_draws(depth))
             return Marginals(ids.astype(np.int64), logp.astype(np.float64))
         depths = self._depths(k)
         if not self.sync_each_depth:

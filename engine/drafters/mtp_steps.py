@@ -203,23 +203,25 @@ class CpuChain:
         return chain
 
     def draft(self, y: mx.array, cache: KVCache, depth: int, k: int, log_min_path: float,
-              also: list[mx.array]) -> tuple[np.ndarray, np.ndarray]:
+              also: list[mx.array], draws: cpu_ext.ChainDraws | None = None) -> tuple[np.ndarray, np.ndarray]:
         """From the head's output y [1, 1, H] of the last committed row: (ids [D, k], logp [D, k]) of
         depths 1..D, D <= depth as the stop rule leaves it; `also` evaluated with it (the catch-up's
         rows)."""
         assert cache.keys is not None and cache.values is not None, "the catch-up writes the committed rows first"
-        ids, logp, reached = self._run(y, cache, depth, k, log_min_path, None)
+        ids, logp, reached = self._run(y, cache, depth, k, log_min_path, None, draws)
         mx.eval(ids, logp, reached, also)
         return self._kept(ids, logp, reached)
 
     def draft_after(self, tokens: mx.array, hidden: mx.array, cache: KVCache, depth: int, k: int,
-                    log_min_path: float) -> tuple[np.ndarray, np.ndarray, mx.array]:
+                    log_min_path: float,
+                    draws: cpu_ext.ChainDraws | None = None) -> tuple[np.ndarray, np.ndarray, mx.array]:
         """The head's catch-up of T committed positions (tokens int32 [T]: each position's next token;
         hidden [T, H]: the target's final-normed states), written into `cache` as MTPHead.append
         writes it, then the draft from its last row -> (ids, logp as `draft`, that row's output
         [1, 1, H])."""
         assert cache.keys is not None and cache.values is not None, "the prompt's rows come first (begin)"
-        ids, logp, reached, keys, values, y = self._run(hidden[-1], cache, depth, k, log_min_path, (tokens, hidden))
+        ids, logp, reached, keys, values, y = self._run(hidden[-1], cache, depth, k, log_min_path, (tokens, hidden),
+                                                        draws)
         cache.write(keys, values)
         cache.advance(tokens.shape[0])
         mx.eval(ids, logp, reached, y, cache.arrays())
@@ -234,13 +236,14 @@ class CpuChain:
         return ids, y
 
     def _run(self, y: mx.array, cache: KVCache, depth: int, k: int, log_min_path: float,
-             rows: tuple[mx.array, mx.array] | None) -> tuple[mx.array, ...]:
+             rows: tuple[mx.array, mx.array] | None,
+             draws: cpu_ext.ChainDraws | None = None) -> tuple[mx.array, ...]:
         assert cache.keys is not None and cache.values is not None
         return cpu_ext.mtp_chain(
             y, self.embed, self.lm, self.vocab_ids, self.weights, cache.keys, cache.values, cache.offset,
             heads=self.heads, head_dim=self.head_dim, rope_dims=self.rope_dims, rope_base=self.rope_base,
             eps=self.eps, scale=self.scale, k=min(k, self.lm.shape[0]), depth=depth,
-            log_min_path=log_min_path, rows=rows)
+            log_min_path=log_min_path, rows=rows, draws=draws)
 
     @staticmethod
     def _kept(ids: mx.array, logp: mx.array, reached: mx.array) -> tuple[np.ndarray, np.ndarray]:

@@ -16,7 +16,7 @@ import pytest
 from engine import cpu_ext
 from engine.cache import KV_STEP
 from engine.config import EngineConfig, SamplingParams, SpecConfig
-from engine.drafters import BUILDERS
+from engine.drafters import BUILDERS, mtp
 from engine.drafters.draft_vocab import DenseRows, output_projection
 from engine.drafters.marginals import Marginals
 from engine.drafters.mtp import MTPConfig, MTPDrafter
@@ -138,6 +138,7 @@ class Recorder(MTPDrafter):
 
 @pytest.mark.parametrize("tree", ["chain", "ddtree"])
 def test_generations_draft_alike_and_equal_plain_decoding(engine, tree, monkeypatch):
+    monkeypatch.setattr(mtp, "COUPLED_DRAWS", False)  # the loop takes the argmax: compare like with like
     sampling = SamplingParams(max_tokens=30, temperature=0.9, top_p=0.95, seed=5, ignore_eos=True)
     rng = np.random.default_rng(zlib.crc32(tree.encode()))
     prompt = [int(t) for t in rng.integers(0, 500, size=24)]
@@ -150,3 +151,83 @@ def test_generations_draft_alike_and_equal_plain_decoding(engine, tree, monkeypa
         assert generate(engine, prompt, sampling, spec, drafter).tokens == plain
         trees.append(drafter.trees)
     assert trees[0] == trees[1] and len(trees[0]) > 3  # the same trees, round by round
+
+
+def coupled_token(logits: np.ndarray, temperature: float, top_k: int, top_p: float, u: float) -> int:
+    """The row a draw at u takes from logits (float64): the top_k rows (64 where 0) by logit,
+    p = exp((l - max) / t), the top-p cut best first, then the running sum in id order."""
+    n = top_k if 0 < top_k else 64
+    order = sorted(range(logits.size), key=lambda i: (-logits[i], i))[:n]
+    p = np.exp((logits[order] - logits[order[0]]) / temperature)
+    kept = n
+    if top_p < 1.0:
+        before = np.concatenate([[0.0], np.cumsum(p)[:-1]])
+        kept = int(np.argmax(before >= top_p * p.sum())) if (before >= top_p * p.sum()).any() else n
+    ranks = sorted(range(kept), key=lambda j: order[j])
+    run, mass = 0.0, p[:kept].sum()
+    for j in ranks:
+        run += p[j]
+        if run > u * mass:
+            return order[j]
+    return order[ranks[-1]]
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(0.7, 20, 0.8), (1.0, 0, 1.0), (1.3, 5, 0.95)])
+def test_coupled_chain_token_is_the_draw_at_the_uniform(engine, temperature, top_k, top_p):
+    """With uniforms, depth 1's chain token is the head's draw at depth 1's uniform (the cut and the
+    running sum in id order), the other top-k rows after it in order; across uniforms it covers the
+    head's likely tokens, not only its argmax."""
+    rng = np.random.default_rng(7)
+    head, target = engine.mtp_head(), engine.model
+    embed = target.model.embed_tokens
+    H = target.args.hidden_size
+    cache = head.make_cache()
+    e, h = (mx.array(rng.standard_normal((1, 9, H)).astype(np.float32)) for _ in range(2))
+    y = head(e, h, cache)[:, -1:]
+    mx.eval(y, [a for c in cache for a in c.arrays()])
+    chain = CpuChain(head, embed.weight, output_projection(target).weight, None)
+    row = np.array(target.logits(y)[0, 0], dtype=np.float64)
+    argmax_ids, _ = chain.draft(y, cache[0], 1, 8, -math.inf, [])
+    seen = set()
+    for u in np.linspace(0.01, 0.99, 25):
+        draws = cpu_ext.ChainDraws(mx.array([u], dtype=mx.float32), temperature, top_k, top_p)
+        ids, logp = chain.draft(y, cache[0], 1, 8, -math.inf, [], draws)
+        want = coupled_token(row, temperature, top_k, top_p, float(np.float32(u)))
+        assert ids[0, 0] == want, u
+        rest = [int(t) for t in argmax_ids[0] if t != want]
+        assert ids[0, 1:].tolist() == rest[:7]  # the others in order after it
+        seen.add(int(ids[0, 0]))
+    assert len(seen) > 1
+
+
+def test_coupled_draws_take_the_uniforms_the_target_draws_with(engine, monkeypatch):
+    """Round by round, the chain's depth-d guess is drawn at the uniform the target's draw at the
+    chain's depth d - 1 node uses (the root's at depth 1): the positions line up."""
+    from engine import device_sampler
+    from engine import round as rounds
+
+    sampling = SamplingParams(max_tokens=30, temperature=0.9, top_k=20, top_p=0.95, seed=11, ignore_eos=True)
+    prompt = [int(t) for t in np.random.default_rng(5).integers(0, 500, size=24)]
+    spec = SpecConfig(method="mtp", tree="chain", budget=10, max_depth=6, adaptive=False)
+    drafted, drawn = [], []
+    real_draws, real_choose = MTPDrafter._chain_draws, device_sampler.choose_and_top
+
+    def draws(self, depth):
+        out = real_draws(self, depth)
+        drafted.append(np.array(out.uniforms))
+        return out
+
+    def choose(logits, params, uniforms, *args, **kwargs):
+        if logits.shape[0] > 1:  # a tree's rows (a chain: row j at depth j)
+            drawn.append(np.array(uniforms))
+        return real_choose(logits, params, uniforms, *args, **kwargs)
+
+    monkeypatch.setattr(MTPDrafter, "_chain_draws", draws)
+    monkeypatch.setattr(device_sampler, "choose_and_top", choose)
+    monkeypatch.setattr(rounds, "DRAW_VISITED_ON_CPU", False)  # a tree's nodes drawn together, with their uniforms
+    plain = generate(engine, prompt, sampling).tokens
+    assert generate(engine, prompt, sampling, spec).tokens == plain
+    assert len(drawn) > 3 and len(drafted) >= len(drawn)
+    for d, t in zip(drafted[-len(drawn):], drawn):
+        n = min(d.size, t.size - 1)
+        assert n >= 1 and np.array_equal(d[:n], t[:n])
