@@ -1227,6 +1227,7 @@ int coupled_row(const MtpHead& m, const std::vector<float>& logits, const std::v
       before += p[j];
     }
   }
+  kept = std::max(kept, 1);  // the most likely row at least, whatever the cut (a top_p of 0)
   std::vector<std::pair<int32_t, int>> by_id(kept);  // (token id, rank)
   for (int j = 0; j < kept; ++j) {
     by_id[j] = {m.vocab_ids != nullptr ? m.vocab_ids[order[j]] : order[j], j};
