@@ -295,6 +295,9 @@ class Rounds:
         root = flight.choices[:1].reshape(1, 1)
         guess = None
         if self.controller is not None and self._budget_after() == 1:
+            sample_like = getattr(self.drafter, "sample_like", None)
+            if sample_like is not None:  # the guess is drawn at the uniform of the root row's draw
+                sample_like(self.params, self.seed, self.seq.covered + 1)
             guess = cast(GuessesAhead, self.drafter).guess_after(root)
         evidence = self._evidence()
         if guess is None:

@@ -78,6 +78,7 @@ CATCH_UP_IN_ONE = 16
 # it took the argmax (MTPDrafter.sample_like; scripts/variants.py's "-cu0" turns it off). The accept
 # rule is unchanged, so the output is too; only how often the guesses are accepted moves.
 COUPLED_DRAWS = True
+COUPLED_TOP_K = 64  # the largest top-k a coupled draw is made under (the head's rows it ranks)
 
 # MTPConfig.sync_each_depth's None on a GPU (a module switch, so that benchmarks can compare the two
 # within one engine: scripts/bench_gpu.py's variant suffix "-sd1")
@@ -148,7 +149,12 @@ class MTPDrafter:
         self.draws = None if params is None or params.greedy else (params, seed, position)
 
     def _chain_draws(self, depth: int) -> cpu_ext.ChainDraws | None:
-        if not COUPLED_DRAWS or self.draws is None:
+        """The draws of a `depth`-deep chain, where sample_like set them and the request has a top-k
+        the head can draw under. Without a top-k the target's running sum in vocabulary order takes
+        every token's mass, which the head's few likely rows cannot follow: its draw and the
+        target's then part at almost every uniform (chat at temperature 1: 1.05 tokens per forward
+        against 1.07 with the argmax), so the argmax stays."""
+        if not COUPLED_DRAWS or self.draws is None or not 0 < self.draws[0].top_k <= COUPLED_TOP_K:
             return None
         params, seed, position = self.draws
         return cpu_ext.ChainDraws(node_uniforms(seed, range(position, position + depth)), params.temperature,
@@ -215,7 +221,8 @@ class MTPDrafter:
         """The head's top-1 after `root`, a token still on the device whose position is committed
         (its round is queued, not landed): the catch-up's last row is (root, the last committed
         hidden state), so the guess is that row's argmax, all of it lazy. The same token propose
-        puts in a one-guess tree (chain and DDTree both take the top-1 of depth 1)."""
+        puts in a one-guess tree (chain and DDTree both take the top-1 of depth 1); where the request
+        samples, the CPU's operation draws it at the root row's uniform instead (sample_like)."""
         assert self.features is not None
         done, committed = self.cache[0].offset, self.features.length
         if committed <= done or len(self.tokens) != committed:  # nothing to catch up on / not one behind
@@ -225,7 +232,8 @@ class MTPDrafter:
         chain = self._catching_up_in_one(done, committed)
         if chain is not None:
             # the catch-up and its row's argmax in one CPU operation, lazy like the rest
-            guess, self.last = chain.guess_after(ids[0], self._hidden(done, committed)[0], self.cache[0])
+            guess, self.last = chain.guess_after(ids[0], self._hidden(done, committed)[0], self.cache[0],
+                                                 self._chain_draws(1))
             return guess
         self.last = self.head.append(self.embed(ids), self._hidden(done, committed), self.cache)
         token = mx.argmax(self.logits(self.last)[0, 0])

@@ -227,10 +227,11 @@ class CpuChain:
         mx.eval(ids, logp, reached, y, cache.arrays())
         return (*self._kept(ids, logp, reached), y)
 
-    def guess_after(self, tokens: mx.array, hidden: mx.array, cache: KVCache) -> tuple[mx.array, mx.array]:
+    def guess_after(self, tokens: mx.array, hidden: mx.array, cache: KVCache,
+                    draws: cpu_ext.ChainDraws | None = None) -> tuple[mx.array, mx.array]:
         """draft_after's catch-up and its first depth's argmax alone, all lazy (nothing is evaluated:
         the tokens may still be on their way) -> (the token [1, 1] int32, the last row's output)."""
-        ids, _, _, keys, values, y = self._run(hidden[-1], cache, 1, 1, -math.inf, (tokens, hidden))
+        ids, _, _, keys, values, y = self._run(hidden[-1], cache, 1, 1, -math.inf, (tokens, hidden), draws)
         cache.write(keys, values)
         cache.advance(tokens.shape[0])
         return ids, y

@@ -138,8 +138,9 @@ class Recorder(MTPDrafter):
 
 @pytest.mark.parametrize("tree", ["chain", "ddtree"])
 def test_generations_draft_alike_and_equal_plain_decoding(engine, tree, monkeypatch):
-    monkeypatch.setattr(mtp, "COUPLED_DRAWS", False)  # the loop takes the argmax: compare like with like
     sampling = SamplingParams(max_tokens=30, temperature=0.9, top_p=0.95, seed=5, ignore_eos=True)
+    # no top-k: the one-operation chain takes the argmax as the loop does (MTPDrafter._chain_draws)
+    assert sampling.top_k == 0 and mtp.COUPLED_DRAWS
     rng = np.random.default_rng(zlib.crc32(tree.encode()))
     prompt = [int(t) for t in rng.integers(0, 500, size=24)]
     spec = SpecConfig(method="mtp", tree=tree, budget=10, max_depth=6, adaptive=False)
