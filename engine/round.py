@@ -230,9 +230,7 @@ class Rounds:
             chain = cast(ChainsOnDevice, self.drafter).chain_on_device(root, budget, self.spec.max_depth) \
                 if self.chains_on_device else None
             if chain is None:
-                sample_like = getattr(self.drafter, "sample_like", None)
-                if sample_like is not None:  # depth 1 guesses the root row's draw: position covered + 1
-                    sample_like(self.params, self.seed, self.seq.covered + 1)
+                self._draws_from_root()
                 tree = self.drafter.propose(root, budget, self.spec.max_depth)
             else:  # the tree's tokens reach the host when it lands (placeholders until then)
                 tree = DraftTree.chain(root, [0] * chain.shape[0])
@@ -265,6 +263,14 @@ class Rounds:
         budget = self._budget_after()
         return budget == 0 or (budget == 1 and isinstance(self.drafter, GuessesAhead))
 
+    def _draws_from_root(self) -> None:
+        """Where the drafter guesses the target's seeded draws (MTPDrafter.sample_like): the request's
+        sampling, and the position whose uniform the root row's draw uses (depth 1's guess), covered
+        + 1 (the next round's committed length + 1, as _queue numbers its nodes)."""
+        sample_like = getattr(self.drafter, "sample_like", None)
+        if sample_like is not None:
+            sample_like(self.params, self.seed, self.seq.covered + 1)
+
     def _budget_after(self) -> int:
         """The controller's budget for the round after the one-node round in flight, among the arms
         that fit the room left once that round's token is out."""
@@ -295,9 +301,7 @@ class Rounds:
         root = flight.choices[:1].reshape(1, 1)
         guess = None
         if self.controller is not None and self._budget_after() == 1:
-            sample_like = getattr(self.drafter, "sample_like", None)
-            if sample_like is not None:  # the guess is drawn at the uniform of the root row's draw
-                sample_like(self.params, self.seed, self.seq.covered + 1)
+            self._draws_from_root()
             guess = cast(GuessesAhead, self.drafter).guess_after(root)
         evidence = self._evidence()
         if guess is None:
