@@ -1195,12 +1195,11 @@ void mtp_row(MtpHead& m, int token, const float* y, int s, float* y_out) {
 }
 
 // How a chain token is guessed where the target samples (mtp_chain's `uniforms`): the request's
-// temperature, top-k (0: at most DRAW_MOST tokens) and top-p, and this depth's uniform.
+// temperature, top-k (at least 1: the rows the head ranks) and top-p, and this depth's uniform.
 struct DraftDraw {
   float temperature, top_p, u;
   int top_k;
 };
-constexpr int DRAW_MOST = 64;
 
 // The token a seeded draw at uniform u takes from the head's top-n rows `order` (most likely first):
 // p = exp((l - l_max) / t), the top-p cut over them best first, then the running sum in the target's
@@ -1269,14 +1268,13 @@ int read_depth(const MtpHead& m, const float* y, int k, std::vector<float>& logi
   for (int i = 0; i < m.vocab; ++i) {
     order[i] = i;
   }
-  const int n = draw == nullptr ? k
-                                : std::max(k, std::min(m.vocab, 0 < draw->top_k ? std::min(draw->top_k, m.vocab)
-                                                                                  : DRAW_MOST));
+  const int drawn = draw == nullptr ? 0 : std::min(draw->top_k, m.vocab);  // the rows a draw ranks
+  const int n = std::max(k, drawn);
   std::partial_sort(order.begin(), order.begin() + n, order.end(), [&](int a, int b) {
     return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
   });
   if (draw != nullptr) {  // the drawn row first, the others after it in order
-    const int row = coupled_row(m, logits, order, std::min(n, 0 < draw->top_k ? draw->top_k : n), *draw);
+    const int row = coupled_row(m, logits, order, drawn, *draw);
     const auto at = std::find(order.begin(), order.begin() + n, row);
     std::rotate(order.begin(), at, at + 1);
   }
@@ -1334,7 +1332,8 @@ std::vector<mx::array> mtp_chain(const mx::array& y, const mx::array& embed, con
       bool(rows_ids) != bool(rows_hidden) ||
       (rows_ids && (T < 1 || rows_ids->dtype() != mx::int32 || rows_ids->ndim() != 1 ||
                     rows_hidden->dtype() != mx::float32 || !is(*rows_hidden, {T, H}))) ||
-      (uniforms && (uniforms->dtype() != mx::float32 || (int)uniforms->size() < depth || !(draw_temperature > 0.0f)))) {
+      (uniforms && (uniforms->dtype() != mx::float32 || (int)uniforms->size() < depth || !(draw_temperature > 0.0f) ||
+                    draw_top_k < 1))) {
     throw std::invalid_argument("mtp_chain: shapes do not match");
   }
   std::vector<mx::array> inputs = {y, embed, lm, keys, values, length};

@@ -155,9 +155,9 @@ def test_generations_draft_alike_and_equal_plain_decoding(engine, tree, monkeypa
 
 
 def coupled_token(logits: np.ndarray, temperature: float, top_k: int, top_p: float, u: float) -> int:
-    """The row a draw at u takes from logits (float64): the top_k rows (64 where 0) by logit,
+    """The row a draw at u takes from logits (float64): the top_k rows by logit,
     p = exp((l - max) / t), the top-p cut best first, then the running sum in id order."""
-    n = top_k if 0 < top_k else 64
+    n = top_k
     order = sorted(range(logits.size), key=lambda i: (-logits[i], i))[:n]
     p = np.exp((logits[order] - logits[order[0]]) / temperature)
     kept = n
@@ -173,7 +173,7 @@ def coupled_token(logits: np.ndarray, temperature: float, top_k: int, top_p: flo
     return order[ranks[-1]]
 
 
-@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(0.7, 20, 0.8), (1.0, 0, 1.0), (1.3, 5, 0.95)])
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(0.7, 20, 0.8), (1.0, 64, 1.0), (1.3, 5, 0.95)])
 def test_coupled_chain_token_is_the_draw_at_the_uniform(engine, temperature, top_k, top_p):
     """With uniforms, depth 1's chain token is the head's draw at depth 1's uniform (the cut and the
     running sum in id order), the other top-k rows after it in order; across uniforms it covers the
