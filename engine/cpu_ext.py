@@ -19,10 +19,9 @@ they take and return mx.array and join MLX's graphs (mx.compile included):
 Each has a module switch below (scripts/variants.py names them) and a twin in MLX's operations that
 its tests hold it to (tests/engine/test_cpu_*.py).
 
-Building needs a C++20 compiler (`$CXX`, c++, g++ or clang++), Python's headers, MLX's headers and
-library (in its wheel) and nanobind's sources (the `nanobind` package, whose internals must match
-the version MLX was built with: a mismatch shows at the self-test below). It takes ~6-10 s once per
-user, cached like the GEMV shim under a name that hashes everything that goes into it. Linux only:
+Building (engine/native_build.py) needs a C++20 compiler, Python's headers, MLX's headers and
+library (in its wheel) and nanobind's sources; a nanobind whose internals do not match MLX's shows
+at the self-test below. It takes ~6-10 s once per user, cached like the GEMV shim. Linux only:
 elsewhere the CPU is not where MLX runs the engine. Without any of it, or with SPRUCE_CPU_EXT=0,
 `module()` is None and the callers keep MLX's operations.
 
@@ -36,15 +35,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
-import importlib.util
 import logging
 import os
 import platform
-import shutil
-import subprocess
-import sysconfig
-import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +45,8 @@ from types import ModuleType
 
 import mlx.core as mx
 import numpy as np
+
+from engine import native_build
 
 SOURCE = Path(__file__).with_name("cpu_ext.cpp")
 NAME = "spruce_cpu_ext"
@@ -104,72 +99,6 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _inputs() -> tuple[Path, Path, Path] | None:
-    """MLX's directory, nanobind's and Python's include directory; None where one is missing."""
-    try:
-        import nanobind
-    except ImportError:
-        return None
-    mlx_dir = Path(mx.__file__).parent
-    python_include = Path(sysconfig.get_paths()["include"])
-    if not (mlx_dir / "include" / "mlx" / "mlx.h").is_file() or not (python_include / "Python.h").is_file():
-        return None
-    return mlx_dir, Path(nanobind.__file__).parent, python_include
-
-
-def _build() -> Path | None:
-    """The extension's path, built if no cached build matches; None where it cannot be built."""
-    inputs = _inputs()
-    if inputs is None:
-        return None
-    mlx_dir, nb_dir, python_include = inputs
-    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
-    parts = [SOURCE.read_bytes(), str(getattr(mx, "__version__", "")).encode(), str(nb_dir).encode(),
-             (nb_dir / "__init__.py").read_bytes(), suffix.encode(), _cpu_flags().encode()]
-    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
-    name = f"{NAME}-{key}{suffix}"
-    homes = [Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "spruce",
-             Path(tempfile.gettempdir()) / f"spruce-{os.getuid()}"]
-    for home in homes:
-        if (home / name).is_file():
-            return home / name
-    compiler = next(filter(None, (shutil.which(c) for c in (os.environ.get("CXX", ""), "c++", "g++", "clang++") if c)),
-                    None)
-    if compiler is None:
-        return None
-    log.info("building the engine's CPU operations (engine/cpu_ext.cpp), once: ~10 s")
-    for home in homes:
-        partial = home / f"{name}.{os.getpid()}.part"  # renamed into place whole: builds may race
-        try:
-            home.mkdir(parents=True, exist_ok=True)
-            subprocess.run([compiler, "-O3", "-march=native", "-ffp-contract=off", "-std=c++20", "-shared", "-fPIC",
-                            "-fvisibility=hidden", "-DNDEBUG", "-DNB_DOMAIN=mlx", f"-I{nb_dir / 'include'}",
-                            f"-I{nb_dir / 'ext' / 'robin_map' / 'include'}", f"-I{python_include}",
-                            f"-I{mlx_dir / 'include'}", "-o", str(partial), str(SOURCE),
-                            str(nb_dir / "src" / "nb_combined.cpp"), f"-L{mlx_dir / 'lib'}", "-lmlx",
-                            f"-Wl,-rpath,{mlx_dir / 'lib'}", "-ldl", "-pthread"],
-                           check=True, capture_output=True, timeout=600)
-            os.replace(partial, home / name)
-            return home / name
-        except (OSError, subprocess.SubprocessError) as e:
-            detail = getattr(e, "stderr", b"") or b""
-            log.debug("engine/cpu_ext.cpp did not build in %s: %s %s", home, e, detail[-2000:].decode(errors="replace"))
-            with contextlib.suppress(OSError):
-                partial.unlink(missing_ok=True)
-            if isinstance(e, subprocess.CalledProcessError):
-                break  # the compiler refused it: another directory will not change that
-    return None
-
-
-def _load(path: Path) -> ModuleType | None:
-    spec = importlib.util.spec_from_file_location(NAME, path)
-    if spec is None or spec.loader is None:
-        return None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _self_test(module: ModuleType) -> bool:
     """Whether the loaded extension takes MLX's arrays (nanobind's internals shared with MLX's) and
     agrees with a float64 reference on a small case: 6 heads over 2 K/V heads, 3 rows, a tree."""
@@ -200,13 +129,13 @@ def module() -> ModuleType | None:
 def _open() -> ModuleType | None:
     if os.environ.get(OPT_OUT, "1") == "0" or platform.system() != "Linux":
         return None
-    path = _build()
+    path = native_build.build(SOURCE, NAME, ["-march=native", "-ffp-contract=off"], key=_cpu_flags().encode())
     if path is None:
         log.info("the engine's CPU operations are not built (no C++ compiler, Python or MLX headers, or "
                  "nanobind); MLX's operations run instead")
         return None
     try:
-        loaded = _load(path)
+        loaded = native_build.load(path, NAME)
         if loaded is not None and _self_test(loaded):
             return loaded
     except (ImportError, TypeError, RuntimeError, ValueError) as e:

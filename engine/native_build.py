@@ -1,0 +1,96 @@
+"""Builds and loads the engine's C++ extensions of MLX (engine/cpu_ext.cpp, engine/cuda_ext.cpp).
+
+Each is compiled on first use against the installed wheel's own headers and `libmlx.so`, with
+nanobind's sources in MLX's nanobind domain ("mlx"), so its functions take and return mx.array.
+Needs a C++20 compiler (`$CXX`, c++, g++ or clang++), Python's headers, MLX's headers and library
+and the `nanobind` package (whose internals must match the version MLX was built with: a mismatch
+shows at the extension's self-test). A build is cached per user under a name that hashes
+everything that goes into it, and renamed into place whole, so concurrent builds may race.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import subprocess
+import sysconfig
+import tempfile
+from pathlib import Path
+from types import ModuleType
+
+import mlx.core as mx
+
+log = logging.getLogger("spruce")
+
+
+def inputs() -> tuple[Path, Path, Path] | None:
+    """MLX's directory, nanobind's and Python's include directory; None where one is missing."""
+    try:
+        import nanobind
+    except ImportError:
+        return None
+    mlx_dir = Path(mx.__file__).parent
+    python_include = Path(sysconfig.get_paths()["include"])
+    if not (mlx_dir / "include" / "mlx" / "mlx.h").is_file() or not (python_include / "Python.h").is_file():
+        return None
+    return mlx_dir, Path(nanobind.__file__).parent, python_include
+
+
+def build(source: Path, name: str, flags: list[str], key: bytes = b"") -> Path | None:
+    """The extension module `name` built from `source` with the compiler `flags` (beyond the
+    common ones), from the cache where a build of the same inputs exists; None where it cannot be
+    built. `key`: what else the build depends on (the CPU's features for -march=native)."""
+    found = inputs()
+    if found is None:
+        return None
+    mlx_dir, nb_dir, python_include = found
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    parts = [source.read_bytes(), str(getattr(mx, "__version__", "")).encode(), str(nb_dir).encode(),
+             (nb_dir / "__init__.py").read_bytes(), suffix.encode(), " ".join(flags).encode(), key]
+    digest = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+    filename = f"{name}-{digest}{suffix}"
+    homes = [Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "spruce",
+             Path(tempfile.gettempdir()) / f"spruce-{os.getuid()}"]
+    for home in homes:
+        if (home / filename).is_file():
+            return home / filename
+    compiler = next(filter(None, (shutil.which(c) for c in (os.environ.get("CXX", ""), "c++", "g++", "clang++") if c)),
+                    None)
+    if compiler is None:
+        return None
+    log.info("building the engine's %s (%s), once: ~10 s", name, source.name)
+    for home in homes:
+        partial = home / f"{filename}.{os.getpid()}.part"
+        try:
+            home.mkdir(parents=True, exist_ok=True)
+            subprocess.run([compiler, "-O3", *flags, "-std=c++20", "-shared", "-fPIC", "-fvisibility=hidden",
+                            "-DNDEBUG", "-DNB_DOMAIN=mlx", f"-I{nb_dir / 'include'}",
+                            f"-I{nb_dir / 'ext' / 'robin_map' / 'include'}", f"-I{python_include}",
+                            f"-I{mlx_dir / 'include'}", "-o", str(partial), str(source),
+                            str(nb_dir / "src" / "nb_combined.cpp"), f"-L{mlx_dir / 'lib'}", "-lmlx",
+                            f"-Wl,-rpath,{mlx_dir / 'lib'}", "-ldl", "-pthread"],
+                           check=True, capture_output=True, timeout=600)
+            os.replace(partial, home / filename)
+            return home / filename
+        except (OSError, subprocess.SubprocessError) as e:
+            detail = getattr(e, "stderr", b"") or b""
+            log.debug("%s did not build in %s: %s %s", source.name, home, e,
+                      detail[-2000:].decode(errors="replace"))
+            with contextlib.suppress(OSError):
+                partial.unlink(missing_ok=True)
+            if isinstance(e, subprocess.CalledProcessError):
+                break  # the compiler refused it: another directory will not change that
+    return None
+
+
+def load(path: Path, name: str) -> ModuleType | None:
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        return None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
