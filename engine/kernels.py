@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -141,16 +142,42 @@ def kernel_text(spec: KernelSpec, backend: str) -> tuple[str, str]:
     return compact_source(header), compact_source(INDEX_NAMES[backend] + defines + read_source(spec.file))
 
 
-@functools.cache
-def compiled_kernel(spec: KernelSpec, backend: str) -> Any:
-    """The MLX kernel object, built once per process (each build is a new library)."""
-    header, body = kernel_text(spec, backend)
-    make = mx.fast.metal_kernel if backend == "metal" else mx.fast.cuda_kernel
-    return make(name=spec.name, input_names=list(spec.inputs), output_names=list(spec.outputs),
-                source=body, header=header, ensure_row_contiguous=spec.contiguous)
+# Launch plans being recorded (engine/launch_plan.py), innermost last: while one is, a kernel call
+# is handed to it (its inputs are regions of the plan, not arrays) instead of being run by MLX.
+RECORDERS: list[Callable[..., list[Any]]] = []
+
+
+class Kernel:
+    """A kernel as the engine calls it, with mx.fast's keyword arguments (inputs, template, grid,
+    threadgroup, output_shapes, output_dtypes): run by MLX, or handed to the launch plan being
+    recorded. MLX's kernel object is made at the first call MLX runs (each is a new library; and
+    a plan can be recorded where MLX has no GPU backend)."""
+
+    __slots__ = ("spec", "backend", "_mlx")
+
+    def __init__(self, spec: KernelSpec, backend: str) -> None:
+        self.spec, self.backend = spec, backend
+        self._mlx: Any = None
+
+    def __call__(self, **call: Any) -> list[Any]:
+        if RECORDERS:
+            return RECORDERS[-1](self.spec, self.backend, **call)
+        if self._mlx is None:
+            header, body = kernel_text(self.spec, self.backend)
+            make = mx.fast.metal_kernel if self.backend == "metal" else mx.fast.cuda_kernel
+            self._mlx = make(name=self.spec.name, input_names=list(self.spec.inputs),
+                             output_names=list(self.spec.outputs), source=body, header=header,
+                             ensure_row_contiguous=self.spec.contiguous)
+        result: list[Any] = self._mlx(**call)
+        return result
 
 
 @functools.cache
+def compiled_kernel(spec: KernelSpec, backend: str) -> Kernel:
+    """The kernel, one object per process."""
+    return Kernel(spec, backend)
+
+
 def eps_array(eps: float) -> mx.array:
     """A norm's epsilon as an array, made once (a kernel takes no float arguments); built from host
     data, it holds its value already, so a compiled layer's trace can capture it."""
