@@ -3,8 +3,11 @@ CUDA, a plan's results equal, bit for bit, the same kernels launched one by one 
 
 from __future__ import annotations
 
+import shutil
 import struct
+import subprocess
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -13,7 +16,7 @@ import pytest
 from engine import kernels
 from engine.gdn.core import GDNShape
 from engine.kernels import ADD_NORM, GDN_STEP, QMM_MMA, gpu_backend
-from engine.launch_plan import ALIGN, MAX_NDIM, Buf, columns, kernel_source, record
+from engine.launch_plan import ALIGN, MAX_NDIM, SHAPE_TYPES, Buf, columns, kernel_source, record
 from engine.layer_plans import GDNLayer, gdn_decode_step
 
 SMALL = GDNShape(Hk=2, Hv=4, Dk=64, Dv=64, K=4)
@@ -78,6 +81,23 @@ def test_kernel_source_is_mlx_build_kernel_layout():
     other = kernel_source(QMM_MMA, [mx.float16, mx.uint32, mx.float16, mx.float16], [2, 2, 2, 2], [mx.float16],
                           [("OutT", mx.float16), ("GS", 64), ("DQ", True)])
     assert other.module != src.module
+
+
+STUB = Path(__file__).resolve().parents[2] / "metal" / "stub"
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is not installed")
+def test_a_gdn_steps_plan_sources_compile_against_the_stub(tmp_path):
+    """Every launch's whole source, as the plan hands it to NVRTC, is valid C++ for g++ with the
+    CUDA stub of metal/stub (which brings its own Shape and Strides)."""
+    rec, _ = record_step(GDNLayer.random(SMALL, HIDDEN, INTERMEDIATE))
+    for launch in rec.launches:
+        assert SHAPE_TYPES in launch.source.text
+        src = tmp_path / f"{launch.source.module}.cpp"
+        src.write_text('#include "cuda_stub.h"\n' + launch.source.text.replace(SHAPE_TYPES, ""))
+        p = subprocess.run(["g++", "-std=c++17", "-fsyntax-only", "-Wno-attributes", f"-I{STUB}", f"-I{STUB / 'cuda'}",
+                            str(src)], capture_output=True, text=True)
+        assert p.returncode == 0, p.stderr[-3000:]
 
 
 def test_placeholders_reshape_and_take_columns_of_one_row_only():
