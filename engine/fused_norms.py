@@ -1,7 +1,11 @@
 """Norms fused with what surrounds them, one GPU launch each instead of two:
 
 - `add_norm` (metal/add_norm.kernel): a decoder layer's residual add and the RMS norm after it;
-- `gated_norm` (metal/gated_norm.kernel): the Gated DeltaNet layer's output norm and its gate.
+- `gated_norm` (metal/gated_norm.kernel): the Gated DeltaNet layer's output norm and its gate;
+
+and the launch plans' own kernels for what the default wiring runs through MLX (engine/launch_plan.py:
+a plan holds the engine's kernels only): `rms_rows` (the norm alone, add_norm.kernel's
+SPR_NORM_ONLY build) and `swiglu` (metal/swiglu.kernel).
 
 Why: on a GPU a step is bound by the host encoding its launches (BENCHMARKS.md, issue 12,
 twenty-fourth session: ~10 µs of host time a launching operation on the H200); at the 9B shape
@@ -20,7 +24,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from engine.kernels import ADD_NORM, GATED_NORM, FastPath, compiled_kernel, eps_array, gpu_backend
+from engine import launch_plan
+from engine.kernels import ADD_NORM, GATED_NORM, RMS_NORM, SWIGLU, FastPath, compiled_kernel, eps_array, gpu_backend
 
 WPG = 4  # rows (SIMD groups) a threadgroup
 DTYPES = (mx.float32, mx.bfloat16, mx.float16)
@@ -33,8 +38,9 @@ GATED = FastPath("SPRUCE_GATED_NORM")
 
 
 def traces() -> tuple[bool, bool]:
-    """The settings a layer's compiled functions depend on."""
-    return ADD.enabled(), GATED.enabled()
+    """The settings a layer's compiled functions depend on; the gated norm on where launch plans are
+    (engine/launch_plan.py), whose GDN layers run it."""
+    return ADD.enabled(), GATED.enabled() or launch_plan.enabled()
 
 
 def add_covers(x: mx.array, y: mx.array, w: mx.array) -> bool:
@@ -54,6 +60,38 @@ def add_norm(x: mx.array, y: mx.array, w: mx.array, eps: float,
         inputs=[x, y, w, eps_array(eps)], template=[("OutT", x.dtype)], grid=(T * threads, 1, 1),
         threadgroup=(threads, 1, 1), output_shapes=[x.shape, x.shape], output_dtypes=[x.dtype, x.dtype])
     return h, out
+
+
+def rms_rows(x: mx.array, w: mx.array, eps: float, backend: str | None = None) -> mx.array:
+    """rms_norm(x) * w for rows x [M, Hd], add_norm's arithmetic without the add (x + 0 rounds to
+    x: the same bits as add_norm(x, 0)); the launch-plan wiring's norm (engine/launch_plan.py)."""
+    backend = backend or gpu_backend()
+    assert backend is not None, "a GPU kernel"
+    M, Hd = x.shape
+    threads = add_norm_threads(Hd)
+    return compiled_kernel(RMS_NORM, backend)(
+        inputs=[x, w, eps_array(eps)], template=[("OutT", x.dtype)], grid=(M * threads, 1, 1),
+        threadgroup=(threads, 1, 1), output_shapes=[x.shape], output_dtypes=[x.dtype])[0]
+
+
+def rows_cover(x: mx.array, w: mx.array) -> bool:
+    """Rows [M, Hd] of a float dtype and a norm weight [Hd]: what rms_rows takes."""
+    return x.ndim == 2 and x.dtype in DTYPES and w.shape == (x.shape[1],) and w.dtype in DTYPES
+
+
+SWIGLU_THREADS = 256
+
+
+def swiglu(gu: mx.array, backend: str | None = None) -> mx.array:
+    """silu(gate) * up for rows gu = gate | up [M, 2 I] -> [M, I], in fp32, rounded once; the
+    launch-plan wiring's SwiGLU (engine/launch_plan.py)."""
+    backend = backend or gpu_backend()
+    assert backend is not None, "a GPU kernel"
+    M, I2 = gu.shape
+    n = M * (I2 // 2)
+    return compiled_kernel(SWIGLU, backend)(
+        inputs=[gu], template=[("OutT", gu.dtype)], grid=(-(-n // SWIGLU_THREADS) * SWIGLU_THREADS, 1, 1),
+        threadgroup=(SWIGLU_THREADS, 1, 1), output_shapes=[(M, I2 // 2)], output_dtypes=[gu.dtype])[0]
 
 
 def add_norm_threads(Hd: int) -> int:

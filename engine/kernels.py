@@ -110,6 +110,11 @@ ATTN_DRAFT = KernelSpec("spruce_attn_draft", "attn_rows.kernel", ("q", "keys", "
                         ("part", "stats"), header=(), contiguous=False, defines=("SPR_ATTN_DRAFT",))
 # a residual add and the RMS norm after it; the GDN output's norm and gate (engine/fused_norms.py)
 ADD_NORM = KernelSpec("spruce_add_norm", "add_norm.kernel", ("x", "y", "w", "eps"), ("h", "out"), header=())
+# the norm alone over rows [M, Hd], and the MLP's SwiGLU: the launch plans' own kernels for what the
+# default wiring runs through MLX (engine/fused_norms.py rms_rows, swiglu)
+RMS_NORM = KernelSpec("spruce_rms_norm", "add_norm.kernel", ("x", "w", "eps"), ("out",), header=(),
+                      defines=("SPR_NORM_ONLY",))
+SWIGLU = KernelSpec("spruce_swiglu", "swiglu.kernel", ("gu",), ("out",), header=())
 GATED_NORM = KernelSpec("spruce_gated_norm", "gated_norm.kernel", ("o", "z", "w", "eps"), ("out",), header=(),
                         contiguous=False)
 # each row's token (argmax, or the seeded draw under top-k / top-p / min-p) in one launch, and with
@@ -128,7 +133,7 @@ CHOOSE_TOP_PEN = KernelSpec("spruce_choose_top_pen", "choose.kernel", (*CHOOSE_T
 KERNELS = (GDN_STEP, GDN_CHAIN, GDN_TREE_FRONT, GDN_TREE, GDN_TREE_FRONT_FOLD, GDN_TREE_FOLD, GDN_COMMIT, QMM_ROWS,
            READ_FLOOR, READ_STREAM, QMM_MMA, QMM_MMA_NORM, QMM_MMA_RES, QMM_MMA_SWIGLU, QMM_MMA_SWIGLU_RES,
            ATTN_ROWS, ATTN_ONE, ATTN_MERGE, ATTN_DRAFT,
-           ADD_NORM, GATED_NORM, CHOOSE, CHOOSE_TOP, CHOOSE_PEN, CHOOSE_TOP_PEN)
+           ADD_NORM, RMS_NORM, SWIGLU, GATED_NORM, CHOOSE, CHOOSE_TOP, CHOOSE_PEN, CHOOSE_TOP_PEN)
 
 
 def read_source(file: str) -> str:

@@ -8,8 +8,19 @@ import numpy as np
 import pytest
 
 import engine.fused_norms as fused
-from engine.fused_norms import WPG, add_covers, add_norm, add_norm_threads, gated_covers, gated_norm
-from engine.kernels import ADD_NORM, GATED_NORM, gpu_backend
+from engine.fused_norms import (
+    SWIGLU_THREADS,
+    WPG,
+    add_covers,
+    add_norm,
+    add_norm_threads,
+    gated_covers,
+    gated_norm,
+    rms_rows,
+    rows_cover,
+    swiglu,
+)
+from engine.kernels import ADD_NORM, GATED_NORM, RMS_NORM, SWIGLU, gpu_backend
 from tests.kernels.emulate import SIMT_AVAILABLE, emulate, emulate_simt
 
 EPS = np.array([1e-6], dtype=np.float32)
@@ -57,6 +68,35 @@ def test_lockstep_add_norm_with_its_threadgroups(rows, dims, rng, tmp_path):
     assert np.abs(got["out"] - want).max() < 1e-5 * max(1.0, np.abs(want).max())
 
 
+@pytest.mark.skipif(not SIMT_AVAILABLE, reason="the lockstep emulation needs g++ and Linux's ucontext")
+@pytest.mark.parametrize(("rows", "dims"), [(1, 384), (3, 4096)])
+def test_lockstep_norm_alone_is_the_add_builds_norm_of_x_plus_zero(rows, dims, rng, tmp_path):
+    """The launch plans' norm (SPR_NORM_ONLY, rows [M, Hd]) against a float64 twin, and bitwise the
+    add build's norm with y = 0 (x + 0 rounds to x)."""
+    x = rng.normal(size=(rows, dims)).astype(np.float32)
+    w = rng.normal(size=(dims,)).astype(np.float32)
+    threads = add_norm_threads(dims)
+    got = emulate_simt(RMS_NORM, {"x": x, "w": w, "eps": EPS}, {"out": ((rows, dims), np.float32)},
+                       {"OutT": "float32"}, rows, threads, tmp_path)["out"]
+    want = x / rms(x) * w
+    assert np.abs(got - want).max() < 1e-5 * max(1.0, np.abs(want).max())
+    added = emulate_simt(ADD_NORM, {"x": x[None], "y": np.zeros_like(x)[None], "w": w, "eps": EPS},
+                         {"h": ((1, rows, dims), np.float32), "out": ((1, rows, dims), np.float32)},
+                         {"OutT": "float32"}, rows, threads, tmp_path)["out"][0]
+    np.testing.assert_array_equal(got, added)
+
+
+@pytest.mark.parametrize(("rows", "width"), [(1, 96), (5, 384)])
+def test_emulated_swiglu_equals_twin(rows, width, rng, tmp_path):
+    gu = rng.normal(size=(rows, 2 * width)).astype(np.float32) * 3
+    n = rows * width
+    got = emulate(SWIGLU, {"gu": gu}, {"out": ((rows, width), np.float32)}, {"OutT": "float32"},
+                  -(-n // SWIGLU_THREADS), SWIGLU_THREADS, tmp_path)["out"]
+    g, u = gu[:, :width].astype(np.float64), gu[:, width:].astype(np.float64)
+    want = g / (1.0 + np.exp(-g)) * u
+    assert np.abs(got - want).max() < 1e-5 * max(1.0, np.abs(want).max())
+
+
 @pytest.mark.parametrize(("rows", "heads", "dv"), [(1, 12, 32), (9, 4, 128)])
 def test_emulated_gated_norm_equals_twin(rows, heads, dv, rng, tmp_path):
     """z as the fused projection hands it over: a column slice of a wider row, read in place."""
@@ -76,6 +116,9 @@ def test_add_norm_threads_follow_the_row_width():
 
 
 def test_covers():
+    assert rows_cover(mx.zeros((3, 64), dtype=mx.bfloat16), mx.ones((64,)))
+    assert not rows_cover(mx.zeros((1, 3, 64), dtype=mx.bfloat16), mx.ones((64,)))
+    assert not rows_cover(mx.zeros((3, 64), dtype=mx.int32), mx.ones((64,)))
     x = mx.zeros((1, 3, 64), dtype=mx.bfloat16)
     assert add_covers(x, x, mx.ones((64,)))
     assert not add_covers(x, x.astype(mx.float32), mx.ones((64,)))
@@ -127,3 +170,25 @@ def test_gpu_gated_norm_equals_the_layers_norm(dtype, rows, heads, dv, rng):
     want = norm(o, z.reshape(rows, heads, dv)).astype(dtype).reshape(1, rows, -1).astype(mx.float32)
     tol = 1e-5 if dtype == mx.float32 else 2e-2
     assert float(mx.abs(got - want).max()) <= tol * max(1.0, float(mx.abs(want).max()))
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize(("rows", "dims"), [(1, 4096), (17, 4096), (5, 384)])
+def test_gpu_norm_alone_and_swiglu(dtype, rows, dims, rng):
+    """The launch plans' norm against MLX's and bitwise add_norm's with y = 0; their SwiGLU against
+    the ops; a row's result the same in a launch of one row."""
+    x = mx.array(rng.normal(size=(rows, dims)).astype(np.float32)).astype(dtype)
+    w = mx.array(rng.normal(size=(dims,)).astype(np.float32)).astype(dtype)
+    out = rms_rows(x, w, 1e-6)
+    assert mx.array_equal(out[None], add_norm(x[None], mx.zeros_like(x)[None], w, 1e-6)[1])
+    want = mx.fast.rms_norm(x, w, 1e-6).astype(mx.float32)
+    tol = 1e-5 if dtype == mx.float32 else 2e-2
+    assert float(mx.abs(out.astype(mx.float32) - want).max()) <= tol * max(1.0, float(mx.abs(want).max()))
+    assert mx.array_equal(rms_rows(x[-1:], w, 1e-6), out[-1:])
+    gu = mx.array(rng.normal(size=(rows, 2 * dims)).astype(np.float32) * 3).astype(dtype)
+    got = swiglu(gu).astype(mx.float32)
+    g, u = gu[:, :dims].astype(mx.float32), gu[:, dims:].astype(mx.float32)
+    ref = (g * mx.sigmoid(g) * u)
+    assert float(mx.abs(got - ref).max()) <= tol * max(1.0, float(mx.abs(ref).max()))
+    assert mx.array_equal(swiglu(gu[-1:]), swiglu(gu)[-1:])
