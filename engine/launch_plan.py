@@ -40,7 +40,22 @@ from typing import Any
 import mlx.core as mx
 
 from engine import kernels
-from engine.kernels import KernelSpec, kernel_text
+from engine.kernels import FastPath, KernelSpec, kernel_text
+
+# A decode step's GDN layers as one plan each (engine/layer_plans.py, wired in by
+# engine/models/qwen3_5.py), on by default on CUDA where the extension builds; SPRUCE_LAUNCH_PLANS=0
+# (variant "-lp0") turns it off. With it the GDN layers of every pass but prefill run the wiring
+# the plans record (the residual builds, the engine's own norm, gated norm and SwiGLU kernels), so
+# that a verify's rows run the plan's kernels launch by launch. Measured on an H100 (BENCHMARKS.md,
+# issue 13, forty-sixth session): plain decoding of the 9B-shaped 4-bit pair 1.15x and 1.34x faster
+# in two runs, 2.39x and 2.38x mlx-lm against 2.19x and 1.85x without.
+SWITCH = FastPath("SPRUCE_LAUNCH_PLANS", on=("cuda",))
+
+
+def enabled() -> bool:
+    """Whether the model is wired for plans: the switch on, CUDA, the extension built."""
+    return SWITCH.enabled() and available()  # the extension is built on CUDA only
+
 
 ALIGN = 256  # bytes: every workspace region starts on this boundary (vector loads, as MLX's allocator)
 
@@ -339,14 +354,21 @@ class LaunchPlan:
     results: tuple[tuple[tuple[int, ...], mx.Dtype], ...]
     launches: int
 
+    def accepts(self, *arrays: mx.array) -> bool:
+        """Whether the arrays are what the plan was recorded for (shapes and dtypes)."""
+        return len(arrays) == len(self.args) and all(
+            a.shape == shape and a.dtype == dtype for a, (shape, dtype) in zip(arrays, self.args, strict=True))
+
     def __call__(self, *arrays: mx.array) -> list[mx.array]:
         if len(arrays) != len(self.args):
             raise ValueError(f"plan {self.name} takes {len(self.args)} arrays, got {len(arrays)}")
         for i, (a, (shape, dtype)) in enumerate(zip(arrays, self.args, strict=True)):
             if a.shape != shape or a.dtype != dtype:
                 raise ValueError(f"plan {self.name}'s array {i}: {shape} {dtype} expected, got {a.shape} {a.dtype}")
+        # the call's first array anchors the allocation: two calls in one compiled function then
+        # differ in their inputs, so MLX's compile cannot merge them into one (and one buffer)
         fresh = _allocate(len(self.results))(
-            inputs=[], grid=(1, 1, 1), threadgroup=(1, 1, 1), output_shapes=[s for s, _ in self.results],
+            inputs=[arrays[0]], grid=(1, 1, 1), threadgroup=(1, 1, 1), output_shapes=[s for s, _ in self.results],
             output_dtypes=[d for _, d in self.results])
         result: list[mx.array] = self.ext.run_plan(self.native, [*arrays, *self.constants, self.workspace, *fresh])
         return result
@@ -354,9 +376,10 @@ class LaunchPlan:
 
 @functools.cache
 def _allocate(n: int) -> Any:
-    """A kernel that does nothing, with n outputs: MLX allocates them, uninitialised, on its stream."""
-    return mx.fast.cuda_kernel(name=f"spruce_plan_alloc{n}", input_names=[],
-                               output_names=[f"out{i}" for i in range(n)], source="")
+    """A kernel that does nothing, with n outputs: MLX allocates them, uninitialised, on its stream.
+    Its input is not read (nor copied: any layout)."""
+    return mx.fast.cuda_kernel(name=f"spruce_plan_alloc{n}", input_names=["anchor"],
+                               output_names=[f"out{i}" for i in range(n)], source="", ensure_row_contiguous=False)
 
 
 def _extension() -> ModuleType:

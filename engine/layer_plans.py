@@ -1,22 +1,24 @@
 """A Gated DeltaNet decoder layer's decode step written with the engine's CUDA kernels only, so
 that it can run launch by launch or be recorded into one launch plan (engine/launch_plan.py).
 
-The step, one token, residual pending (the layer is handed the previous layer's input x and its
-not yet added output delta, and hands on its own the same way): eight launches,
+The step, one token x [1, 1, H], nine launches:
 
-    h, n  = add_norm(x, delta)          the residual add and the input norm
+    n     = rms_norm(x)                 the input norm (the engine's kernel, not MLX's)
     y     = in_proj(n)                  qkv | z | b | a, one fused 4-bit product
     o, conv_state, S = gdn_step(...)    the short conv, the gates and the recurrence
     g     = gated_norm(o, z)
-    attn  = out_proj(g)
-    h2, n2 = add_norm(h, attn)          the residual add and the post norm
+    h     = x + out_proj(g)             the residual add in the product's launch
+    n2    = rms_norm(h)
     gu    = gate_up(n2)
-    mlp   = down(silu(gate) * up)       SwiGLU in the product's prologue
+    a     = silu(gate) * up             the engine's SwiGLU kernel
+    out   = h + down(a)
 
--> (h2, mlp, conv_state, S). The same kernels and builds as the engine's opt-in pending-residual
-wiring (engine/fused_norms.py, engine/models/fused_qmm.py), written out here with the weights as
-plain arrays. Not yet the engine's decode path: the measurement of what a plan saves comes first
-(scripts/bench_launch_plan.py).
+-> (out, conv_state, S). The launches the model's GDN layers make in the launch-plan wiring
+(engine/models/qwen3_5.py with engine/launch_plan.py's switch on: the residual builds, the gated
+norm kernel, fused_qmm.KernelNorm and the SwiGLU kernel), with the same shapes, written out here
+with the weights as plain arrays (`of_decoder`): so a verify's rows, launched one by one by the
+model, compute what the decode step's plan computes, and the plan's decode equals the wiring's
+launch by launch bit for bit (tests/engine/test_qlinear.py).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import mlx.core as mx
 from engine import fused_norms
 from engine.gdn.core import GDNShape, GDNWeights
 from engine.kernels import KernelCore
-from engine.launch_plan import columns
+from engine.launch_plan import Buf, LaunchPlan, columns, record
 from engine.qmm import quantized_matmul_mma
 
 
@@ -91,26 +93,75 @@ class GDNLayer:
         return layer
 
 
-def _product(x: Any, q: Quantized, swiglu: bool = False) -> Any:
-    return quantized_matmul_mma(x, q.w, q.scales, q.biases, q.group_size, q.bits, swiglu=swiglu)
+def _product(x: Any, q: Quantized, res: Any = None) -> Any:
+    return quantized_matmul_mma(x, q.w, q.scales, q.biases, q.group_size, q.bits, res=res)
 
 
-def gdn_decode_step(layer: GDNLayer, x: Any, delta: Any, conv_state: Any, S: Any) -> tuple[Any, Any, Any, Any]:
-    """One token through the layer (see the module's doc): x, delta [1, 1, H], conv_state
-    [K - 1, conv_dim], S [Hv, Dv, Dk] float32 -> (h2, mlp [1, 1, H], conv_state, S). Arrays or,
-    while a plan records, its placeholders."""
+def gdn_decode_step(layer: GDNLayer, x: Any, conv_state: Any, S: Any) -> tuple[Any, Any, Any]:
+    """One token through the layer (see the module's doc): x [1, 1, H], conv_state [K - 1,
+    conv_dim], S [Hv, Dv, Dk] float32 -> (out [1, 1, H], conv_state, S). Arrays or, while a plan
+    records, its placeholders."""
     s = layer.shape
     hidden = x.shape[-1]
-    h, n = fused_norms.add_norm(x, delta, layer.in_norm, layer.eps, backend="cuda")
-    y = _product(n.reshape(1, hidden), layer.in_proj)
+    rows = x.reshape(1, hidden)
+    y = _product(fused_norms.rms_rows(rows, layer.in_norm, layer.eps, backend="cuda"), layer.in_proj)
     c, v = s.conv_dim, s.value_dim
     qkv, z = columns(y, 0, c), columns(y, c, c + v)
     b, a = columns(y, c + v, c + v + s.Hv), columns(y, c + v + s.Hv, c + v + 2 * s.Hv)
     o, conv_state, S = KernelCore("cuda").step(s, GDNWeights(layer.conv, layer.A_log, layer.dt_bias), qkv, a, b,
                                                conv_state, S)
     g = fused_norms.gated_norm(o, z, layer.out_norm, layer.eps, backend="cuda")
-    attn = _product(g.reshape(1, v), layer.out_proj).reshape(1, 1, hidden)
-    h2, n2 = fused_norms.add_norm(h, attn, layer.post_norm, layer.eps, backend="cuda")
-    gu = _product(n2.reshape(1, hidden), layer.gate_up)
-    mlp = _product(gu, layer.down, swiglu=True).reshape(1, 1, hidden)
-    return h2, mlp, conv_state, S
+    h = _product(g.reshape(1, v), layer.out_proj, res=rows)
+    gu = _product(fused_norms.rms_rows(h, layer.post_norm, layer.eps, backend="cuda"), layer.gate_up)
+    out = _product(fused_norms.swiglu(gu, backend="cuda"), layer.down, res=h)
+    return out.reshape(1, 1, hidden), conv_state, S
+
+
+def of_decoder(layer: Any) -> GDNLayer | None:
+    """A GDN DecoderLayer's weights (engine/models/qwen3_5.py) as its decode step's plan reads them,
+    or None where the plan's products do not apply: the input projections and gate|up fused, every
+    projection a routed affine quantized one, the three norms with one epsilon."""
+    from engine.models import fused_qmm
+
+    gdn, mlp = layer.linear_attn, layer.mlp
+    if "fused" not in gdn or "fused" not in mlp:
+        return None
+    parts = [fused_qmm._quantized(p) for p in (gdn["fused"], gdn.out_proj, mlp["fused"], mlp.down_proj)]
+    eps = {layer.input_layernorm.eps, gdn.norm.eps, layer.post_attention_layernorm.eps}
+    if any(p is None for p in parts) or len(eps) != 1:
+        return None
+    in_proj, out_proj, gate_up, down = (Quantized(*p) for p in parts if p is not None)
+    return GDNLayer(shape=gdn.shape, in_norm=layer.input_layernorm.weight, in_proj=in_proj, conv=gdn.conv1d.weight,
+                    A_log=gdn.A_log, dt_bias=gdn.dt_bias, out_norm=gdn.norm.weight, out_proj=out_proj,
+                    post_norm=layer.post_attention_layernorm.weight, gate_up=gate_up, down=down, eps=eps.pop())
+
+
+def covers(layer: GDNLayer, hidden: int, dtype: mx.Dtype, conv_dtype: mx.Dtype) -> bool:
+    """Whether every launch of the step applies to rows of `dtype` and a conv state of
+    `conv_dtype`: the checks each wrapper's caller makes before launching it."""
+    from engine.qmm import mma_covers
+
+    s = layer.shape
+    # placeholders stand for the rows: the checks read shapes and dtypes only
+    row: Any = Buf(-1, 0, (1, hidden), dtype)
+    o: Any = Buf(-1, 0, (1, s.Hv, s.Dv), mx.float32)
+    z: Any = Buf(-1, 0, (1, s.value_dim), dtype)
+
+    def mma(width: int, q: Quantized) -> bool:
+        rows: Any = Buf(-1, 0, (1, width), dtype)
+        return mma_covers(rows, q.w, q.scales, q.biases, q.group_size, q.bits)
+
+    return (conv_dtype == dtype and KernelCore.covers(s)
+            and fused_norms.rows_cover(row, layer.in_norm) and fused_norms.rows_cover(row, layer.post_norm)
+            and fused_norms.gated_covers(o, z, layer.out_norm)
+            and mma(hidden, layer.in_proj) and mma(s.value_dim, layer.out_proj) and mma(hidden, layer.gate_up)
+            and mma(layer.down.w.shape[1] * 32 // layer.down.bits, layer.down))
+
+
+def make_plan(layer: GDNLayer, hidden: int, dtype: mx.Dtype) -> LaunchPlan:
+    """The step's launch plan for rows of `dtype` (conv state the same dtype, state float32)."""
+    s = layer.shape
+    with record("gdn-decode-step") as rec:
+        results = gdn_decode_step(layer, rec.arg((1, 1, hidden), dtype), rec.arg((s.K - 1, s.conv_dim), dtype),
+                                  rec.arg((s.Hv, s.Dv, s.Dk), mx.float32))
+    return rec.build(list(results))

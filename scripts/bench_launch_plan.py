@@ -4,8 +4,8 @@ results are the same bits.
 
     python scripts/bench_launch_plan.py --out DIR [--shape 9b] [--layers 24] [--steps 32] [--runs 5]
 
-A step is one token through `--layers` GDN decoder layers (engine/layer_plans.py: eight kernels a
-layer, residual pending), each with its own random 4-bit weights at the shape's sizes (the 9B
+A step is one token through `--layers` GDN decoder layers (engine/layer_plans.py: nine kernels a
+layer), each with its own random 4-bit weights at the shape's sizes (the 9B
 shape: hidden 4096, 16 / 32 heads of 128, MLP 12288; a 9B step has 24 such layers). Steps chain
 (each step's results are the next step's inputs). Two timings a setting, the settings alternated
 run by run in one process:
@@ -40,8 +40,7 @@ if __name__ == "__main__":  # a BLAS preload works only from process start: befo
 import mlx.core as mx  # noqa: E402
 
 from engine.gdn.core import GDNShape  # noqa: E402
-from engine.launch_plan import record  # noqa: E402
-from engine.layer_plans import GDNLayer, gdn_decode_step  # noqa: E402
+from engine.layer_plans import GDNLayer, gdn_decode_step, make_plan  # noqa: E402
 
 SHAPES = {  # GDN layout, hidden, MLP width
     "9b": (GDNShape(Hk=16, Hv=32, Dk=128, Dv=128, K=4), 4096, 12288),
@@ -50,46 +49,45 @@ SHAPES = {  # GDN layout, hidden, MLP width
 }
 
 
-def initial(shape: GDNShape, hidden: int, layers: int) -> tuple[mx.array, mx.array, list[tuple[mx.array, mx.array]]]:
-    keys = mx.random.split(mx.random.key(11), 2 + 2 * layers)
+def initial(shape: GDNShape, hidden: int, layers: int) -> tuple[mx.array, list[tuple[mx.array, mx.array]]]:
+    keys = mx.random.split(mx.random.key(11), 1 + 2 * layers)
     x = mx.random.normal((1, 1, hidden), key=keys[0]).astype(mx.bfloat16)
-    d = mx.random.normal((1, 1, hidden), key=keys[1]).astype(mx.bfloat16)
-    states = [((mx.random.normal((shape.K - 1, shape.conv_dim), key=keys[2 + 2 * i]) * 0.5).astype(mx.bfloat16),
-               mx.random.normal((shape.Hv, shape.Dv, shape.Dk), key=keys[3 + 2 * i]) * 0.1) for i in range(layers)]
-    mx.eval(x, d, *[a for s in states for a in s])
-    return x, d, states
+    states = [((mx.random.normal((shape.K - 1, shape.conv_dim), key=keys[1 + 2 * i]) * 0.5).astype(mx.bfloat16),
+               mx.random.normal((shape.Hv, shape.Dv, shape.Dk), key=keys[2 + 2 * i]) * 0.1) for i in range(layers)]
+    mx.eval(x, *[a for s in states for a in s])
+    return x, states
 
 
-def step(run_layer: Any, x: mx.array, d: mx.array,
-         states: list[tuple[mx.array, mx.array]]) -> tuple[mx.array, mx.array, list[tuple[mx.array, mx.array]]]:
+def step(run_layer: Any, x: mx.array,
+         states: list[tuple[mx.array, mx.array]]) -> tuple[mx.array, list[tuple[mx.array, mx.array]]]:
     new = []
     for i, (conv, S) in enumerate(states):
-        x, d, conv, S = run_layer(i, x, d, conv, S)
+        x, conv, S = run_layer(i, x, conv, S)
         new.append((conv, S))
-    return x, d, new
+    return x, new
 
 
 def run(run_layer: Any, shape: GDNShape, hidden: int, layers: int, steps: int) -> dict[str, Any]:
-    x, d, states = initial(shape, hidden, layers)
+    x, states = initial(shape, hidden, layers)
     build, encode, wait = [], [], []
     for _ in range(steps):  # synchronised
         t0 = time.perf_counter()
-        x, d, states = step(run_layer, x, d, states)
+        x, states = step(run_layer, x, states)
         t1 = time.perf_counter()
-        mx.async_eval(x, d, *[a for s in states for a in s])
+        mx.async_eval(x, *[a for s in states for a in s])
         t2 = time.perf_counter()
-        mx.eval(x, d, *[a for s in states for a in s])
+        mx.eval(x, *[a for s in states for a in s])
         t3 = time.perf_counter()
         build.append(t1 - t0), encode.append(t2 - t1), wait.append(t3 - t2)
     t0 = time.perf_counter()
     for _ in range(steps):  # pipelined: handed over, not waited for
-        x, d, states = step(run_layer, x, d, states)
-        mx.async_eval(x, d, *[a for s in states for a in s])
-    mx.eval(x, d, *[a for s in states for a in s])
+        x, states = step(run_layer, x, states)
+        mx.async_eval(x, *[a for s in states for a in s])
+    mx.eval(x, *[a for s in states for a in s])
     pipelined = (time.perf_counter() - t0) / steps
     ms = 1e3
     return {"build_ms": statistics.median(build) * ms, "encode_ms": statistics.median(encode) * ms,
-            "wait_ms": statistics.median(wait) * ms, "pipelined_ms": pipelined * ms, "final": (x, d, states)}
+            "wait_ms": statistics.median(wait) * ms, "pipelined_ms": pipelined * ms, "final": (x, states)}
 
 
 def main() -> None:
@@ -103,18 +101,12 @@ def main() -> None:
     shape, hidden, intermediate = SHAPES[args.shape]
     t0 = time.perf_counter()
     model = [GDNLayer.random(shape, hidden, intermediate, seed=i) for i in range(args.layers)]
-    plans = []
-    for layer in model:
-        with record("gdn-decode") as rec:
-            results = gdn_decode_step(layer, rec.arg((1, 1, hidden), mx.bfloat16), rec.arg((1, 1, hidden), mx.bfloat16),
-                                      rec.arg((shape.K - 1, shape.conv_dim), mx.bfloat16),
-                                      rec.arg((shape.Hv, shape.Dv, shape.Dk), mx.float32))
-        plans.append(rec.build(list(results)))
+    plans = [make_plan(layer, hidden, mx.bfloat16) for layer in model]
     print(f"{args.layers} layers, {plans[0].launches} launches a layer, built in {time.perf_counter() - t0:.1f} s",
           flush=True)
     settings = {
-        "launches": lambda i, x, d, conv, S: gdn_decode_step(model[i], x, d, conv, S),
-        "plan": lambda i, x, d, conv, S: tuple(plans[i](x, d, conv, S)),
+        "launches": lambda i, x, conv, S: gdn_decode_step(model[i], x, conv, S),
+        "plan": lambda i, x, conv, S: tuple(plans[i](x, conv, S)),
     }
     for fn in settings.values():  # warm-up: compiles, allocator caches
         run(fn, shape, hidden, args.layers, 4)
@@ -127,8 +119,8 @@ def main() -> None:
             finals[name] = res.pop("final")
             rows[name].append(res)
             print(f"run {r} {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in res.items()), flush=True)
-        (xa, da, sa), (xb, db, sb) = finals["launches"], finals["plan"]
-        pairs = [(xa, xb), (da, db), *[(p, q) for s, t in zip(sa, sb, strict=True) for p, q in zip(s, t, strict=True)]]
+        (xa, sa), (xb, sb) = finals["launches"], finals["plan"]
+        pairs = [(xa, xb), *[(p, q) for s, t in zip(sa, sb, strict=True) for p, q in zip(s, t, strict=True)]]
         same.append(all(bool(mx.array_equal(p, q)) for p, q in pairs))
     summary = {name: {k: statistics.median(row[k] for row in rs) for k in rs[0]} for name, rs in rows.items()}
     out = {"shape": args.shape, "layers": args.layers, "steps": args.steps, "runs": args.runs,

@@ -18,7 +18,9 @@ from `mx.fast.rms_norm` followed by the product (x * w rounded to the row type, 
 the fp32 sums), like the fused add + norm before it.
 
 The residual builds alone are on by default on CUDA (SPRUCE_QMM_RES=0 turns them off); all builds
-are opt-in (SPRUCE_QMM_FUSE=1). Emulated on the CPU against the op twins
+are opt-in (SPRUCE_QMM_FUSE=1). With launch plans (engine/launch_plan.py, on by default on CUDA) the
+GDN layers' norms run through `KernelNorm` and their MLP's SwiGLU through engine/fused_norms.py's
+kernel (`mlp_residual(..., swiglu_kernel=True)`): the kernels the plans record. Emulated on the CPU against the op twins
 (tests/kernels/test_qmm_mma_emulated.py), run on the H200 in the thirty-third and thirty-fourth
 sessions (BENCHMARKS.md, issue 13).
 """
@@ -30,6 +32,7 @@ from typing import Protocol
 import mlx.core as mx
 import mlx.nn as nn
 
+from engine import fused_norms, launch_plan
 from engine.cpu_exp import silu
 from engine.kernels import FastPath, gpu_backend
 from engine.models.fused import FusedProjection
@@ -52,7 +55,9 @@ RES = FastPath("SPRUCE_QMM_RES", on=("cuda",))
 
 def wiring() -> tuple[bool, bool]:
     """(the residual builds, the norm and SwiGLU builds) a decoder layer is wired for: both with
-    SWITCH, the first alone with RES."""
+    SWITCH, the first alone with RES or where launch plans are (engine/launch_plan.py)."""
+    if launch_plan.enabled():
+        return True, False
     prologues = SWITCH.enabled()
     return prologues or RES.enabled(), prologues
 
@@ -118,11 +123,17 @@ def linear_res(proj: nn.Module, x: mx.array, res: mx.array) -> mx.array:
     return res + proj(x)
 
 
-def mlp_residual(mlp: nn.Module, h: mx.array, norm: Norm) -> mx.array:
+def mlp_residual(mlp: nn.Module, h: mx.array, norm: Norm, swiglu_kernel: bool = False) -> mx.array:
     """h + mlp(norm(h)): two launches (norm + gate|up, SwiGLU + down + add) where the builds cover
     the MLP's fused gate|up and its down projection and SWITCH is on; else norm, gate|up, SwiGLU
-    (the MLP's own) and down + add (one launch where the residual build covers it)."""
+    (the MLP's own, or with `swiglu_kernel` engine/fused_norms.py's one launch where the fused
+    gate|up is a covered build) and down + add (one launch where the residual build covers it)."""
     gate_up = mlp["fused"] if "fused" in mlp else None
+    if swiglu_kernel and gate_up is not None:
+        rows = as_rows(norm(h))
+        if covers(gate_up, rows):
+            hidden = fused_norms.swiglu(fused(gate_up, rows))
+            return linear_res(mlp.down_proj, hidden.reshape(*h.shape[:-1], -1), h)
     if SWITCH.enabled() and gate_up is not None and covers(gate_up, h):
         y = fused(gate_up, h, norm=norm)
         if covers(mlp.down_proj, y, swiglu=True):
@@ -130,3 +141,17 @@ def mlp_residual(mlp: nn.Module, h: mx.array, norm: Norm) -> mx.array:
         gate, up = mx.split(y, 2, axis=-1)
         return h + mlp.down_proj(silu(gate) * up)
     return linear_res(mlp.down_proj, mlp.hidden(as_rows(norm(h))).reshape(*h.shape[:-1], -1), h)
+
+
+class KernelNorm:
+    """An RMSNorm module's weight and epsilon through engine/fused_norms.py's own kernel: the
+    launch-plan wiring's norm for the GDN layers (a plan holds the engine's kernels only, and a
+    verify's rows must run what the plan runs). Rows of any rank: the kernel sees them 2-D."""
+
+    def __init__(self, norm: Norm) -> None:
+        self.weight, self.eps = norm.weight, norm.eps
+
+    def __call__(self, x: mx.array) -> mx.array:
+        rows = as_rows(x)
+        out = fused_norms.rms_rows(rows, self.weight, self.eps)
+        return out if x.ndim == 2 else out.reshape(x.shape)

@@ -145,7 +145,7 @@ def cpu_mlp(mlp: MLP, norm: RMSNorm) -> bool:
     return all(map(_plain_float_linear, projections)) and norm.weight.dtype == mx.float32
 
 
-def norm_then(flat: mx.array, modules: list[nn.Module], norm: RMSNorm | None) -> list[mx.array]:
+def norm_then(flat: mx.array, modules: list[nn.Module], norm: fused_qmm.Norm | None) -> list[mx.array]:
     """[m(norm(flat)) for m in modules]: in one CPU operation where cpu_products says so."""
     if cpu_products(flat, modules):
         return cpu_ext.norm_products(flat, [m["weight"] for m in modules], None if norm is None else norm.weight,

@@ -13,7 +13,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine import cpu_exp, cpu_ext, fused_norms
+from engine import cpu_exp, cpu_ext, fused_norms, launch_plan, layer_plans
 from engine.cache import GDNCache, KVCache, LayerCache
 from engine.feature_cache import FeatureCache
 from engine.gdn.core import Fold, GDNCore, GDNShape, GDNWeights, TreeInputs, TreeRows
@@ -105,7 +105,8 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = Linear(s.value_dim, H, bias=False)
 
     def forward(self, mode: Mode, x: mx.array, conv_state: mx.array, S: mx.array, tree: tuple[mx.array, ...],
-                levels: int, fold: tuple[mx.array, ...] = (), gated_kernel: bool = False, norm: RMSNorm | None = None,
+                levels: int, fold: tuple[mx.array, ...] = (), gated_kernel: bool = False,
+                norm: fused_qmm.Norm | None = None,
                 residual: mx.array | None = None) -> tuple[mx.array, tuple[mx.array, ...]]:
         """Pure (compilable): x [1, T, H] -> (out [1, T, H], what the cache keeps: the new
         (conv state, state) for a token or a chain, the TreeRows fields for a tree, followed by
@@ -180,14 +181,16 @@ def trace_settings() -> tuple[bool, ...]:
     """The module settings a layer's traced functions depend on (a TraceKey's fields after the
     mode, the compilation and the folding, but for the last layer's output pending)."""
     return (*fused_norms.traces(), cpu_exp.POW_GATES, *fused_qmm.wiring(), cpu_ext.GDN_STEP, cpu_ext.GDN_TREE,
-            cpu_ext.NORMS, cpu_ext.MLP, cpu_ext.PRODUCTS)
+            cpu_ext.NORMS, cpu_ext.MLP, cpu_ext.PRODUCTS, launch_plan.enabled())
 
 
 class _Phases:
-    """A layer's functions per mode, built once (compiled for decoding)."""
+    """A layer's functions per mode, built once (compiled for decoding), and a GDN layer's decode
+    step's launch plan per activation dtype (None where the plan does not apply)."""
 
     def __init__(self) -> None:
         self.by_mode: dict[TraceKey, tuple[Callable[..., Any], Callable[..., Any]]] = {}
+        self.plans: dict[mx.Dtype, launch_plan.LaunchPlan | None] = {}
 
 
 class DecoderLayer(nn.Module):
@@ -256,6 +259,16 @@ class DecoderLayer(nn.Module):
                 before, after = mx.compile(before), mx.compile(after)
             self._phases.by_mode[key] = (before, after)
         return self._phases.by_mode[key]
+
+    def prepare_plan(self, dtype: mx.Dtype) -> None:
+        """Record this GDN layer's decode-step plan for rows of `dtype` if not done yet (outside
+        any traced function: a recording evaluates the plan's workspace and constants)."""
+        if self.is_attention or dtype in self._phases.plans:
+            return
+        weights = layer_plans.of_decoder(self)
+        hidden = self.input_layernorm.weight.shape[0]
+        ok = weights is not None and layer_plans.covers(weights, hidden, dtype, dtype)
+        self._phases.plans[dtype] = layer_plans.make_plan(weights, hidden, dtype) if ok and weights else None
 
     def token_functions(self) -> tuple[Callable[..., Any], Callable[..., Any]]:
         """The one-token pure functions, uncompiled: what a segment of a one-token pass traces
@@ -337,12 +350,24 @@ class DecoderLayer(nn.Module):
 
             return project, output
         gdn = self.linear_attn
+        # the launch-plan wiring (engine/launch_plan.py): a GDN layer's norms and SwiGLU through the
+        # engine's own kernels, so that its decode step runs as one plan and a verify's rows run
+        # the plan's kernels one by one
+        planned = mode != "chain" and launch_plan.enabled()
+        in_norm: fused_qmm.Norm = fused_qmm.KernelNorm(norm) if planned else norm
+        post_norm: fused_qmm.Norm = fused_qmm.KernelNorm(post) if planned else post
+        plans = self._phases.plans
 
         def layer(x: mx.array, pending: Pending, conv_state: mx.array, S: mx.array, tree: tuple[mx.array, ...],
                   levels: int, fold: tuple[mx.array, ...] = ()):
             assert not pending, "no layer of this wiring leaves its output pending"
-            h, result = gdn.forward(mode, x, conv_state, S, tree, levels, fold, gated, norm=norm, residual=x)
-            return (fused_qmm.mlp_residual(mlp, h, post),), result
+            plan = plans.get(x.dtype) if planned and mode == "token" else None
+            if plan is not None and plan.accepts(x, conv_state, S):
+                # the whole layer as one operation: the launches below, recorded once
+                out, conv_state, S = plan(x, conv_state, S)
+                return (out,), (conv_state, S)
+            h, result = gdn.forward(mode, x, conv_state, S, tree, levels, fold, gated, norm=in_norm, residual=x)
+            return (fused_qmm.mlp_residual(mlp, h, post_norm, swiglu_kernel=planned),), result
 
         return layer, _identity
 
@@ -377,6 +402,9 @@ class TextModel(nn.Module):
         tapped: list[mx.array] = []
         pending: Pending = ()
         every = batch.eval_every
+        if tokens.shape[1] == 1 and launch_plan.enabled():
+            for layer in self.layers:
+                layer.prepare_plan(h.dtype)
         if tokens.shape[1] == 1 and segments.SEGMENTS and not every and self.layers[0].compile_decode:
             # a few compiled calls for the whole pass (engine/models/segments.py)
             h, pending, tapped = self._segments.run(self.layers, cache[: len(self.layers)], batch, h, taps,

@@ -199,3 +199,46 @@ def test_prefill_rows_dequantize_on_cuda(bits):
         ref = mx.quantized_matmul(x, wq, scales, biases, transpose=True, group_size=64, bits=bits)
         scale = max(1.0, float(mx.abs(ref).max()))
         assert float(mx.abs(got.astype(mx.float32) - ref.astype(mx.float32)).max()) <= 0.02 * scale
+
+
+def plans_available() -> bool:
+    from engine import launch_plan
+
+    return gpu_backend() == "cuda" and launch_plan.available()
+
+
+@pytest.mark.skipif(not plans_available(), reason="launch plans run on CUDA with the engine's extension built")
+def test_launch_plans_in_the_model(wide_q4, monkeypatch):
+    """With launch plans on (engine/launch_plan.py), a decode step runs each GDN layer as its plan;
+    greedy decoding then emits, with the same logprobs to the bit, what the same wiring emits
+    launch by launch, and speculation (whose verifies run the wiring launch by launch) flips
+    tokens only at near ties."""
+    from engine import launch_plan, layer_plans
+
+    monkeypatch.setattr(launch_plan.SWITCH, "value", True)
+    calls: list[int] = []
+    real = launch_plan.LaunchPlan.__call__
+    monkeypatch.setattr(launch_plan.LaunchPlan, "__call__", lambda self, *a: calls.append(1) or real(self, *a))
+    sampling = SamplingParams(max_tokens=24, ignore_eos=True, logprobs=2)
+    prompts = []
+    for seed in range(3):
+        rng = np.random.RandomState(seed)
+        prompts.append([int(t) for t in list(rng.randint(0, 500, size=5)) * 3 + list(rng.randint(0, 500, size=10))])
+    planned = Engine(EngineConfig(model_path=str(wide_q4), dtype="bfloat16"))
+    outs = [generate(planned, p, sampling) for p in prompts]
+    assert calls, "no plan ran"
+    monkeypatch.setattr(layer_plans, "make_plan", lambda *a, **k: None)  # the same wiring, launch by launch
+    calls.clear()
+    one_by_one = Engine(EngineConfig(model_path=str(wide_q4), dtype="bfloat16"))
+    for p, out in zip(prompts, outs, strict=True):
+        ref = generate(one_by_one, p, sampling)
+        assert out.tokens == ref.tokens
+        assert [[lp for _, lp in o.top] for o in out.logprobs] == [[lp for _, lp in o.top] for o in ref.logprobs]
+    assert not calls
+    spec = SpecConfig(method="ngram", budget=8, max_depth=4, tree="ddtree", adaptive=False)
+    for p, out in zip(prompts, outs, strict=True):
+        fast = generate(planned, p, sampling, spec)
+        i = next((k for k, (a, b) in enumerate(zip(out.tokens, fast.tokens)) if a != b), None)
+        if i is not None:
+            top = out.logprobs[i].top
+            assert top[0][1] - top[1][1] <= NEAR_TIE, f"flip at {i} with a clear winner"

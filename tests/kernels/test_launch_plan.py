@@ -26,18 +26,18 @@ HIDDEN, INTERMEDIATE = 256, 512
 def record_step(layer: GDNLayer, hidden: int = HIDDEN) -> tuple[Any, tuple[Buf, ...]]:
     s = layer.shape
     with record("gdn-step") as rec:
-        args = (rec.arg((1, 1, hidden), mx.bfloat16), rec.arg((1, 1, hidden), mx.bfloat16),
-                rec.arg((s.K - 1, s.conv_dim), mx.bfloat16), rec.arg((s.Hv, s.Dv, s.Dk), mx.float32))
+        args = (rec.arg((1, 1, hidden), mx.bfloat16), rec.arg((s.K - 1, s.conv_dim), mx.bfloat16),
+                rec.arg((s.Hv, s.Dv, s.Dk), mx.float32))
         results = gdn_decode_step(layer, *args)
     return rec, results
 
 
-def test_a_gdn_step_records_its_eight_launches_in_order():
+def test_a_gdn_step_records_its_nine_launches_in_order():
     layer = GDNLayer.random(SMALL, HIDDEN, INTERMEDIATE)
     rec, results = record_step(layer)
     names = [launch.spec.name for launch in rec.launches]
-    assert names == ["spruce_add_norm", "spruce_qmm_mma", "spruce_gdn_step", "spruce_gated_norm", "spruce_qmm_mma",
-                     "spruce_add_norm", "spruce_qmm_mma", "spruce_qmm_mma_swiglu"]
+    assert names == ["spruce_rms_norm", "spruce_qmm_mma", "spruce_gdn_step", "spruce_gated_norm", "spruce_qmm_mma_res",
+                     "spruce_rms_norm", "spruce_qmm_mma", "spruce_swiglu", "spruce_qmm_mma_res"]
     assert not kernels.RECORDERS  # the recorder is gone after the block
     # the step kernel reads qkv, a and b where the fused projection wrote them: byte offsets of
     # columns 0, conv_dim + value_dim + Hv and conv_dim + value_dim in bf16
@@ -51,17 +51,19 @@ def test_a_gdn_step_records_its_eight_launches_in_order():
     # the weights are captured once each, as constants
     consts = [r for r in rec.regions if r.kind == "const"]
     assert len({id(r.array) for r in consts}) == len(consts)
-    assert [r.shape for r in results] == [(1, 1, HIDDEN), (1, 1, HIDDEN), (s.K - 1, s.conv_dim), (s.Hv, s.Dv, s.Dk)]
+    assert [r.shape for r in results] == [(1, 1, HIDDEN), (s.K - 1, s.conv_dim), (s.Hv, s.Dv, s.Dk)]
+    # the residual adds read the layer's input (the plan's first array) and the attention's output
+    assert rec.launches[4].args[-2][0] == 0
 
 
 def test_shapes_a_body_reads_are_passed_as_mlx_passes_them():
     layer = GDNLayer.random(SMALL, HIDDEN, INTERMEDIATE)
     rec, _ = record_step(layer)
-    add_norm = rec.launches[0]
-    # add_norm's body reads x_shape: after x's pointer comes its Shape, MAX_NDIM int32 by value
-    assert "const __grid_constant__ Shape x_shape" in add_norm.source.text
-    blob = add_norm.args[1][3]
-    assert add_norm.args[1][0] == -1 and struct.unpack(f"<{MAX_NDIM}i", blob)[:3] == (1, 1, HIDDEN)
+    norm = rec.launches[0]
+    # the norm's body reads x_shape: after x's pointer comes its Shape, MAX_NDIM int32 by value
+    assert "const __grid_constant__ Shape x_shape" in norm.source.text
+    blob = norm.args[1][3]
+    assert norm.args[1][0] == -1 and struct.unpack(f"<{MAX_NDIM}i", blob)[:3] == (1, HIDDEN, 0)
     # gated_norm reads o's strides: int64, dense
     gated = rec.launches[3]
     strides = [a[3] for a in gated.args if a[0] == -1 and len(a[3]) == 8 * MAX_NDIM]
@@ -149,8 +151,9 @@ def test_a_plan_keeps_scratch_apart_and_returns_fresh_results():
     plan = rec.build(list(results), ext=native)
     _, launches, input_bytes, outputs = native.plans[0]
     n_consts = len(plan.constants)
-    workspace = 4 + n_consts
-    assert outputs == list(range(workspace + 1, workspace + 5))  # four fresh arrays after the workspace
+    n_args = 3
+    workspace = n_args + n_consts
+    assert outputs == list(range(workspace + 1, workspace + 4))  # three fresh arrays after the workspace
     assert plan.workspace.nbytes >= input_bytes[workspace] > 0
     # scratch: each launch result outside the fresh arrays starts on an ALIGN boundary of the
     # workspace, after the one before it ends; every launch touching the workspace declares it
@@ -166,7 +169,7 @@ def test_a_plan_keeps_scratch_apart_and_returns_fresh_results():
     # the results are written straight into the fresh arrays
     written_slots = {a[0] for launch in launches for a in launch[4] if a[2]}
     assert set(outputs) <= written_slots
-    assert plan.launches == 8 and plan.results[0] == ((1, 1, HIDDEN), mx.bfloat16)
+    assert plan.launches == 9 and plan.results[0] == ((1, 1, HIDDEN), mx.bfloat16)
 
 
 def test_a_plan_result_must_be_a_whole_launch_result():
@@ -178,6 +181,18 @@ def test_a_plan_result_must_be_a_whole_launch_result():
     rec2, results2 = record_step(layer)
     with pytest.raises(ValueError):
         rec2.build([results2[0], results2[0]], ext=NativeDouble())
+
+
+def test_plans_are_on_by_default_on_cuda_only_and_never_without_the_extension(monkeypatch):
+    from engine import cuda_ext, launch_plan
+
+    assert launch_plan.SWITCH.on == ("cuda",)
+    monkeypatch.setattr(launch_plan.SWITCH, "value", True)
+    assert launch_plan.enabled() == (cuda_ext.module() is not None)
+    if gpu_backend() != "cuda":
+        assert cuda_ext.module() is None and not launch_plan.enabled()
+    monkeypatch.setattr(launch_plan.SWITCH, "value", False)
+    assert not launch_plan.enabled()
 
 
 def cuda_plans() -> bool:
@@ -202,10 +217,9 @@ def test_plan_equals_its_launches_one_by_one_bitwise(shape, hidden, intermediate
     plan = rec.build(list(results))
     keys = mx.random.split(mx.random.key(7), 4)
     x = mx.random.normal((1, 1, hidden), key=keys[0]).astype(mx.bfloat16)
-    d = mx.random.normal((1, 1, hidden), key=keys[1]).astype(mx.bfloat16)
     conv = (mx.random.normal((shape.K - 1, shape.conv_dim), key=keys[2]) * 0.5).astype(mx.bfloat16)
     S = mx.random.normal((shape.Hv, shape.Dv, shape.Dk), key=keys[3]) * 0.1
-    direct, planned = (x, d, conv, S), (x, d, conv, S)
+    direct, planned = (x, conv, S), (x, conv, S)
     for _ in range(3):  # chained: each step's results are the next step's inputs
         direct = gdn_decode_step(layer, *direct)
         planned = tuple(plan(*planned))
@@ -221,9 +235,10 @@ def test_plan_refuses_arrays_it_was_not_recorded_for():
     rec, results = record_step(layer)
     plan = rec.build(list(results))
     s = SMALL
-    good = [mx.zeros((1, 1, HIDDEN), mx.bfloat16), mx.zeros((1, 1, HIDDEN), mx.bfloat16),
-            mx.zeros((s.K - 1, s.conv_dim), mx.bfloat16), mx.zeros((s.Hv, s.Dv, s.Dk))]
+    good = [mx.zeros((1, 1, HIDDEN), mx.bfloat16), mx.zeros((s.K - 1, s.conv_dim), mx.bfloat16),
+            mx.zeros((s.Hv, s.Dv, s.Dk))]
+    assert plan.accepts(*good) and not plan.accepts(*good[:2])
     with pytest.raises(ValueError):
-        plan(*good[:3])
+        plan(*good[:2])
     with pytest.raises(ValueError):
         plan(good[0].astype(mx.float32), *good[1:])
