@@ -129,11 +129,13 @@ def mlp_residual(mlp: nn.Module, h: mx.array, norm: Norm, swiglu_kernel: bool = 
     (the MLP's own, or with `swiglu_kernel` engine/fused_norms.py's one launch where the fused
     gate|up is a covered build) and down + add (one launch where the residual build covers it)."""
     gate_up = mlp["fused"] if "fused" in mlp else None
-    if swiglu_kernel and gate_up is not None:
+    if swiglu_kernel:
         rows = as_rows(norm(h))
-        if covers(gate_up, rows):
+        if gate_up is not None and covers(gate_up, rows):
             hidden = fused_norms.swiglu(fused(gate_up, rows))
-            return linear_res(mlp.down_proj, hidden.reshape(*h.shape[:-1], -1), h)
+        else:
+            hidden = mlp.hidden(rows)
+        return linear_res(mlp.down_proj, hidden.reshape(*h.shape[:-1], -1), h)
     if SWITCH.enabled() and gate_up is not None and covers(gate_up, h):
         y = fused(gate_up, h, norm=norm)
         if covers(mlp.down_proj, y, swiglu=True):

@@ -367,7 +367,7 @@ class DecoderLayer(nn.Module):
                 out, conv_state, S = plan(x, conv_state, S)
                 return (out,), (conv_state, S)
             h, result = gdn.forward(mode, x, conv_state, S, tree, levels, fold, gated, norm=in_norm, residual=x)
-            return (fused_qmm.mlp_residual(mlp, h, post_norm, swiglu_kernel=planned),), result
+            return (fused_qmm.mlp_residual(mlp, h, post_norm, planned),), result
 
         return layer, _identity
 

@@ -198,7 +198,9 @@ def test_opt_in_kernels_change_no_token(tiny_qwen35, sampling, kind, kernel, mon
     which a module-wide engine would have traced (and so called them) in an earlier case only."""
     import engine.attention_rows as attention_kernel
     import engine.fused_norms as fused_norms
+    from engine import launch_plan
 
+    monkeypatch.setattr(launch_plan.SWITCH, "value", False)  # its wiring has no pending residual
     module, switch = {"attention": (attention_kernel, attention_kernel.SWITCH),
                       "add_norm": (fused_norms, fused_norms.ADD),
                       "gated_norm": (fused_norms, fused_norms.GATED)}[kernel]
@@ -217,8 +219,9 @@ def force_residual_pending(monkeypatch) -> list[int]:
     replaced by its twin (the unfused ops) -> a list that grows by one at each call of it."""
 
     import engine.fused_norms as fused_norms
-    from engine import cpu_ext
+    from engine import cpu_ext, launch_plan
 
+    monkeypatch.setattr(launch_plan.SWITCH, "value", False)  # on CUDA: its wiring has no pending residual
     calls: list[int] = []
 
     def twin(x, y, w, eps):

@@ -140,8 +140,10 @@ def test_fused_builds_in_the_model(wide_q4, monkeypatch):
     """With the projections fused with their norms and residual adds (engine/models/fused_qmm.py):
     the builds run, the logits stay close to the unfused model's in bf16, and ngram speculation
     flips tokens only at near ties."""
+    from engine import launch_plan
     from engine.models import fused_qmm
 
+    monkeypatch.setattr(launch_plan.SWITCH, "value", False)  # the plans' wiring takes no norm builds
     chain_ref, tree_ref, _ = outputs(wide_q4, "bfloat16", True)
     calls: list[int] = []
     real = fused_qmm.fused
@@ -170,8 +172,10 @@ def test_residual_builds_alone_change_no_bit(wide_q4, monkeypatch):
     """The residual builds alone (fused_qmm.RES: out-projection + add, down + add; the norms and
     the SwiGLU unfused) round the add as MLX's `res + y` does, so a verify's logits are the
     default model's bit for bit, and the builds ran."""
+    from engine import launch_plan
     from engine.models import fused_qmm
 
+    monkeypatch.setattr(launch_plan.SWITCH, "value", False)  # the plans' wiring always has the builds
     monkeypatch.setattr(fused_qmm.RES, "value", False)
     _, tree_ref, _ = outputs(wide_q4, "bfloat16", True)
     calls: list[bool] = []
