@@ -22,3 +22,11 @@ def test_every_package_is_listed():
     assert found <= listed, f"add to [tool.setuptools] packages: {sorted(found - listed)}"
     assert setuptools["package-dir"]["engine.configs"] == "configs"
     assert any((REPO / "configs").glob("*.toml"))
+
+
+def test_every_native_source_ships():
+    """The C and C++ files the engine compiles on first use (the shims, the extensions) are package
+    data: without one a wheel install builds nothing and falls back without a word."""
+    data = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["engine"])
+    sources = {p.name for pattern in ("*.c", "*.cpp") for p in (REPO / "engine").glob(pattern)}
+    assert sources and sources <= data, f"add to [tool.setuptools.package-data] engine: {sorted(sources - data)}"
