@@ -35,10 +35,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import os
 import platform
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -85,9 +83,6 @@ NARROW_TOP_K = True
 # tree's accepted rows' top-token probability in NumPy instead of top_rows_now (variant dn0)
 DRAW_NOW = True
 
-log = logging.getLogger("spruce")
-_lock = threading.Lock()
-_state: dict[str, ModuleType | None] = {}
 
 
 def _cpu_flags() -> str:
@@ -118,31 +113,18 @@ def _self_test(module: ModuleType) -> bool:
 def module() -> ModuleType | None:
     """The loaded extension, built on first use; None where switched off, not buildable, or its
     self-test fails (each said once in the log)."""
-    if NAME in _state:
-        return _state[NAME]
-    with _lock:
-        if NAME not in _state:
-            _state[NAME] = _open()
-    return _state[NAME]
+    return _once.get()
 
 
 def _open() -> ModuleType | None:
     if os.environ.get(OPT_OUT, "1") == "0" or platform.system() != "Linux":
         return None
-    path = native_build.build(SOURCE, NAME, ["-march=native", "-ffp-contract=off"], key=_cpu_flags().encode())
-    if path is None:
-        log.info("the engine's CPU operations are not built (no C++ compiler, Python or MLX headers, or "
-                 "nanobind); MLX's operations run instead")
-        return None
-    try:
-        loaded = native_build.load(path, NAME)
-        if loaded is not None and _self_test(loaded):
-            return loaded
-    except (ImportError, TypeError, RuntimeError, ValueError) as e:
-        log.warning("the engine's CPU operations did not load (%s); MLX's operations run instead", e)
-        return None
-    log.warning("the engine's CPU operations failed their self-test; MLX's operations run instead")
-    return None
+    return native_build.open_extension(SOURCE, NAME, ["-march=native", "-ffp-contract=off"], _self_test,
+                                       "the engine's CPU operations", "MLX's operations run instead",
+                                       key=_cpu_flags().encode())
+
+
+_once = native_build.Once(_open)
 
 
 def serves(switch: bool, *arrays: mx.array) -> bool:

@@ -12,10 +12,8 @@ SPRUCE_CUDA_EXT=0; plans are then not made and the callers launch kernel by kern
 
 from __future__ import annotations
 
-import logging
 import os
 import platform
-import threading
 from pathlib import Path
 from types import ModuleType
 
@@ -28,19 +26,11 @@ SOURCE = Path(__file__).with_name("cuda_ext.cpp")
 NAME = "spruce_cuda_ext"
 OPT_OUT = "SPRUCE_CUDA_EXT"  # "0": never built nor used
 
-log = logging.getLogger("spruce")
-_lock = threading.Lock()
-_state: dict[str, ModuleType | None] = {}
 
 
 def module() -> ModuleType | None:
     """The loaded extension, built on first use; None where it cannot serve (said once in the log)."""
-    if NAME in _state:
-        return _state[NAME]
-    with _lock:
-        if NAME not in _state:
-            _state[NAME] = _open()
-    return _state[NAME]
+    return _once.get()
 
 
 def _open() -> ModuleType | None:
@@ -49,20 +39,11 @@ def _open() -> ModuleType | None:
     # MLX's first GPU evaluation makes its device's primary context current on this thread, which
     # the kernels this extension compiles load into
     mx.eval(mx.zeros((1,)) + 1)
-    path = native_build.build(SOURCE, NAME, [])
-    if path is None:
-        log.info("the engine's launch plans are not built (no C++ compiler, Python or MLX headers, or nanobind); "
-                 "kernels launch one by one")
-        return None
-    try:
-        loaded = native_build.load(path, NAME)
-        if loaded is not None and _self_test(loaded):
-            return loaded
-    except (ImportError, TypeError, RuntimeError, ValueError) as e:
-        log.warning("the engine's launch plans did not load (%s); kernels launch one by one", e)
-        return None
-    log.warning("the engine's launch plans failed their self-test; kernels launch one by one")
-    return None
+    return native_build.open_extension(SOURCE, NAME, [], _self_test, "the engine's launch plans",
+                                       "kernels launch one by one")
+
+
+_once = native_build.Once(_open)
 
 
 def _self_test(ext: ModuleType) -> bool:

@@ -126,7 +126,7 @@ def of_decoder(layer: Any) -> GDNLayer | None:
     gdn, mlp = layer.linear_attn, layer.mlp
     if "fused" not in gdn or "fused" not in mlp:
         return None
-    parts = [fused_qmm._quantized(p) for p in (gdn["fused"], gdn.out_proj, mlp["fused"], mlp.down_proj)]
+    parts = [fused_qmm.quantized_weights(p) for p in (gdn["fused"], gdn.out_proj, mlp["fused"], mlp.down_proj)]
     eps = {layer.input_layernorm.eps, gdn.norm.eps, layer.post_attention_layernorm.eps}
     if any(p is None for p in parts) or len(eps) != 1:
         return None

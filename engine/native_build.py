@@ -19,6 +19,8 @@ import shutil
 import subprocess
 import sysconfig
 import tempfile
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -94,3 +96,41 @@ def load(path: Path, name: str) -> ModuleType | None:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def open_extension(source: Path, name: str, flags: list[str], self_test: Callable[[ModuleType], bool],
+                   what: str, instead: str, key: bytes = b"") -> ModuleType | None:
+    """The extension built (or found cached), loaded and passing `self_test`; None otherwise, said
+    in the log once: `what` the extension serves ("the engine's CPU operations"), `instead` what
+    runs without it ("MLX's operations run instead")."""
+    path = build(source, name, flags, key)
+    if path is None:
+        log.info("%s are not built (no C++ compiler, Python or MLX headers, or nanobind); %s", what, instead)
+        return None
+    try:
+        loaded = load(path, name)
+        if loaded is not None and self_test(loaded):
+            return loaded
+    except (ImportError, TypeError, RuntimeError, ValueError) as e:
+        log.warning("%s did not load (%s); %s", what, e, instead)
+        return None
+    log.warning("%s failed their self-test; %s", what, instead)
+    return None
+
+
+class Once:
+    """An extension opened on first use, once (under a lock: the engine thread and a server's
+    threads may ask together), then the same module or None every time."""
+
+    def __init__(self, opener: Callable[[], ModuleType | None]) -> None:
+        self._opener = opener
+        self._lock = threading.Lock()
+        self._done = False
+        self._module: ModuleType | None = None
+
+    def get(self) -> ModuleType | None:
+        if not self._done:
+            with self._lock:
+                if not self._done:
+                    self._module, self._done = self._opener(), True
+        return self._module

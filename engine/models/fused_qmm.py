@@ -69,7 +69,7 @@ class Norm(Protocol):  # engine.models.layers.RMSNorm
     def __call__(self, x: mx.array) -> mx.array: ...
 
 
-def _quantized(proj: nn.Module) -> tuple[mx.array, mx.array, mx.array, int, int] | None:
+def quantized_weights(proj: nn.Module) -> tuple[mx.array, mx.array, mx.array, int, int] | None:
     """(weight, scales, biases, group size, bits) of a routed affine quantized projection."""
     if isinstance(proj, RowsQuantizedLinear):
         ok = proj.mode == "affine" and "bias" not in proj
@@ -85,7 +85,7 @@ def _quantized(proj: nn.Module) -> tuple[mx.array, mx.array, mx.array, int, int]
 def covers(proj: nn.Module, x: mx.array, swiglu: bool = False) -> bool:
     """Whether a fused build computes proj on rows x [..., I] ([..., 2 I] with swiglu): CUDA, a
     routed affine quantized projection qmm_mma covers."""
-    q = _quantized(proj)
+    q = quantized_weights(proj)
     if q is None or gpu_backend() != "cuda":
         return False
     rows = as_rows(x)
@@ -97,7 +97,7 @@ def fused(proj: nn.Module, x: mx.array, *, norm: Norm | None = None, swiglu: boo
     """The fused build, one launch, where covers(proj, x, swiglu): proj(norm(x)), proj(silu(gate)
     * up) with x = gate | up along the last axis, or proj(x), plus res where given -> [..., O],
     unsplit."""
-    q = _quantized(proj)
+    q = quantized_weights(proj)
     assert q is not None
     w, scales, biases, group_size, bits = q
     y = quantized_matmul_mma(as_rows(x), w, scales, biases, group_size, bits,
