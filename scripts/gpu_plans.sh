@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Launch plans (engine/launch_plan.py, engine/cuda_ext.cpp, engine/layer_plans.py; issue 13) on a
+# GPU, stage by stage with a time limit each, one log each under $OUT.
+#   source .whl/setup.sh && OUT=DIR bash scripts/gpu_plans.sh [stage ...]
+# Stages (default: tests layers e2e):
+# - tests: the plans' and their kernels' GPU tests, the model with plans against the same wiring
+#   launch by launch, and the GPU tests of the other wirings (which turn plans off);
+# - layers: scripts/bench_launch_plan.py, 24 GDN layers of the 9B shape, launches one by one
+#   against one plan a layer (host and device time, bitwise check);
+# - e2e: plain decoding beside mlx-lm, plans on (the default) and off ("-lp0"), interleaved;
+# - widen: the 4-bit 9B-shaped pair in /tmp/q9 (needs the bundled weights);
+# - rounds: plain decoding, MTP chains and DDTree and DFlash chains on that pair, greedy, plans on and
+#   off interleaved run by run (what plans do to speculation's rounds: not measured yet).
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export MLX_ENABLE_TF32=0
+stages=${*:-tests layers e2e}
+for stage in $stages; do
+  start=$(date +%s)
+  case $stage in
+    tests) timeout 400 python -m pytest -q -p no:cacheprovider tests/kernels/test_launch_plan.py \
+             tests/kernels/test_fused_norms.py tests/engine/test_qlinear.py tests/engine/test_lossless.py \
+             -k "gpu or launch_plan or plan_ or launch_plans or residual_builds or fused_builds or opt_in_kernels" -rA \
+             | grep -E "^(PASSED|FAILED|ERROR)|passed|failed|Error"
+           echo "pytest rc ${PIPESTATUS[0]}" ;;
+    layers) timeout 200 python scripts/bench_launch_plan.py --out "$OUT/layers" --shape 9b --layers 24 --steps 32 \
+              --runs 4 ;;
+    e2e) timeout 400 python scripts/bench_gpu.py --out "$OUT/e2e" --targets 9b --skip-draft --runs 6 --tokens 128 \
+           --tree-sizes 1,17 --ops-tree-sizes "" --micro "" --prefill-tokens 0 --cores kernels,kernels-lp0 \
+           | grep -v '^ \|^{\|^}' ;;
+    widen) [ -f /tmp/q9/target/config.json ] || timeout 120 python scripts/widen_checkpoint.py /tmp/q9 --shape 9b --bits 4 ;;
+    rounds) timeout 500 python scripts/profile_rounds.py --model /tmp/q9/target --dflash-model /tmp/q9/dflash \
+              --dtype bfloat16 --methods none,mtp:chain,mtp:ddtree,dflash:chain --kinds code,chat --runs 2 \
+              --tokens 128 --variants engine,lp0 --json "$OUT/rounds.json" ;;
+    *) echo "unknown stage $stage" ;;
+  esac 2>&1 | tee "$OUT/$stage.log"
+  echo "== $stage: $(( $(date +%s) - start )) s" | tee -a "$OUT/times.log"
+done
