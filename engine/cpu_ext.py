@@ -84,7 +84,6 @@ NARROW_TOP_K = True
 DRAW_NOW = True
 
 
-
 def _cpu_flags() -> str:
     """The CPU's feature flags (what -march=native compiles for)."""
     with contextlib.suppress(OSError):

@@ -118,21 +118,27 @@ void* symbol(const char* name, const char* library) {
   return p;
 }
 
+// One entry point of `library` into `fn`.
+template <typename F>
+void resolve(F& fn, const char* name, const char* library) {
+  fn = reinterpret_cast<F>(symbol(name, library));
+}
+
 const Nvrtc& nvrtc() {
   static const Nvrtc n = [] {
     const char* lib = "libnvrtc.so.13";
     Nvrtc r;
-    r.create = reinterpret_cast<decltype(r.create)>(symbol("nvrtcCreateProgram", lib));
-    r.add_name = reinterpret_cast<decltype(r.add_name)>(symbol("nvrtcAddNameExpression", lib));
-    r.compile = reinterpret_cast<decltype(r.compile)>(symbol("nvrtcCompileProgram", lib));
-    r.log_size = reinterpret_cast<decltype(r.log_size)>(symbol("nvrtcGetProgramLogSize", lib));
-    r.log = reinterpret_cast<decltype(r.log)>(symbol("nvrtcGetProgramLog", lib));
-    r.lowered = reinterpret_cast<decltype(r.lowered)>(symbol("nvrtcGetLoweredName", lib));
-    r.cubin_size = reinterpret_cast<decltype(r.cubin_size)>(symbol("nvrtcGetCUBINSize", lib));
-    r.cubin = reinterpret_cast<decltype(r.cubin)>(symbol("nvrtcGetCUBIN", lib));
-    r.ptx_size = reinterpret_cast<decltype(r.ptx_size)>(symbol("nvrtcGetPTXSize", lib));
-    r.ptx = reinterpret_cast<decltype(r.ptx)>(symbol("nvrtcGetPTX", lib));
-    r.destroy = reinterpret_cast<decltype(r.destroy)>(symbol("nvrtcDestroyProgram", lib));
+    resolve(r.create, "nvrtcCreateProgram", lib);
+    resolve(r.add_name, "nvrtcAddNameExpression", lib);
+    resolve(r.compile, "nvrtcCompileProgram", lib);
+    resolve(r.log_size, "nvrtcGetProgramLogSize", lib);
+    resolve(r.log, "nvrtcGetProgramLog", lib);
+    resolve(r.lowered, "nvrtcGetLoweredName", lib);
+    resolve(r.cubin_size, "nvrtcGetCUBINSize", lib);
+    resolve(r.cubin, "nvrtcGetCUBIN", lib);
+    resolve(r.ptx_size, "nvrtcGetPTXSize", lib);
+    resolve(r.ptx, "nvrtcGetPTX", lib);
+    resolve(r.destroy, "nvrtcDestroyProgram", lib);
     return r;
   }();
   return n;
@@ -142,12 +148,12 @@ const Driver& driver() {
   static const Driver d = [] {
     const char* lib = "libcuda.so.1";
     Driver r;
-    r.load = reinterpret_cast<decltype(r.load)>(symbol("cuModuleLoadDataEx", lib));
-    r.function = reinterpret_cast<decltype(r.function)>(symbol("cuModuleGetFunction", lib));
-    r.set_attribute = reinterpret_cast<decltype(r.set_attribute)>(symbol("cuFuncSetAttribute", lib));
-    r.init = reinterpret_cast<decltype(r.init)>(symbol("cuInit", lib));
-    r.device = reinterpret_cast<decltype(r.device)>(symbol("cuDeviceGet", lib));
-    r.attribute = reinterpret_cast<decltype(r.attribute)>(symbol("cuDeviceGetAttribute", lib));
+    resolve(r.load, "cuModuleLoadDataEx", lib);
+    resolve(r.function, "cuModuleGetFunction", lib);
+    resolve(r.set_attribute, "cuFuncSetAttribute", lib);
+    resolve(r.init, "cuInit", lib);
+    resolve(r.device, "cuDeviceGet", lib);
+    resolve(r.attribute, "cuDeviceGetAttribute", lib);
     return r;
   }();
   return d;

@@ -27,7 +27,6 @@ NAME = "spruce_cuda_ext"
 OPT_OUT = "SPRUCE_CUDA_EXT"  # "0": never built nor used
 
 
-
 def module() -> ModuleType | None:
     """The loaded extension, built on first use; None where it cannot serve (said once in the log)."""
     return _once.get()

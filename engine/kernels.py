@@ -183,6 +183,7 @@ def compiled_kernel(spec: KernelSpec, backend: str) -> Kernel:
     return Kernel(spec, backend)
 
 
+@functools.cache
 def eps_array(eps: float) -> mx.array:
     """A norm's epsilon as an array, made once (a kernel takes no float arguments); built from host
     data, it holds its value already, so a compiled layer's trace can capture it."""

@@ -121,6 +121,7 @@ class Source:
     module: str
     kernel: str  # the name expression NVRTC resolves
     text: str
+    infos: tuple[tuple[bool, bool, bool], ...]  # shape_infos: each input's shape, strides, ndim read
 
 
 def shape_infos(spec: KernelSpec, body: str) -> list[tuple[bool, bool, bool]]:
@@ -139,6 +140,7 @@ SHAPE_TYPES = ("struct Shape { int v[MAX_NDIM]; __device__ int operator[](int i)
 def kernel_source(spec: KernelSpec, input_dtypes: Sequence[mx.Dtype], input_ndims: Sequence[int],
                   output_dtypes: Sequence[mx.Dtype], template: Sequence[tuple[str, Any]]) -> Source:
     header, body = kernel_text(spec, "cuda")
+    infos = tuple(shape_infos(spec, body))
     constants = []
     for name, value in template:
         if isinstance(value, bool):
@@ -148,8 +150,7 @@ def kernel_source(spec: KernelSpec, input_dtypes: Sequence[mx.Dtype], input_ndim
         else:
             constants.append(f"  using {name} = {CUDA_TYPES[value]};\n")
     params = []
-    for n, d, ndim, (shape, strides, dims) in zip(spec.inputs, input_dtypes, input_ndims, shape_infos(spec, body),
-                                                  strict=True):
+    for n, d, ndim, (shape, strides, dims) in zip(spec.inputs, input_dtypes, input_ndims, infos, strict=True):
         params.append(f"    const {CUDA_TYPES[d]}* {n}")
         if ndim > 0:
             params += [f"    const __grid_constant__ Shape {n}_shape"] if shape else []
@@ -163,7 +164,7 @@ def kernel_source(spec: KernelSpec, input_dtypes: Sequence[mx.Dtype], input_ndim
             + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
             + f"__global__ void {name}(\n" + ",\n".join(params) + ") {\n" + "".join(constants)
             + ("\n" if constants else "") + body + "\n}\n\n} // namespace mlx::core::cu\n")
-    return Source(name, f"mlx::core::cu::{name}", text)
+    return Source(name, f"mlx::core::cu::{name}", text, infos)
 
 
 def _dims_blob(values: Sequence[int], fmt: str) -> bytes:
@@ -267,8 +268,7 @@ class Recorder:
             outs.append(buf)
         source = kernel_source(spec, [d for _, d in ins], [b.ndim for b, _ in ins], list(output_dtypes), template)
         args: list[tuple[int, int, bool, bytes]] = []
-        infos = shape_infos(spec, kernel_text(spec, "cuda")[1])
-        for (b, _), (reads_shape, reads_strides, reads_ndim) in zip(ins, infos, strict=True):
+        for (b, _), (reads_shape, reads_strides, reads_ndim) in zip(ins, source.infos, strict=True):
             args.append((b.region, b.offset, False, b""))
             if b.ndim > 0:
                 # a placeholder's strides are its shape's (a one-row column range's first stride

@@ -32,7 +32,8 @@ from engine import fused_norms
 from engine.gdn.core import GDNShape, GDNWeights
 from engine.kernels import KernelCore
 from engine.launch_plan import Buf, LaunchPlan, columns, record
-from engine.qmm import quantized_matmul_mma
+from engine.models import fused_qmm
+from engine.qmm import mma_covers, quantized_matmul_mma
 
 
 @dataclass(frozen=True)
@@ -121,8 +122,6 @@ def of_decoder(layer: Any) -> GDNLayer | None:
     """A GDN DecoderLayer's weights (engine/models/qwen3_5.py) as its decode step's plan reads them,
     or None where the plan's products do not apply: the input projections and gate|up fused, every
     projection a routed affine quantized one, the three norms with one epsilon."""
-    from engine.models import fused_qmm
-
     gdn, mlp = layer.linear_attn, layer.mlp
     if "fused" not in gdn or "fused" not in mlp:
         return None
@@ -136,11 +135,9 @@ def of_decoder(layer: Any) -> GDNLayer | None:
                     post_norm=layer.post_attention_layernorm.weight, gate_up=gate_up, down=down, eps=eps.pop())
 
 
-def covers(layer: GDNLayer, hidden: int, dtype: mx.Dtype, conv_dtype: mx.Dtype) -> bool:
-    """Whether every launch of the step applies to rows of `dtype` and a conv state of
-    `conv_dtype`: the checks each wrapper's caller makes before launching it."""
-    from engine.qmm import mma_covers
-
+def covers(layer: GDNLayer, hidden: int, dtype: mx.Dtype) -> bool:
+    """Whether every launch of the step applies to rows of `dtype` (and a conv state of it, which
+    the plan's call checks): the checks each wrapper's caller makes before launching it."""
     s = layer.shape
     # placeholders stand for the rows: the checks read shapes and dtypes only
     row: Any = Buf(-1, 0, (1, hidden), dtype)
@@ -151,7 +148,7 @@ def covers(layer: GDNLayer, hidden: int, dtype: mx.Dtype, conv_dtype: mx.Dtype) 
         rows: Any = Buf(-1, 0, (1, width), dtype)
         return mma_covers(rows, q.w, q.scales, q.biases, q.group_size, q.bits)
 
-    return (conv_dtype == dtype and KernelCore.covers(s)
+    return (KernelCore.covers(s)
             and fused_norms.rows_cover(row, layer.in_norm) and fused_norms.rows_cover(row, layer.post_norm)
             and fused_norms.gated_covers(o, z, layer.out_norm)
             and mma(hidden, layer.in_proj) and mma(s.value_dim, layer.out_proj) and mma(hidden, layer.gate_up)
@@ -165,3 +162,10 @@ def make_plan(layer: GDNLayer, hidden: int, dtype: mx.Dtype) -> LaunchPlan:
         results = gdn_decode_step(layer, rec.arg((1, 1, hidden), dtype), rec.arg((s.K - 1, s.conv_dim), dtype),
                                   rec.arg((s.Hv, s.Dv, s.Dk), mx.float32))
     return rec.build(list(results))
+
+
+def plan_for(decoder: Any, dtype: mx.Dtype) -> LaunchPlan | None:
+    """A GDN DecoderLayer's decode-step plan for rows of `dtype`, or None where it does not apply."""
+    layer = of_decoder(decoder)
+    hidden = decoder.input_layernorm.weight.shape[0]
+    return make_plan(layer, hidden, dtype) if layer is not None and covers(layer, hidden, dtype) else None

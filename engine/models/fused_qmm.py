@@ -20,8 +20,8 @@ the fp32 sums), like the fused add + norm before it.
 The residual builds alone are on by default on CUDA (SPRUCE_QMM_RES=0 turns them off); all builds
 are opt-in (SPRUCE_QMM_FUSE=1). With launch plans (engine/launch_plan.py, on by default on CUDA) the
 GDN layers' norms run through `KernelNorm` and their MLP's SwiGLU through engine/fused_norms.py's
-kernel (`mlp_residual(..., swiglu_kernel=True)`): the kernels the plans record. Emulated on the CPU against the op twins
-(tests/kernels/test_qmm_mma_emulated.py), run on the H200 in the thirty-third and thirty-fourth
+kernel (`mlp_residual(..., swiglu_kernel=True)`): the kernels the plans record. Emulated on the CPU
+against the op twins (tests/kernels/test_qmm_mma_emulated.py), run on the H200 in the thirty-third and thirty-fourth
 sessions (BENCHMARKS.md, issue 13).
 """
 

@@ -263,12 +263,8 @@ class DecoderLayer(nn.Module):
     def prepare_plan(self, dtype: mx.Dtype) -> None:
         """Record this GDN layer's decode-step plan for rows of `dtype` if not done yet (outside
         any traced function: a recording evaluates the plan's workspace and constants)."""
-        if self.is_attention or dtype in self._phases.plans:
-            return
-        weights = layer_plans.of_decoder(self)
-        hidden = self.input_layernorm.weight.shape[0]
-        ok = weights is not None and layer_plans.covers(weights, hidden, dtype, dtype)
-        self._phases.plans[dtype] = layer_plans.make_plan(weights, hidden, dtype) if ok and weights else None
+        if not self.is_attention and dtype not in self._phases.plans:
+            self._phases.plans[dtype] = layer_plans.plan_for(self, dtype)
 
     def token_functions(self) -> tuple[Callable[..., Any], Callable[..., Any]]:
         """The one-token pure functions, uncompiled: what a segment of a one-token pass traces
