@@ -5,7 +5,9 @@
 
 and the launch plans' own kernels for what the default wiring runs through MLX (engine/launch_plan.py:
 a plan holds the engine's kernels only): `rms_rows` (the norm alone, add_norm.kernel's
-SPR_NORM_ONLY build) and `swiglu` (metal/swiglu.kernel).
+SPR_NORM_ONLY build), `swiglu` (metal/swiglu.kernel), and the gated-attention layer's
+`head_norms` (metal/head_norms.kernel: its q / k norms with v and the gate laid out for the next
+steps) and `sigmoid_gate` (metal/sigmoid_gate.kernel).
 
 Why: on a GPU a step is bound by the host encoding its launches (BENCHMARKS.md, issue 12,
 twenty-fourth session: ~10 µs of host time a launching operation on the H200); at the 9B shape
@@ -25,7 +27,18 @@ from __future__ import annotations
 import mlx.core as mx
 
 from engine import launch_plan
-from engine.kernels import ADD_NORM, GATED_NORM, RMS_NORM, SWIGLU, FastPath, compiled_kernel, eps_array, gpu_backend
+from engine.kernels import (
+    ADD_NORM,
+    GATED_NORM,
+    HEAD_NORMS,
+    RMS_NORM,
+    SIGMOID_GATE,
+    SWIGLU,
+    FastPath,
+    compiled_kernel,
+    eps_array,
+    gpu_backend,
+)
 
 WPG = 4  # rows (SIMD groups) a threadgroup
 DTYPES = (mx.float32, mx.bfloat16, mx.float16)
@@ -92,6 +105,45 @@ def swiglu(gu: mx.array, backend: str | None = None) -> mx.array:
     return compiled_kernel(SWIGLU, backend)(
         inputs=[gu], template=[("OutT", gu.dtype)], grid=(-(-n // SWIGLU_THREADS) * SWIGLU_THREADS, 1, 1),
         threadgroup=(SWIGLU_THREADS, 1, 1), output_shapes=[(M, I2 // 2)], output_dtypes=[gu.dtype])[0]
+
+
+def sigmoid_gate(a: mx.array, g: mx.array, backend: str | None = None) -> mx.array:
+    """a * sigmoid(g) for rows a, g [M, N] -> [M, N], in fp32, rounded once: the gated-attention
+    layer's output gate in the launch-plan wiring (engine/layer_plans.py)."""
+    backend = backend or gpu_backend()
+    assert backend is not None, "a GPU kernel"
+    M, N = a.shape
+    n = M * N
+    return compiled_kernel(SIGMOID_GATE, backend)(
+        inputs=[a, g], template=[("OutT", a.dtype)], grid=(-(-n // SWIGLU_THREADS) * SWIGLU_THREADS, 1, 1),
+        threadgroup=(SWIGLU_THREADS, 1, 1), output_shapes=[(M, N)], output_dtypes=[a.dtype])[0]
+
+
+def head_norms(y: mx.array, qw: mx.array, kw: mx.array, eps: float, heads: int, kv_heads: int,
+               backend: str | None = None) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """The gated-attention layer's fused projection rows y [T, heads * 2 D + 2 kv_heads * D] (per
+    query head [query | gate], then k, then v) -> (q [1, heads, T, D] and k [1, kv_heads, T, D]
+    RMS-normed by qw / kw [D], v [1, kv_heads, T, D], gate [1, T, heads * D]); the caller checks
+    heads_cover()."""
+    backend = backend or gpu_backend()
+    assert backend is not None, "a GPU kernel"
+    T, W = y.shape
+    D = W // (2 * heads + 2 * kv_heads)
+    groups = -(-(T * (heads + 2 * kv_heads)) // WPG)
+    return tuple(compiled_kernel(HEAD_NORMS, backend)(  # type: ignore[return-value]
+        inputs=[y, qw, kw, eps_array(eps)], template=[("OutT", y.dtype), ("H", heads), ("HKV", kv_heads), ("D", D)],
+        grid=(groups * WPG * 32, 1, 1), threadgroup=(WPG * 32, 1, 1),
+        output_shapes=[(1, heads, T, D), (1, kv_heads, T, D), (1, kv_heads, T, D), (1, T, heads * D)],
+        output_dtypes=[y.dtype] * 4))
+
+
+def heads_cover(y: mx.array, qw: mx.array, kw: mx.array, heads: int, kv_heads: int) -> bool:
+    """Rows y [T, heads * 2 D + 2 kv_heads * D] of a float dtype and norm weights [D]: what
+    head_norms takes."""
+    if y.ndim != 2 or y.dtype not in DTYPES or y.shape[1] % (2 * heads + 2 * kv_heads):
+        return False
+    D = y.shape[1] // (2 * heads + 2 * kv_heads)
+    return qw.shape == (D,) and kw.shape == (D,) and qw.dtype in DTYPES and kw.dtype in DTYPES
 
 
 def add_norm_threads(Hd: int) -> int:

@@ -115,6 +115,12 @@ ADD_NORM = KernelSpec("spruce_add_norm", "add_norm.kernel", ("x", "y", "w", "eps
 RMS_NORM = KernelSpec("spruce_rms_norm", "add_norm.kernel", ("x", "w", "eps"), ("out",), header=(),
                       defines=("SPR_NORM_ONLY",))
 SWIGLU = KernelSpec("spruce_swiglu", "swiglu.kernel", ("gu",), ("out",), header=())
+# the gated-attention layer's launch-plan kernels (engine/layer_plans.py): its per-head q / k norms
+# after the fused projection (with v and the gate copied out in the layouts the next steps read),
+# and its output gate
+HEAD_NORMS = KernelSpec("spruce_head_norms", "head_norms.kernel", ("y", "qw", "kw", "eps"), ("q", "k", "v", "gate"),
+                        header=())
+SIGMOID_GATE = KernelSpec("spruce_sigmoid_gate", "sigmoid_gate.kernel", ("a", "g"), ("out",), header=())
 GATED_NORM = KernelSpec("spruce_gated_norm", "gated_norm.kernel", ("o", "z", "w", "eps"), ("out",), header=(),
                         contiguous=False)
 # each row's token (argmax, or the seeded draw under top-k / top-p / min-p) in one launch, and with
@@ -133,7 +139,8 @@ CHOOSE_TOP_PEN = KernelSpec("spruce_choose_top_pen", "choose.kernel", (*CHOOSE_T
 KERNELS = (GDN_STEP, GDN_CHAIN, GDN_TREE_FRONT, GDN_TREE, GDN_TREE_FRONT_FOLD, GDN_TREE_FOLD, GDN_COMMIT, QMM_ROWS,
            READ_FLOOR, READ_STREAM, QMM_MMA, QMM_MMA_NORM, QMM_MMA_RES, QMM_MMA_SWIGLU, QMM_MMA_SWIGLU_RES,
            ATTN_ROWS, ATTN_ONE, ATTN_MERGE, ATTN_DRAFT,
-           ADD_NORM, RMS_NORM, SWIGLU, GATED_NORM, CHOOSE, CHOOSE_TOP, CHOOSE_PEN, CHOOSE_TOP_PEN)
+           ADD_NORM, RMS_NORM, SWIGLU, HEAD_NORMS, SIGMOID_GATE, GATED_NORM,
+           CHOOSE, CHOOSE_TOP, CHOOSE_PEN, CHOOSE_TOP_PEN)
 
 
 def read_source(file: str) -> str:

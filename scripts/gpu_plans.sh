@@ -7,7 +7,10 @@
 #   launch by launch, and the GPU tests of the other wirings (which turn plans off);
 # - layers: scripts/bench_launch_plan.py, 24 GDN layers of the 9B shape, launches one by one
 #   against one plan a layer (host and device time, bitwise check);
-# - e2e: plain decoding beside mlx-lm, plans on (the default) and off ("-lp0"), interleaved;
+# - e2e: plain decoding beside mlx-lm, plans on (the default), the attention layers' plans off
+#   ("-ap0": the GDN layers' alone) and every plan off ("-lp0"), interleaved;
+# - host: scripts/profile_host.py's one-row step (build, encode, wait, and a cProfile of the build)
+#   with every plan, with the GDN layers' alone, and with none;
 # - widen: the 4-bit 9B-shaped pair in /tmp/q9 (needs the bundled weights);
 # - rounds: plain decoding, MTP chains and DDTree and DFlash chains on that pair, greedy, plans on and
 #   off interleaved run by run (what plans do to speculation's rounds: not measured yet).
@@ -27,8 +30,12 @@ for stage in $stages; do
     layers) timeout 200 python scripts/bench_launch_plan.py --out "$OUT/layers" --shape 9b --layers 24 --steps 32 \
               --runs 4 ;;
     e2e) timeout 400 python scripts/bench_gpu.py --out "$OUT/e2e" --targets 9b --skip-draft --runs 6 --tokens 128 \
-           --tree-sizes 1,17 --ops-tree-sizes "" --micro "" --prefill-tokens 0 --cores kernels,kernels-lp0 \
-           | grep -v '^ \|^{\|^}' ;;
+           --tree-sizes 1,17 --ops-tree-sizes "" --micro "" --prefill-tokens 0 \
+           --cores kernels,kernels-ap0,kernels-lp0 | grep -v '^ \|^{\|^}' ;;
+    host) for v in 1:1 1:0 0:0; do
+            SPRUCE_LAUNCH_PLANS=${v%:*} SPRUCE_ATTENTION_PLANS=${v#*:} timeout 150 python scripts/profile_host.py \
+              --out "$OUT/host_${v/:/_}" --shape 9b --rows 1 --runs 24 | grep -v "^ *[0-9]* *0.0"
+          done ;;
     widen) [ -f /tmp/q9/target/config.json ] || timeout 120 python scripts/widen_checkpoint.py /tmp/q9 --shape 9b --bits 4 ;;
     rounds) timeout 500 python scripts/profile_rounds.py --model /tmp/q9/target --dflash-model /tmp/q9/dflash \
               --dtype bfloat16 --methods none,mtp:chain,mtp:ddtree,dflash:chain --kinds code,chat --runs 2 \

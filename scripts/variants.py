@@ -52,8 +52,11 @@
 - "-dn0" / "-dn1": a visited node of a sampled tree on the CPU drawn in a graph of its own / at once
   on the host, and a tree's accepted rows' top-token probability in NumPy / at once in the CPU's
   own operation (engine.cpu_ext.DRAW_NOW);
-- "-lp0" / "-lp1": a decode step's GDN layers as one launch plan each, with the wiring the plans
-  record for every pass (engine.launch_plan.SWITCH; CUDA with the engine's extension built);
+- "-lp0" / "-lp1": a decode step's GDN layers as one launch plan each and its attention layers as
+  two, with the wiring the plans record for every pass (engine.launch_plan.SWITCH; CUDA with the
+  engine's extension built);
+- "-ap0" / "-ap1": with the launch plans on, the attention layers left in the wiring before them /
+  as their two plans (engine.layer_plans.ATTENTION);
 - "-srN": products of up to N rows through the GEMV shim's small-row path on the CPU, 0 = none
   (engine.blas.SMALL_ROWS; a no-op without the shim);
 - "-stN": that path on at most N threads, 0 = every core (engine.blas.GEMM_THREADS);
@@ -89,7 +92,18 @@ from typing import Any
 
 def _settings() -> dict[str, tuple[list[tuple[Any, str]], Callable[[str], tuple[Any, ...]]]]:
     """suffix prefix -> (the (owner, attribute) pairs it sets, the values from the suffix's rest)."""
-    from engine import attention_rows, blas, choose_kernel, cpu_exp, cpu_ext, forward, fused_norms, launch_plan, qmm
+    from engine import (
+        attention_rows,
+        blas,
+        choose_kernel,
+        cpu_exp,
+        cpu_ext,
+        forward,
+        fused_norms,
+        launch_plan,
+        layer_plans,
+        qmm,
+    )
     from engine import round as rounds
     from engine.cache import GDNCache
     from engine.drafters import mtp
@@ -136,6 +150,7 @@ def _settings() -> dict[str, tuple[list[tuple[Any, str]], Callable[[str], tuple[
         "ck": ([(choose_kernel.KERNEL, "value")], on),
         "cu": ([(mtp, "COUPLED_DRAWS")], on),
         "lp": ([(launch_plan.SWITCH, "value")], on),
+        "ap": ([(layer_plans.ATTENTION, "value")], on),
     }
 
 

@@ -173,7 +173,8 @@ def tree_arrays(batch: Batch) -> tuple[mx.array, ...]:
 # the norms and SwiGLU before them: fused_qmm.wiring(), a GDN layer's token step, its tree verify,
 # the RMS norms and the MLP block, in the CPU's own operations: cpu_ext.GDN_STEP, cpu_ext.GDN_TREE,
 # cpu_ext.NORMS, cpu_ext.MLP, and the input norm with the mixer's projections in one:
-# cpu_ext.PRODUCTS; an output of the last layer pending)
+# cpu_ext.PRODUCTS; the launch-plan wiring, and its attention layers'; an output of the last layer
+# pending)
 TraceKey = tuple[object, ...]
 
 
@@ -181,16 +182,17 @@ def trace_settings() -> tuple[bool, ...]:
     """The module settings a layer's traced functions depend on (a TraceKey's fields after the
     mode, the compilation and the folding, but for the last layer's output pending)."""
     return (*fused_norms.traces(), cpu_exp.POW_GATES, *fused_qmm.wiring(), cpu_ext.GDN_STEP, cpu_ext.GDN_TREE,
-            cpu_ext.NORMS, cpu_ext.MLP, cpu_ext.PRODUCTS, launch_plan.enabled())
+            cpu_ext.NORMS, cpu_ext.MLP, cpu_ext.PRODUCTS, launch_plan.enabled(), layer_plans.ATTENTION.enabled())
 
 
 class _Phases:
-    """A layer's functions per mode, built once (compiled for decoding), and a GDN layer's decode
-    step's launch plan per activation dtype (None where the plan does not apply)."""
+    """A layer's functions per mode, built once (compiled for decoding), and its decode step's
+    launch plans per activation dtype (engine/layer_plans.py: a GDN layer's one, an attention
+    layer's two; None where they do not apply)."""
 
     def __init__(self) -> None:
         self.by_mode: dict[TraceKey, tuple[Callable[..., Any], Callable[..., Any]]] = {}
-        self.plans: dict[mx.Dtype, launch_plan.LaunchPlan | None] = {}
+        self.plans: dict[mx.Dtype, launch_plan.LaunchPlan | layer_plans.AttentionPlans | None] = {}
 
 
 class DecoderLayer(nn.Module):
@@ -261,9 +263,9 @@ class DecoderLayer(nn.Module):
         return self._phases.by_mode[key]
 
     def prepare_plan(self, dtype: mx.Dtype) -> None:
-        """Record this GDN layer's decode-step plan for rows of `dtype` if not done yet (outside
-        any traced function: a recording evaluates the plan's workspace and constants)."""
-        if not self.is_attention and dtype not in self._phases.plans:
+        """Record this layer's decode-step plans for rows of `dtype` if not done yet (outside any
+        traced function: a recording evaluates the plan's workspace and constants)."""
+        if dtype not in self._phases.plans:
             self._phases.plans[dtype] = layer_plans.plan_for(self, dtype)
 
     def token_functions(self) -> tuple[Callable[..., Any], Callable[..., Any]]:
@@ -333,32 +335,51 @@ class DecoderLayer(nn.Module):
         pending, and none comes in (every decode layer of a model is wired alike). Where a build does
         not cover a projection, the same ops run unfused."""
         norm, post, mlp = self.input_layernorm, self.post_attention_layernorm, self.mlp
+        # the launch-plan wiring (engine/launch_plan.py): a layer's norms, SwiGLU and (attention)
+        # head norms and output gate through the engine's own kernels, so that its decode step runs
+        # as plans and a verify's rows run the plans' kernels one by one
+        planned = mode != "chain" and launch_plan.enabled()
+        plans = self._phases.plans
 
         if self.is_attention:
             attn = self.self_attn
+            kernels = layer_plans.of_attention_decoder(self) if planned and layer_plans.ATTENTION.enabled() else None
+
+            def wired(x: mx.array) -> layer_plans.AttentionLayer | None:
+                """The layer's launch-plan kernels where they cover these rows, else None."""
+                if kernels is None or not layer_plans.attention_covers(kernels, x.shape[1], x.shape[2], x.dtype):
+                    return None
+                return kernels
 
             def project(x: mx.array, pending: Pending) -> list[mx.array]:
                 assert not pending, "no layer of this wiring leaves its output pending"
-                return [x, *attn.project(x, norm)]
+                layer = wired(x)
+                if layer is None:
+                    return [x, *attn.project(x, norm)]
+                plan = plans.get(x.dtype) if mode == "token" else None
+                if isinstance(plan, layer_plans.AttentionPlans) and plan.project.accepts(x):
+                    return [x, *plan.project(x)]  # three launches recorded once
+                return [x, *layer_plans.attention_project_rows(layer, x)]
 
             def output(x: mx.array, out: mx.array, gate: mx.array | None = None) -> tuple[mx.array, ...]:
-                return (fused_qmm.mlp_residual(mlp, attn.output(out, gate, residual=x), post),)
+                layer = wired(x) if gate is not None else None
+                if layer is None or gate is None:
+                    return (fused_qmm.mlp_residual(mlp, attn.output(out, gate, residual=x), post),)
+                plan = plans.get(x.dtype) if mode == "token" else None
+                if isinstance(plan, layer_plans.AttentionPlans) and plan.output.accepts(x, out, gate):
+                    return (plan.output(x, out, gate)[0],)  # six launches recorded once
+                return (layer_plans.attention_output_rows(layer, x, out, gate),)
 
             return project, output
         gdn = self.linear_attn
-        # the launch-plan wiring (engine/launch_plan.py): a GDN layer's norms and SwiGLU through the
-        # engine's own kernels, so that its decode step runs as one plan and a verify's rows run
-        # the plan's kernels one by one
-        planned = mode != "chain" and launch_plan.enabled()
         in_norm: fused_qmm.Norm = fused_qmm.KernelNorm(norm) if planned else norm
         post_norm: fused_qmm.Norm = fused_qmm.KernelNorm(post) if planned else post
-        plans = self._phases.plans
 
         def layer(x: mx.array, pending: Pending, conv_state: mx.array, S: mx.array, tree: tuple[mx.array, ...],
                   levels: int, fold: tuple[mx.array, ...] = ()):
             assert not pending, "no layer of this wiring leaves its output pending"
             plan = plans.get(x.dtype) if planned and mode == "token" else None
-            if plan is not None and plan.accepts(x, conv_state, S):
+            if isinstance(plan, launch_plan.LaunchPlan) and plan.accepts(x, conv_state, S):
                 # the whole layer as one operation: the launches below, recorded once
                 out, conv_state, S = plan(x, conv_state, S)
                 return (out,), (conv_state, S)

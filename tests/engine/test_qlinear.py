@@ -213,16 +213,16 @@ def plans_available() -> bool:
 
 @pytest.mark.skipif(not plans_available(), reason="launch plans run on CUDA with the engine's extension built")
 def test_launch_plans_in_the_model(wide_q4, monkeypatch):
-    """With launch plans on (engine/launch_plan.py), a decode step runs each GDN layer as its plan;
-    greedy decoding then emits, with the same logprobs to the bit, what the same wiring emits
-    launch by launch, and speculation (whose verifies run the wiring launch by launch) flips
-    tokens only at near ties."""
+    """With launch plans on (engine/launch_plan.py), a decode step runs each GDN layer as its plan
+    and each attention layer as its two; greedy decoding then emits, with the same logprobs to the
+    bit, what the same wiring emits launch by launch, and speculation (whose verifies run the
+    wiring launch by launch) flips tokens only at near ties."""
     from engine import launch_plan, layer_plans
 
     monkeypatch.setattr(launch_plan.SWITCH, "value", True)
-    calls: list[int] = []
+    calls: list[str] = []
     real = launch_plan.LaunchPlan.__call__
-    monkeypatch.setattr(launch_plan.LaunchPlan, "__call__", lambda self, *a: calls.append(1) or real(self, *a))
+    monkeypatch.setattr(launch_plan.LaunchPlan, "__call__", lambda self, *a: calls.append(self.name) or real(self, *a))
     sampling = SamplingParams(max_tokens=24, ignore_eos=True, logprobs=2)
     prompts = []
     for seed in range(3):
@@ -230,8 +230,10 @@ def test_launch_plans_in_the_model(wide_q4, monkeypatch):
         prompts.append([int(t) for t in list(rng.randint(0, 500, size=5)) * 3 + list(rng.randint(0, 500, size=10))])
     planned = Engine(EngineConfig(model_path=str(wide_q4), dtype="bfloat16"))
     outs = [generate(planned, p, sampling) for p in prompts]
-    assert calls, "no plan ran"
-    monkeypatch.setattr(layer_plans, "make_plan", lambda *a, **k: None)  # the same wiring, launch by launch
+    assert {"gdn-decode-step", "attention-project", "attention-output"} <= set(calls), set(calls)
+    # the same wiring, launch by launch
+    monkeypatch.setattr(layer_plans, "make_plan", lambda *a, **k: None)
+    monkeypatch.setattr(layer_plans, "make_attention_plans", lambda *a, **k: None)
     calls.clear()
     one_by_one = Engine(EngineConfig(model_path=str(wide_q4), dtype="bfloat16"))
     for p, out in zip(prompts, outs, strict=True):

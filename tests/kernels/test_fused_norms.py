@@ -1,5 +1,6 @@
-"""The fused norms (metal/add_norm.kernel, metal/gated_norm.kernel) against their twins: emulated
-on the CPU against NumPy (fp32), and on a GPU the MLX calls against the engine's ops."""
+"""The fused norms (metal/add_norm.kernel, metal/gated_norm.kernel) and the launch plans' own
+kernels (the norm alone, SwiGLU, the attention's head norms and output gate) against their twins:
+emulated on the CPU against NumPy (fp32), and on a GPU the MLX calls against the engine's ops."""
 
 from __future__ import annotations
 
@@ -16,11 +17,14 @@ from engine.fused_norms import (
     add_norm_threads,
     gated_covers,
     gated_norm,
+    head_norms,
+    heads_cover,
     rms_rows,
     rows_cover,
+    sigmoid_gate,
     swiglu,
 )
-from engine.kernels import ADD_NORM, GATED_NORM, RMS_NORM, SWIGLU, gpu_backend
+from engine.kernels import ADD_NORM, GATED_NORM, HEAD_NORMS, RMS_NORM, SIGMOID_GATE, SWIGLU, gpu_backend
 from tests.kernels.emulate import SIMT_AVAILABLE, emulate, emulate_simt
 
 EPS = np.array([1e-6], dtype=np.float32)
@@ -97,6 +101,51 @@ def test_emulated_swiglu_equals_twin(rows, width, rng, tmp_path):
     assert np.abs(got - want).max() < 1e-5 * max(1.0, np.abs(want).max())
 
 
+def emulate_head_norms(y: np.ndarray, qw: np.ndarray, kw: np.ndarray, heads: int, kv: int, tmp_path) -> dict:
+    rows, width = y.shape
+    d = width // (2 * heads + 2 * kv)
+    return emulate_simt(HEAD_NORMS, {"y": y, "qw": qw, "kw": kw, "eps": EPS},
+                        {"q": ((1, heads, rows, d), np.float32), "k": ((1, kv, rows, d), np.float32),
+                         "v": ((1, kv, rows, d), np.float32), "gate": ((1, rows, heads * d), np.float32)},
+                        {"OutT": "float32", "H": heads, "HKV": kv, "D": d}, -(-(rows * (heads + 2 * kv)) // WPG),
+                        WPG * 32, tmp_path)
+
+
+@pytest.mark.skipif(not SIMT_AVAILABLE, reason="the lockstep emulation needs g++ and Linux's ucontext")
+@pytest.mark.parametrize(("rows", "heads", "kv", "d"), [(1, 6, 2, 64), (5, 4, 1, 256), (3, 2, 2, 48)])
+def test_lockstep_head_norms_equal_the_attentions_split_and_norms(rows, heads, kv, d, rng, tmp_path):
+    """q | gate per head, then k, then v, as Qwen3.5's fused projection lays them out: q and k
+    normed per head against float64, v and the gate copied bit for bit, each in the layout the
+    next step reads; a row's results the same in a launch of one row."""
+    y = rng.normal(size=(rows, (2 * heads + 2 * kv) * d)).astype(np.float32) * 2
+    qw, kw = (rng.normal(size=(d,)).astype(np.float32) for _ in range(2))
+    got = emulate_head_norms(y, qw, kw, heads, kv, tmp_path)
+    qg = y[:, : 2 * heads * d].reshape(rows, heads, 2 * d)
+    k = y[:, 2 * heads * d : (2 * heads + kv) * d].reshape(rows, kv, d)
+    v = y[:, (2 * heads + kv) * d :].reshape(rows, kv, d)
+    q = qg[..., :d].astype(np.float64)
+    np.testing.assert_array_equal(got["gate"][0], qg[..., d:].reshape(rows, heads * d))
+    np.testing.assert_array_equal(got["v"][0], v.transpose(1, 0, 2))
+    for name, x, w in (("q", q, qw), ("k", k.astype(np.float64), kw)):
+        want = (x / rms(x) * w).transpose(1, 0, 2)
+        assert np.abs(got[name][0] - want).max() < 1e-5 * max(1.0, np.abs(want).max()), name
+    one = emulate_head_norms(y[-1:], qw, kw, heads, kv, tmp_path)
+    for name in ("q", "k", "v"):
+        np.testing.assert_array_equal(one[name][0, :, 0], got[name][0, :, -1])
+    np.testing.assert_array_equal(one["gate"][0, 0], got["gate"][0, -1])
+
+
+@pytest.mark.parametrize(("rows", "width"), [(1, 96), (3, 1024)])
+def test_emulated_sigmoid_gate_equals_twin(rows, width, rng, tmp_path):
+    a = rng.normal(size=(rows, width)).astype(np.float32)
+    g = rng.normal(size=(rows, width)).astype(np.float32) * 4
+    n = rows * width
+    got = emulate(SIGMOID_GATE, {"a": a, "g": g}, {"out": ((rows, width), np.float32)}, {"OutT": "float32"},
+                  -(-n // SWIGLU_THREADS), SWIGLU_THREADS, tmp_path)["out"]
+    want = a.astype(np.float64) / (1.0 + np.exp(-g.astype(np.float64)))
+    assert np.abs(got - want).max() < 1e-5 * max(1.0, np.abs(want).max())
+
+
 @pytest.mark.parametrize(("rows", "heads", "dv"), [(1, 12, 32), (9, 4, 128)])
 def test_emulated_gated_norm_equals_twin(rows, heads, dv, rng, tmp_path):
     """z as the fused projection hands it over: a column slice of a wider row, read in place."""
@@ -109,6 +158,15 @@ def test_emulated_gated_norm_equals_twin(rows, heads, dv, rng, tmp_path):
     z = wide[:, : heads * dv].reshape(rows, heads, dv).astype(np.float64)
     want = (o / rms(o) * w) * (z / (1.0 + np.exp(-z)))
     assert np.abs(got.reshape(rows, heads, dv) - want).max() < 1e-5 * max(1.0, np.abs(want).max())
+
+
+def test_heads_cover():
+    y = mx.zeros((3, (2 * 4 + 2 * 2) * 32), dtype=mx.bfloat16)
+    assert heads_cover(y, mx.ones((32,)), mx.ones((32,)), 4, 2)
+    assert not heads_cover(y, mx.ones((32,)), mx.ones((32,)), 4, 1)  # 12 * 32 columns are not 10 heads' rows
+    assert not heads_cover(y, mx.ones((64,)), mx.ones((32,)), 4, 2)
+    assert not heads_cover(y[None], mx.ones((32,)), mx.ones((32,)), 4, 2)
+    assert not heads_cover(y.astype(mx.int32), mx.ones((32,)), mx.ones((32,)), 4, 2)
 
 
 def test_add_norm_threads_follow_the_row_width():
@@ -192,3 +250,41 @@ def test_gpu_norm_alone_and_swiglu(dtype, rows, dims, rng):
     ref = (g * mx.sigmoid(g) * u)
     assert float(mx.abs(got - ref).max()) <= tol * max(1.0, float(mx.abs(ref).max()))
     assert mx.array_equal(swiglu(gu[-1:]), swiglu(gu)[-1:])
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize(("rows", "heads", "kv", "d"), [(1, 16, 4, 256), (17, 16, 4, 256), (3, 6, 2, 64)])
+def test_gpu_head_norms_equal_the_attentions_projection_ops(dtype, rows, heads, kv, d, rng):
+    """Against Attention.project's split, q_norm / k_norm (mx.fast.rms_norm) and transposes; v and
+    the gate bit for bit; a row's results the same in a launch of one row."""
+    y = mx.array(rng.normal(size=(rows, (2 * heads + 2 * kv) * d)).astype(np.float32)).astype(dtype)
+    qw, kw = (mx.array(rng.normal(size=(d,)).astype(np.float32)).astype(dtype) for _ in range(2))
+    q, k, v, gate = head_norms(y, qw, kw, 1e-6, heads, kv)
+    qg = y[:, : 2 * heads * d].reshape(1, rows, heads, 2 * d)
+    want_q = mx.fast.rms_norm(qg[..., :d], qw, 1e-6).transpose(0, 2, 1, 3)
+    want_k = mx.fast.rms_norm(y[:, 2 * heads * d : (2 * heads + kv) * d].reshape(1, rows, kv, d), kw,
+                              1e-6).transpose(0, 2, 1, 3)
+    assert mx.array_equal(v, y[:, (2 * heads + kv) * d :].reshape(1, rows, kv, d).transpose(0, 2, 1, 3))
+    assert mx.array_equal(gate, qg[..., d:].reshape(1, rows, heads * d))
+    tol = 1e-5 if dtype == mx.float32 else 2e-2
+    for got, want in ((q, want_q), (k, want_k)):
+        want = want.astype(mx.float32)
+        assert float(mx.abs(got.astype(mx.float32) - want).max()) <= tol * max(1.0, float(mx.abs(want).max()))
+    one = head_norms(y[-1:], qw, kw, 1e-6, heads, kv)
+    for got, all_rows in zip(one[:3], (q, k, v), strict=True):
+        assert mx.array_equal(got[:, :, 0], all_rows[:, :, -1])
+    assert mx.array_equal(one[3][0, 0], gate[0, -1])
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize(("rows", "width"), [(1, 4096), (17, 4096), (5, 384)])
+def test_gpu_sigmoid_gate_equals_the_ops(dtype, rows, width, rng):
+    a = mx.array(rng.normal(size=(rows, width)).astype(np.float32)).astype(dtype)
+    g = mx.array(rng.normal(size=(rows, width)).astype(np.float32) * 3).astype(dtype)
+    got = sigmoid_gate(a, g).astype(mx.float32)
+    ref = a.astype(mx.float32) * mx.sigmoid(g.astype(mx.float32))
+    tol = 1e-5 if dtype == mx.float32 else 2e-2
+    assert float(mx.abs(got - ref).max()) <= tol * max(1.0, float(mx.abs(ref).max()))
+    assert mx.array_equal(sigmoid_gate(a[-1:], g[-1:]), sigmoid_gate(a, g)[-1:])

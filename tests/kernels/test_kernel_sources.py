@@ -29,8 +29,11 @@ def dtypes_for(spec: KernelSpec, activations: str) -> dict[str, str]:
     for n in (*spec.inputs, *spec.outputs):
         if spec.name.startswith("spruce_choose"):  # logits in the activations' dtype, tokens int32
             out[n] = activations if n in ("logits", "raw") else "int32" if n == "tokens" else "float32"
-        elif spec.name in ("spruce_add_norm", "spruce_gated_norm", "spruce_rms_norm", "spruce_swiglu"):
-            out[n] = activations if n in ("x", "y", "h", "out", "z", "gu") else "float32"  # o, w, eps fp32
+        elif spec.name in ("spruce_add_norm", "spruce_gated_norm", "spruce_rms_norm", "spruce_swiglu",
+                           "spruce_head_norms", "spruce_sigmoid_gate"):
+            # o, w, qw, kw, eps fp32
+            out[n] = activations if n in ("x", "y", "h", "out", "z", "gu", "q", "k", "v", "gate", "a", "g") \
+                else "float32"
         elif spec.name.startswith("spruce_attn"):  # rows and cache in the activations' dtype, the mask bool
             out[n] = ("bool" if n == "ancestors" else "int32" if n in ("length", "srow")
                       else activations if n in ("q", "keys", "values", "skeys", "svalues", "o") else "float32")
@@ -53,7 +56,9 @@ def template_for(spec: KernelSpec, shape: str, activations: str = "float32") -> 
         return dict(GREEDY=0, CAP=2048)
     if spec.name.endswith("read_stream"):
         return dict(OutT=activations)
-    if spec.name.endswith(("add_norm", "gated_norm", "rms_norm", "swiglu")):
+    if spec.name.endswith("head_norms"):  # the bundled model's attention: 6 heads of 64, 2 K/V heads; the 9B's
+        return dict(OutT=activations, H=16, HKV=4, D=256) if shape == "9b" else dict(OutT=activations, H=6, HKV=2, D=64)
+    if spec.name.endswith(("add_norm", "gated_norm", "rms_norm", "swiglu", "sigmoid_gate")):
         return dict(OutT=activations)
     if spec.name.startswith("spruce_attn"):  # the bundled model's heads are 64 wide, the 9B's 256
         return dict(D=256 if shape == "9b" else 64, CH=32, OutT=activations)

@@ -17,7 +17,14 @@ from engine import kernels
 from engine.gdn.core import GDNShape
 from engine.kernels import ADD_NORM, GDN_STEP, QMM_MMA, gpu_backend
 from engine.launch_plan import ALIGN, MAX_NDIM, SHAPE_TYPES, Buf, columns, kernel_source, record
-from engine.layer_plans import GDNLayer, gdn_decode_step
+from engine.layer_plans import (
+    AttentionLayer,
+    GDNLayer,
+    attention_output_rows,
+    attention_project_rows,
+    gdn_decode_step,
+    make_attention_plans,
+)
 
 SMALL = GDNShape(Hk=2, Hv=4, Dk=64, Dv=64, K=4)
 HIDDEN, INTERMEDIATE = 256, 512
@@ -88,12 +95,52 @@ def test_kernel_source_is_mlx_build_kernel_layout():
 STUB = Path(__file__).resolve().parents[2] / "metal" / "stub"
 
 
+HEADS, KV_HEADS, HEAD_DIM = 4, 2, 64
+
+
+def record_attention(layer: AttentionLayer, hidden: int = HIDDEN) -> tuple[Any, tuple[Buf, ...], Any, Buf]:
+    """The attention layer's two halves recorded: (recorder, (q, k, v, gate), recorder, out)."""
+    width = layer.heads * layer.head_dim
+    with record("attention-project") as rec:
+        front = attention_project_rows(layer, rec.arg((1, 1, hidden), mx.bfloat16))
+    with record("attention-output") as rec2:
+        out = attention_output_rows(layer, rec2.arg((1, 1, hidden), mx.bfloat16), rec2.arg((1, 1, width), mx.bfloat16),
+                                    rec2.arg((1, 1, width), mx.bfloat16))
+    return rec, front, rec2, out
+
+
+def test_an_attention_layer_records_its_two_halves():
+    layer = AttentionLayer.random(HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTERMEDIATE)
+    rec, (q, k, v, gate), rec2, out = record_attention(layer)
+    assert [launch.spec.name for launch in rec.launches] == ["spruce_rms_norm", "spruce_qmm_mma", "spruce_head_norms"]
+    assert [launch.spec.name for launch in rec2.launches] == [
+        "spruce_sigmoid_gate", "spruce_qmm_mma_res", "spruce_rms_norm", "spruce_qmm_mma", "spruce_swiglu",
+        "spruce_qmm_mma_res"]
+    assert [b.shape for b in (q, k, v, gate)] == [(1, HEADS, 1, HEAD_DIM), (1, KV_HEADS, 1, HEAD_DIM),
+                                                  (1, KV_HEADS, 1, HEAD_DIM), (1, 1, HEADS * HEAD_DIM)]
+    assert out.shape == (1, 1, HIDDEN)
+    # the gate reads the attention's output (the plan's second array) and the gate (its third);
+    # o_proj's residual is the layer's input (its first)
+    gate_launch, o_proj = rec2.launches[0], rec2.launches[1]
+    assert [a[0] for a in gate_launch.args if a[0] >= 0][:2] == [1, 2]
+    assert o_proj.args[-2][0] == 0
+    plans = make_attention_plans(layer, HIDDEN, mx.bfloat16) if cuda_plans() else None
+    native = NativeDouble()
+    project, output = rec.build([q, k, v, gate], ext=native), rec2.build([out], ext=native)
+    assert project.launches == 3 and output.launches == 6
+    assert [r for r, _ in project.results] == [(1, HEADS, 1, HEAD_DIM), (1, KV_HEADS, 1, HEAD_DIM),
+                                              (1, KV_HEADS, 1, HEAD_DIM), (1, 1, HEADS * HEAD_DIM)]
+    assert plans is None or plans.project.results == project.results
+
+
 @pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is not installed")
 def test_a_gdn_steps_plan_sources_compile_against_the_stub(tmp_path):
     """Every launch's whole source, as the plan hands it to NVRTC, is valid C++ for g++ with the
-    CUDA stub of metal/stub (which brings its own Shape and Strides)."""
+    CUDA stub of metal/stub (which brings its own Shape and Strides): a GDN step's and both halves
+    of an attention layer's."""
     rec, _ = record_step(GDNLayer.random(SMALL, HIDDEN, INTERMEDIATE))
-    for launch in rec.launches:
+    front, _, back, _ = record_attention(AttentionLayer.random(HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTERMEDIATE))
+    for launch in [*rec.launches, *front.launches, *back.launches]:
         assert SHAPE_TYPES in launch.source.text
         src = tmp_path / f"{launch.source.module}.cpp"
         src.write_text('#include "cuda_stub.h"\n' + launch.source.text.replace(SHAPE_TYPES, ""))
@@ -242,3 +289,24 @@ def test_plan_refuses_arrays_it_was_not_recorded_for():
         plan(*good[:2])
     with pytest.raises(ValueError):
         plan(good[0].astype(mx.float32), *good[1:])
+
+
+@needs_plans
+@pytest.mark.parametrize("heads,kv_heads,head_dim,hidden,intermediate", [
+    (HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTERMEDIATE),
+    (16, 4, 256, 1024, 3072),
+])
+def test_attention_plans_equal_their_launches_one_by_one_bitwise(heads, kv_heads, head_dim, hidden, intermediate):
+    layer = AttentionLayer.random(heads, kv_heads, head_dim, hidden, intermediate, seed=5)
+    plans = make_attention_plans(layer, hidden, mx.bfloat16)
+    keys = mx.random.split(mx.random.key(9), 2)
+    x = mx.random.normal((1, 1, hidden), key=keys[0]).astype(mx.bfloat16)
+    attended = mx.random.normal((1, 1, heads * head_dim), key=keys[1]).astype(mx.bfloat16)
+    for _ in range(3):  # chained: the stream after each layer is the next one's input
+        front, planned_front = attention_project_rows(layer, x), plans.project(x)
+        out, planned_out = attention_output_rows(layer, x, attended, front[3]), plans.output(x, attended, front[3])
+        mx.eval(*front, *planned_front, out, *planned_out)
+        for got, want in zip([*planned_front, *planned_out], [*front, out], strict=True):
+            assert got.shape == want.shape and got.dtype == want.dtype
+            assert bool(mx.array_equal(got, want)), "a plan's result differs from its launches'"
+        x, attended = out, front[0].reshape(1, 1, -1)
