@@ -173,10 +173,10 @@ def make_plan(layer: GDNLayer, hidden: int, dtype: mx.Dtype) -> LaunchPlan:
 
 # -- the gated-attention layers: two plans around the KV cache ------------------------------------
 
-# The attention layers' plans and their wiring, on with the launch plans (engine/launch_plan.py's
-# SWITCH) by default on CUDA; SPRUCE_ATTENTION_PLANS=0 (variant "-ap0") leaves the attention layers
-# in the wiring before them while the GDN layers keep their plans.
-ATTENTION = FastPath("SPRUCE_ATTENTION_PLANS", on=("cuda",))
+# The attention layers' plans and their wiring, with the launch plans (engine/launch_plan.py's
+# SWITCH) on: opt-in (SPRUCE_ATTENTION_PLANS=1, variant "-ap1") until they have run on a GPU;
+# off, the attention layers keep the wiring before them while the GDN layers keep their plans.
+ATTENTION = FastPath("SPRUCE_ATTENTION_PLANS")
 
 
 @dataclass(frozen=True)

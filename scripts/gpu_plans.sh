@@ -7,8 +7,8 @@
 #   launch by launch, and the GPU tests of the other wirings (which turn plans off);
 # - layers: scripts/bench_launch_plan.py, 24 GDN layers of the 9B shape, launches one by one
 #   against one plan a layer (host and device time, bitwise check);
-# - e2e: plain decoding beside mlx-lm, plans on (the default), the attention layers' plans off
-#   ("-ap0": the GDN layers' alone) and every plan off ("-lp0"), interleaved;
+# - e2e: plain decoding beside mlx-lm, every plan on (the attention layers' too: "-ap1"), the GDN
+#   layers' alone (the default) and none ("-lp0"), interleaved;
 # - host: scripts/profile_host.py's one-row step (build, encode, wait, and a cProfile of the build)
 #   with every plan, with the GDN layers' alone, and with none;
 # - widen: the 4-bit 9B-shaped pair in /tmp/q9 (needs the bundled weights);
@@ -31,7 +31,7 @@ for stage in $stages; do
               --runs 4 ;;
     e2e) timeout 400 python scripts/bench_gpu.py --out "$OUT/e2e" --targets 9b --skip-draft --runs 6 --tokens 128 \
            --tree-sizes 1,17 --ops-tree-sizes "" --micro "" --prefill-tokens 0 \
-           --cores kernels,kernels-ap0,kernels-lp0 | grep -v '^ \|^{\|^}' ;;
+           --cores kernels-ap1,kernels,kernels-lp0 | grep -v '^ \|^{\|^}' ;;
     host) for v in 1:1 1:0 0:0; do
             SPRUCE_LAUNCH_PLANS=${v%:*} SPRUCE_ATTENTION_PLANS=${v#*:} timeout 150 python scripts/profile_host.py \
               --out "$OUT/host_${v/:/_}" --shape 9b --rows 1 --runs 24 | grep -v "^ *[0-9]* *0.0"

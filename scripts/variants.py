@@ -56,7 +56,7 @@
   two, with the wiring the plans record for every pass (engine.launch_plan.SWITCH; CUDA with the
   engine's extension built);
 - "-ap0" / "-ap1": with the launch plans on, the attention layers left in the wiring before them /
-  as their two plans (engine.layer_plans.ATTENTION);
+  as their two plans (engine.layer_plans.ATTENTION; opt-in);
 - "-srN": products of up to N rows through the GEMV shim's small-row path on the CPU, 0 = none
   (engine.blas.SMALL_ROWS; a no-op without the shim);
 - "-stN": that path on at most N threads, 0 = every core (engine.blas.GEMM_THREADS);

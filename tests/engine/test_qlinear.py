@@ -220,6 +220,7 @@ def test_launch_plans_in_the_model(wide_q4, monkeypatch):
     from engine import launch_plan, layer_plans
 
     monkeypatch.setattr(launch_plan.SWITCH, "value", True)
+    monkeypatch.setattr(layer_plans.ATTENTION, "value", True)
     calls: list[str] = []
     real = launch_plan.LaunchPlan.__call__
     monkeypatch.setattr(launch_plan.LaunchPlan, "__call__", lambda self, *a: calls.append(self.name) or real(self, *a))
