@@ -264,9 +264,12 @@ class DecoderLayer(nn.Module):
 
     def prepare_plan(self, dtype: mx.Dtype) -> None:
         """Record this layer's decode-step plans for rows of `dtype` if not done yet (outside any
-        traced function: a recording evaluates the plan's workspace and constants)."""
-        if dtype not in self._phases.plans:
-            self._phases.plans[dtype] = layer_plans.plan_for(self, dtype)
+        traced function: a recording evaluates the plan's workspace and constants). An attention
+        layer's are recorded once its plans are switched on (layer_plans.ATTENTION): their kernels
+        are compiled at the first step, which is start-up time spent for nothing while they are off."""
+        if dtype in self._phases.plans or (self.is_attention and not layer_plans.ATTENTION.enabled()):
+            return
+        self._phases.plans[dtype] = layer_plans.plan_for(self, dtype)
 
     def token_functions(self) -> tuple[Callable[..., Any], Callable[..., Any]]:
         """The one-token pure functions, uncompiled: what a segment of a one-token pass traces
