@@ -48,7 +48,9 @@ from engine.kernels import FastPath, KernelSpec, kernel_text
 # the plans record (the residual builds, the engine's own norm, gated norm and SwiGLU kernels), so
 # that a verify's rows run the plan's kernels launch by launch. Measured on an H100 (BENCHMARKS.md,
 # issue 13, forty-sixth session): plain decoding of the 9B-shaped 4-bit pair 1.15x and 1.34x faster
-# in two runs, 2.39x and 2.38x mlx-lm against 2.19x and 1.85x without.
+# in two runs, 2.39x and 2.38x mlx-lm against 2.19x and 1.85x without. The attention layers' two
+# plans each are opt-in (engine/layer_plans.py ATTENTION): they cut the host's share of a step, but
+# the step is bound by the device now and did not get shorter (forty-seventh session).
 SWITCH = FastPath("SPRUCE_LAUNCH_PLANS", on=("cuda",))
 
 
