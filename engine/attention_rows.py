@@ -23,7 +23,13 @@ import mlx.core as mx
 
 from engine.kernels import ATTN_DRAFT, ATTN_MERGE, ATTN_ONE, ATTN_ROWS, FastPath, compiled_kernel, gpu_backend
 
-ATTN_CHUNK = 32  # visible keys a SIMD group runs its online softmax over
+# visible keys a SIMD group runs its online softmax over, read at every call of attention_rows
+# (scripts/variants.py's "-acN" sets it: a decode step and a verify run one value, so their rows
+# agree whatever it is). Untuned: under ncu a 9B-shaped layer spent 37.8 µs in attn_rows over ~130
+# keys (H100, BENCHMARKS.md, issue 13, forty-seventh session), each group walking its 32 keys one
+# after another; scripts/bench_attention_rows.py compares chunk sizes.
+ATTN_CHUNK = 32
+DRAFT_CHUNK = 32  # the same for an MTP head's drafted row, fixed: the head's compiled step captures it
 ATTN_WPG = 4  # SIMD groups a threadgroup
 DTYPES = (mx.float32, mx.bfloat16, mx.float16)
 
@@ -55,15 +61,16 @@ def root_only() -> mx.array:
 
 
 def attention_rows(q: mx.array, keys: mx.array, values: mx.array, ancestors: mx.array | None,
-                   backend: str | None = None, chunk: int = ATTN_CHUNK) -> mx.array:
+                   backend: str | None = None, chunk: int | None = None) -> mx.array:
     """softmax(q k^T / sqrt(D)) v of every row over the keys it sees -> [N, H, D] in q's dtype.
 
     q [1, H, N, D] (the rows after RoPE), keys / values [1, Hkv, L, D] whose last N rows are the
     rows' own (written to the cache before the call), ancestors [N, N] bool (row n sees tree row i
     where it is True, and every key before the last N), None for one row that sees them all. The
-    caller checks covers()."""
+    caller checks covers(). chunk: keys a SIMD group walks (default ATTN_CHUNK)."""
     backend = backend or gpu_backend()
     assert backend is not None, "a GPU kernel"
+    chunk = chunk or ATTN_CHUNK
     _, H, N, D = q.shape
     L = keys.shape[2]
     mask = root_only() if ancestors is None else ancestors
@@ -83,7 +90,7 @@ def attention_rows(q: mx.array, keys: mx.array, values: mx.array, ancestors: mx.
 
 def attention_draft_row(q: mx.array, keys: mx.array, values: mx.array, skeys: mx.array, svalues: mx.array,
                         length: mx.array, srow: mx.array, backend: str | None = None,
-                        chunk: int = ATTN_CHUNK) -> mx.array:
+                        chunk: int = DRAFT_CHUNK) -> mx.array:
     """An MTP head's drafted row (engine/models/mtp.py, scratch_attention) in two launches instead of
     the ~15 operations of its ops form: q [1, H, 1, D] over rows [0, length) of the committed
     keys / values [1, Hkv, cap, D] and rows [0, srow] of the draft's scratch skeys / svalues

@@ -12,7 +12,8 @@
 # - host: scripts/profile_host.py's one-row step (build, encode, wait, and a cProfile of the build)
 #   with every plan, with the GDN layers' alone, and with none;
 # - attention: scripts/bench_attention_rows.py, the attention kernel's µs a call by chunk size at the
-#   9B shape (written in the forty-seventh session, not run yet);
+#   9B shape, then plain decoding with chunks of 32 (the default), 8 and 16 ("-acN") beside mlx-lm
+#   (written in the forty-seventh session, not run yet);
 # - widen: the 4-bit 9B-shaped pair in /tmp/q9 (needs the bundled weights);
 # - rounds: plain decoding, MTP chains and DDTree and DFlash chains on that pair, greedy, plans on and
 #   off interleaved run by run (what plans do to speculation's rounds: not measured yet).
@@ -38,7 +39,10 @@ for stage in $stages; do
             SPRUCE_LAUNCH_PLANS=${v%:*} SPRUCE_ATTENTION_PLANS=${v#*:} timeout 150 python scripts/profile_host.py \
               --out "$OUT/host_${v/:/_}" --shape 9b --rows 1 --runs 24 | grep -v "^ *[0-9]* *0.0"
           done ;;
-    attention) timeout 200 python scripts/bench_attention_rows.py --out "$OUT/attention" ;;
+    attention) timeout 200 python scripts/bench_attention_rows.py --out "$OUT/attention"
+               timeout 400 python scripts/bench_gpu.py --out "$OUT/e2e_chunks" --targets 9b --skip-draft --runs 4 \
+                 --tokens 128 --tree-sizes 1,17 --ops-tree-sizes "" --micro "" --prefill-tokens 0 \
+                 --cores kernels,kernels-ac8,kernels-ac16 | grep -v '^ \|^{\|^}' ;;
     widen) [ -f /tmp/q9/target/config.json ] || timeout 120 python scripts/widen_checkpoint.py /tmp/q9 --shape 9b --bits 4 ;;
     rounds) timeout 500 python scripts/profile_rounds.py --model /tmp/q9/target --dflash-model /tmp/q9/dflash \
               --dtype bfloat16 --methods none,mtp:chain,mtp:ddtree,dflash:chain --kinds code,chat --runs 2 \

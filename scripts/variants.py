@@ -57,6 +57,8 @@
   engine's extension built);
 - "-ap0" / "-ap1": with the launch plans on, the attention layers left in the wiring before them /
   as their two plans (engine.layer_plans.ATTENTION; opt-in);
+- "-acN": the GPU attention kernel of decode and verify rows walking chunks of N keys a SIMD group
+  (engine.attention_rows.ATTN_CHUNK, default 32; read per call);
 - "-srN": products of up to N rows through the GEMV shim's small-row path on the CPU, 0 = none
   (engine.blas.SMALL_ROWS; a no-op without the shim);
 - "-stN": that path on at most N threads, 0 = every core (engine.blas.GEMM_THREADS);
@@ -151,6 +153,7 @@ def _settings() -> dict[str, tuple[list[tuple[Any, str]], Callable[[str], tuple[
         "cu": ([(mtp, "COUPLED_DRAWS")], on),
         "lp": ([(launch_plan.SWITCH, "value")], on),
         "ap": ([(layer_plans.ATTENTION, "value")], on),
+        "ac": ([(attention_rows, "ATTN_CHUNK")], lambda rest: (int(rest),)),
     }
 
 
