@@ -35,6 +35,7 @@ from engine.kernels import (
     SIGMOID_GATE,
     SWIGLU,
     FastPath,
+    KernelSpec,
     compiled_kernel,
     eps_array,
     gpu_backend,
@@ -101,10 +102,16 @@ def swiglu(gu: mx.array, backend: str | None = None) -> mx.array:
     backend = backend or gpu_backend()
     assert backend is not None, "a GPU kernel"
     M, I2 = gu.shape
-    n = M * (I2 // 2)
-    return compiled_kernel(SWIGLU, backend)(
-        inputs=[gu], template=[("OutT", gu.dtype)], grid=(-(-n // SWIGLU_THREADS) * SWIGLU_THREADS, 1, 1),
-        threadgroup=(SWIGLU_THREADS, 1, 1), output_shapes=[(M, I2 // 2)], output_dtypes=[gu.dtype])[0]
+    return _elementwise(SWIGLU, backend, [gu], (M, I2 // 2))
+
+
+def _elementwise(spec: KernelSpec, backend: str, inputs: list[mx.array], shape: tuple[int, int]) -> mx.array:
+    """One launch of a kernel that writes one output element a thread, rows `shape` in the first
+    input's dtype."""
+    n = shape[0] * shape[1]
+    return compiled_kernel(spec, backend)(
+        inputs=inputs, template=[("OutT", inputs[0].dtype)], grid=(-(-n // SWIGLU_THREADS) * SWIGLU_THREADS, 1, 1),
+        threadgroup=(SWIGLU_THREADS, 1, 1), output_shapes=[shape], output_dtypes=[inputs[0].dtype])[0]
 
 
 def sigmoid_gate(a: mx.array, g: mx.array, backend: str | None = None) -> mx.array:
@@ -112,11 +119,7 @@ def sigmoid_gate(a: mx.array, g: mx.array, backend: str | None = None) -> mx.arr
     layer's output gate in the launch-plan wiring (engine/layer_plans.py)."""
     backend = backend or gpu_backend()
     assert backend is not None, "a GPU kernel"
-    M, N = a.shape
-    n = M * N
-    return compiled_kernel(SIGMOID_GATE, backend)(
-        inputs=[a, g], template=[("OutT", a.dtype)], grid=(-(-n // SWIGLU_THREADS) * SWIGLU_THREADS, 1, 1),
-        threadgroup=(SWIGLU_THREADS, 1, 1), output_shapes=[(M, N)], output_dtypes=[a.dtype])[0]
+    return _elementwise(SIGMOID_GATE, backend, [a, g], (a.shape[0], a.shape[1]))
 
 
 def head_norms(y: mx.array, qw: mx.array, kw: mx.array, eps: float, heads: int, kv_heads: int,

@@ -24,6 +24,7 @@ launch by launch bit for bit (tests/engine/test_qlinear.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,11 +75,7 @@ class GDNLayer:
     def random(shape: GDNShape, hidden: int, intermediate: int, dtype: mx.Dtype = mx.bfloat16, seed: int = 0,
                group_size: int = 64, bits: int = 4) -> GDNLayer:
         """Random weights of the given shape (benchmarks, tests), scaled so activations stay O(1)."""
-        keys = iter(mx.random.split(mx.random.key(seed), 12))
-
-        def normal(*dims: int, scale: float = 1.0) -> mx.array:
-            return (mx.random.normal(dims, key=next(keys)) * scale).astype(dtype)
-
+        normal = _normals(seed, dtype)
         s = shape
         width = s.conv_dim + s.value_dim + 2 * s.Hv
         layer = GDNLayer(
@@ -90,9 +87,27 @@ class GDNLayer:
             post_norm=normal(hidden, scale=0.1) + 1,
             gate_up=Quantized.of(normal(2 * intermediate, hidden, scale=hidden ** -0.5), group_size, bits),
             down=Quantized.of(normal(hidden, intermediate, scale=intermediate ** -0.5), group_size, bits))
-        mx.eval(*[v for v in vars(layer).values() if isinstance(v, mx.array)],
-                *[a for v in vars(layer).values() if isinstance(v, Quantized) for a in (v.w, v.scales, v.biases)])
-        return layer
+        return _evaluated(layer)
+
+
+def _normals(seed: int, dtype: mx.Dtype) -> Callable[..., mx.array]:
+    """normal(*dims, scale=1.0): random weights of `dtype`, each call from the next key of `seed`."""
+    key = mx.random.key(seed)
+
+    def normal(*dims: int, scale: float = 1.0) -> mx.array:
+        nonlocal key
+        key, this = mx.random.split(key)
+        return (mx.random.normal(dims, key=this) * scale).astype(dtype)
+
+    return normal
+
+
+def _evaluated(layer: Any) -> Any:
+    """A random layer's weights evaluated, then the layer."""
+    fields = vars(layer).values()
+    mx.eval(*[v for v in fields if isinstance(v, mx.array)],
+            *[a for v in fields if isinstance(v, Quantized) for a in (v.w, v.scales, v.biases)])
+    return layer
 
 
 def _product(x: Any, q: Quantized, res: Any = None) -> Any:
@@ -205,11 +220,7 @@ class AttentionLayer:
     def random(heads: int, kv_heads: int, head_dim: int, hidden: int, intermediate: int,
                dtype: mx.Dtype = mx.bfloat16, seed: int = 0, group_size: int = 64, bits: int = 4) -> AttentionLayer:
         """Random weights of the given shape (benchmarks, tests), scaled so activations stay O(1)."""
-        keys = iter(mx.random.split(mx.random.key(seed), 10))
-
-        def normal(*dims: int, scale: float = 1.0) -> mx.array:
-            return (mx.random.normal(dims, key=next(keys)) * scale).astype(dtype)
-
+        normal = _normals(seed, dtype)
         width = heads * head_dim
         layer = AttentionLayer(
             heads=heads, kv_heads=kv_heads, head_dim=head_dim, in_norm=normal(hidden, scale=0.1) + 1,
@@ -220,9 +231,7 @@ class AttentionLayer:
             post_norm=normal(hidden, scale=0.1) + 1,
             gate_up=Quantized.of(normal(2 * intermediate, hidden, scale=hidden ** -0.5), group_size, bits),
             down=Quantized.of(normal(hidden, intermediate, scale=intermediate ** -0.5), group_size, bits))
-        mx.eval(*[v for v in vars(layer).values() if isinstance(v, mx.array)],
-                *[a for v in vars(layer).values() if isinstance(v, Quantized) for a in (v.w, v.scales, v.biases)])
-        return layer
+        return _evaluated(layer)
 
 
 def attention_project_rows(layer: AttentionLayer, x: Any) -> tuple[Any, Any, Any, Any]:
@@ -279,7 +288,6 @@ def attention_covers(layer: AttentionLayer, rows: int, hidden: int, dtype: mx.Dt
 
     return (fused_norms.rows_cover(row, layer.in_norm) and fused_norms.rows_cover(row, layer.post_norm)
             and fused_norms.heads_cover(y, layer.q_norm, layer.k_norm, layer.heads, layer.kv_heads)
-            and y.shape[1] == (2 * layer.heads + 2 * layer.kv_heads) * layer.head_dim
             and mma(hidden, layer.qkv) and mma(width, layer.o_proj) and mma(hidden, layer.gate_up)
             and mma(layer.down.w.shape[1] * 32 // layer.down.bits, layer.down))
 

@@ -365,7 +365,7 @@ class DecoderLayer(nn.Module):
                 return [x, *layer_plans.attention_project_rows(layer, x)]
 
             def output(x: mx.array, out: mx.array, gate: mx.array | None = None) -> tuple[mx.array, ...]:
-                layer = wired(x) if gate is not None else None
+                layer = wired(x)
                 if layer is None or gate is None:
                     return (fused_qmm.mlp_residual(mlp, attn.output(out, gate, residual=x), post),)
                 plan = plans.get(x.dtype) if mode == "token" else None
