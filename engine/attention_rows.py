@@ -30,6 +30,12 @@ from engine.kernels import ATTN_DRAFT, ATTN_MERGE, ATTN_ONE, ATTN_ROWS, FastPath
 # after another; scripts/bench_attention_rows.py compares chunk sizes.
 ATTN_CHUNK = 32
 DRAFT_CHUNK = 32  # the same for an MTP head's drafted row, fixed: the head's compiled step captures it
+# keys of a chunk whose loads and dot products a SIMD group issues together before their softmax
+# updates (KB in metal/attn_rows.kernel): the bits do not depend on it, only how many loads wait
+# at once. Read at every call (scripts/variants.py's "-akN"; 1 = the kernel's walk before the
+# forty-eighth session, one key after another).
+ATTN_KEYS = 4
+DRAFT_KEYS = 4  # the same for an MTP head's drafted row, fixed like DRAFT_CHUNK
 ATTN_WPG = 4  # SIMD groups a threadgroup
 DTYPES = (mx.float32, mx.bfloat16, mx.float16)
 
@@ -61,23 +67,25 @@ def root_only() -> mx.array:
 
 
 def attention_rows(q: mx.array, keys: mx.array, values: mx.array, ancestors: mx.array | None,
-                   backend: str | None = None, chunk: int | None = None) -> mx.array:
+                   backend: str | None = None, chunk: int | None = None, keys_batch: int | None = None) -> mx.array:
     """softmax(q k^T / sqrt(D)) v of every row over the keys it sees -> [N, H, D] in q's dtype.
 
     q [1, H, N, D] (the rows after RoPE), keys / values [1, Hkv, L, D] whose last N rows are the
     rows' own (written to the cache before the call), ancestors [N, N] bool (row n sees tree row i
     where it is True, and every key before the last N), None for one row that sees them all. The
-    caller checks covers(). chunk: keys a SIMD group walks (default ATTN_CHUNK)."""
+    caller checks covers(). chunk: keys a SIMD group walks (default ATTN_CHUNK); keys_batch: keys it
+    loads together (default ATTN_KEYS)."""
     backend = backend or gpu_backend()
     assert backend is not None, "a GPU kernel"
     chunk = chunk or ATTN_CHUNK
+    keys_batch = keys_batch or ATTN_KEYS
     _, H, N, D = q.shape
     L = keys.shape[2]
     mask = root_only() if ancestors is None else ancestors
     chunks = -(-L // chunk)
     groups = -(-(N * H * chunks) // ATTN_WPG)
     launch = dict(grid=(groups * ATTN_WPG * 32, 1, 1), threadgroup=(ATTN_WPG * 32, 1, 1))
-    template = [("D", D), ("CH", chunk), ("OutT", q.dtype)]
+    template = [("D", D), ("CH", chunk), ("KB", keys_batch), ("OutT", q.dtype)]
     if chunks == 1:
         return compiled_kernel(ATTN_ONE, backend)(
             inputs=[q, keys, values, mask], template=template, output_shapes=[(N, H, D)],
@@ -105,7 +113,7 @@ def attention_draft_row(q: mx.array, keys: mx.array, values: mx.array, skeys: mx
     groups = -(-(H * chunks) // ATTN_WPG)
     part, stats = compiled_kernel(ATTN_DRAFT, backend)(
         inputs=[q, keys, values, skeys, svalues, length.astype(mx.int32), srow.astype(mx.int32)],
-        template=[("D", D), ("CH", chunk), ("OutT", q.dtype)],
+        template=[("D", D), ("CH", chunk), ("KB", DRAFT_KEYS), ("OutT", q.dtype)],
         output_shapes=[(1, H, chunks, D), (1, H, chunks, 2)], output_dtypes=[mx.float32, mx.float32],
         grid=(groups * ATTN_WPG * 32, 1, 1), threadgroup=(ATTN_WPG * 32, 1, 1))
     return _merge(part, stats, q.dtype, backend)

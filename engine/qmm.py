@@ -68,6 +68,8 @@ def mma_config(o: int, i: int, bits: int) -> tuple[int, int]:
     steps = i // (16 * (32 // bits))
     if steps >= MMA_LONG_STEPS:
         return 1, max(4, min(MMA_LONG_KW, steps // 6))
+    if o <= 16 * MMA_FEW_TILES:
+        return 1, max(1, min(MMA_FEW_KW, steps))
     return 1, max(1, min(4, steps))
 
 
@@ -77,6 +79,13 @@ MMA_LONG_STEPS = 64  # 8192 inputs at 4 bits
 # against 148.4 with 4 (faster in 5 of 5 paired runs), 17-node round 12.65 ms against 14.16;
 # the down_proj's 96 steps at one row: 6 dependent steps a warp instead of 24.
 MMA_LONG_KW = 16
+# Warps a block for weights of at most MMA_FEW_TILES 16-row tiles (one block each): the 9B's GDN
+# out_proj (4096 x 4096, 256 blocks of 4 warps, 8 dependent steps a warp) reached 22 % of its read
+# floor in a decode step under ncu, against ~50 % for the wider products (H100, BENCHMARKS.md,
+# issue 13, forty-seventh session). More warps shorten each warp's walk where the blocks are too few
+# to fill the GPU. scripts/variants.py's "-ksN" sets it; 4 is the rule before.
+MMA_FEW_TILES = 256
+MMA_FEW_KW = 4
 
 
 def mma_covers(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, group_size: int,

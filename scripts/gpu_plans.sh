@@ -14,6 +14,12 @@
 # - attention: scripts/bench_attention_rows.py, the attention kernel's µs a call by chunk size at the
 #   9B shape, then plain decoding with chunks of 32 (the default), 8 and 16 ("-acN") beside mlx-lm
 #   (written in the forty-seventh session, not run yet);
+# - ktests: the GPU tests of the kernels the forty-eighth session changed (attention keys loaded
+#   together, norms held in registers, qmm_mma's warps for few tiles) and of the model's wirings;
+# - ncu: one 9B-shaped decode step's kernels under ncu, once a setting: the defaults, the attention
+#   walking one key at a time ("-ak1"), qmm_mma with 8 and 16 warps for weights of few tiles
+#   ("-ks8", "-ks16"), and the defaults with the kernels before that session (.old48/, the
+#   committed texts carried as an ignored folder: attn_rows, add_norm, gated_norm);
 # - widen: the 4-bit 9B-shaped pair in /tmp/q9 (needs the bundled weights);
 # - rounds: plain decoding, MTP chains and DDTree and DFlash chains on that pair, greedy, plans on and
 #   off interleaved run by run (what plans do to speculation's rounds: not measured yet).
@@ -43,6 +49,24 @@ for stage in $stages; do
                timeout 400 python scripts/bench_gpu.py --out "$OUT/e2e_chunks" --targets 9b --skip-draft --runs 4 \
                  --tokens 128 --tree-sizes 1,17 --ops-tree-sizes "" --micro "" --prefill-tokens 0 \
                  --cores kernels,kernels-ac8,kernels-ac16 | grep -v '^ \|^{\|^}' ;;
+    ktests) timeout 500 python -m pytest -q -p no:cacheprovider tests/kernels/test_attention_rows.py \
+              tests/kernels/test_fused_norms.py tests/kernels/test_qmm.py tests/kernels/test_launch_plan.py \
+              tests/engine/test_qlinear.py tests/engine/test_lossless.py \
+              -k "gpu or launch_plan or plan_ or launch_plans or attention or mma" -rA \
+              | grep -E "^(PASSED|FAILED|ERROR)|passed|failed|Error"
+            echo "pytest rc ${PIPESTATUS[0]}" ;;
+    ncu) ncu_step() {  # name, variant
+           timeout 150 /usr/local/cuda/bin/ncu --clock-control none --profile-from-start off --csv \
+             --metrics gpu__time_duration.sum python scripts/profile_gpu.py --out "$OUT/ncu_$1" --shape 9b \
+             --layers 32 --rows 1 --ncu --variant "$2" > "$OUT/ncu_$1.csv" 2> "$OUT/ncu_$1.err"
+           echo "## $1 ($2)"; python scripts/ncu_summary.py "$OUT/ncu_$1.csv" --top 40
+         }
+         ncu_step default ""; ncu_step ak1 -ak1; ncu_step ks8 -ks8; ncu_step ks16 -ks16
+         if [ -d .old48 ]; then
+           for k in attn_rows add_norm gated_norm; do cp metal/$k.kernel /tmp/$k.kernel.new; cp .old48/$k.kernel metal/; done
+           ncu_step old48 ""
+           for k in attn_rows add_norm gated_norm; do cp /tmp/$k.kernel.new metal/$k.kernel; done
+         fi ;;
     widen) [ -f /tmp/q9/target/config.json ] || timeout 120 python scripts/widen_checkpoint.py /tmp/q9 --shape 9b --bits 4 ;;
     rounds) timeout 500 python scripts/profile_rounds.py --model /tmp/q9/target --dflash-model /tmp/q9/dflash \
               --dtype bfloat16 --methods none,mtp:chain,mtp:ddtree,dflash:chain --kinds code,chat --runs 2 \

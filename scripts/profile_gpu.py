@@ -36,6 +36,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from round_costs import chain_with_siblings  # noqa: E402
 from shaped_checkpoint import COMMON, SHAPES, bundled_text_config  # noqa: E402
+from variants import variant_setting  # noqa: E402
 
 from engine import forward  # noqa: E402
 from engine.gdn.core import GDNWeights  # noqa: E402
@@ -282,8 +283,14 @@ def main() -> None:
     ap.add_argument("--ncu", action="store_true", help="only mark one verify per row count for ncu")
     ap.add_argument("--ncu-fold", action="store_true",
                     help="with --ncu: also mark each tree's verify after a commit (the folding kernels)")
+    ap.add_argument("--variant", default="", help="engine settings as scripts/variants.py's suffixes, e.g. -ks8-ak1")
     ap.add_argument("--full-layers", type=int, default=0, help="layers of the full model (default: the shape's)")
     args = ap.parse_args()
+    with variant_setting("profile" + args.variant):
+        profile(args)
+
+
+def profile(args: argparse.Namespace) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     dtype = getattr(mx, args.dtype)
     t0 = time.perf_counter()

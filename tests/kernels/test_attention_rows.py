@@ -43,14 +43,14 @@ def reference(q: np.ndarray, keys: np.ndarray, values: np.ndarray, anc: np.ndarr
 
 
 def run(q: np.ndarray, buf_k: np.ndarray, buf_v: np.ndarray, L: int, anc: np.ndarray, chunk: int,
-        tmp_path, one: bool = False) -> np.ndarray:
+        tmp_path, one: bool = False, keys_batch: int = attention_kernel.ATTN_KEYS) -> np.ndarray:
     """The kernels as engine/attention_rows.py launches them, emulated: K/V are views of the first
     L rows of their buffers."""
     n_rows = q.shape[2]
     chunks = -(-L // chunk)
     view = (1, buf_k.shape[1], L, D)
     inputs = {"q": q, "keys": buf_k, "values": buf_v, "ancestors": anc}
-    template: dict[str, int | str] = {"D": D, "CH": chunk, "OutT": "float32"}
+    template: dict[str, int | str] = {"D": D, "CH": chunk, "KB": keys_batch, "OutT": "float32"}
     groups = -(-(n_rows * H * chunks) // ATTN_WPG)
     if one:
         assert chunks == 1
@@ -118,6 +118,27 @@ def test_verify_row_equals_the_decode_step_of_its_token(chunk, rng, tmp_path):
         np.testing.assert_array_equal(decode[0], verify[n])
 
 
+def test_keys_loaded_together_change_no_bit(rng, tmp_path):
+    """KB (keys whose loads a group issues together) moves loads, not arithmetic: tree rows and
+    an MTP head's drafted row (its garbage past the written rows unread) come out the same bits for
+    every KB, whether or not it divides the chunk, as for the one-key-at-a-time walk (KB = 1)."""
+    tree = a_tree(rng, 7)
+    q, buf_k, buf_v, L, anc = random_case(rng, 19, tree, capacity=19 + 7 + 4)
+    walk = run(q, buf_k, buf_v, L, anc, 8, tmp_path, keys_batch=1)
+    for kb in (3, 4, 8):
+        np.testing.assert_array_equal(run(q, buf_k, buf_v, L, anc, 8, tmp_path, keys_batch=kb), walk)
+    cap, length, rows, srow = 40, 23, 6, 4
+    q1 = rng.normal(size=(1, H, 1, D)).astype(np.float32)
+    keys, values, skeys, svalues = (rng.normal(size=(1, HKV, n, D)).astype(np.float32) for n in (cap, cap, rows, rows))
+    for a, lo in ((keys, length), (values, length), (skeys, srow + 1), (svalues, srow + 1)):
+        a[:, :, lo:] = np.nan
+    draft_walk = run_draft(q1, keys, values, length, skeys, svalues, srow, 8, tmp_path, keys_batch=1)
+    assert np.isfinite(draft_walk).all()
+    for kb in (3, 4):
+        np.testing.assert_array_equal(
+            run_draft(q1, keys, values, length, skeys, svalues, srow, 8, tmp_path, keys_batch=kb), draft_walk)
+
+
 def draft_reference(q: np.ndarray, keys: np.ndarray, values: np.ndarray, length: int, skeys: np.ndarray,
                     svalues: np.ndarray, srow: int) -> np.ndarray:
     """One row over keys[:length] then skeys[:srow + 1], in float64 -> [1, H, D]."""
@@ -126,14 +147,16 @@ def draft_reference(q: np.ndarray, keys: np.ndarray, values: np.ndarray, length:
     return reference(q, k, v, np.ones((1, 1), dtype=bool))
 
 
-def run_draft(q, keys, values, length, skeys, svalues, srow, chunk, tmp_path) -> np.ndarray:
+def run_draft(q, keys, values, length, skeys, svalues, srow, chunk, tmp_path,
+              keys_batch: int = attention_kernel.DRAFT_KEYS) -> np.ndarray:
     """The draft build as attention_draft_row launches it (chunks of both buffers whole), emulated."""
     chunks = -(-(keys.shape[2] + skeys.shape[2]) // chunk)
     inputs = {"q": q, "keys": keys, "values": values, "skeys": skeys, "svalues": svalues,
               "length": np.array(length, dtype=np.int32), "srow": np.array(srow, dtype=np.int32)}
     parts = emulate(ATTN_DRAFT, inputs, {"part": ((1, H, chunks, D), np.float32),
                                          "stats": ((1, H, chunks, 2), np.float32)},
-                    {"D": D, "CH": chunk, "OutT": "float32"}, -(-(H * chunks) // ATTN_WPG), ATTN_WPG, tmp_path)
+                    {"D": D, "CH": chunk, "KB": keys_batch, "OutT": "float32"}, -(-(H * chunks) // ATTN_WPG),
+                    ATTN_WPG, tmp_path)
     return emulate(ATTN_MERGE, parts, {"o": ((1, H, D), np.float32)}, {"D": D, "OutT": "float32"},
                    -(-H // ATTN_WPG), ATTN_WPG, tmp_path)["o"]
 

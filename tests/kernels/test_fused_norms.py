@@ -57,10 +57,11 @@ def test_emulated_add_norm_equals_twin(rows, dims, rng, tmp_path):
 
 
 @pytest.mark.skipif(not SIMT_AVAILABLE, reason="the lockstep emulation needs g++ and Linux's ucontext")
-@pytest.mark.parametrize(("rows", "dims"), [(1, 384), (5, 4096)])
+@pytest.mark.parametrize(("rows", "dims"), [(1, 384), (5, 4096), (2, 8320)])
 def test_lockstep_add_norm_with_its_threadgroups(rows, dims, rng, tmp_path):
     """The threadgroup a row as launched (96 / 1024 threads): SIMD sums across 32 lanes, then the
-    groups' sums through threadgroup memory after the barrier."""
+    groups' sums through threadgroup memory after the barrier. At 8,320 some threads have an
+    element past the eight a thread keeps in registers."""
     x, y = (rng.normal(size=(1, rows, dims)).astype(np.float32) for _ in range(2))
     w = rng.normal(size=(dims,)).astype(np.float32)
     got = emulate_simt(ADD_NORM, {"x": x, "y": y, "w": w, "eps": EPS},
