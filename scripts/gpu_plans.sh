@@ -19,7 +19,7 @@
 # - ncu: one 9B-shaped decode step's kernels under ncu, once a setting: the defaults, the attention
 #   walking one key at a time ("-ak1"), qmm_mma with 8 and 16 warps for weights of few tiles
 #   ("-ks8", "-ks16"), and the defaults with the kernels before that session (.old48/, the
-#   committed texts carried as an ignored folder: attn_rows, add_norm, gated_norm);
+#   committed texts carried as an ignored folder: attn_rows, add_norm, gated_norm, gdn_step);
 # - widen: the 4-bit 9B-shaped pair in /tmp/q9 (needs the bundled weights);
 # - rounds: plain decoding, MTP chains and DDTree and DFlash chains on that pair, greedy, plans on and
 #   off interleaved run by run (what plans do to speculation's rounds: not measured yet).
@@ -63,9 +63,9 @@ for stage in $stages; do
          }
          ncu_step default ""; ncu_step ak1 -ak1; ncu_step ks8 -ks8; ncu_step ks16 -ks16
          if [ -d .old48 ]; then
-           for k in attn_rows add_norm gated_norm; do cp metal/$k.kernel /tmp/$k.kernel.new; cp .old48/$k.kernel metal/; done
+           for k in attn_rows add_norm gated_norm gdn_step; do cp metal/$k.kernel /tmp/$k.kernel.new; cp .old48/$k.kernel metal/; done
            ncu_step old48 ""
-           for k in attn_rows add_norm gated_norm; do cp /tmp/$k.kernel.new metal/$k.kernel; done
+           for k in attn_rows add_norm gated_norm gdn_step; do cp /tmp/$k.kernel.new metal/$k.kernel; done
          fi ;;
     widen) [ -f /tmp/q9/target/config.json ] || timeout 120 python scripts/widen_checkpoint.py /tmp/q9 --shape 9b --bits 4 ;;
     rounds) timeout 500 python scripts/profile_rounds.py --model /tmp/q9/target --dflash-model /tmp/q9/dflash \
