@@ -25,17 +25,21 @@ from engine.kernels import ATTN_DRAFT, ATTN_MERGE, ATTN_ONE, ATTN_ROWS, FastPath
 
 # visible keys a SIMD group runs its online softmax over, read at every call of attention_rows
 # (scripts/variants.py's "-acN" sets it: a decode step and a verify run one value, so their rows
-# agree whatever it is). Untuned: under ncu a 9B-shaped layer spent 37.8 µs in attn_rows over ~130
-# keys (H100, BENCHMARKS.md, issue 13, forty-seventh session), each group walking its 32 keys one
-# after another; scripts/bench_attention_rows.py compares chunk sizes.
+# agree whatever it is). One 9B-shaped step under ncu with 8 keys loaded together, attn_rows +
+# attn_merge a layer over ~130 keys: 27.5 + 6.5 us at 32, 18.3 + 9.0 at 16, 15.5 + 13.4 at 8 (the
+# merge walks the chunks one after another), and plain decoding 298 against 291 tok/s at 16 (H100,
+# forty-eighth session). Left at 32: at long contexts the merge's walk grows with the chunks, and
+# there the kernel has not been timed one call at a time (scripts/bench_attention_rows.py times
+# many calls together, where 32 was the fastest at every length).
 ATTN_CHUNK = 32
 DRAFT_CHUNK = 32  # the same for an MTP head's drafted row, fixed: the head's compiled step captures it
 # keys of a chunk whose loads and dot products a SIMD group issues together before their softmax
 # updates (KB in metal/attn_rows.kernel): the bits do not depend on it, only how many loads wait
-# at once. Read at every call (scripts/variants.py's "-akN"; 1 = the kernel's walk before the
-# forty-eighth session, one key after another).
-ATTN_KEYS = 4
-DRAFT_KEYS = 4  # the same for an MTP head's drafted row, fixed like DRAFT_CHUNK
+# at once. One 9B-shaped decode step under ncu (H100, BENCHMARKS.md, issue 13, forty-eighth
+# session), attn_rows a layer over ~130 keys: 38.3 us with 1 (the walk before), 28.0 with 4, 27.5
+# with 8. Read at every call (scripts/variants.py's "-akN").
+ATTN_KEYS = 8
+DRAFT_KEYS = 4  # the same for an MTP head's drafted row, fixed like DRAFT_CHUNK (not timed; no bit depends on it)
 ATTN_WPG = 4  # SIMD groups a threadgroup
 DTYPES = (mx.float32, mx.bfloat16, mx.float16)
 

@@ -83,9 +83,12 @@ MMA_LONG_KW = 16
 # out_proj (4096 x 4096, 256 blocks of 4 warps, 8 dependent steps a warp) reached 22 % of its read
 # floor in a decode step under ncu, against ~50 % for the wider products (H100, BENCHMARKS.md,
 # issue 13, forty-seventh session). More warps shorten each warp's walk where the blocks are too few
-# to fill the GPU. scripts/variants.py's "-ksN" sets it; 4 is the rule before.
+# to fill the GPU: one step under ncu, out_proj 11.7 -> 9.1 us with 8 warps, 8.7 with 16 (H100,
+# forty-eighth session). Not 16: the norm build at 32 rows then asks more registers than a block of
+# 512 threads has ("too many resources requested for launch", tests/kernels/test_qmm.py on the
+# H100). scripts/variants.py's "-ksN" sets it; 4 was the rule before.
 MMA_FEW_TILES = 256
-MMA_FEW_KW = 4
+MMA_FEW_KW = 8
 
 
 def mma_covers(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, group_size: int,

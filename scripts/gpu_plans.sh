@@ -58,10 +58,10 @@ for stage in $stages; do
     ncu) ncu_step() {  # name, variant
            timeout 150 /usr/local/cuda/bin/ncu --clock-control none --profile-from-start off --csv \
              --metrics gpu__time_duration.sum python scripts/profile_gpu.py --out "$OUT/ncu_$1" --shape 9b \
-             --layers 32 --rows 1 --ncu --variant "$2" > "$OUT/ncu_$1.csv" 2> "$OUT/ncu_$1.err"
+             --layers 32 --rows 1 --ncu "--variant=$2" > "$OUT/ncu_$1.csv" 2> "$OUT/ncu_$1.err"
            echo "## $1 ($2)"; python scripts/ncu_summary.py "$OUT/ncu_$1.csv" --top 40
          }
-         ncu_step default ""; ncu_step ak1 -ak1; ncu_step ks8 -ks8; ncu_step ks16 -ks16
+         ncu_step default ""; for v in ${NCU_VARIANTS:--ak1 -ks8 -ks16}; do ncu_step "${v//-/}" "$v"; done
          if [ -d .old48 ]; then
            for k in attn_rows add_norm gated_norm gdn_step; do cp metal/$k.kernel /tmp/$k.kernel.new; cp .old48/$k.kernel metal/; done
            ncu_step old48 ""

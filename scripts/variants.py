@@ -2,7 +2,7 @@
 `--cores`, scripts/profile_rounds.py's `--variants`), set around each of its engine's calls:
 
 - "-kwN": qmm_mma's long reductions with N warps a block (engine.qmm.MMA_LONG_KW);
-- "-ksN": its weights of few output tiles with N warps a block (engine.qmm.MMA_FEW_KW);
+- "-ksN": its weights of few output tiles with N warps a block (engine.qmm.MMA_FEW_KW, default 8);
 - "-dq0" / "-dq1": its paired dequantization off / on (engine.qmm.MMA_PAIRED_DEQUANT);
 - "-evN": a multi-node verify handed to the device every N layers whatever the model's layer size
   (engine.forward.VERIFY_EVAL_EVERY; 0 = at the end);
@@ -61,7 +61,7 @@
 - "-acN": the GPU attention kernel of decode and verify rows walking chunks of N keys a SIMD group
   (engine.attention_rows.ATTN_CHUNK, default 32; read per call);
 - "-akN": that kernel loading N keys of a chunk together before their softmax updates
-  (engine.attention_rows.ATTN_KEYS, default 4; read per call; the same bits whatever N is);
+  (engine.attention_rows.ATTN_KEYS, default 8; read per call; the same bits whatever N is);
 - "-srN": products of up to N rows through the GEMV shim's small-row path on the CPU, 0 = none
   (engine.blas.SMALL_ROWS; a no-op without the shim);
 - "-stN": that path on at most N threads, 0 = every core (engine.blas.GEMM_THREADS);

@@ -154,13 +154,15 @@ def test_mma_kernel_covers_only_what_it_computes():
 
 
 def test_mma_config_depends_on_the_weight_only():
-    """Long reductions take MMA_LONG_KW warps (at least four), the rest at most four; the choice
-    never depends on the number of rows (the function does not take it)."""
+    """Long reductions take MMA_LONG_KW warps (at least four), weights of at most MMA_FEW_TILES
+    tiles MMA_FEW_KW, the rest at most four; never more warps than steps, and the choice never
+    depends on the number of rows (the function does not take it)."""
     from engine import qmm
 
-    assert qmm.mma_config(4096, 4096, 4) == (1, 4)
-    assert qmm.mma_config(1024, 1024, 4) == (1, 4)
+    assert qmm.mma_config(4096, 4096, 4) == (1, min(qmm.MMA_FEW_KW, 32))
+    assert qmm.mma_config(1024, 1024, 4) == (1, min(qmm.MMA_FEW_KW, 8))
     assert qmm.mma_config(528, 384, 4) == (1, 3)
+    assert qmm.mma_config(4112, 4096, 4) == (1, 4)  # 257 tiles: enough blocks
     assert qmm.mma_config(4096, 12288, 4)[1] == max(4, min(qmm.MMA_LONG_KW, 96 // 6))
     assert qmm.mma_config(4096, 12288, 8)[1] == max(4, min(qmm.MMA_LONG_KW, 192 // 6))
 
