@@ -34,12 +34,19 @@ from engine.kernels import ATTN_DRAFT, ATTN_MERGE, ATTN_ONE, ATTN_ROWS, FastPath
 ATTN_CHUNK = 32
 DRAFT_CHUNK = 32  # the same for an MTP head's drafted row, fixed: the head's compiled step captures it
 # keys of a chunk whose loads and dot products a SIMD group issues together before their softmax
-# updates (KB in metal/attn_rows.kernel): the bits do not depend on it, only how many loads wait
-# at once. One 9B-shaped decode step under ncu (H100, BENCHMARKS.md, issue 13, forty-eighth
-# session), attn_rows a layer over ~130 keys: 38.3 us with 1 (the walk before), 28.0 with 4, 27.5
-# with 8. Read at every call (scripts/variants.py's "-akN").
+# updates (KB in metal/attn_rows.kernel): the bits do not depend on it, only how many loads wait at
+# once, and how many registers a group holds. So it is chosen per launch, by the launch's size:
+# - a launch of at most ATTN_FEW_GROUPS groups is bound by each group's walk: one 9B-shaped decode
+#   step under ncu (H100, BENCHMARKS.md, issue 13, forty-eighth session), attn_rows a layer over
+#   ~130 keys (80 groups): 38.3 us one key at a time, 28.0 with 4, 27.5 with 8;
+# - a larger launch has groups enough to hide the loads, and the extra registers cost it: 40 calls
+#   evaluated together (scripts/bench_attention_rows.py, same lease), 4 keys at a time against 1,
+#   chunks of 32: +3 % at 512 groups (1k keys, one row), +6 % at 16k keys, +5 % to +15 % for 17
+#   tree rows over 128-4k keys.
+# ATTN_KEYS is read at every call (scripts/variants.py's "-akN").
 ATTN_KEYS = 8
-DRAFT_KEYS = 4  # the same for an MTP head's drafted row, fixed like DRAFT_CHUNK (not timed; no bit depends on it)
+ATTN_FEW_GROUPS = 256
+DRAFT_KEYS = 1  # an MTP head's drafted row, fixed like DRAFT_CHUNK: its walk as before (not timed otherwise)
 ATTN_WPG = 4  # SIMD groups a threadgroup
 DTYPES = (mx.float32, mx.bfloat16, mx.float16)
 
@@ -78,15 +85,15 @@ def attention_rows(q: mx.array, keys: mx.array, values: mx.array, ancestors: mx.
     rows' own (written to the cache before the call), ancestors [N, N] bool (row n sees tree row i
     where it is True, and every key before the last N), None for one row that sees them all. The
     caller checks covers(). chunk: keys a SIMD group walks (default ATTN_CHUNK); keys_batch: keys it
-    loads together (default ATTN_KEYS)."""
+    loads together (default: keys_batch_for the launch)."""
     backend = backend or gpu_backend()
     assert backend is not None, "a GPU kernel"
     chunk = chunk or ATTN_CHUNK
-    keys_batch = keys_batch or ATTN_KEYS
     _, H, N, D = q.shape
     L = keys.shape[2]
     mask = root_only() if ancestors is None else ancestors
     chunks = -(-L // chunk)
+    keys_batch = keys_batch or keys_batch_for(N * H * chunks)
     groups = -(-(N * H * chunks) // ATTN_WPG)
     launch = dict(grid=(groups * ATTN_WPG * 32, 1, 1), threadgroup=(ATTN_WPG * 32, 1, 1))
     template = [("D", D), ("CH", chunk), ("KB", keys_batch), ("OutT", q.dtype)]
@@ -98,6 +105,12 @@ def attention_rows(q: mx.array, keys: mx.array, values: mx.array, ancestors: mx.
         inputs=[q, keys, values, mask], template=template,
         output_shapes=[(N, H, chunks, D), (N, H, chunks, 2)], output_dtypes=[mx.float32, mx.float32], **launch)
     return _merge(part, stats, q.dtype, backend)
+
+
+def keys_batch_for(groups: int) -> int:
+    """KB for a launch of `groups` SIMD groups: ATTN_KEYS where few groups leave each one's walk
+    exposed, one key at a time where many hide it (ATTN_KEYS' comment). No bit depends on it."""
+    return ATTN_KEYS if groups <= ATTN_FEW_GROUPS else 1
 
 
 def attention_draft_row(q: mx.array, keys: mx.array, values: mx.array, skeys: mx.array, svalues: mx.array,

@@ -139,6 +139,16 @@ def test_keys_loaded_together_change_no_bit(rng, tmp_path):
             run_draft(q1, keys, values, length, skeys, svalues, srow, 8, tmp_path, keys_batch=kb), draft_walk)
 
 
+def test_keys_batch_by_the_launchs_size(monkeypatch):
+    """Few SIMD groups walk ATTN_KEYS keys at a time, many one at a time; the variant's setting is
+    read at every call."""
+    assert attention_kernel.keys_batch_for(80) == attention_kernel.ATTN_KEYS
+    assert attention_kernel.keys_batch_for(attention_kernel.ATTN_FEW_GROUPS) == attention_kernel.ATTN_KEYS
+    assert attention_kernel.keys_batch_for(attention_kernel.ATTN_FEW_GROUPS + 1) == 1
+    monkeypatch.setattr(attention_kernel, "ATTN_KEYS", 2)
+    assert attention_kernel.keys_batch_for(1) == 2
+
+
 def draft_reference(q: np.ndarray, keys: np.ndarray, values: np.ndarray, length: int, skeys: np.ndarray,
                     svalues: np.ndarray, srow: int) -> np.ndarray:
     """One row over keys[:length] then skeys[:srow + 1], in float64 -> [1, H, D]."""
