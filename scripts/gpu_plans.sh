@@ -20,6 +20,10 @@
 #   walking one key at a time ("-ak1"), qmm_mma with 8 and 16 warps for weights of few tiles
 #   ("-ks8", "-ks16"), and the defaults with the kernels before that session (.old48/, the
 #   committed texts carried as an ignored folder: attn_rows, add_norm, gated_norm, gdn_step);
+#   NCU_VARIANTS lists the settings after the defaults, NCU_PROMPT the context (default 128 tokens);
+#   for the next lease: NCU_PROMPT=4096 NCU_VARIANTS="-ac16 -ak1" (do chunks of 16 and the keys'
+#   batches hold at a long context, one launch at a time?) and NCU_VARIANTS="-kt2048 -kt2048-ks4"
+#   (8 warps for every short reduction: the GDN in_proj and gate|up reach 55-67 % of their floor);
 # - widen: the 4-bit 9B-shaped pair in /tmp/q9 (needs the bundled weights);
 # - rounds: plain decoding, MTP chains and DDTree and DFlash chains on that pair, greedy, plans on and
 #   off interleaved run by run (what plans do to speculation's rounds: not measured yet).
@@ -58,7 +62,8 @@ for stage in $stages; do
     ncu) ncu_step() {  # name, variant
            timeout 150 /usr/local/cuda/bin/ncu --clock-control none --profile-from-start off --csv \
              --metrics gpu__time_duration.sum python scripts/profile_gpu.py --out "$OUT/ncu_$1" --shape 9b \
-             --layers 32 --rows 1 --ncu "--variant=$2" > "$OUT/ncu_$1.csv" 2> "$OUT/ncu_$1.err"
+             --layers 32 --rows 1 --ncu "--variant=$2" \
+             --prompt-tokens "${NCU_PROMPT:-128}" > "$OUT/ncu_$1.csv" 2> "$OUT/ncu_$1.err"
            echo "## $1 ($2)"; python scripts/ncu_summary.py "$OUT/ncu_$1.csv" --top 40
          }
          ncu_step default ""; for v in ${NCU_VARIANTS:--ak1 -ks8 -ks16}; do ncu_step "${v//-/}" "$v"; done

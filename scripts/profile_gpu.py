@@ -283,6 +283,7 @@ def main() -> None:
     ap.add_argument("--ncu", action="store_true", help="only mark one verify per row count for ncu")
     ap.add_argument("--ncu-fold", action="store_true",
                     help="with --ncu: also mark each tree's verify after a commit (the folding kernels)")
+    ap.add_argument("--prompt-tokens", type=int, default=128, help="context the profiled passes attend to")
     ap.add_argument("--variant", default="", help="engine settings as scripts/variants.py's suffixes, e.g. -ks8-ak1")
     ap.add_argument("--full-layers", type=int, default=0, help="layers of the full model (default: the shape's)")
     args = ap.parse_args()
@@ -301,7 +302,7 @@ def profile(args: argparse.Namespace) -> None:
         "num_hidden_layers"]
     n_attn = full // 4
     cache = model.make_cache()
-    prompt = [int(t) for t in np.random.RandomState(0).randint(0, 8000, size=128)]
+    prompt = [int(t) for t in np.random.RandomState(0).randint(0, 8000, size=args.prompt_tokens)]
     forward.extend(model, cache, prompt)
     r: dict[str, Any] = dict(device=str(mx.default_device()), mlx=mx.__version__, shape=args.shape,
                              fused=not args.no_fuse,

@@ -3,6 +3,7 @@
 
 - "-kwN": qmm_mma's long reductions with N warps a block (engine.qmm.MMA_LONG_KW);
 - "-ksN": its weights of few output tiles with N warps a block (engine.qmm.MMA_FEW_KW, default 8);
+- "-ktN": "few" meaning at most N tiles of 16 output rows (engine.qmm.MMA_FEW_TILES, default 256);
 - "-dq0" / "-dq1": its paired dequantization off / on (engine.qmm.MMA_PAIRED_DEQUANT);
 - "-evN": a multi-node verify handed to the device every N layers whatever the model's layer size
   (engine.forward.VERIFY_EVAL_EVERY; 0 = at the end);
@@ -159,6 +160,7 @@ def _settings() -> dict[str, tuple[list[tuple[Any, str]], Callable[[str], tuple[
         "ac": ([(attention_rows, "ATTN_CHUNK")], lambda rest: (int(rest),)),
         "ak": ([(attention_rows, "ATTN_KEYS")], lambda rest: (int(rest),)),
         "ks": ([(qmm, "MMA_FEW_KW")], lambda rest: (int(rest),)),
+        "kt": ([(qmm, "MMA_FEW_TILES")], lambda rest: (int(rest),)),
     }
 
 
