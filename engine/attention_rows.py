@@ -47,6 +47,11 @@ DRAFT_CHUNK = 32  # the same for an MTP head's drafted row, fixed: the head's co
 ATTN_KEYS = 8
 ATTN_FEW_GROUPS = 256
 DRAFT_KEYS = 1  # an MTP head's drafted row, fixed like DRAFT_CHUNK: its walk as before (not timed otherwise)
+# chunks whose partial results the merge loads together before adding them in chunk order (MB in
+# metal/attn_merge.kernel; no bit depends on it). 1, the walk before, until measured: written in
+# the forty-eighth session, after that session's lease, because the merge grew with the chunks
+# (6.5 us at 5 chunks, 13.4 at 17, a 9B layer under ncu). Read at every call (variant "-amN").
+MERGE_CHUNKS = 1
 ATTN_WPG = 4  # SIMD groups a threadgroup
 DTYPES = (mx.float32, mx.bfloat16, mx.float16)
 
@@ -141,5 +146,5 @@ def _merge(part: mx.array, stats: mx.array, dtype: mx.Dtype, backend: str) -> mx
     N, H, _, D = part.shape
     merge_groups = -(-(N * H) // ATTN_WPG)
     return compiled_kernel(ATTN_MERGE, backend)(
-        inputs=[part, stats], template=[("D", D), ("OutT", dtype)], output_shapes=[(N, H, D)],
+        inputs=[part, stats], template=[("D", D), ("MB", MERGE_CHUNKS), ("OutT", dtype)], output_shapes=[(N, H, D)],
         output_dtypes=[dtype], grid=(merge_groups * ATTN_WPG * 32, 1, 1), threadgroup=(ATTN_WPG * 32, 1, 1))[0]

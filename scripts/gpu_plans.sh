@@ -21,9 +21,11 @@
 #   ("-ks8", "-ks16"), and the defaults with the kernels before that session (.old48/, the
 #   committed texts carried as an ignored folder: attn_rows, add_norm, gated_norm, gdn_step);
 #   NCU_VARIANTS lists the settings after the defaults, NCU_PROMPT the context (default 128 tokens);
-#   for the next lease: NCU_PROMPT=4096 NCU_VARIANTS="-ac16 -ak1" (do chunks of 16 and the keys'
-#   batches hold at a long context, one launch at a time?) and NCU_VARIANTS="-kt2048 -kt2048-ks4"
-#   (8 warps for every short reduction: the GDN in_proj and gate|up reach 55-67 % of their floor);
+#   for the next lease: NCU_VARIANTS="-am4 -ac16-am4 -ac8-am8" (the merge loading chunks together,
+#   written after the forty-eighth session's lease), the same with NCU_PROMPT=4096 and "-ak1" (do
+#   smaller chunks and the keys' batches hold at a long context, one launch at a time?), and
+#   NCU_VARIANTS="-kt2048" (8 warps for every short reduction: the GDN in_proj and gate|up reach
+#   55-67 % of their floor);
 # - widen: the 4-bit 9B-shaped pair in /tmp/q9 (needs the bundled weights);
 # - rounds: plain decoding, MTP chains and DDTree and DFlash chains on that pair, greedy, plans on and
 #   off interleaved run by run (what plans do to speculation's rounds: not measured yet).

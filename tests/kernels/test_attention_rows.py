@@ -43,7 +43,8 @@ def reference(q: np.ndarray, keys: np.ndarray, values: np.ndarray, anc: np.ndarr
 
 
 def run(q: np.ndarray, buf_k: np.ndarray, buf_v: np.ndarray, L: int, anc: np.ndarray, chunk: int,
-        tmp_path, one: bool = False, keys_batch: int = attention_kernel.ATTN_KEYS) -> np.ndarray:
+        tmp_path, one: bool = False, keys_batch: int = attention_kernel.ATTN_KEYS,
+        merge_batch: int = attention_kernel.MERGE_CHUNKS) -> np.ndarray:
     """The kernels as engine/attention_rows.py launches them, emulated: K/V are views of the first
     L rows of their buffers."""
     n_rows = q.shape[2]
@@ -60,7 +61,8 @@ def run(q: np.ndarray, buf_k: np.ndarray, buf_v: np.ndarray, L: int, anc: np.nda
     parts = emulate(ATTN_ROWS, inputs, {"part": ((n_rows, H, chunks, D), np.float32),
                                         "stats": ((n_rows, H, chunks, 2), np.float32)},
                     template, groups, ATTN_WPG, tmp_path, views={"keys": view, "values": view})
-    merged = emulate(ATTN_MERGE, parts, {"o": ((n_rows, H, D), np.float32)}, {"D": D, "OutT": "float32"},
+    merged = emulate(ATTN_MERGE, parts, {"o": ((n_rows, H, D), np.float32)},
+                     {"D": D, "MB": merge_batch, "OutT": "float32"},
                      -(-(n_rows * H) // ATTN_WPG), ATTN_WPG, tmp_path)
     return merged["o"]
 
@@ -139,6 +141,17 @@ def test_keys_loaded_together_change_no_bit(rng, tmp_path):
             run_draft(q1, keys, values, length, skeys, svalues, srow, 8, tmp_path, keys_batch=kb), draft_walk)
 
 
+def test_merge_loading_chunks_together_changes_no_bit(rng, tmp_path):
+    """MB (chunks whose loads the merge issues together) moves loads, not arithmetic: rows over
+    many chunks, some of them empty for the shorter rows, come out the same bits for every MB."""
+    tree = a_tree(rng, 9)
+    q, buf_k, buf_v, L, anc = random_case(rng, 37, tree, capacity=37 + 9 + 2)
+    walk = run(q, buf_k, buf_v, L, anc, 4, tmp_path, merge_batch=1)
+    for mb in (3, 4, 8):
+        np.testing.assert_array_equal(run(q, buf_k, buf_v, L, anc, 4, tmp_path, merge_batch=mb), walk)
+    np.testing.assert_allclose(walk, reference(q, buf_k[:, :, :L], buf_v[:, :, :L], anc), atol=2e-5)
+
+
 def test_keys_batch_by_the_launchs_size(monkeypatch):
     """Few SIMD groups walk ATTN_KEYS keys at a time, many one at a time; the variant's setting is
     read at every call."""
@@ -167,7 +180,8 @@ def run_draft(q, keys, values, length, skeys, svalues, srow, chunk, tmp_path,
                                          "stats": ((1, H, chunks, 2), np.float32)},
                     {"D": D, "CH": chunk, "KB": keys_batch, "OutT": "float32"}, -(-(H * chunks) // ATTN_WPG),
                     ATTN_WPG, tmp_path)
-    return emulate(ATTN_MERGE, parts, {"o": ((1, H, D), np.float32)}, {"D": D, "OutT": "float32"},
+    return emulate(ATTN_MERGE, parts, {"o": ((1, H, D), np.float32)},
+                   {"D": D, "MB": attention_kernel.MERGE_CHUNKS, "OutT": "float32"},
                    -(-H // ATTN_WPG), ATTN_WPG, tmp_path)["o"]
 
 
