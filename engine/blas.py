@@ -103,10 +103,17 @@ def reexec_with_openblas(argv: list[str]) -> str | None:
     return None  # not reached
 
 
+# seconds the shim's build may take: gcc -O2 takes ~115 s over its vector code on the dev CPU (2
+# cores, idle), longer under load. At 120 s a loaded CI run timed out, and the build then began
+# again in the next directory.
+SHIM_BUILD_TIMEOUT = 600
+
+
 def gemv_shim() -> str | None:
     """The GEMV shim's library (engine/gemv_shim.c), compiled on first use into the user's cache
     (or the temporary directory) under a name that hashes its source; None where it is switched off
-    or cannot be built. Building takes a C compiler (`$CC`, cc, gcc or clang) and ~0.1 s, once."""
+    or cannot be built. Building takes a C compiler (`$CC`, cc, gcc or clang) and, once per machine
+    and source, about two minutes on the dev CPU (SHIM_BUILD_TIMEOUT)."""
     if os.environ.get(SHIM_OPT_OUT) or platform.system() != "Linux":
         return None
     try:
@@ -128,13 +135,14 @@ def gemv_shim() -> str | None:
         try:
             home.mkdir(parents=True, exist_ok=True)
             subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-o", str(partial), *map(str, SHIM_SOURCES),
-                            "-ldl", "-lm", "-pthread"], check=True, capture_output=True, timeout=120)
+                            "-ldl", "-lm", "-pthread"], check=True, capture_output=True, timeout=SHIM_BUILD_TIMEOUT)
             os.replace(partial, home / name)
             return str(home / name)
-        except (OSError, subprocess.SubprocessError):
+        except (OSError, subprocess.SubprocessError) as e:
             with contextlib.suppress(OSError):  # nothing to remove, or no directory to remove it from
                 partial.unlink(missing_ok=True)
-            continue
+            if isinstance(e, subprocess.SubprocessError):
+                break  # the compiler refused or ran out of time: another directory will not change that
     return None
 
 

@@ -201,3 +201,22 @@ def test_an_unwritable_cache_falls_back_to_the_next_place(tmp_path: Path, monkey
     if shim is None and blas.shutil.which("cc") is None and blas.shutil.which("gcc") is None:
         pytest.skip("no C compiler to build the shim with")
     assert shim is not None and Path(shim).parent == tmp_path / "tmp" / f"spruce-{os.getuid()}"
+
+
+def test_a_build_out_of_time_is_not_begun_again_elsewhere(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compiler that runs out of time in one directory would in the next too: one try, then
+    OpenBLAS alone (a loaded CI machine once paid the ~2 min build twice)."""
+    if sys.platform != "linux":
+        pytest.skip("the shim is for Linux")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(blas.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    monkeypatch.setattr(blas.shutil, "which", lambda name: "/usr/bin/cc")
+    calls = []
+
+    def slow(cmd, **kwargs):
+        calls.append(kwargs["timeout"])
+        raise subprocess.TimeoutExpired(cmd, kwargs["timeout"])
+
+    monkeypatch.setattr(blas.subprocess, "run", slow)
+    assert blas.gemv_shim() is None
+    assert calls == [blas.SHIM_BUILD_TIMEOUT]
