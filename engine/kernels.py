@@ -22,7 +22,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any
+from typing import Any, TypeGuard
 
 import mlx.core as mx
 
@@ -63,6 +63,10 @@ class KernelSpec:
 GDN_STEP = KernelSpec("spruce_gdn_step", "gdn_step.kernel",
                       ("qkv", "a", "b", "conv_state", "conv_w", "A_log", "dt_bias", "state"),
                       ("o", "conv_out", "state_out"))
+# the step with the layer's output norm and gate (gated_norm.kernel's code) in the same launch
+GDN_STEP_GATED = KernelSpec("spruce_gdn_step_gated", "gdn_step.kernel", (*GDN_STEP.inputs, "z", "nw", "eps"),
+                            ("out", "conv_out", "state_out"), header=("gdn_common.h", "gated_head.h"),
+                            defines=("SPR_GATED_OUT",))
 GDN_TREE_FRONT = KernelSpec("spruce_gdn_tree_front", "gdn_tree_front.kernel",
                             ("qkv", "a", "b", "conv_state", "conv_w", "A_log", "dt_bias", "taps"),
                             ("q", "k", "v", "g", "beta"))
@@ -121,8 +125,8 @@ SWIGLU = KernelSpec("spruce_swiglu", "swiglu.kernel", ("gu",), ("out",), header=
 HEAD_NORMS = KernelSpec("spruce_head_norms", "head_norms.kernel", ("y", "qw", "kw", "eps"), ("q", "k", "v", "gate"),
                         header=())
 SIGMOID_GATE = KernelSpec("spruce_sigmoid_gate", "sigmoid_gate.kernel", ("a", "g"), ("out",), header=())
-GATED_NORM = KernelSpec("spruce_gated_norm", "gated_norm.kernel", ("o", "z", "w", "eps"), ("out",), header=(),
-                        contiguous=False)
+GATED_NORM = KernelSpec("spruce_gated_norm", "gated_norm.kernel", ("o", "z", "w", "eps"), ("out",),
+                        header=("gated_head.h",), contiguous=False)
 # each row's token (argmax, or the seeded draw under top-k / top-p / min-p) in one launch, and with
 # SPR_TOP the raw logits' top-token probability (engine/choose_kernel.py)
 CHOOSE = KernelSpec("spruce_choose", "choose.kernel", ("logits", "uniforms", "cuts"), ("tokens",),
@@ -136,8 +140,9 @@ CHOOSE_PEN = KernelSpec("spruce_choose_pen", "choose.kernel", (*CHOOSE.inputs, "
 CHOOSE_TOP_PEN = KernelSpec("spruce_choose_top_pen", "choose.kernel", (*CHOOSE_TOP.inputs, *CHOOSE_PEN.inputs[3:]),
                             CHOOSE_TOP.outputs, header=CHOOSE.header, backends=("cuda",),
                             defines=("SPR_TOP", "SPR_PENALTIES"))
-KERNELS = (GDN_STEP, GDN_CHAIN, GDN_TREE_FRONT, GDN_TREE, GDN_TREE_FRONT_FOLD, GDN_TREE_FOLD, GDN_COMMIT, QMM_ROWS,
-           READ_FLOOR, READ_STREAM, QMM_MMA, QMM_MMA_NORM, QMM_MMA_RES, QMM_MMA_SWIGLU, QMM_MMA_SWIGLU_RES,
+KERNELS = (GDN_STEP, GDN_STEP_GATED, GDN_CHAIN, GDN_TREE_FRONT, GDN_TREE, GDN_TREE_FRONT_FOLD, GDN_TREE_FOLD,
+           GDN_COMMIT, QMM_ROWS, READ_FLOOR, READ_STREAM, QMM_MMA, QMM_MMA_NORM, QMM_MMA_RES, QMM_MMA_SWIGLU,
+           QMM_MMA_SWIGLU_RES,
            ATTN_ROWS, ATTN_ONE, ATTN_MERGE, ATTN_DRAFT,
            ADD_NORM, RMS_NORM, SWIGLU, HEAD_NORMS, SIGMOID_GATE, GATED_NORM,
            CHOOSE, CHOOSE_TOP, CHOOSE_PEN, CHOOSE_TOP_PEN)
@@ -239,6 +244,21 @@ def gpu_backend() -> str | None:
     return "cuda" if mx.cuda.is_available() else None
 
 
+# A decode step's GDN core and its output norm + gate in one launch (KernelCore.step_gated), where
+# the launch-plan wiring runs the gated norm kernel: on by default on CUDA, SPRUCE_GATED_STEP=0
+# (variant "-gs0") runs the two launches. GATED_STEP_WARPS: SIMD groups a head's threadgroup has
+# (variant "-gwN"); 16 leaves a thread up to 128 registers, where 32 would cap it at 64.
+GATED_STEP = FastPath("SPRUCE_GATED_STEP", on=("cuda",))
+GATED_STEP_WARPS = 16
+
+
+def gated_step_applies(core: GDNCore, shape: GDNShape, qkv: Any, conv_state: Any, z: Any,
+                       norm_w: Any) -> TypeGuard[KernelCore]:
+    """Whether a token's step runs with its gated norm in one launch (GATED_STEP, KernelCore.step_gated)."""
+    return GATED_STEP.enabled() and isinstance(core, KernelCore) and core.step_gated_covers(shape, qkv, conv_state,
+                                                                                            z, norm_w)
+
+
 class KernelCore(OpsCore):
     """The GDN core on GPU kernels; shapes the kernels do not cover run the plain ops."""
 
@@ -282,6 +302,26 @@ class KernelCore(OpsCore):
             [((1, shape.Hv, shape.Dv), mx.float32), (tuple(conv_state.shape), conv_state.dtype),
              (tuple(S.shape), mx.float32)], self._rows_per_group(shape, 4))
         return o, conv, S
+
+    def step_gated_covers(self, shape: GDNShape, qkv: Any, conv_state: Any, z: Any, norm_w: Any) -> bool:
+        """Whether step_gated takes this token: one row, z [1, Hv * Dv] of a float dtype. Arrays or
+        launch-plan placeholders (shapes and dtypes only)."""
+        return (self.covers(shape) and qkv.shape[0] == 1 and qkv.dtype == conv_state.dtype
+                and tuple(z.shape) == (1, shape.Hv * shape.Dv) and z.dtype in (mx.bfloat16, mx.float16, mx.float32)
+                and tuple(norm_w.shape) == (shape.Dv,))
+
+    def step_gated(self, shape, w, qkv, a, b, conv_state, S, z, norm_w, eps: float):
+        """The step and the layer's output norm and gate in one launch (GDN_STEP_GATED): -> (out
+        [1, 1, Hv * Dv] in z's dtype, conv state, S), the bits of step() then
+        fused_norms.gated_norm; the caller checks step_gated_covers."""
+        s = shape
+        rpg = self._rows_per_group(s, GATED_STEP_WARPS)
+        template = [("Hk", s.Hk), ("Hv", s.Hv), ("Dk", s.Dk), ("Dv", s.Dv), ("K", s.K), ("RPG", rpg), ("OutT", z.dtype)]
+        return tuple(compiled_kernel(GDN_STEP_GATED, self.backend)(
+            inputs=[qkv, a, b, conv_state, w.conv, w.A_log, w.dt_bias, S, z, norm_w, eps_array(eps)],
+            template=template, grid=(s.Hv * rpg * 32, 1, 1), threadgroup=(rpg * 32, 1, 1),
+            output_shapes=[(1, 1, s.Hv * s.Dv), tuple(conv_state.shape), tuple(S.shape)],
+            output_dtypes=[z.dtype, conv_state.dtype, mx.float32]))
 
     def chain(self, shape, w, qkv, a, b, conv_state, S):
         if qkv.shape[0] == 1:

@@ -2,12 +2,13 @@
 launch by launch or be recorded into launch plans (engine/launch_plan.py): a Gated DeltaNet layer's
 whole step as one plan, a gated-attention layer's as two around its KV cache (below).
 
-The step, one token x [1, 1, H], nine launches:
+The step, one token x [1, 1, H], eight launches (nine with kernels.GATED_STEP off, gdn_step and
+gated_norm apart):
 
     n     = rms_norm(x)                 the input norm (the engine's kernel, not MLX's)
     y     = in_proj(n)                  qkv | z | b | a, one fused 4-bit product
-    o, conv_state, S = gdn_step(...)    the short conv, the gates and the recurrence
-    g     = gated_norm(o, z)
+    g, conv_state, S = gdn_step(...)    the short conv, the gates, the recurrence, and the output's
+                                        gated norm (the step's SPR_GATED_OUT build)
     h     = x + out_proj(g)             the residual add in the product's launch
     n2    = rms_norm(h)
     gu    = gate_up(n2)
@@ -32,7 +33,7 @@ import mlx.core as mx
 
 from engine import fused_norms
 from engine.gdn.core import GDNShape, GDNWeights
-from engine.kernels import FastPath, KernelCore
+from engine.kernels import GATED_STEP, FastPath, KernelCore
 from engine.launch_plan import Buf, LaunchPlan, columns, record
 from engine.models import fused_qmm
 from engine.qmm import mma_covers, quantized_matmul_mma
@@ -125,9 +126,12 @@ def gdn_decode_step(layer: GDNLayer, x: Any, conv_state: Any, S: Any) -> tuple[A
     c, v = s.conv_dim, s.value_dim
     qkv, z = columns(y, 0, c), columns(y, c, c + v)
     b, a = columns(y, c + v, c + v + s.Hv), columns(y, c + v + s.Hv, c + v + 2 * s.Hv)
-    o, conv_state, S = KernelCore("cuda").step(s, GDNWeights(layer.conv, layer.A_log, layer.dt_bias), qkv, a, b,
-                                               conv_state, S)
-    g = fused_norms.gated_norm(o, z, layer.out_norm, layer.eps, backend="cuda")
+    core, w = KernelCore("cuda"), GDNWeights(layer.conv, layer.A_log, layer.dt_bias)
+    if GATED_STEP.enabled() and core.step_gated_covers(s, qkv, conv_state, z, layer.out_norm):
+        g, conv_state, S = core.step_gated(s, w, qkv, a, b, conv_state, S, z, layer.out_norm, layer.eps)
+    else:
+        o, conv_state, S = core.step(s, w, qkv, a, b, conv_state, S)
+        g = fused_norms.gated_norm(o, z, layer.out_norm, layer.eps, backend="cuda")
     h = _product(g.reshape(1, v), layer.out_proj, res=rows)
     out = mlp_rows(h, layer.post_norm, layer.gate_up, layer.down, layer.eps)
     return out.reshape(1, 1, hidden), conv_state, S

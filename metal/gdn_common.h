@@ -108,12 +108,3 @@ SPR_FN void spr_token_qk(SPR_THREAD const R& committed, PX x, PW w, SPR_THREAD c
     k[e] *= k_scale;
   }
 }
-
-// q and k as above, and v of value channel (h, v).
-template <int K, int Hk, int Dk, int Hv, int Dv, typename R, typename PX, typename PW>
-SPR_FN float spr_token_qkv(SPR_THREAD const R& committed, PX x, PW w, SPR_THREAD const int* taps, uint lane, uint hk, uint h,
-                           uint v, SPR_THREAD float* q, SPR_THREAD float* k) {
-  constexpr int C = 2 * Hk * Dk + Hv * Dv;
-  spr_token_qk<K, Hk, Dk, Hv, Dv>(committed, x, w, taps, lane, hk, q, k);
-  return spr_conv_silu<K>(committed, x, w, taps, C, 2 * Hk * Dk + int(h) * Dv + int(v));
-}

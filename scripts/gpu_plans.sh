@@ -14,18 +14,18 @@
 # - attention: scripts/bench_attention_rows.py, the attention kernel's µs a call by chunk size at the
 #   9B shape, then plain decoding with chunks of 32 (the default), 8 and 16 ("-acN") beside mlx-lm
 #   (written in the forty-seventh session, not run yet);
-# - ktests: the GPU tests of the kernels the forty-eighth session changed (attention keys loaded
-#   together, norms held in registers, qmm_mma's warps for few tiles) and of the model's wirings;
-# - ncu: one 9B-shaped decode step's kernels under ncu, once a setting: the defaults, the attention
-#   walking one key at a time ("-ak1"), qmm_mma with 8 and 16 warps for weights of few tiles
-#   ("-ks8", "-ks16"), and the defaults with the kernels before that session (.old48/, the
-#   committed texts carried as an ignored folder: attn_rows, add_norm, gated_norm, gdn_step);
-#   NCU_VARIANTS lists the settings after the defaults, NCU_PROMPT the context (default 128 tokens);
-#   for the next lease: NCU_VARIANTS="-am4 -ac16-am4 -ac8-am8" (the merge loading chunks together,
-#   written after the forty-eighth session's lease), the same with NCU_PROMPT=4096 and "-ak1" (do
-#   smaller chunks and the keys' batches hold at a long context, one launch at a time?), and
-#   NCU_VARIANTS="-kt2048" (8 warps for every short reduction: the GDN in_proj and gate|up reach
-#   55-67 % of their floor);
+# - ktests: the GPU tests of the kernels the forty-eighth and forty-ninth sessions changed (attention
+#   keys loaded together, norms held in registers, qmm_mma's warps for few tiles, the GDN step with
+#   its gated norm in one launch) and of the model's wirings;
+# - gtests: the forty-ninth session's alone (the gated step against its two launches, the plans and
+#   the model's wirings that run it);
+# - ncu: one 9B-shaped decode step's kernels under ncu, once a setting: the defaults, then each of
+#   NCU_VARIANTS (default: the step and its gated norm as two launches, "-gs0", and as one with 32
+#   SIMD groups a head, "-gw32"); NCU_PROMPT sets the context (default 128 tokens). Still to run:
+#   NCU_VARIANTS="-am4 -ac16-am4 -ac8-am8" (the merge loading chunks together, written after the
+#   forty-eighth session's lease), the same with NCU_PROMPT=4096 and "-ak1", and
+#   NCU_VARIANTS="-kt2048" (8 warps for every short reduction);
+# - gated: plain decoding beside mlx-lm with the gated step (the default) and without ("-gs0");
 # - widen: the 4-bit 9B-shaped pair in /tmp/q9 (needs the bundled weights);
 # - rounds: plain decoding, MTP chains and DDTree and DFlash chains on that pair, greedy, plans on and
 #   off interleaved run by run (what plans do to speculation's rounds: not measured yet).
@@ -57,8 +57,13 @@ for stage in $stages; do
                  --cores kernels,kernels-ac8,kernels-ac16 | grep -v '^ \|^{\|^}' ;;
     ktests) timeout 500 python -m pytest -q -p no:cacheprovider tests/kernels/test_attention_rows.py \
               tests/kernels/test_fused_norms.py tests/kernels/test_qmm.py tests/kernels/test_launch_plan.py \
-              tests/engine/test_qlinear.py tests/engine/test_lossless.py \
-              -k "gpu or launch_plan or plan_ or launch_plans or attention or mma" -rA \
+              tests/kernels/test_gdn_kernels.py tests/engine/test_qlinear.py tests/engine/test_lossless.py \
+              -k "gpu or launch_plan or plan_ or launch_plans or attention or mma or gated_step" -rA \
+              | grep -E "^(PASSED|FAILED|ERROR)|passed|failed|Error"
+            echo "pytest rc ${PIPESTATUS[0]}" ;;
+    gtests) timeout 300 python -m pytest -q -p no:cacheprovider tests/kernels/test_gdn_kernels.py \
+              tests/kernels/test_launch_plan.py tests/engine/test_qlinear.py \
+              -k "gated_step or launch_plan or plan_ or launch_plans" -rA \
               | grep -E "^(PASSED|FAILED|ERROR)|passed|failed|Error"
             echo "pytest rc ${PIPESTATUS[0]}" ;;
     ncu) ncu_step() {  # name, variant
@@ -68,12 +73,10 @@ for stage in $stages; do
              --prompt-tokens "${NCU_PROMPT:-128}" > "$OUT/ncu_$1.csv" 2> "$OUT/ncu_$1.err"
            echo "## $1 ($2)"; python scripts/ncu_summary.py "$OUT/ncu_$1.csv" --top 40
          }
-         ncu_step default ""; for v in ${NCU_VARIANTS:--ak1 -ks8 -ks16}; do ncu_step "${v//-/}" "$v"; done
-         if [ -d .old48 ]; then
-           for k in attn_rows add_norm gated_norm gdn_step; do cp metal/$k.kernel /tmp/$k.kernel.new; cp .old48/$k.kernel metal/; done
-           ncu_step old48 ""
-           for k in attn_rows add_norm gated_norm gdn_step; do cp /tmp/$k.kernel.new metal/$k.kernel; done
-         fi ;;
+         ncu_step default ""; for v in ${NCU_VARIANTS:--gs0 -gw32}; do ncu_step "${v//-/}" "$v"; done ;;
+    gated) timeout 500 python scripts/bench_gpu.py --out "$OUT/e2e_gated" --targets 9b --skip-draft --runs 4 \
+             --tokens 128 --tree-sizes 1 --ops-tree-sizes "" --micro "" --prefill-tokens 0 \
+             --cores kernels,kernels-gs0 | grep -v '^ \|^{\|^}' ;;
     widen) [ -f /tmp/q9/target/config.json ] || timeout 120 python scripts/widen_checkpoint.py /tmp/q9 --shape 9b --bits 4 ;;
     rounds) timeout 500 python scripts/profile_rounds.py --model /tmp/q9/target --dflash-model /tmp/q9/dflash \
               --dtype bfloat16 --methods none,mtp:chain,mtp:ddtree,dflash:chain --kinds code,chat --runs 2 \

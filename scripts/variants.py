@@ -17,6 +17,9 @@
   (engine.attention_rows.DRAFT_SWITCH; read when the head's step traces);
 - "-an0" / "-an1": each layer's residual add fused with its norm (engine.fused_norms.ADD);
 - "-gn0" / "-gn1": the GDN output's norm fused with its gate (engine.fused_norms.GATED);
+- "-gs0" / "-gs1": where that gated norm's kernel runs after a token's GDN step, both in one launch
+  or two (engine.kernels.GATED_STEP; part of a layer's trace key);
+- "-gwN": that one launch with N SIMD groups a head (engine.kernels.GATED_STEP_WARPS, default 16);
 - "-qf0" / "-qf1": the quantized projections fused with the norms before them and the residual
   adds after them (engine.models.fused_qmm.SWITCH);
 - "-qr0" / "-qr1": the residual adds alone fused with the projections before them
@@ -108,6 +111,7 @@ def _settings() -> dict[str, tuple[list[tuple[Any, str]], Callable[[str], tuple[
         cpu_ext,
         forward,
         fused_norms,
+        kernels,
         launch_plan,
         layer_plans,
         qmm,
@@ -131,6 +135,8 @@ def _settings() -> dict[str, tuple[list[tuple[Any, str]], Callable[[str], tuple[
         "ad": ([(attention_rows.DRAFT_SWITCH, "value")], on),
         "an": ([(fused_norms.ADD, "value")], on),
         "gn": ([(fused_norms.GATED, "value")], on),
+        "gs": ([(kernels.GATED_STEP, "value")], on),
+        "gw": ([(kernels, "GATED_STEP_WARPS")], lambda rest: (int(rest),)),
         "qf": ([(fused_qmm.SWITCH, "value")], on),
         "qr": ([(fused_qmm.RES, "value")], on),
         "pg": ([(cpu_exp, "POW_GATES")], on),

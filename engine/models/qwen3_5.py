@@ -18,7 +18,7 @@ from engine.cache import GDNCache, KVCache, LayerCache
 from engine.feature_cache import FeatureCache
 from engine.gdn.core import Fold, GDNCore, GDNShape, GDNWeights, TreeInputs, TreeRows
 from engine.gdn.ops import ConvViews
-from engine.kernels import select_gdn_core
+from engine.kernels import GATED_STEP, gated_step_applies, select_gdn_core
 from engine.models import fused_qmm, segments
 from engine.models.base import ModelArgs, decoder_fields
 from engine.models.fused import fuse_into
@@ -132,6 +132,12 @@ class GatedDeltaNet(nn.Module):
         elif mode == "tree":
             o, rows = self.core.tree(s, w, qkv, a, b, conv_state, S, TreeInputs.from_arrays(tree, levels))
             result = (rows.x, rows.k, rows.u, rows.g)
+        elif (mode == "token" and gated_kernel
+              and gated_step_applies(self.core, s, qkv, conv_state, z, self.norm.weight)):
+            # the step and the gated norm in one launch, the bits of the two below
+            out, conv_state, S = self.core.step_gated(s, w, qkv, a, b, conv_state, S, z, self.norm.weight,
+                                                      self.norm.eps)
+            return self._project(out, residual), (conv_state, S)
         else:
             run = self.core.step if mode == "token" else self.core.chain
             o, conv_state, S = run(s, w, qkv, a, b, conv_state, S)
@@ -140,9 +146,13 @@ class GatedDeltaNet(nn.Module):
             out = fused_norms.gated_norm(o, z, self.norm.weight, self.norm.eps)
         else:
             out = self.norm(o, z.reshape(T, s.Hv, s.Dv)).astype(x.dtype).reshape(1, T, -1)
+        return self._project(out, residual), result
+
+    def _project(self, out: mx.array, residual: mx.array | None) -> mx.array:
+        """out_proj(out), plus the residual in the projection's launch where one is given."""
         if residual is not None:
-            return fused_qmm.linear_res(self.out_proj, out, residual), result
-        return self.out_proj(out), result
+            return fused_qmm.linear_res(self.out_proj, out, residual)
+        return self.out_proj(out)
 
     def fuse_projections(self) -> bool:
         return fuse_into(self, ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"))
@@ -173,8 +183,8 @@ def tree_arrays(batch: Batch) -> tuple[mx.array, ...]:
 # the norms and SwiGLU before them: fused_qmm.wiring(), a GDN layer's token step, its tree verify,
 # the RMS norms and the MLP block, in the CPU's own operations: cpu_ext.GDN_STEP, cpu_ext.GDN_TREE,
 # cpu_ext.NORMS, cpu_ext.MLP, and the input norm with the mixer's projections in one:
-# cpu_ext.PRODUCTS; the launch-plan wiring, and its attention layers'; an output of the last layer
-# pending)
+# cpu_ext.PRODUCTS; the launch-plan wiring, and its attention layers'; a token's GDN step with its
+# gated norm in one launch: kernels.GATED_STEP; an output of the last layer pending)
 TraceKey = tuple[object, ...]
 
 
@@ -182,7 +192,8 @@ def trace_settings() -> tuple[bool, ...]:
     """The module settings a layer's traced functions depend on (a TraceKey's fields after the
     mode, the compilation and the folding, but for the last layer's output pending)."""
     return (*fused_norms.traces(), cpu_exp.POW_GATES, *fused_qmm.wiring(), cpu_ext.GDN_STEP, cpu_ext.GDN_TREE,
-            cpu_ext.NORMS, cpu_ext.MLP, cpu_ext.PRODUCTS, launch_plan.enabled(), layer_plans.ATTENTION.enabled())
+            cpu_ext.NORMS, cpu_ext.MLP, cpu_ext.PRODUCTS, launch_plan.enabled(), layer_plans.ATTENTION.enabled(),
+            GATED_STEP.enabled())
 
 
 class _Phases:

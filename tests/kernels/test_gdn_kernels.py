@@ -93,6 +93,30 @@ def test_step_equals_twin(shape, dtype, rng):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("warps", [32, 16, 8])
+def test_gated_step_is_the_step_then_the_gated_norm(shape, dtype, warps, rng, monkeypatch):
+    """The step with the output's gated norm in one launch: bitwise the two launches, z as the fused
+    projection hands it over (a column slice of its row)."""
+    import engine.kernels as kernel_module
+    from engine import fused_norms
+
+    monkeypatch.setattr(kernel_module, "GATED_STEP_WARPS", warps)
+    s, dt = SHAPES[shape], DTYPES[dtype]
+    qkv, a, b, conv, w, S = inputs(rng, s, 1, dt)
+    row = mx.array(rng.normal(size=(1, s.conv_dim + s.value_dim + 7)).astype(np.float32) * 2).astype(dt)
+    z = row[:, s.conv_dim:s.conv_dim + s.value_dim]
+    nw = mx.array((rng.normal(size=(s.Dv,)) * 0.1 + 1).astype(np.float32)).astype(dt)
+    core = kernels()
+    assert core.step_gated_covers(s, qkv, conv, z, nw)
+    out, conv_g, S_g = core.step_gated(s, w, qkv, a, b, conv, S, z, nw, 1e-6)
+    o, conv_p, S_p = core.step(s, w, qkv, a, b, conv, S)
+    want = fused_norms.gated_norm(o, z, nw, 1e-6)
+    assert out.shape == want.shape and out.dtype == want.dtype
+    assert mx.array_equal(out, want) and mx.array_equal(conv_g, conv_p) and mx.array_equal(S_g, S_p)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("n", [2, 17, 512])
 def test_chain_equals_twins(shape, dtype, n, rng):
     s = SHAPES[shape]

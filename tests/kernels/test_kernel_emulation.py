@@ -12,20 +12,23 @@ import pytest
 
 from engine.cache import AcceptedPath
 from engine.forward import tree_batch
+from engine.fused_norms import WPG
 from engine.gdn import ops
 from engine.gdn.core import Fold, GDNShape, GDNWeights, OpsCore, TreeInputs, split_heads
 from engine.gdn.reference import sequential
 from engine.kernels import (
+    GATED_NORM,
     GDN_CHAIN,
     GDN_COMMIT,
     GDN_STEP,
+    GDN_STEP_GATED,
     GDN_TREE,
     GDN_TREE_FOLD,
     GDN_TREE_FRONT,
     GDN_TREE_FRONT_FOLD,
 )
 from engine.tree import DraftTree
-from tests.kernels.emulate import emulate
+from tests.kernels.emulate import SIMT_AVAILABLE, emulate, emulate_simt, to_bf16_bits
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is not installed")
 
@@ -86,6 +89,43 @@ def test_step_body_equals_twin(shape, rng, tmp_path):
     assert maxdiff(out["o"], o[0]) <= 1e-5
     assert maxdiff(out["conv_out"], conv) == 0.0
     assert maxdiff(out["state_out"], S) <= 1e-5
+
+
+GATED_SHAPES = {"bundled": GDNShape(Hk=6, Hv=12, Dk=32, Dv=32, K=4),
+                "9b-heads": GDNShape(Hk=1, Hv=2, Dk=128, Dv=128, K=4),
+                "narrow-v": GDNShape(Hk=2, Hv=4, Dk=64, Dv=48, K=3)}
+
+
+@pytest.mark.skipif(not SIMT_AVAILABLE, reason="the lockstep emulation needs g++ and Linux's ucontext")
+@pytest.mark.parametrize("shape", GATED_SHAPES)
+@pytest.mark.parametrize(("rpg", "z_type"), [(32, "float32"), (8, "bfloat16"), (16, "float32")])
+def test_lockstep_gated_step_is_the_step_then_the_gated_norm(shape, rpg, z_type, rng, tmp_path):
+    """The step's SPR_GATED_OUT build, one threadgroup a head with `rpg` SIMD groups (or as many as
+    divide Dv), bit for bit the plain step (one SIMD group a row, two a threadgroup) followed by
+    gated_norm.kernel, with 32 lanes in lockstep; the state and conv state too."""
+    s = GATED_SHAPES[shape]
+    rpg = next(r for r in (rpg, 16, 8, 4, 2, 1) if s.Dv % r == 0)
+    x = random_layer(rng, s, 1)
+    z = rng.normal(size=(1, s.Hv * s.Dv)).astype(F32) * 2
+    nw = (rng.normal(size=(s.Dv,)) * 0.1 + 1).astype(F32)
+    eps = np.array([1e-6], dtype=F32)
+    halves = {} if z_type == "float32" else {"z": z_type, "out": z_type}
+    zin = z if z_type == "float32" else to_bf16_bits(z)
+    states = {"conv_out": ((s.K - 1, s.conv_dim), F32), "state_out": ((s.Hv, s.Dv, s.Dk), F32)}
+    plain = emulate_simt(GDN_STEP, x, {"o": ((1, s.Hv, s.Dv), F32), **states}, template(s), s.Hv * s.Dv // 2, 64,
+                         tmp_path)
+    normed = emulate_simt(GATED_NORM, {"o": plain["o"], "z": zin, "w": nw, "eps": eps},
+                          {"out": ((1, 1, s.Hv * s.Dv), np.uint16 if halves else F32)}, {"OutT": z_type},
+                          -(-s.Hv // WPG), WPG * 32, tmp_path, halves=halves)
+    fused = emulate_simt(GDN_STEP_GATED, {**x, "z": zin, "nw": nw, "eps": eps},
+                         {"out": ((1, 1, s.Hv * s.Dv), np.uint16 if halves else F32), **states},
+                         {**template(s), "RPG": rpg, "OutT": z_type}, s.Hv, rpg * 32, tmp_path, halves=halves)
+    np.testing.assert_array_equal(fused["out"], normed["out"])
+    np.testing.assert_array_equal(fused["state_out"], plain["state_out"])
+    np.testing.assert_array_equal(fused["conv_out"], plain["conv_out"])
+    o, _, S = OpsCore().step(s, *twin_args(x))  # and the step itself against its twin
+    assert maxdiff(plain["o"], o) <= 1e-5
+    assert maxdiff(plain["state_out"], S) <= 1e-5
 
 
 @pytest.mark.parametrize("shape", SHAPES)

@@ -19,7 +19,7 @@ from tests.kernels.render import render_cuda, render_metal
 STUB = Path(__file__).resolve().parents[2] / "metal" / "stub"
 INT_INPUTS = {"taps", "order", "depth", "path"}
 # in the activations' dtype (bf16 on GPUs); everything else is float32 in the engine
-ACTIVATIONS = {"qkv", "a", "b", "conv_state", "conv_w", "dt_bias", "conv_out", "x", "x_prev"}
+ACTIVATIONS = {"qkv", "a", "b", "conv_state", "conv_w", "dt_bias", "conv_out", "x", "x_prev", "z", "out"}
 # the bundled model's GDN shape and the 9B one; RPG / MAXD as the engine picks them
 SHAPES = {"bundled": dict(Hk=6, Hv=12, Dk=32, Dv=32, K=4), "9b": dict(Hk=16, Hv=32, Dk=128, Dv=128, K=4)}
 
@@ -65,6 +65,8 @@ def template_for(spec: KernelSpec, shape: str, activations: str = "float32") -> 
     if spec.name.endswith("read_floor"):
         return dict(OutT=activations, WORDS=512 if shape == "9b" else 48, O=256, GS=64, BITS=4, R=8, RPG=4)
     t: dict[str, int | str] = dict(SHAPES[shape], RPG=2)
+    if spec.name.endswith("gdn_step_gated"):
+        t["OutT"] = activations
     if spec.name.endswith(("tree", "tree_fold")):
         t["MAXD"] = 16
     return t

@@ -63,6 +63,24 @@ def test_a_gdn_step_records_its_nine_launches_in_order():
     assert rec.launches[4].args[-2][0] == 0
 
 
+def test_with_the_gated_step_a_gdn_step_records_eight_launches(monkeypatch):
+    """kernels.GATED_STEP on (CUDA's default): the step and the gated norm are one launch, which reads
+    qkv, a and b where the projection wrote them and z from column conv_dim on."""
+    monkeypatch.setattr(kernels.GATED_STEP, "value", True)
+    monkeypatch.setattr(kernels, "gpu_backend", lambda: "cuda")  # FastPath asks for a GPU backend
+    rec, results = record_step(GDNLayer.random(SMALL, HIDDEN, INTERMEDIATE))
+    names = [launch.spec.name for launch in rec.launches]
+    assert names == ["spruce_rms_norm", "spruce_qmm_mma", "spruce_gdn_step_gated", "spruce_qmm_mma_res",
+                     "spruce_rms_norm", "spruce_qmm_mma", "spruce_swiglu", "spruce_qmm_mma_res"]
+    project, step = rec.launches[1], rec.launches[2]
+    y_region, s = project.args[-1][0], SMALL
+    assert (step.args[0][0], step.args[0][1]) == (y_region, 0)
+    assert (step.args[8][0], step.args[8][1]) == (y_region, 2 * s.conv_dim)  # z
+    assert [r.shape for r in results] == [(1, 1, HIDDEN), (s.K - 1, s.conv_dim), (s.Hv, s.Dv, s.Dk)]
+    # the output projection reads the step's first output
+    assert rec.launches[3].args[0][0] == step.args[-3][0]
+
+
 def test_shapes_a_body_reads_are_passed_as_mlx_passes_them():
     layer = GDNLayer.random(SMALL, HIDDEN, INTERMEDIATE)
     rec, _ = record_step(layer)
