@@ -25,7 +25,8 @@
 #   NCU_VARIANTS="-am4 -ac16-am4 -ac8-am8" (the merge loading chunks together, written after the
 #   forty-eighth session's lease), the same with NCU_PROMPT=4096 and "-ak1", and
 #   NCU_VARIANTS="-kt2048" (8 warps for every short reduction);
-# - gated: plain decoding beside mlx-lm with the gated step (the default) and without ("-gs0");
+# - gated: plain decoding beside mlx-lm with the gated step (the default) and without ("-gs0"), or
+#   the settings GATED_CORES lists;
 # - widen: the 4-bit 9B-shaped pair in /tmp/q9 (needs the bundled weights);
 # - rounds: plain decoding, MTP chains and DDTree and DFlash chains on that pair, greedy, plans on and
 #   off interleaved run by run (what plans do to speculation's rounds: not measured yet).
@@ -76,7 +77,7 @@ for stage in $stages; do
          ncu_step default ""; for v in ${NCU_VARIANTS:--gs0 -gw32}; do ncu_step "${v//-/}" "$v"; done ;;
     gated) timeout 500 python scripts/bench_gpu.py --out "$OUT/e2e_gated" --targets 9b --skip-draft --runs 4 \
              --tokens 128 --tree-sizes 1 --ops-tree-sizes "" --micro "" --prefill-tokens 0 \
-             --cores kernels,kernels-gs0 | grep -v '^ \|^{\|^}' ;;
+             --cores "${GATED_CORES:-kernels,kernels-gs0}" | grep -v '^ \|^{\|^}' ;;
     widen) [ -f /tmp/q9/target/config.json ] || timeout 120 python scripts/widen_checkpoint.py /tmp/q9 --shape 9b --bits 4 ;;
     rounds) timeout 500 python scripts/profile_rounds.py --model /tmp/q9/target --dflash-model /tmp/q9/dflash \
               --dtype bfloat16 --methods none,mtp:chain,mtp:ddtree,dflash:chain --kinds code,chat --runs 2 \
