@@ -249,3 +249,28 @@ def test_launch_plans_in_the_model(wide_q4, monkeypatch):
         if i is not None:
             top = out.logprobs[i].top
             assert top[0][1] - top[1][1] <= NEAR_TIE, f"flip at {i} with a clear winner"
+
+
+@pytest.mark.skipif(not plans_available(), reason="launch plans run on CUDA with the engine's extension built")
+def test_the_gated_step_changes_no_bit(wide_q4, monkeypatch):
+    """A GDN layer's step with its output norm and gate in one launch (engine.kernels.GATED_STEP,
+    CUDA's default) against the two launches: greedy tokens and their logprobs to the bit."""
+    from engine import kernels, launch_plan
+
+    monkeypatch.setattr(launch_plan.SWITCH, "value", True)
+    sampling = SamplingParams(max_tokens=24, ignore_eos=True, logprobs=2)
+    rng = np.random.RandomState(7)
+    prompts = [[int(t) for t in rng.randint(0, 500, size=n)] for n in (9, 23)]
+    calls: list[bool] = []
+    real = kernels.KernelCore.step_gated
+    monkeypatch.setattr(kernels.KernelCore, "step_gated", lambda self, *a: calls.append(True) or real(self, *a))
+    outs = {}
+    for on in (True, False):
+        monkeypatch.setattr(kernels.GATED_STEP, "value", on)
+        calls.clear()
+        engine = Engine(EngineConfig(model_path=str(wide_q4), dtype="bfloat16"))
+        outs[on] = [generate(engine, p, sampling) for p in prompts]
+        assert bool(calls) == on  # recorded into the plans, or run launch by launch
+    for fused, apart in zip(outs[True], outs[False], strict=True):
+        assert fused.tokens == apart.tokens
+        assert [[lp for _, lp in o.top] for o in fused.logprobs] == [[lp for _, lp in o.top] for o in apart.logprobs]
