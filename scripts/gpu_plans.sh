@@ -75,7 +75,7 @@ for stage in $stages; do
            echo "## $1 ($2)"; python scripts/ncu_summary.py "$OUT/ncu_$1.csv" --top 40
          }
          ncu_step default ""; for v in ${NCU_VARIANTS:--gs0 -gw32}; do ncu_step "${v//-/}" "$v"; done ;;
-    gated) timeout 500 python scripts/bench_gpu.py --out "$OUT/e2e_gated" --targets 9b --skip-draft --runs 4 \
+    gated) timeout 580 python scripts/bench_gpu.py --out "$OUT/e2e_gated" --targets 9b --skip-draft --runs 4 \
              --tokens 128 --tree-sizes 1 --ops-tree-sizes "" --micro "" --prefill-tokens 0 \
              --cores "${GATED_CORES:-kernels,kernels-gs0}" | grep -v '^ \|^{\|^}' ;;
     widen) [ -f /tmp/q9/target/config.json ] || timeout 120 python scripts/widen_checkpoint.py /tmp/q9 --shape 9b --bits 4 ;;
