@@ -30,17 +30,15 @@ OpenBLAS's threads can be set round by round (`pace`; off by default, see ADAPT_
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import hashlib
 import os
 import platform
-import shutil
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from engine import build_cache
 
 CANDIDATES = (
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3",
@@ -121,29 +119,15 @@ def gemv_shim() -> str | None:
     except OSError:
         return None
     name = f"{SHIM_NAME}-{hashlib.sha256(source).hexdigest()[:16]}-{platform.machine()}.so"
-    homes = [Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "spruce",
-             Path(tempfile.gettempdir()) / f"spruce-{os.getuid()}"]
-    for home in homes:
-        if (home / name).is_file():
-            return str(home / name)
-    compiler = next(filter(None, (shutil.which(c) for c in (os.environ.get("CC", ""), "cc", "gcc", "clang") if c)),
-                    None)
-    if compiler is None:
+    found = build_cache.cached(name)
+    if found is not None:
+        return str(found)
+    cc = build_cache.compiler("CC", ("cc", "gcc", "clang"))
+    if cc is None:
         return None
-    for home in homes:
-        partial = home / f"{name}.{os.getpid()}.part"  # renamed into place whole: builds may race
-        try:
-            home.mkdir(parents=True, exist_ok=True)
-            subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-o", str(partial), *map(str, SHIM_SOURCES),
-                            "-ldl", "-lm", "-pthread"], check=True, capture_output=True, timeout=SHIM_BUILD_TIMEOUT)
-            os.replace(partial, home / name)
-            return str(home / name)
-        except (OSError, subprocess.SubprocessError) as e:
-            with contextlib.suppress(OSError):  # nothing to remove, or no directory to remove it from
-                partial.unlink(missing_ok=True)
-            if isinstance(e, subprocess.SubprocessError):
-                break  # the compiler refused or ran out of time: another directory will not change that
-    return None
+    built = build_cache.build(name, lambda out: [cc, "-O2", "-shared", "-fPIC", "-o", str(out), *map(str, SHIM_SOURCES),
+                                                 "-ldl", "-lm", "-pthread"], SHIM_BUILD_TIMEOUT)
+    return None if built is None else str(built)
 
 
 def _shim_handle() -> Any:

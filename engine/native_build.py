@@ -5,20 +5,15 @@ nanobind's sources in MLX's nanobind domain ("mlx"), so its functions take and r
 Needs a C++20 compiler (`$CXX`, c++, g++ or clang++), Python's headers, MLX's headers and library
 and the `nanobind` package (whose internals must match the version MLX was built with: a mismatch
 shows at the extension's self-test). A build is cached per user under a name that hashes
-everything that goes into it, and renamed into place whole, so concurrent builds may race.
+everything that goes into it (engine/build_cache.py).
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib.util
 import logging
-import os
-import shutil
-import subprocess
 import sysconfig
-import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -26,7 +21,11 @@ from types import ModuleType
 
 import mlx.core as mx
 
+from engine import build_cache
+
 log = logging.getLogger("spruce")
+
+BUILD_TIMEOUT = 600  # seconds; an extension takes ~10-60 s
 
 
 def inputs() -> tuple[Path, Path, Path] | None:
@@ -55,38 +54,18 @@ def build(source: Path, name: str, flags: list[str], key: bytes = b"") -> Path |
              (nb_dir / "__init__.py").read_bytes(), suffix.encode(), " ".join(flags).encode(), key]
     digest = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     filename = f"{name}-{digest}{suffix}"
-    homes = [Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "spruce",
-             Path(tempfile.gettempdir()) / f"spruce-{os.getuid()}"]
-    for home in homes:
-        if (home / filename).is_file():
-            return home / filename
-    compiler = next(filter(None, (shutil.which(c) for c in (os.environ.get("CXX", ""), "c++", "g++", "clang++") if c)),
-                    None)
-    if compiler is None:
+    done = build_cache.cached(filename)
+    if done is not None:
+        return done
+    cxx = build_cache.compiler("CXX", ("c++", "g++", "clang++"))
+    if cxx is None:
         return None
     log.info("building the engine's %s (%s), once: ~10 s", name, source.name)
-    for home in homes:
-        partial = home / f"{filename}.{os.getpid()}.part"
-        try:
-            home.mkdir(parents=True, exist_ok=True)
-            subprocess.run([compiler, "-O3", *flags, "-std=c++20", "-shared", "-fPIC", "-fvisibility=hidden",
-                            "-DNDEBUG", "-DNB_DOMAIN=mlx", f"-I{nb_dir / 'include'}",
-                            f"-I{nb_dir / 'ext' / 'robin_map' / 'include'}", f"-I{python_include}",
-                            f"-I{mlx_dir / 'include'}", "-o", str(partial), str(source),
-                            str(nb_dir / "src" / "nb_combined.cpp"), f"-L{mlx_dir / 'lib'}", "-lmlx",
-                            f"-Wl,-rpath,{mlx_dir / 'lib'}", "-ldl", "-pthread"],
-                           check=True, capture_output=True, timeout=600)
-            os.replace(partial, home / filename)
-            return home / filename
-        except (OSError, subprocess.SubprocessError) as e:
-            detail = getattr(e, "stderr", b"") or b""
-            log.debug("%s did not build in %s: %s %s", source.name, home, e,
-                      detail[-2000:].decode(errors="replace"))
-            with contextlib.suppress(OSError):
-                partial.unlink(missing_ok=True)
-            if isinstance(e, subprocess.CalledProcessError):
-                break  # the compiler refused it: another directory will not change that
-    return None
+    return build_cache.build(filename, lambda out: [
+        cxx, "-O3", *flags, "-std=c++20", "-shared", "-fPIC", "-fvisibility=hidden", "-DNDEBUG", "-DNB_DOMAIN=mlx",
+        f"-I{nb_dir / 'include'}", f"-I{nb_dir / 'ext' / 'robin_map' / 'include'}", f"-I{python_include}",
+        f"-I{mlx_dir / 'include'}", "-o", str(out), str(source), str(nb_dir / "src" / "nb_combined.cpp"),
+        f"-L{mlx_dir / 'lib'}", "-lmlx", f"-Wl,-rpath,{mlx_dir / 'lib'}", "-ldl", "-pthread"], BUILD_TIMEOUT)
 
 
 def load(path: Path, name: str) -> ModuleType | None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import blas
+from engine import blas, build_cache
 
 # Runs in a fresh process with the shim and OpenBLAS preloaded: MLX's products against float64
 # NumPy, the rows' bitwise checks, and how many products the shim took, as JSON.
@@ -161,7 +161,7 @@ def test_built_once_and_found_again(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     # the temporary directory's fallback too: a shim another process left in the machine's own
     # (a CI run found one there) would be found before this test's build
-    monkeypatch.setattr(blas.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    monkeypatch.setattr(build_cache.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
     first = blas.gemv_shim()
     if first is None:
         pytest.skip("no C compiler to build the shim with")
@@ -176,8 +176,8 @@ def test_switched_off_or_without_a_compiler(tmp_path: Path, monkeypatch: pytest.
     monkeypatch.setenv(blas.SHIM_OPT_OUT, "1")
     assert blas.gemv_shim() is None
     monkeypatch.delenv(blas.SHIM_OPT_OUT)
-    monkeypatch.setattr(blas.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
-    monkeypatch.setattr(blas.shutil, "which", lambda name: None)
+    monkeypatch.setattr(build_cache.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    monkeypatch.setattr(build_cache.shutil, "which", lambda name: None)
     assert blas.gemv_shim() is None  # nothing cached, nothing to build with: OpenBLAS alone
 
 
@@ -196,9 +196,9 @@ def test_an_unwritable_cache_falls_back_to_the_next_place(tmp_path: Path, monkey
     blocked = tmp_path / "blocked"
     blocked.write_text("a file where the cache directory would go")
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))
-    monkeypatch.setattr(blas.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    monkeypatch.setattr(build_cache.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
     shim = blas.gemv_shim()
-    if shim is None and blas.shutil.which("cc") is None and blas.shutil.which("gcc") is None:
+    if shim is None and build_cache.shutil.which("cc") is None and build_cache.shutil.which("gcc") is None:
         pytest.skip("no C compiler to build the shim with")
     assert shim is not None and Path(shim).parent == tmp_path / "tmp" / f"spruce-{os.getuid()}"
 
@@ -209,14 +209,14 @@ def test_a_build_out_of_time_is_not_begun_again_elsewhere(tmp_path: Path, monkey
     if sys.platform != "linux":
         pytest.skip("the shim is for Linux")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.setattr(blas.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
-    monkeypatch.setattr(blas.shutil, "which", lambda name: "/usr/bin/cc")
+    monkeypatch.setattr(build_cache.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    monkeypatch.setattr(build_cache.shutil, "which", lambda name: "/usr/bin/cc")
     calls = []
 
     def slow(cmd, **kwargs):
         calls.append(kwargs["timeout"])
         raise subprocess.TimeoutExpired(cmd, kwargs["timeout"])
 
-    monkeypatch.setattr(blas.subprocess, "run", slow)
+    monkeypatch.setattr(build_cache.subprocess, "run", slow)
     assert blas.gemv_shim() is None
     assert calls == [blas.SHIM_BUILD_TIMEOUT]
