@@ -7,7 +7,7 @@ they take and return mx.array and join MLX's graphs (mx.compile included):
 - `rows_attention`: a decode step's or a verify's attention (engine/models/layers.py);
 - `draft_attention`: the MTP head's drafted row (engine/models/mtp.py);
 - `gdn_step`, `gdn_tree`, `gdn_commit`: the GDN core (engine/gdn/core.py CpuCore);
-- `rms_norm`: the RMS norms (engine/models/layers.py RMSNorm, qwen3_5.py GatedRMSNorm);
+- `rms_norm`: the RMS norms (engine/models/layers.py RMSNorm, gated_deltanet.py GatedRMSNorm);
 - `rope`: the rotary embedding (engine/models/layers.py apply_rope);
 - `mlp_block`: a decoder layer's residual add, norm and MLP (engine/models/qwen3_5.py);
 - `norm_products`: a mixer's input norm and the products that read it (qwen3_5.py, layers.py);

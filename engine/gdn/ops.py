@@ -52,7 +52,7 @@ def gates(a: mx.array, b: mx.array, A_log: mx.array, dt_bias: mx.array) -> tuple
 @dataclass(frozen=True)
 class ConvViews:
     """Views of a float32 conv weight [C, K] that the convolutions below would otherwise build in
-    every graph, made and evaluated once (engine/models/qwen3_5.py holds them after loading): its
+    every graph, made and evaluated once (engine/models/gated_deltanet.py holds them after loading): its
     columns for the chain conv, its transpose for the tree conv. On the CPU every graph node costs
     a few microseconds whatever its size, and the columns alone were 48 of a decode step's 734
     nodes (a slice and a squeeze for each of 4 taps in 6 layers). Evaluated views share the

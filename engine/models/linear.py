@@ -12,7 +12,7 @@ weight replaced afterwards (loaded, quantized into another module, fused) is mul
 runs again). The product is the same call on the same strides either way, so the same bits
 (tests/engine/test_linear.py). Writing into a weight in place would leave the held view on the old
 values: nothing in the engine does. Other modules hold views of their weights the same way (the
-GDN conv's columns, engine/models/qwen3_5.py `DepthwiseConv`), and `hold_views` makes them all.
+GDN conv's columns, engine/models/gated_deltanet.py `DepthwiseConv`), and `hold_views` makes them all.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import pytest
 
 from engine.gdn import ops
 from engine.loader import load_model
-from engine.models.qwen3_5 import DepthwiseConv
+from engine.models.gated_deltanet import DepthwiseConv
 
 C, K = 48, 4
 

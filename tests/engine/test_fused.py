@@ -89,7 +89,7 @@ def test_mixed_kinds_stay_separate():
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["float", "q4"])
 def test_gdn_fused_projection_on_rows_is_the_batched_one(quantized):
-    """The GDN layer hands its fused projection [T, H] rows (engine/models/qwen3_5.py): each part
+    """The GDN layer hands its fused projection [T, H] rows (engine/models/gated_deltanet.py): each part
     is bitwise the part of the [1, T, H] call it replaced, squeezed."""
     rng = np.random.default_rng(1)
     if quantized:

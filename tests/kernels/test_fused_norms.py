@@ -218,7 +218,7 @@ def test_gpu_add_norm_equals_add_and_rms_norm(dtype, rows, dims, rng):
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 @pytest.mark.parametrize(("rows", "heads", "dv"), [(1, 32, 128), (17, 32, 128), (3, 12, 32)])
 def test_gpu_gated_norm_equals_the_layers_norm(dtype, rows, heads, dv, rng):
-    from engine.models.qwen3_5 import GatedRMSNorm
+    from engine.models.gated_deltanet import GatedRMSNorm
 
     norm = GatedRMSNorm(dv, 1e-6)
     norm.weight = mx.array(rng.normal(size=(dv,)).astype(np.float32)).astype(dtype)
