@@ -245,10 +245,13 @@ def gpu_backend() -> str | None:
 
 
 # A decode step's GDN core and its output norm + gate in one launch (KernelCore.step_gated), where
-# the launch-plan wiring runs the gated norm kernel: on by default on CUDA, SPRUCE_GATED_STEP=0
-# (variant "-gs0") runs the two launches. GATED_STEP_WARPS: SIMD groups a head's threadgroup has
-# (variant "-gwN"); 16 leaves a thread up to 128 registers, where 32 would cap it at 64.
-GATED_STEP = FastPath("SPRUCE_GATED_STEP", on=("cuda",))
+# the launch-plan wiring runs the gated norm kernel. Opt-in (SPRUCE_GATED_STEP=1, variant "-gs1")
+# until it has run on a GPU: it is checked bitwise against the two launches in a lockstep CPU
+# emulation only (tests/kernels/test_kernel_emulation.py); its GPU tests and timing are in
+# scripts/gpu_plans.sh's gtests, ncu and gated stages. GATED_STEP_WARPS: SIMD groups a head's
+# threadgroup has (variant "-gwN"); 16 leaves a thread up to 128 registers, where 32 would cap it
+# at 64.
+GATED_STEP = FastPath("SPRUCE_GATED_STEP")
 GATED_STEP_WARPS = 16
 
 

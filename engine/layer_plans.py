@@ -2,13 +2,13 @@
 launch by launch or be recorded into launch plans (engine/launch_plan.py): a Gated DeltaNet layer's
 whole step as one plan, a gated-attention layer's as two around its KV cache (below).
 
-The step, one token x [1, 1, H], eight launches (nine with kernels.GATED_STEP off, gdn_step and
-gated_norm apart):
+The step, one token x [1, 1, H], nine launches (eight with kernels.GATED_STEP on: gdn_step and
+gated_norm in one):
 
     n     = rms_norm(x)                 the input norm (the engine's kernel, not MLX's)
     y     = in_proj(n)                  qkv | z | b | a, one fused 4-bit product
-    g, conv_state, S = gdn_step(...)    the short conv, the gates, the recurrence, and the output's
-                                        gated norm (the step's SPR_GATED_OUT build)
+    o, conv_state, S = gdn_step(...)    the short conv, the gates and the recurrence
+    g     = gated_norm(o, z)            (with GATED_STEP, in gdn_step's SPR_GATED_OUT build)
     h     = x + out_proj(g)             the residual add in the product's launch
     n2    = rms_norm(h)
     gu    = gate_up(n2)

@@ -20,13 +20,13 @@
 # - gtests: the forty-ninth session's alone (the gated step against its two launches, the plans and
 #   the model's wirings that run it);
 # - ncu: one 9B-shaped decode step's kernels under ncu, once a setting: the defaults, then each of
-#   NCU_VARIANTS (default: the step and its gated norm as two launches, "-gs0", and as one with 32
-#   SIMD groups a head, "-gw32"); NCU_PROMPT sets the context (default 128 tokens). Still to run:
+#   NCU_VARIANTS (default: the step and its gated norm in one launch, "-gs1", also with 32 SIMD
+#   groups a head, "-gs1-gw32"); NCU_PROMPT sets the context (default 128 tokens). Still to run:
 #   NCU_VARIANTS="-am4 -ac16-am4 -ac8-am8" (the merge loading chunks together, written after the
 #   forty-eighth session's lease), the same with NCU_PROMPT=4096 and "-ak1", and
 #   NCU_VARIANTS="-kt2048" (8 warps for every short reduction);
-# - gated: plain decoding beside mlx-lm with the gated step (the default) and without ("-gs0"), or
-#   the settings GATED_CORES lists;
+# - gated: plain decoding beside mlx-lm without the gated step (the default) and with it ("-gs1"),
+#   or the settings GATED_CORES lists;
 # - widen: the 4-bit 9B-shaped pair in /tmp/q9 (needs the bundled weights);
 # - rounds: plain decoding, MTP chains and DDTree and DFlash chains on that pair, greedy, plans on and
 #   off interleaved run by run (what plans do to speculation's rounds: not measured yet).
@@ -74,10 +74,10 @@ for stage in $stages; do
              --prompt-tokens "${NCU_PROMPT:-128}" > "$OUT/ncu_$1.csv" 2> "$OUT/ncu_$1.err"
            echo "## $1 ($2)"; python scripts/ncu_summary.py "$OUT/ncu_$1.csv" --top 40
          }
-         ncu_step default ""; for v in ${NCU_VARIANTS:--gs0 -gw32}; do ncu_step "${v//-/}" "$v"; done ;;
+         ncu_step default ""; for v in ${NCU_VARIANTS:--gs1 -gs1-gw32}; do ncu_step "${v//-/}" "$v"; done ;;
     gated) timeout 580 python scripts/bench_gpu.py --out "$OUT/e2e_gated" --targets 9b --skip-draft --runs 4 \
              --tokens 128 --tree-sizes 1 --ops-tree-sizes "" --micro "" --prefill-tokens 0 \
-             --cores "${GATED_CORES:-kernels,kernels-gs0}" | grep -v '^ \|^{\|^}' ;;
+             --cores "${GATED_CORES:-kernels,kernels-gs1}" | grep -v '^ \|^{\|^}' ;;
     widen) [ -f /tmp/q9/target/config.json ] || timeout 120 python scripts/widen_checkpoint.py /tmp/q9 --shape 9b --bits 4 ;;
     rounds) timeout 500 python scripts/profile_rounds.py --model /tmp/q9/target --dflash-model /tmp/q9/dflash \
               --dtype bfloat16 --methods none,mtp:chain,mtp:ddtree,dflash:chain --kinds code,chat --runs 2 \

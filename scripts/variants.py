@@ -17,8 +17,8 @@
   (engine.attention_rows.DRAFT_SWITCH; read when the head's step traces);
 - "-an0" / "-an1": each layer's residual add fused with its norm (engine.fused_norms.ADD);
 - "-gn0" / "-gn1": the GDN output's norm fused with its gate (engine.fused_norms.GATED);
-- "-gs0" / "-gs1": where that gated norm's kernel runs after a token's GDN step, both in one launch
-  or two (engine.kernels.GATED_STEP; part of a layer's trace key);
+- "-gs0" / "-gs1": where that gated norm's kernel runs after a token's GDN step, the two in two
+  launches / in one (engine.kernels.GATED_STEP, opt-in; part of a layer's trace key);
 - "-gwN": that one launch with N SIMD groups a head (engine.kernels.GATED_STEP_WARPS, default 16);
 - "-qf0" / "-qf1": the quantized projections fused with the norms before them and the residual
   adds after them (engine.models.fused_qmm.SWITCH);

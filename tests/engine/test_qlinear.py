@@ -254,7 +254,7 @@ def test_launch_plans_in_the_model(wide_q4, monkeypatch):
 @pytest.mark.skipif(not plans_available(), reason="launch plans run on CUDA with the engine's extension built")
 def test_the_gated_step_changes_no_bit(wide_q4, monkeypatch):
     """A GDN layer's step with its output norm and gate in one launch (engine.kernels.GATED_STEP,
-    CUDA's default) against the two launches: greedy tokens and their logprobs to the bit."""
+    opt-in) against the two launches: greedy tokens and their logprobs to the bit."""
     from engine import kernels, launch_plan
 
     monkeypatch.setattr(launch_plan.SWITCH, "value", True)

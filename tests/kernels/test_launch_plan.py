@@ -64,7 +64,7 @@ def test_a_gdn_step_records_its_nine_launches_in_order():
 
 
 def test_with_the_gated_step_a_gdn_step_records_eight_launches(monkeypatch):
-    """kernels.GATED_STEP on (CUDA's default): the step and the gated norm are one launch, which reads
+    """kernels.GATED_STEP on (opt-in): the step and the gated norm are one launch, which reads
     qkv, a and b where the projection wrote them and z from column conv_dim on."""
     monkeypatch.setattr(kernels.GATED_STEP, "value", True)
     monkeypatch.setattr(kernels, "gpu_backend", lambda: "cuda")  # FastPath asks for a GPU backend
