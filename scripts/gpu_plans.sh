@@ -27,6 +27,8 @@
 #   NCU_VARIANTS="-kt2048" (8 warps for every short reduction);
 # - gated: plain decoding beside mlx-lm without the gated step (the default) and with it ("-gs1"),
 #   or the settings GATED_CORES lists;
+#   the gated step's whole check in two calls while the machine is warm: `gtests ncu` with
+#   NCU_VARIANTS="-gs1", then `gated`;
 # - widen: the 4-bit 9B-shaped pair in /tmp/q9 (needs the bundled weights);
 # - rounds: plain decoding, MTP chains and DDTree and DFlash chains on that pair, greedy, plans on and
 #   off interleaved run by run (what plans do to speculation's rounds: not measured yet).
