@@ -277,8 +277,9 @@ class KernelCore(OpsCore):
 
     def _launch(self, spec: KernelSpec, shape: GDNShape, inputs: list[mx.array],
                 outputs: list[tuple[tuple[int, ...], mx.Dtype]], rows_per_group: int, rows: int = 0,
-                **extra: int) -> list[mx.array]:
-        """One SIMD group per row: `rows` of them (default: the state's Hv * Dv rows)."""
+                **extra: int | mx.Dtype) -> list[mx.array]:
+        """One SIMD group per row: `rows` of them (default: the state's Hv * Dv rows); `extra`: more
+        template arguments."""
         s = shape
         template = [("Hk", s.Hk), ("Hv", s.Hv), ("Dk", s.Dk), ("Dv", s.Dv), ("K", s.K), ("RPG", rows_per_group),
                     *extra.items()]
@@ -319,12 +320,11 @@ class KernelCore(OpsCore):
         fused_norms.gated_norm; the caller checks step_gated_covers."""
         s = shape
         rpg = self._rows_per_group(s, GATED_STEP_WARPS)
-        template = [("Hk", s.Hk), ("Hv", s.Hv), ("Dk", s.Dk), ("Dv", s.Dv), ("K", s.K), ("RPG", rpg), ("OutT", z.dtype)]
-        return tuple(compiled_kernel(GDN_STEP_GATED, self.backend)(
-            inputs=[qkv, a, b, conv_state, w.conv, w.A_log, w.dt_bias, S, z, norm_w, eps_array(eps)],
-            template=template, grid=(s.Hv * rpg * 32, 1, 1), threadgroup=(rpg * 32, 1, 1),
-            output_shapes=[(1, 1, s.Hv * s.Dv), tuple(conv_state.shape), tuple(S.shape)],
-            output_dtypes=[z.dtype, conv_state.dtype, mx.float32]))
+        # one threadgroup a head: Hv "rows" of rpg SIMD groups each
+        return tuple(self._launch(
+            GDN_STEP_GATED, s, [qkv, a, b, conv_state, w.conv, w.A_log, w.dt_bias, S, z, norm_w, eps_array(eps)],
+            [((1, 1, s.Hv * s.Dv), z.dtype), (tuple(conv_state.shape), conv_state.dtype), (tuple(S.shape), mx.float32)],
+            rpg, rows=s.Hv * rpg, OutT=z.dtype))
 
     def chain(self, shape, w, qkv, a, b, conv_state, S):
         if qkv.shape[0] == 1:

@@ -33,7 +33,7 @@ import mlx.core as mx
 
 from engine import fused_norms
 from engine.gdn.core import GDNShape, GDNWeights
-from engine.kernels import GATED_STEP, FastPath, KernelCore
+from engine.kernels import FastPath, KernelCore, gated_step_applies
 from engine.launch_plan import Buf, LaunchPlan, columns, record
 from engine.models import fused_qmm
 from engine.qmm import mma_covers, quantized_matmul_mma
@@ -127,7 +127,7 @@ def gdn_decode_step(layer: GDNLayer, x: Any, conv_state: Any, S: Any) -> tuple[A
     qkv, z = columns(y, 0, c), columns(y, c, c + v)
     b, a = columns(y, c + v, c + v + s.Hv), columns(y, c + v + s.Hv, c + v + 2 * s.Hv)
     core, w = KernelCore("cuda"), GDNWeights(layer.conv, layer.A_log, layer.dt_bias)
-    if GATED_STEP.enabled() and core.step_gated_covers(s, qkv, conv_state, z, layer.out_norm):
+    if gated_step_applies(core, s, qkv, conv_state, z, layer.out_norm):
         g, conv_state, S = core.step_gated(s, w, qkv, a, b, conv_state, S, z, layer.out_norm, layer.eps)
     else:
         o, conv_state, S = core.step(s, w, qkv, a, b, conv_state, S)
