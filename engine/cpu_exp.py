@@ -21,6 +21,8 @@ from functools import partial
 
 import mlx.core as mx
 
+from engine import cpu_ext
+
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 POW_EXP = True  # module switch: False = MLX's exp on the CPU too (scripts/bench_tree_attention.py)
@@ -66,8 +68,16 @@ def exp_shifted(x: mx.array, m: mx.array, temperature: float = 1.0) -> mx.array:
     return _exp2_shifted_over(x, m, mx.array(temperature, dtype=x.dtype))
 
 
-def softmax_rows(scores: mx.array) -> mx.array:
-    """Softmax over the last axis (masked entries -inf; every row must see one entry)."""
+def softmax_rows(scores: mx.array, mask: mx.array | None = None) -> mx.array:
+    """Softmax over the last axis (entries of -inf weigh 0; every row must see one entry). mask:
+    bool [N, L] over the last two axes (False weighs 0), or None. On the CPU in float32 one
+    operation of the engine's own where it is built (engine/cpu_ext.cpp softmax_rows: over a DFlash
+    block's 16 rows and 4,096 keys, 96 rows, ~0.1 ms against 1.8 ms in the operations below on the
+    dev CPU); else MLX's operations, through 2^ on the CPU."""
+    if cpu_ext.serves(cpu_ext.SOFTMAX, scores) and (mask is None or mask.shape == scores.shape[-2:]):
+        return cpu_ext.softmax_rows(scores, mask)
+    if mask is not None:
+        scores = mx.where(mask, scores, -mx.inf)
     if not _pow_exp():
         return mx.softmax(scores, axis=-1)
     e = _exp2_shifted(scores, mx.max(scores, axis=-1, keepdims=True))

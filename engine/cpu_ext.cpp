@@ -8,7 +8,7 @@
 //
 // The operations: rows_attention and draft_attention (below), the GDN core's gdn_step, gdn_tree and
 // gdn_commit (engine/gdn/core.py CpuCore; their own comment further down), rms_norm, rope,
-// norm_products, mlp_block, the MTP head's mtp_chain and the sampler's choose_rows and
+// norm_products, mlp_block, softmax_rows, the MTP head's mtp_chain and the sampler's choose_rows and
 // penalize_rows (each with its comment). Each is held to its twin in MLX's operations by the tests, and each computes a row the
 // same way whatever the other rows of the call are. Built with -ffp-contract=off
 // (engine/cpu_ext.py), so a product and a sum are rounded apart wherever they appear, as those
@@ -837,6 +837,117 @@ mx::array rms_norm(const mx::array& x, const mx::array& w, float eps) {
     }
   };
   return cpu_op("RmsNorm", x.shape(), body, {x, w});
+}
+
+// softmax_rows: a softmax over the last axis of float32 rows, each row in three passes over its
+// entries (the maximum; 2^((x - max) log2 e) stored and summed in 16 lanes; the division), where
+// MLX's operations take five graph passes and a libm power an element (engine/cpu_exp.py): an
+// attention's scores in operations, a DFlash block's over a long context or a prefill chunk's,
+// ~4.5 ns an element on the dev CPU that way. With a mask [N, L] (the last two axes of x), an entry
+// it does not mark weighs 0, as an entry of -inf does; so does any whose weight 2^((x - max) log2 e)
+// is below 2^-125 (exp2_lanes' floor, ~1e-38 of the row's largest weight, itself 1: below the
+// rounding of the row's sum). A row needs one entry that weighs. Rows run on the shim's threads,
+// each row's result from that row alone.
+struct SoftmaxJob {
+  const float* x;
+  const float* bias;  // [N, L]: 0 where the mask marks an entry, -inf where not; or null
+  float* y;
+  int64_t L, N;
+};
+
+void softmax_row(const float* x, const float* bias, float* y, int64_t L) {
+  const int64_t body = L / 16 * 16;
+  const v16 none = (v16){} - INFINITY;
+  // the row's entries 16 at a time, plus the mask's bias (-inf + x is -inf, 0 + x is x); the tail's
+  // lanes past L are -inf
+  auto lanes = [&](int64_t j) {
+    v16 v = none, b = {};
+    if (j < body) {
+      v = *(const v16u*)(x + j);
+      if (bias != nullptr) {
+        b = *(const v16u*)(bias + j);
+      }
+    } else {
+      for (int64_t i = 0; j + i < L; ++i) {
+        v[i] = x[j + i];
+        b[i] = bias != nullptr ? bias[j + i] : 0.0f;
+      }
+    }
+    return v + b;
+  };
+  v16 mv = none;
+  for (int64_t j = 0; j < L; j += 16) {
+    const v16 v = lanes(j);
+    mv = v > mv ? v : mv;
+  }
+  float m = mv[0];
+  for (int i = 1; i < 16; ++i) {
+    m = std::max(m, mv[i]);
+  }
+  const v16 floor_ = (v16){} - 125.0f;
+  v16 sum = {};
+  for (int64_t j = 0; j < L; j += 16) {
+    const v16 t = (lanes(j) - m) * LOG2E;
+    v16 e = exp2_lanes(t);
+    e = t < floor_ ? (v16){} : e;
+    sum += e;
+    if (j < body) {
+      *(v16u*)(y + j) = e;
+    } else {
+      for (int64_t i = 0; j + i < L; ++i) {
+        y[j + i] = e[i];
+      }
+    }
+  }
+  const float total = lanes_sum(sum);
+  int64_t j = 0;
+  for (; j < body; j += 16) {
+    *(v16u*)(y + j) = *(const v16u*)(y + j) / total;
+  }
+  for (; j < L; ++j) {
+    y[j] /= total;
+  }
+}
+
+void softmax_items(void* ctx, int r0, int r1) {
+  const auto& job = *static_cast<const SoftmaxJob*>(ctx);
+  for (int64_t r = r0; r < r1; ++r) {
+    softmax_row(job.x + r * job.L, job.bias == nullptr ? nullptr : job.bias + (r % job.N) * job.L, job.y + r * job.L,
+                job.L);
+  }
+}
+
+mx::array softmax_rows(const mx::array& x, const std::optional<mx::array>& mask) {
+  check_f32("softmax_rows", {&x});
+  if (x.ndim() < 1 || x.size() == 0 || x.size() / x.shape(-1) > (size_t)INT32_MAX) {
+    throw std::invalid_argument("softmax_rows: x must have rows");
+  }
+  if (mask && (x.ndim() < 2 || mask->ndim() != 2 || mask->dtype() != mx::bool_ || mask->shape(0) != x.shape(-2) ||
+               mask->shape(1) != x.shape(-1))) {
+    throw std::invalid_argument("softmax_rows: mask must be bool [N, L], x's last two axes");
+  }
+  const int64_t L = x.shape(-1), N = mask ? x.shape(-2) : 1;
+  std::vector<mx::array> inputs = {x};
+  if (mask) {
+    inputs.push_back(*mask);
+  }
+  auto body = [L, N](std::vector<mx::array>& ins, std::vector<mx::array>& outs) {
+    std::vector<float> x_rows, bias;
+    SoftmaxJob job{dense(ins[0], x_rows), nullptr, outs[0].data<float>(), L, N};
+    if (ins.size() > 1) {  // the mask as a bias row for each of its rows, read by its strides
+      const mx::array& m = ins[1];
+      const bool* src = m.data<bool>();
+      bias.resize((size_t)(N * L));
+      for (int64_t n = 0; n < N; ++n) {
+        for (int64_t j = 0; j < L; ++j) {
+          bias[n * L + j] = src[n * m.strides(0) + j * m.strides(1)] ? 0.0f : -INFINITY;
+        }
+      }
+      job.bias = bias.data();
+    }
+    run_parallel(softmax_items, &job, (int)(outs[0].size() / L));
+  };
+  return cpu_op("SoftmaxRows", x.shape(), body, std::move(inputs));
 }
 
 std::vector<mx::array> gdn_step(const mx::array& qkv, const mx::array& a, const mx::array& b,
@@ -1975,6 +2086,8 @@ NB_MODULE(spruce_cpu_ext, m) {
         nb::arg("conv_w"), nb::arg("A_log"), nb::arg("dt_bias"), nb::arg("Hk"), nb::arg("Dk"),
         "One token of a Gated DeltaNet layer's recurrent core in one CPU operation -> [o, conv_state, S].");
   m.def("draft_attention", &draft_attention, "A drafted row's attention over the committed rows and its scratch.");
+  m.def("softmax_rows", &softmax_rows, nb::arg("x"), nb::arg("mask").none() = nb::none(),
+        "Softmax over the last axis of float32 rows in one CPU operation; a mask [N, L] drops entries.");
   m.def("rms_norm", &rms_norm, "RMS norm over the last axis, times a weight, in one CPU operation.");
   m.def("gdn_tree", &gdn_tree, "A tree's verify through a Gated DeltaNet layer's core -> [o, k, u, g].");
   m.def("gdn_commit", &gdn_commit, "The state after an accepted path of a verified tree.");

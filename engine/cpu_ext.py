@@ -7,6 +7,8 @@ they take and return mx.array and join MLX's graphs (mx.compile included):
 - `rows_attention`: a decode step's or a verify's attention (engine/models/layers.py);
 - `draft_attention`: the MTP head's drafted row (engine/models/mtp.py);
 - `gdn_step`, `gdn_tree`, `gdn_commit`: the GDN core (engine/gdn/core.py CpuCore);
+- `softmax_rows`: a softmax over rows, masked or not (engine/cpu_exp.py softmax_rows: attention in
+  MLX's operations);
 - `rms_norm`: the RMS norms (engine/models/layers.py RMSNorm, gated_deltanet.py GatedRMSNorm);
 - `rope`: the rotary embedding (engine/models/layers.py apply_rope);
 - `mlp_block`: a decoder layer's residual add, norm and MLP (engine/models/qwen3_5.py);
@@ -82,6 +84,11 @@ NARROW_TOP_K = True
 # graph of its own (penalize_rows, choose_rows) instead of at once on the host (draw_now), and a
 # tree's accepted rows' top-token probability in NumPy instead of top_rows_now (variant dn0)
 DRAW_NOW = True
+# module switch, read per call (and when a compiled function that calls it traces): False = a
+# softmax over float32 rows in MLX's operations (engine/cpu_exp.py; variant cx0) instead of
+# softmax_rows: attention in operations (a DFlash block's, a prefill chunk's, the MTP head's
+# scratch rows)
+SOFTMAX = True
 
 
 def _cpu_flags() -> str:
@@ -189,6 +196,14 @@ def draft_attention(q: mx.array, keys: mx.array, values: mx.array, length: mx.ar
     ext = module()
     assert ext is not None, "serves() first"
     return ext.draft_attention(q, keys, values, length.astype(mx.int32), skeys, svalues, j.astype(mx.int32), scale)
+
+
+def softmax_rows(x: mx.array, mask: mx.array | None = None) -> mx.array:
+    """Softmax over x's last axis (float32; entries of -inf weigh 0); mask: bool [N, L], x's last
+    two axes, False entries weigh 0 too. serves() first. See engine/cpu_ext.cpp."""
+    ext = module()
+    assert ext is not None, "serves() first"
+    return ext.softmax_rows(x, mask)
 
 
 def rms_norm(x: mx.array, w: mx.array, eps: float) -> mx.array:

@@ -57,6 +57,9 @@
 - "-dn0" / "-dn1": a visited node of a sampled tree on the CPU drawn in a graph of its own / at once
   on the host, and a tree's accepted rows' top-token probability in NumPy / at once in the CPU's
   own operation (engine.cpu_ext.DRAW_NOW);
+- "-cx0" / "-cx1": a softmax over float32 rows on the CPU (attention in operations: a DFlash block's,
+  a prefill chunk's) in MLX's operations / in the engine's own operation (engine.cpu_ext.SOFTMAX;
+  read per call, and by the DFlash block's trace);
 - "-lp0" / "-lp1": a decode step's GDN layers as one launch plan each and its attention layers as
   two, with the wiring the plans record for every pass (engine.launch_plan.SWITCH; CUDA with the
   engine's extension built);
@@ -153,6 +156,7 @@ def _settings() -> dict[str, tuple[list[tuple[Any, str]], Callable[[str], tuple[
         "cs": ([(cpu_ext, "CHOOSE")], on),
         "cw": ([(cpu_ext, "NARROW_TOP_K")], on),
         "dn": ([(cpu_ext, "DRAW_NOW")], on),
+        "cx": ([(cpu_ext, "SOFTMAX")], on),
         "sr": ([(blas.SMALL_ROWS, "value")], lambda rest: (int(rest),)),
         "st": ([(blas.GEMM_THREADS, "value")], lambda rest: (int(rest),)),
         "sl": ([(rounds, "START_LATE_ON_CPU")], on),

@@ -28,6 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from engine import cpu_ext
 from engine.cache import KVCache
 from engine.models.layers import MLP, RMSNorm, attention_parts
 from engine.models.linear import Linear
@@ -218,7 +219,7 @@ class DFlashModel(nn.Module):
         self.hidden_norm = RMSNorm(H, config.rms_norm_eps)
         self.layers = [DFlashLayer(config, i) for i in range(config.num_hidden_layers)]
         self.norm = RMSNorm(H, config.rms_norm_eps)
-        self._block_fn: Callable[..., mx.array] | None = None
+        self._block_fns: dict[bool, Callable[..., mx.array]] = {}
 
     def make_cache(self) -> list[KVCache]:
         return [KVCache() for _ in self.layers]
@@ -255,10 +256,12 @@ class DFlashModel(nn.Module):
     @property
     def _compiled_block(self) -> Callable[..., mx.array]:
         # compiled on first use (after the weights are loaded); traced again only when the context
-        # buffers grow (every KV_STEP rows)
-        if self._block_fn is None:
-            self._block_fn = mx.compile(self._block)
-        return self._block_fn  # type: ignore[return-value]
+        # buffers grow (every KV_STEP rows). One compiled function for each setting of the CPU's
+        # softmax switch (engine/cpu_ext.py SOFTMAX), which the trace reads
+        key = bool(cpu_ext.SOFTMAX)
+        if key not in self._block_fns:
+            self._block_fns[key] = mx.compile(self._block)
+        return self._block_fns[key]
 
     def scale_logits(self, logits: mx.array) -> mx.array:
         c = self.config

@@ -212,10 +212,7 @@ def attention_parts(q: mx.array, keys: tuple[mx.array, ...], values: tuple[mx.ar
     qs = q.reshape(B, Hkv, G * N, D) * scale
     parts = [qs @ k.swapaxes(-1, -2) for k in keys]  # [B, Hkv, G*N, Li]
     scores = (parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)).reshape(B, Hkv, G, N, -1)
-    scores = scores.astype(mx.float32)
-    if mask is not None:
-        scores = mx.where(mask, scores, -mx.inf)
-    probs = softmax_rows(scores).astype(values[0].dtype).reshape(B, Hkv, G * N, -1)
+    probs = softmax_rows(scores.astype(mx.float32), mask).astype(values[0].dtype).reshape(B, Hkv, G * N, -1)
     if len(values) == 1:
         return (probs @ values[0]).reshape(B, H, N, D)
     outs, start = [], 0
