@@ -1,12 +1,14 @@
-"""A DFlash block over a long context, its attention two ways, side by side: the fused kernel over
-the context buffer concatenated with the block's rows, and the split form the CPU uses
-(engine/models/layers.py, attention_parts).
+"""A DFlash block over a long context, its attention three ways, side by side: the fused kernel
+over the context buffer concatenated with the block's rows, and the split form the CPU uses
+(engine/models/layers.py, attention_parts) with its softmax in MLX's operations or in the engine's
+own operation (engine/cpu_ext.py SOFTMAX).
 
     python scripts/bench_dflash_block.py [--dflash DIR] [--lengths 64,2048,4000] [--runs 20]
 
 For each context length the bundled DFlash drafter's context is filled with random feature rows,
-then block passes (16 rows) alternate between the two ways; prints the median ms of each, their
-ratio, and the max |difference| of the block's final hidden states.
+then block passes (16 rows) alternate between the ways; prints the median ms of each, the ratios
+to the split form with the softmax operation, and the max |difference| of the block's final hidden
+states from it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 import engine.models.dflash as dflash_model  # noqa: E402
+from engine import cpu_ext  # noqa: E402
 from engine.generate import BUNDLED  # noqa: E402
 from engine.loader import load_dflash  # noqa: E402
 
@@ -41,8 +44,13 @@ def main() -> None:
     model = load_dflash(a.dflash)
     c = model.config
     rng = np.random.default_rng(0)
-    print("| context | fused over the concatenation, ms | split, ms | ratio | max abs diff |")
-    print("|---|---|---|---|---|")
+    # (split form, softmax operation) for each way; both are read when a block is traced
+    ways = {"fused over the concatenation": (False, False), "split, softmax in ops": (True, False),
+            "split, softmax operation": (True, True)}
+    base = "split, softmax operation"
+    print("| context | " + " | ".join(f"{w}, ms" for w in ways) + " | " + " | ".join(
+        f"{w} / {base}" for w in ways if w != base) + " | max abs diff |")
+    print("|---|" + "---|" * (2 * len(ways)))
     for n in (int(x) for x in a.lengths.split(",")):
         cache = model.make_cache()
         feats = rng.standard_normal((n, len(c.target_layer_ids) * c.hidden_size)).astype(np.float32)
@@ -50,24 +58,30 @@ def main() -> None:
         block = mx.array(rng.standard_normal((1, c.block_size, c.hidden_size)).astype(np.float32))
         mx.eval([x for kv in cache for x in kv.arrays()], block)
 
-        # one compiled block per way (the switch is read when a block is traced), traced before timing
-        ways = {}
-        for split in (False, True):
-            dflash_model.SPLIT_ON_CPU = split
-            model._block_fn = ways[split] = mx.compile(model._block)
+        def setting(way: str) -> None:
+            dflash_model.SPLIT_ON_CPU, cpu_ext.SOFTMAX = ways[way]
+
+        compiled = {}
+        for way in ways:  # one compiled block per way, traced before timing
+            setting(way)
+            model._block_fns = {cpu_ext.SOFTMAX: mx.compile(model._block)}
+            compiled[way] = model._block_fns
             mx.eval(model.block(block, cache))
-        times: dict[bool, list[float]] = {False: [], True: []}
+        times: dict[str, list[float]] = {w: [] for w in ways}
         outs = {}
         for _ in range(a.runs):
-            for split in (False, True):
-                model._block_fn = ways[split]
+            for way in ways:
+                setting(way)
+                model._block_fns = compiled[way]
                 t = time.perf_counter()
-                outs[split] = model.block(block, cache)
-                mx.eval(outs[split])
-                times[split].append((time.perf_counter() - t) * 1e3)
-        fused, split = statistics.median(times[False]), statistics.median(times[True])
-        diff = float(mx.abs(outs[False] - outs[True]).max())
-        print(f"| {n} | {fused:.2f} | {split:.2f} | {fused / split:.2f}x | {diff:.1e} |")
+                outs[way] = model.block(block, cache)
+                mx.eval(outs[way])
+                times[way].append((time.perf_counter() - t) * 1e3)
+        med = {w: statistics.median(t) for w, t in times.items()}
+        diff = max(float(mx.abs(outs[w] - outs[base]).max()) for w in ways)
+        print(f"| {n} | " + " | ".join(f"{med[w]:.2f}" for w in ways) + " | "
+              + " | ".join(f"{med[w] / med[base]:.2f}x" for w in ways if w != base) + f" | {diff:.1e} |")
+    dflash_model.SPLIT_ON_CPU, cpu_ext.SOFTMAX = True, True
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ mlx-lm in the same run.
 
     python scripts/bench_prefill.py --model DIR [--tokens 4096] [--chunks 512,2048]
                                     [--dequant-rows 64,off] [--runs 3] [--no-mlx-lm] [--out FILE]
+                                    [--variants engine,cx0]
 
 DIR: an MLX-layout checkpoint (e.g. `python scripts/shaped_checkpoint.py DIR --shape 9b`, the
 Qwen3.5-9B shape in 4-bit). Each variant is one (chunk, dequant-rows) pair: `dequant-rows` is the
@@ -12,6 +13,8 @@ quantized matmul for every row count above the small-M kernel's. The variants ru
 `--runs` times each after a warm-up; prints the median tok/s of each (prompt of random ids, fresh
 caches every run, prefix cache off) and a split of one chunk into its GDN and attention layers'
 time (MLP included; each layer evaluated on its own) for the first chunk size of each route.
+`--variants` runs each Spruce variant under each engine variant too (scripts/variants.py's
+suffixes, e.g. cx0: the CPU's softmax in MLX's operations), interleaved.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from engine import forward, kernels, qmm  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.generate import Engine  # noqa: E402
 from engine.models.layers import CHAIN  # noqa: E402
+from scripts.variants import variant_setting  # noqa: E402
 
 OFF = 1 << 30  # a row count no chunk reaches
 
@@ -98,7 +102,9 @@ def main() -> None:
     ap.add_argument("--no-mlx-lm", action="store_true")
     ap.add_argument("--no-split", action="store_true")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--variants", default="engine", help="engine variants (scripts/variants.py), e.g. engine,cx0")
     a = ap.parse_args()
+    settings = list(dict.fromkeys(a.variants.split(",")))
     engine = Engine(EngineConfig(model_path=str(a.model), dtype=a.dtype, prefix_cache=False,
                                  max_context=a.tokens + 64))
     ids = [int(t) for t in np.random.RandomState(1).randint(0, min(engine.vocab_size, 8000), size=a.tokens)]
@@ -118,8 +124,11 @@ def main() -> None:
     for r in range(a.runs + 1):
         for chunk, rows in variants:
             set_dequant_rows(rows)
-            run(f"spruce chunk {chunk}, dequant from {'off' if rows == OFF else rows} rows",
-                lambda chunk=chunk: spruce_tok_s(engine, ids, chunk))
+            for v in settings:
+                tag = f" ({v})" if len(settings) > 1 else ""
+                with variant_setting(f"x-{v}" if v != "engine" else "x"):
+                    run(f"spruce chunk {chunk}, dequant from {'off' if rows == OFF else rows} rows{tag}",
+                        lambda chunk=chunk: spruce_tok_s(engine, ids, chunk))
         if ref is not None:
             run("mlx-lm chunk 2048", lambda: mlx_lm_tok_s(ref, ids, 2048))
         if r == 0:

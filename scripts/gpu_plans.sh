@@ -26,7 +26,8 @@
 #   forty-eighth session's lease), the same with NCU_PROMPT=4096 and "-ak1", and
 #   NCU_VARIANTS="-kt2048" (8 warps for every short reduction);
 # - gated: plain decoding beside mlx-lm without the gated step (the default) and with it ("-gs1"),
-#   or the settings GATED_CORES lists;
+#   or the settings GATED_CORES lists, GATED_RUNS runs each (default 4) within GATED_TIMEOUT seconds
+#   (default 580; with `gtests` in the same call: GATED_RUNS=2 GATED_TIMEOUT=280);
 #   the gated step's whole check in two calls while the machine is warm: `gtests ncu` with
 #   NCU_VARIANTS="-gs1", then `gated`;
 # - widen: the 4-bit 9B-shaped pair in /tmp/q9 (needs the bundled weights);
@@ -77,7 +78,8 @@ for stage in $stages; do
            echo "## $1 ($2)"; python scripts/ncu_summary.py "$OUT/ncu_$1.csv" --top 40
          }
          ncu_step default ""; for v in ${NCU_VARIANTS:--gs1 -gs1-gw32}; do ncu_step "${v//-/}" "$v"; done ;;
-    gated) timeout 580 python scripts/bench_gpu.py --out "$OUT/e2e_gated" --targets 9b --skip-draft --runs 4 \
+    gated) timeout "${GATED_TIMEOUT:-580}" python scripts/bench_gpu.py --out "$OUT/e2e_gated" --targets 9b --skip-draft \
+             --runs "${GATED_RUNS:-4}" \
              --tokens 128 --tree-sizes 1 --ops-tree-sizes "" --micro "" --prefill-tokens 0 \
              --cores "${GATED_CORES:-kernels,kernels-gs1}" | grep -v '^ \|^{\|^}' ;;
     widen) [ -f /tmp/q9/target/config.json ] || timeout 120 python scripts/widen_checkpoint.py /tmp/q9 --shape 9b --bits 4 ;;
