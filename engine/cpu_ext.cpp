@@ -6,8 +6,8 @@
 // joins the graph like any other operation; its Python binding shares MLX's nanobind domain
 // ("mlx"), so it takes and returns mx.array.
 //
-// The operations: rows_attention and draft_attention (below), the GDN core's gdn_step, gdn_tree and
-// gdn_commit (engine/gdn/core.py CpuCore; their own comment further down), rms_norm, rope,
+// The operations: rows_attention and draft_attention (below), the GDN core's gdn_step, gdn_chain,
+// gdn_tree and gdn_commit (engine/gdn/core.py CpuCore; their own comment further down), rms_norm, rope,
 // norm_products, mlp_block, softmax_rows, the MTP head's mtp_chain and the sampler's choose_rows and
 // penalize_rows (each with its comment). Each is held to its twin in MLX's operations by the tests, and each computes a row the
 // same way whatever the other rows of the call are. Built with -ffp-contract=off
@@ -982,6 +982,98 @@ std::vector<mx::array> gdn_step(const mx::array& qkv, const mx::array& a, const 
   auto s = mx::default_stream(mx::Device::cpu);
   return mx::array::make_arrays({{1, Hv, Dv}, {sh.K - 1, C}, {Hv, Dv, Dk}}, {mx::float32, mx::float32, mx::float32},
                                 std::make_shared<CpuPrimitive>(s, "GdnStep", body),
+                                {qkv, a, b, conv_state, S, conv_w, A_log, dt_bias});
+}
+
+// A prefill's chain of T tokens through a GDN layer's core with the token step's arithmetic
+// (gdn_nodes' conv_row, norm_qk, gates and update_head), token after token: the state after a
+// prefilled chain is the one T decode steps leave, bit for bit, where MLX's chunked dense form
+// (engine/gdn/ops.py chunked) rounds otherwise, and costs ~30 graph operations every 32 tokens. Two
+// phases on the shim's threads: every token's conv row, q, k and gates (tokens apart), then the
+// recurrence (heads apart, each head's state updated in place).
+struct ChainJob {
+  GdnShape sh;
+  int T;
+  const float *x, *a, *b, *conv_state, *A_log, *dt_bias;
+  const float* tap;  // the conv weight as [K, C] (taps_first)
+  float* y;          // [T, C] post-conv rows
+  float *q, *k;      // [T, key_dim]
+  float *g, *beta;   // [T, Hv]
+  float* S;          // [Hv, Dv, Dk]: the state, in place
+  float* o;          // [T, Hv, Dv]
+};
+
+void chain_rows(void* ctx, int n0, int n1) {
+  const auto& j = *static_cast<const ChainJob*>(ctx);
+  const int C = j.sh.conv_dim(), K = j.sh.K, kd = j.sh.key_dim(), Hv = j.sh.Hv;
+  std::vector<const float*> window(K);
+  for (int n = n0; n < n1; ++n) {
+    for (int t = 0; t < K; ++t) {  // token n's window: rows n .. n + K - 1 of [conv_state; x]
+      const int r = n + t;
+      window[t] = r < K - 1 ? j.conv_state + (int64_t)r * C : j.x + (int64_t)(r - (K - 1)) * C;
+    }
+    float* y = j.y + (int64_t)n * C;
+    conv_row(j.sh, window.data(), j.tap, y);
+    norm_qk(j.sh, y, j.q + (int64_t)n * kd, j.k + (int64_t)n * kd);
+    for (int h = 0; h < Hv; ++h) {
+      const int64_t i = (int64_t)n * Hv + h;
+      gates(j.a[i], j.b[i], j.A_log[h], j.dt_bias[h], j.g + i, j.beta + i);
+    }
+  }
+}
+
+void chain_heads(void* ctx, int h0, int h1) {
+  const auto& j = *static_cast<const ChainJob*>(ctx);
+  const GdnShape& sh = j.sh;
+  const int C = sh.conv_dim(), kd = sh.key_dim(), rep = sh.Hv / sh.Hk;
+  std::vector<float> u(sh.Dv);
+  for (int h = h0; h < h1; ++h) {
+    float* S = j.S + (int64_t)h * sh.Dv * sh.Dk;
+    for (int n = 0; n < j.T; ++n) {
+      const int64_t i = (int64_t)n * sh.Hv + h;
+      update_head(sh.Dv, sh.Dk, S, expf(j.g[i]), j.beta[i], j.k + (int64_t)n * kd + (h / rep) * sh.Dk,
+                  j.y + (int64_t)n * C + 2 * kd + h * sh.Dv, j.q + (int64_t)n * kd + (h / rep) * sh.Dk, S, u.data(),
+                  j.o + i * sh.Dv);
+    }
+  }
+}
+
+// qkv [T, C] pre-conv rows, a, b [T, Hv], conv_state [K-1, C], S [Hv, Dv, Dk], conv_w [C, K],
+// A_log, dt_bias [Hv] -> [o [T, Hv, Dv], conv state after the chain, S after it]: OpsCore.chain's.
+std::vector<mx::array> gdn_chain(const mx::array& qkv, const mx::array& a, const mx::array& b,
+                                 const mx::array& conv_state, const mx::array& S, const mx::array& conv_w,
+                                 const mx::array& A_log, const mx::array& dt_bias, int Hk, int Dk) {
+  const int Hv = S.ndim() == 3 ? S.shape(0) : 0, Dv = S.ndim() == 3 ? S.shape(1) : 0;
+  const GdnShape sh{Hk, Hv, Dk, Dv, conv_w.ndim() == 2 ? conv_w.shape(1) : 0};
+  check_f32("gdn_chain", {&qkv, &a, &b, &conv_state, &S, &conv_w, &A_log, &dt_bias});
+  const int C = sh.conv_dim(), T = qkv.ndim() == 2 ? qkv.shape(0) : 0;
+  if (Hk < 1 || Hv < 1 || Hv % Hk != 0 || S.shape(2) != Dk || sh.K < 2 || T < 1 || qkv.shape(1) != C ||
+      a.shape() != mx::Shape{T, Hv} || b.shape() != mx::Shape{T, Hv} || conv_state.shape() != mx::Shape{sh.K - 1, C} ||
+      conv_w.shape(0) != C || A_log.size() != (size_t)Hv || dt_bias.size() != (size_t)Hv) {
+    throw std::invalid_argument("gdn_chain: shapes do not match");
+  }
+  auto body = [sh, T](std::vector<mx::array>& ins, std::vector<mx::array>& outs) {
+    const DenseInputs f(ins);
+    const int C = sh.conv_dim(), kd = sh.key_dim(), K = sh.K;
+    const std::vector<float> tap = taps_first(sh, f(5));
+    std::vector<float> y((size_t)T * C), q((size_t)T * kd), k((size_t)T * kd), g((size_t)T * sh.Hv),
+        beta((size_t)T * sh.Hv);
+    float* state = outs[2].data<float>();
+    std::memcpy(state, f(4), sizeof(float) * (size_t)sh.Hv * sh.Dv * sh.Dk);
+    ChainJob job{sh, T, f(0), f(1), f(2), f(3), f(6), f(7), tap.data(), y.data(), q.data(), k.data(), g.data(),
+                 beta.data(), state, outs[0].data<float>()};
+    run_parallel(chain_rows, &job, T);
+    run_parallel(chain_heads, &job, sh.Hv);
+    float* conv = outs[1].data<float>();  // rows T .. T + K - 2 of [conv_state; x]
+    for (int i = 0; i < K - 1; ++i) {
+      const int r = T + i;
+      const float* row = r < K - 1 ? f(3) + (int64_t)r * C : f(0) + (int64_t)(r - (K - 1)) * C;
+      std::memcpy(conv + (int64_t)i * C, row, sizeof(float) * C);
+    }
+  };
+  auto s = mx::default_stream(mx::Device::cpu);
+  return mx::array::make_arrays({{T, Hv, Dv}, {sh.K - 1, C}, {Hv, Dv, Dk}}, {mx::float32, mx::float32, mx::float32},
+                                std::make_shared<CpuPrimitive>(s, "GdnChain", body),
                                 {qkv, a, b, conv_state, S, conv_w, A_log, dt_bias});
 }
 
@@ -2089,6 +2181,7 @@ NB_MODULE(spruce_cpu_ext, m) {
   m.def("softmax_rows", &softmax_rows, nb::arg("x"), nb::arg("mask").none() = nb::none(),
         "Softmax over the last axis of float32 rows in one CPU operation; a mask [N, L] drops entries.");
   m.def("rms_norm", &rms_norm, "RMS norm over the last axis, times a weight, in one CPU operation.");
+  m.def("gdn_chain", &gdn_chain, "A prefill's chain through a Gated DeltaNet layer's core -> [o, conv state, S].");
   m.def("gdn_tree", &gdn_tree, "A tree's verify through a Gated DeltaNet layer's core -> [o, k, u, g].");
   m.def("gdn_commit", &gdn_commit, "The state after an accepted path of a verified tree.");
   m.def("norm_products", &norm_products, nb::arg("x"), nb::arg("norm_w").none(), nb::arg("eps"), nb::arg("weights"),

@@ -6,7 +6,7 @@ MLX primitives with their CPU evaluations and nanobind bindings in MLX's own nan
 they take and return mx.array and join MLX's graphs (mx.compile included):
 - `rows_attention`: a decode step's or a verify's attention (engine/models/layers.py);
 - `draft_attention`: the MTP head's drafted row (engine/models/mtp.py);
-- `gdn_step`, `gdn_tree`, `gdn_commit`: the GDN core (engine/gdn/core.py CpuCore);
+- `gdn_step`, `gdn_chain`, `gdn_tree`, `gdn_commit`: the GDN core (engine/gdn/core.py CpuCore);
 - `softmax_rows`: a softmax over rows, masked or not (engine/cpu_exp.py softmax_rows: attention in
   MLX's operations);
 - `rms_norm`: the RMS norms (engine/models/layers.py RMSNorm, gated_deltanet.py GatedRMSNorm);
@@ -58,6 +58,9 @@ GDN_STEP = True
 # module switch, read when a layer's compiled functions trace (part of their key): False = a GDN
 # layer's tree verify and commit in MLX's operations (OpsCore's dense form; variant ct0)
 GDN_TREE = True
+# module switch, read per call: False = a prefill's chain through a GDN layer's core in MLX's
+# operations (OpsCore's chunked dense form; variant cc0)
+GDN_CHAIN = True
 # module switch, read when a layer's compiled functions trace (part of their key): False = RMS norms
 # through mx.fast.rms_norm (on the CPU three operations; variant cn0)
 NORMS = True
@@ -165,6 +168,17 @@ def gdn_step(qkv: mx.array, a: mx.array, b: mx.array, conv_state: mx.array, S: m
     ext = module()
     assert ext is not None, "serves() first"
     o, conv, state = ext.gdn_step(qkv, a, b, conv_state, S, conv_w, A_log, dt_bias, Hk, Dk)
+    return o, conv, state
+
+
+def gdn_chain(qkv: mx.array, a: mx.array, b: mx.array, conv_state: mx.array, S: mx.array, conv_w: mx.array,
+              A_log: mx.array, dt_bias: mx.array, Hk: int, Dk: int) -> tuple[mx.array, mx.array, mx.array]:
+    """A prefill's chain of T tokens through a GDN layer's core, token by token with gdn_step's
+    arithmetic: qkv [T, C], a, b [T, Hv], conv_state [K-1, C], S [Hv, Dv, Dk] -> (o [T, Hv, Dv],
+    conv state, S), float32. See engine/cpu_ext.cpp."""
+    ext = module()
+    assert ext is not None, "serves() first"
+    o, conv, state = ext.gdn_chain(qkv, a, b, conv_state, S, conv_w, A_log, dt_bias, Hk, Dk)
     return o, conv, state
 
 

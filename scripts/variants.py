@@ -39,6 +39,9 @@
 - "-ct0" / "-ct1": a GDN layer's tree verify and commit on the CPU in MLX's operations (the dense
   form) / in the engine's own operations (engine.cpu_ext.GDN_TREE; part of a layer's trace key;
   the commit's switch is read when it runs);
+- "-cc0" / "-cc1": a prefill's chain through a GDN layer's core on the CPU in MLX's operations (the
+  chunked dense form) / in the engine's own operation, token by token (engine.cpu_ext.GDN_CHAIN;
+  read per call);
 - "-cn0" / "-cn1": RMS norms on the CPU through mx.fast.rms_norm / the engine's own operation
   (engine.cpu_ext.NORMS; part of a layer's trace key);
 - "-cf0" / "-cf1": a decode step's and a verify's MLP block (residual add, norm, MLP, add) on the
@@ -148,6 +151,7 @@ def _settings() -> dict[str, tuple[list[tuple[Any, str]], Callable[[str], tuple[
         "ca": ([(cpu_ext, "ATTENTION")], on),
         "cg": ([(cpu_ext, "GDN_STEP")], on),
         "ct": ([(cpu_ext, "GDN_TREE")], on),
+        "cc": ([(cpu_ext, "GDN_CHAIN")], on),
         "cn": ([(cpu_ext, "NORMS")], on),
         "cm": ([(cpu_ext, "MTP_CHAIN")], on),
         "cr": ([(cpu_ext, "ROPE")], on),

@@ -210,11 +210,11 @@ class OpsCore:
 
 
 class CpuCore(OpsCore):
-    """OpsCore with a token's step, a tree's verify and its commit each in one operation of the
-    engine's own on the CPU (engine/cpu_ext.cpp: ~30 MLX operations a GDN layer fewer a step, each
-    a few microseconds of scheduling there), where it is built and the arrays are float32;
-    OpsCore's otherwise. A prefill's chains stay in MLX's operations. The three share one
-    arithmetic, so a verify row and the state committed after it are plain decoding's, bit for bit.
+    """OpsCore with a token's step, a prefill's chain, a tree's verify and its commit each in one
+    operation of the engine's own on the CPU (engine/cpu_ext.cpp: ~30 MLX operations a GDN layer
+    fewer a step, each a few microseconds of scheduling there), where it is built and the arrays
+    are float32; OpsCore's otherwise. The four share one arithmetic, so a verify row and the state
+    committed after it are plain decoding's, bit for bit, and so is the state a prefill leaves.
     """
 
     name = "cpu"
@@ -223,6 +223,13 @@ class CpuCore(OpsCore):
         if not cpu_ext.serves(cpu_ext.GDN_STEP, qkv, a, b, conv_state, S, w.conv, w.A_log, w.dt_bias):
             return super().step(shape, w, qkv, a, b, conv_state, S)
         return cpu_ext.gdn_step(qkv, a, b, conv_state, S, w.conv, w.A_log, w.dt_bias, shape.Hk, shape.Dk)
+
+    def chain(self, shape, w, qkv, a, b, conv_state, S):
+        # token by token: at the bundled model's shape 512 tokens of a layer took ~9 ms in the
+        # chunked dense form's operations (BENCHMARKS.md, issue 17, fiftieth session)
+        if not cpu_ext.serves(cpu_ext.GDN_CHAIN, qkv, a, b, conv_state, S, w.conv, w.A_log, w.dt_bias):
+            return super().chain(shape, w, qkv, a, b, conv_state, S)
+        return cpu_ext.gdn_chain(qkv, a, b, conv_state, S, w.conv, w.A_log, w.dt_bias, shape.Hk, shape.Dk)
 
     def tree(self, shape, w, qkv, a, b, conv_state, S0, tree):
         if not cpu_ext.serves(cpu_ext.GDN_TREE, qkv, a, b, conv_state, S0, w.conv, w.A_log, w.dt_bias):

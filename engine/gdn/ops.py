@@ -277,9 +277,8 @@ def chunked(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, 
 def chain(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,
           S: mx.array) -> tuple[mx.array, mx.array]:
     """A chain of T tokens from state S -> (o [T, Hv, Dv], S_T): one step or the chunked form."""
-    if q.shape[0] == 1:
-        o, S = step(q.squeeze(0), k.squeeze(0), v.squeeze(0), g.squeeze(0), beta.squeeze(0), S)
-        return o[None], S
+    if q.shape[0] == 1:  # step takes the one row as it is (squeezed, its reshapes failed)
+        return step(q, k, v, g, beta, S)
     return chunked(q, k, v, g, beta, S)
 
 

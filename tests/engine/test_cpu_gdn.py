@@ -1,7 +1,7 @@
 """The CPU's own Gated DeltaNet core (engine/gdn/core.py CpuCore: engine/cpu_ext.cpp's gdn_step,
-gdn_tree, gdn_commit) against its twin in MLX's operations (OpsCore), and the promise it keeps
-beyond the twin: a verify's rows and the state committed after it are bit for bit what plain
-decoding's steps give for the same tokens."""
+gdn_chain, gdn_tree, gdn_commit) against its twin in MLX's operations (OpsCore), and the promise it
+keeps beyond the twin: a verify's rows, the state committed after it and a prefilled chain's
+outputs and states are bit for bit what plain decoding's steps give for the same tokens."""
 
 from __future__ import annotations
 
@@ -79,6 +79,41 @@ def test_tree_and_commit_equal_the_ops(shape, n, rng):
         close(got, want)
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("n", [1, 2, 3, 33, 100])
+def test_chain_equals_the_ops(shape, n, rng):
+    """A prefill's chain against the chunked dense form (32 rows a block: 33 and 100 cross blocks;
+    fewer tokens than conv taps take rows of the committed conv state into the new one)."""
+    w, x, a, b, conv_state, S = inputs(rng, shape, n)
+    args = (shape, w, x, a, b, conv_state, S)
+    for got, want in zip(CpuCore().chain(*args), OpsCore().chain(*args), strict=True):
+        close(got, want)
+
+
+@pytest.mark.parametrize("shape", SHAPES[:2])
+@pytest.mark.parametrize("n", [1, 2, 40])
+def test_a_chain_is_bitwise_plain_decoding(shape, n, rng):
+    """Each token's output of the chain, and the conv state and state after it, equal the steps
+    that decode the same tokens one by one, bit for bit."""
+    w, x, a, b, conv_state, S0 = inputs(rng, shape, n)
+    o, conv_chain, S_chain = CpuCore().chain(shape, w, x, a, b, conv_state, S0)
+    core, conv, S = CpuCore(), conv_state, S0
+    for j in range(n):
+        step_o, conv, S = core.step(shape, w, x[j : j + 1], a[j : j + 1], b[j : j + 1], conv, S)
+        assert np.array_equal(np.array(step_o)[0], np.array(o)[j]), f"token {j}"
+    assert np.array_equal(np.array(S_chain), np.array(S))
+    assert np.array_equal(np.array(conv_chain), np.array(conv))
+
+
+def test_the_chain_switch_falls_back(monkeypatch, rng):
+    shape = SHAPES[1]
+    w, x, a, b, conv_state, S = inputs(rng, shape, 5)
+    monkeypatch.setattr(cpu_ext, "GDN_CHAIN", False)
+    want = OpsCore().chain(shape, w, x, a, b, conv_state, S)
+    assert all(np.array_equal(np.array(g), np.array(h))
+               for g, h in zip(CpuCore().chain(shape, w, x, a, b, conv_state, S), want, strict=True))
+
+
 @pytest.mark.parametrize("shape", SHAPES[:2])
 def test_a_verify_is_bitwise_plain_decoding(shape, rng):
     """Every node's output equals the step that decodes it after its ancestors, and the committed
@@ -130,6 +165,8 @@ def test_bad_shapes_are_refused(rng):
     with pytest.raises(ValueError, match="shapes"):
         ext.gdn_tree(x, a, b, mx.zeros((1, 3), dtype=mx.int32), conv_state, S, w.conv, w.A_log, w.dt_bias,
                      shape.Hk, shape.Dk)
+    with pytest.raises(ValueError, match="shapes"):
+        ext.gdn_chain(x, a[:, :5], b, conv_state, S, w.conv, w.A_log, w.dt_bias, shape.Hk, shape.Dk)
     with pytest.raises(ValueError, match="float32"):
         ext.gdn_commit(S.astype(mx.float16), S, S[:, :, 0], mx.zeros((1,), dtype=mx.int32), S)
 
