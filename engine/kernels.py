@@ -245,10 +245,12 @@ def gpu_backend() -> str | None:
 
 
 # A decode step's GDN core and its output norm + gate in one launch (KernelCore.step_gated), where
-# the launch-plan wiring runs the gated norm kernel. Opt-in (SPRUCE_GATED_STEP=1, variant "-gs1")
-# until it has run on a GPU: it is checked bitwise against the two launches in a lockstep CPU
-# emulation only (tests/kernels/test_kernel_emulation.py); its GPU tests and timing are in
-# scripts/gpu_plans.sh's gtests, ncu and gated stages. GATED_STEP_WARPS: SIMD groups a head's
+# the launch-plan wiring runs the gated norm kernel. Opt-in (SPRUCE_GATED_STEP=1, variant "-gs1"):
+# on an H100 it is bitwise the two launches (tests/kernels/test_gdn_kernels.py -k gated_step, and in
+# a lockstep CPU emulation, tests/kernels/test_kernel_emulation.py), but plain decoding of the
+# 9B-shaped pair read 235.0 tok/s with it and without it (BENCHMARKS.md, issue 13, fiftieth
+# session): one block a head puts the step on 32 SMs, which eats the launch it saves. Its ncu view
+# is scripts/gpu_plans.sh's ncu stage (not run yet). GATED_STEP_WARPS: SIMD groups a head's
 # threadgroup has (variant "-gwN"); 16 leaves a thread up to 128 registers, where 32 would cap it
 # at 64.
 GATED_STEP = FastPath("SPRUCE_GATED_STEP")
