@@ -554,6 +554,13 @@ struct GdnShape {
   int conv_dim() const { return 2 * Hk * Dk + Hv * Dv; }
 };
 
+// A call's shape from its state [Hv, Dv, Dk] and conv weight [C, K] (zeros where their ranks are
+// wrong, which the callers' checks then refuse).
+GdnShape gdn_shape_of(const mx::array& S, const mx::array& conv_w, int Hk, int Dk) {
+  const bool s3 = S.ndim() == 3;
+  return GdnShape{Hk, s3 ? S.shape(0) : 0, Dk, s3 ? S.shape(1) : 0, conv_w.ndim() == 2 ? conv_w.shape(1) : 0};
+}
+
 constexpr float L2_EPS = 1e-6f;
 
 // The conv weight [C, K] as [K, C]: conv_row runs tap by tap over every channel.
@@ -737,8 +744,8 @@ std::vector<mx::array> gdn_tree(const mx::array& x, const mx::array& a, const mx
                                 const mx::array& conv_state, const mx::array& S0, const mx::array& conv_w,
                                 const mx::array& A_log, const mx::array& dt_bias, int Hk, int Dk) {
   check_f32("gdn_tree", {&x, &a, &b, &conv_state, &S0, &conv_w, &A_log, &dt_bias});
-  const int Hv = S0.ndim() == 3 ? S0.shape(0) : 0, Dv = S0.ndim() == 3 ? S0.shape(1) : 0;
-  const GdnShape sh{Hk, Hv, Dk, Dv, conv_w.ndim() == 2 ? conv_w.shape(1) : 0};
+  const GdnShape sh = gdn_shape_of(S0, conv_w, Hk, Dk);
+  const int Hv = sh.Hv, Dv = sh.Dv;
   const int C = sh.conv_dim(), N = x.ndim() == 2 ? x.shape(0) : 0;
   if (Hk < 1 || Hv < 1 || Hv % Hk != 0 || S0.shape(2) != Dk || sh.K < 2 || N < 1 || x.shape(1) != C ||
       a.shape() != mx::Shape{N, Hv} || b.shape() != mx::Shape{N, Hv} || taps.shape() != mx::Shape{N, sh.K} ||
@@ -953,8 +960,8 @@ mx::array softmax_rows(const mx::array& x, const std::optional<mx::array>& mask)
 std::vector<mx::array> gdn_step(const mx::array& qkv, const mx::array& a, const mx::array& b,
                                 const mx::array& conv_state, const mx::array& S, const mx::array& conv_w,
                                 const mx::array& A_log, const mx::array& dt_bias, int Hk, int Dk) {
-  const int Hv = S.ndim() == 3 ? S.shape(0) : 0, Dv = S.ndim() == 3 ? S.shape(1) : 0;
-  const GdnShape sh{Hk, Hv, Dk, Dv, conv_w.ndim() == 2 ? conv_w.shape(1) : 0};
+  const GdnShape sh = gdn_shape_of(S, conv_w, Hk, Dk);
+  const int Hv = sh.Hv, Dv = sh.Dv;
   check_f32("gdn_step", {&qkv, &a, &b, &conv_state, &S, &conv_w, &A_log, &dt_bias});
   const int C = sh.conv_dim();
   if (Hk < 1 || Hv < 1 || Hv % Hk != 0 || S.shape(2) != Dk || sh.K < 2 || qkv.size() != (size_t)C ||
@@ -1043,8 +1050,8 @@ void chain_heads(void* ctx, int h0, int h1) {
 std::vector<mx::array> gdn_chain(const mx::array& qkv, const mx::array& a, const mx::array& b,
                                  const mx::array& conv_state, const mx::array& S, const mx::array& conv_w,
                                  const mx::array& A_log, const mx::array& dt_bias, int Hk, int Dk) {
-  const int Hv = S.ndim() == 3 ? S.shape(0) : 0, Dv = S.ndim() == 3 ? S.shape(1) : 0;
-  const GdnShape sh{Hk, Hv, Dk, Dv, conv_w.ndim() == 2 ? conv_w.shape(1) : 0};
+  const GdnShape sh = gdn_shape_of(S, conv_w, Hk, Dk);
+  const int Hv = sh.Hv, Dv = sh.Dv;
   check_f32("gdn_chain", {&qkv, &a, &b, &conv_state, &S, &conv_w, &A_log, &dt_bias});
   const int C = sh.conv_dim(), T = qkv.ndim() == 2 ? qkv.shape(0) : 0;
   if (Hk < 1 || Hv < 1 || Hv % Hk != 0 || S.shape(2) != Dk || sh.K < 2 || T < 1 || qkv.shape(1) != C ||
