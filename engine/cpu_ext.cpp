@@ -857,9 +857,10 @@ mx::array rms_norm(const mx::array& x, const mx::array& w, float eps) {
 // each row's result from that row alone.
 struct SoftmaxJob {
   const float* x;
-  const float* bias;  // [N, L]: 0 where the mask marks an entry, -inf where not; or null
+  const bool* mask;  // [N, L] at strides (mask_row, mask_col), or null
+  int64_t mask_row, mask_col;
   float* y;
-  int64_t L, N;
+  int64_t L, N, rows;  // N: the mask's rows (1 without one), dividing x's rows
 };
 
 void softmax_row(const float* x, const float* bias, float* y, int64_t L) {
@@ -916,11 +917,24 @@ void softmax_row(const float* x, const float* bias, float* y, int64_t L) {
   }
 }
 
-void softmax_items(void* ctx, int r0, int r1) {
+// Items go mask row by mask row (item i: mask row i / (rows / N), x's row i % (rows / N) of those
+// that share it), so a thread turns each of its mask rows into a bias row (0 where marked, -inf
+// where not) once and adds it, in cache, to every row of x that shares it.
+void softmax_items(void* ctx, int i0, int i1) {
   const auto& job = *static_cast<const SoftmaxJob*>(ctx);
-  for (int64_t r = r0; r < r1; ++r) {
-    softmax_row(job.x + r * job.L, job.bias == nullptr ? nullptr : job.bias + (r % job.N) * job.L, job.y + r * job.L,
-                job.L);
+  const int64_t L = job.L, N = job.N, sharing = job.rows / N;
+  std::vector<float> bias(job.mask == nullptr ? 0 : L);
+  int64_t made = -1;  // the mask row `bias` holds
+  for (int64_t i = i0; i < i1; ++i) {
+    const int64_t n = i / sharing, r = (i % sharing) * N + n;
+    if (job.mask != nullptr && n != made) {
+      const bool* m = job.mask + n * job.mask_row;
+      for (int64_t j = 0; j < L; ++j) {
+        bias[j] = m[j * job.mask_col] ? 0.0f : -INFINITY;
+      }
+      made = n;
+    }
+    softmax_row(job.x + r * L, job.mask == nullptr ? nullptr : bias.data(), job.y + r * L, L);
   }
 }
 
@@ -939,20 +953,13 @@ mx::array softmax_rows(const mx::array& x, const std::optional<mx::array>& mask)
     inputs.push_back(*mask);
   }
   auto body = [L, N](std::vector<mx::array>& ins, std::vector<mx::array>& outs) {
-    std::vector<float> x_rows, bias;
-    SoftmaxJob job{dense(ins[0], x_rows), nullptr, outs[0].data<float>(), L, N};
-    if (ins.size() > 1) {  // the mask as a bias row for each of its rows, read by its strides
-      const mx::array& m = ins[1];
-      const bool* src = m.data<bool>();
-      bias.resize((size_t)(N * L));
-      for (int64_t n = 0; n < N; ++n) {
-        for (int64_t j = 0; j < L; ++j) {
-          bias[n * L + j] = src[n * m.strides(0) + j * m.strides(1)] ? 0.0f : -INFINITY;
-        }
-      }
-      job.bias = bias.data();
+    std::vector<float> x_rows;
+    const int64_t rows = (int64_t)(outs[0].size() / L);
+    SoftmaxJob job{dense(ins[0], x_rows), nullptr, 0, 0, outs[0].data<float>(), L, N, rows};
+    if (ins.size() > 1) {  // read by its strides
+      job.mask = ins[1].data<bool>(), job.mask_row = ins[1].strides(0), job.mask_col = ins[1].strides(1);
     }
-    run_parallel(softmax_items, &job, (int)(outs[0].size() / L));
+    run_parallel(softmax_items, &job, (int)rows);
   };
   return cpu_op("SoftmaxRows", x.shape(), body, std::move(inputs));
 }
