@@ -28,6 +28,9 @@
 // step that sees the same keys, bit for bit (tests/engine/test_cpu_attention.py).
 
 #include <dlfcn.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cfloat>
@@ -225,6 +228,47 @@ inline float lanes_sum(v16 x) {
   return (a4[0] + a4[2]) + (a4[1] + a4[3]);
 }
 
+// lanes_sum of 16 vectors at once, lane j of the result being x[j]'s sum, with the same adds in the
+// same order (so the same bits): each step's two shuffles and one add serve 16 sums, where
+// lanes_sum spends a shuffle chain and a scalar on one. (For one decode row over a cache this did
+// not pay: that walk waits on the cache's memory. causal_attention's blocks read from L1.)
+#if defined(__clang__) || __GNUC__ >= 12
+inline v16 sum_halves(v16 a, v16 b) {  // every 16 lanes: lane i + lane i + 8 (a's eight, then b's)
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+         __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+inline v16 sum_quarters(v16 a, v16 b) {  // every 8 lanes: lane i + lane i + 4
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+         __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+}
+inline v16 sum_crossed(v16 a, v16 b) {  // every 4 lanes: lane 0 + lane 2, lane 1 + lane 3
+  return __builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+         __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+}
+inline v16 sum_pairs(v16 a, v16 b) {  // every 2 lanes: lane 0 + lane 1
+  return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+inline v16 lanes_sums16(const v16* x) {
+  v16 h[8], q[4];
+  for (int i = 0; i < 8; ++i) {
+    h[i] = sum_halves(x[2 * i], x[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    q[i] = sum_quarters(h[2 * i], h[2 * i + 1]);
+  }
+  return sum_pairs(sum_crossed(q[0], q[1]), sum_crossed(q[2], q[3]));
+}
+#else
+inline v16 lanes_sums16(const v16* x) {
+  v16 out;
+  for (int i = 0; i < 16; ++i) {
+    out[i] = lanes_sum(x[i]);
+  }
+  return out;
+}
+#endif
+
 // 2^x for x <= 126, 16 at a time: x = n + f with n an integer and f in [-0.5, 0.5], 2^f by its
 // Taylor series to degree 7 (relative error below 1e-8, under float32's half ulp), 2^n added to
 // the exponent's bits. x below -125 is taken as -125: a weight of ~1e-38 next to the row's
@@ -254,6 +298,44 @@ inline v16 exp2_lanes(v16 x) {
 inline v16 exp2_any(v16 x) {
   const v16 top = (v16){} + 126.0f;
   return exp2_lanes(x > top ? top : x);
+}
+
+// a * b + c rounded once where the CPU has a fused multiply-add, else rounded twice. Only
+// causal_attention takes it (a prefill chunk's rows, which nothing else must match bit for bit; this
+// file is built with -ffp-contract=off so that every other product and sum round alike everywhere).
+inline v16 fused_madd(v16 a, v16 b, v16 c) {
+#if defined(__AVX512F__)
+  return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__) && (defined(__clang__) || __GNUC__ >= 12)
+  const v8 lo = (v8)_mm256_fmadd_ps((__m256)__builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7),
+                                    (__m256)__builtin_shufflevector(b, b, 0, 1, 2, 3, 4, 5, 6, 7),
+                                    (__m256)__builtin_shufflevector(c, c, 0, 1, 2, 3, 4, 5, 6, 7));
+  const v8 hi = (v8)_mm256_fmadd_ps((__m256)__builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15),
+                                    (__m256)__builtin_shufflevector(b, b, 8, 9, 10, 11, 12, 13, 14, 15),
+                                    (__m256)__builtin_shufflevector(c, c, 8, 9, 10, 11, 12, 13, 14, 15));
+  return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  return a * b + c;
+#endif
+}
+
+// The largest of the 16 lanes (exact whatever the order), in a tree: a chain of 15 would sit on the
+// path from a tile's scores to its exponentials.
+inline float lanes_max(v16 x) {
+#if defined(__clang__) || __GNUC__ >= 12
+  const v8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7),
+           b = __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v8 m8 = a > b ? a : b;
+  const v4 c = __builtin_shufflevector(m8, m8, 0, 1, 2, 3), d = __builtin_shufflevector(m8, m8, 4, 5, 6, 7);
+  const v4 m4 = c > d ? c : d;
+  return std::max(std::max(m4[0], m4[1]), std::max(m4[2], m4[3]));
+#else
+  float top = x[0];
+  for (int i = 1; i < 16; ++i) {
+    top = std::max(top, x[i]);
+  }
+  return top;
+#endif
 }
 
 // The key (value) at logical position j of row n of KV head h: the prefix in order, then the
@@ -533,6 +615,197 @@ mx::array draft_attention(const mx::array& q, const mx::array& keys, const mx::a
     run_attention(job);
   };
   return cpu_op("DraftAttention", {1, H, 1, D}, body, {q, keys, values, length, skeys, svalues, j});
+}
+
+// ---- A prefill chunk's attention ----------------------------------------------------------------
+//
+// causal_attention: the T query rows of a prefill chunk are the last T positions of the L keys (the
+// cache's earlier rows, then the chunk's own): row t sees keys 0 .. L - T + t. In MLX's operations
+// this is two GEMMs around a softmax over an [H, T, L] score array written and read back through
+// memory (512 rows over 4,000 keys: 49 MB a layer, ~45 % of a 4k prompt's prefill on the dev CPU),
+// and past ~10k keys MLX's fused CPU kernel, slower still. Here a work item is a block of CA_ROWS
+// rows of one K/V head (its G query heads' rows), which walks the keys in tiles of CA_TILE with a
+// running maximum and sum per query (the output rescaled when the maximum grows): a tile's keys and
+// values are read from L1 by every query of the block, and no score leaves the cache. A row's
+// result depends only on its query, the keys it sees and the tiles' boundaries (multiples of
+// CA_TILE from key 0): not on the chunk or the block that holds it, so a prompt prefilled in chunks
+// of any size, or its tail after a prefix-cache hit, gets the same bits.
+constexpr int CA_ROWS = 16;  // query rows a work item takes (of one K/V head, its G heads each)
+constexpr int CA_TILE = 32;  // keys a tile has: a multiple of 16
+
+struct CausalJob {
+  const float* q;  // [H, T, D], contiguous
+  const float* k;  // [Hkv, L, D] with strides (k_head, k_row, 1)
+  const float* v;
+  float* out;  // [H, T, D]
+  int64_t k_head, k_row, v_head, v_row;
+  int H, Hkv, T, L, D, blocks;
+  float scale;
+  void (*kernel)(const CausalJob&, int, int) = nullptr;
+};
+
+// K/V head h, row block b: its rows' G queries, each walking its tiles with its own running state.
+template <int DV>
+void causal_block(const CausalJob& job, int h, int b) {
+  constexpr int D = DV * 16, GROUPS = CA_TILE / 16, SETS = DV >= 8 ? 1 : 8 / DV;
+  const int G = job.H / job.Hkv, prefix = job.L - job.T;
+  const int r0 = b * CA_ROWS, rows = std::min(job.T - r0, CA_ROWS), nq = G * rows;
+  const int last = prefix + r0 + rows - 1;  // the last key the block's last row sees
+  // per query i (head g = i / rows, row r0 + i % rows): scaled query, running max and sum, output
+  thread_local std::vector<v16> qs, acc;
+  thread_local std::vector<float> m, l;
+  qs.resize((size_t)nq * DV), acc.assign((size_t)nq * DV, v16{}), m.assign(nq, -INFINITY), l.assign(nq, 0.0f);
+  for (int i = 0; i < nq; ++i) {
+    const float* q = job.q + ((int64_t)(h * G + i / rows) * job.T + r0 + i % rows) * D;
+    for (int dv = 0; dv < DV; ++dv) {
+      qs[(size_t)i * DV + dv] = *(const v16u*)(q + dv * 16) * job.scale;
+    }
+  }
+  const float* kbase = job.k + h * job.k_head;
+  const float* vbase = job.v + h * job.v_head;
+  const v16 ninf = (v16){} - INFINITY, zero = {};
+  const v16 lane_index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  for (int t0 = 0; t0 <= last; t0 += CA_TILE) {
+    const int tile = std::min(CA_TILE, last + 1 - t0);  // keys of this tile anyone here sees
+    const float* krow[CA_TILE];
+    for (int j = 0; j < CA_TILE; ++j) {  // past the tile's end: any real row, masked below
+      krow[j] = kbase + (int64_t)(t0 + (j < tile ? j : 0)) * job.k_row;
+    }
+    for (int i = 0; i < nq; ++i) {
+      const int seen = std::min(tile, prefix + r0 + i % rows + 1 - t0);  // this row's keys in the tile
+      if (seen <= 0) {
+        continue;
+      }
+      const v16* qi = &qs[(size_t)i * DV];
+      v16 sc[GROUPS], tops;
+      for (int gi = 0; gi < GROUPS; ++gi) {
+        v16 a[16];
+        for (int j = 0; j < 16; ++j) {
+          const float* kr = krow[gi * 16 + j];
+          a[j] = qi[0] * *(const v16u*)kr;
+          for (int dv = 1; dv < DV; ++dv) {
+            a[j] = fused_madd(qi[dv], *(const v16u*)(kr + dv * 16), a[j]);
+          }
+        }
+        sc[gi] = lanes_sums16(a);
+        if (seen < CA_TILE) {  // a tile on the diagonal: the keys past the row's own are not seen
+          sc[gi] = lane_index + (float)(gi * 16) < (float)seen ? sc[gi] : ninf;
+        }
+        tops = gi == 0 ? sc[0] : (tops > sc[gi] ? tops : sc[gi]);
+      }
+      const float top = lanes_max(tops);
+      const float mi = m[i], mnew = std::max(mi, top);
+      alignas(64) float p[CA_TILE];
+      v16 sum = {};
+      for (int gi = 0; gi < GROUPS; ++gi) {
+        v16 e = exp2_lanes((sc[gi] - mnew) * LOG2E);
+        e = sc[gi] == ninf ? zero : e;  // the unseen weigh nothing (exp2_lanes floors at 2^-125)
+        *(v16*)&p[gi * 16] = e;
+        sum += e;
+      }
+      v16* ai = &acc[(size_t)i * DV];
+      if (mnew > mi && mi != -INFINITY) {  // the maximum grew: what came before is rescaled to it
+        const float c = exp2f((mi - mnew) * LOG2E);
+        l[i] *= c;
+        for (int dv = 0; dv < DV; ++dv) {
+          ai[dv] *= c;
+        }
+      }
+      m[i] = mnew;
+      l[i] += lanes_sum(sum);
+      // SETS partial sums over the tile's keys (key j into set j % SETS), so that a short head's
+      // few accumulators are not one chain of dependent adds; joined in order after the tile
+      v16 part[SETS][DV];
+      for (int dv = 0; dv < DV; ++dv) {
+        part[0][dv] = ai[dv];
+        for (int st = 1; st < SETS; ++st) {
+          part[st][dv] = zero;
+        }
+      }
+      int j = 0;
+      for (; j + SETS <= seen; j += SETS) {
+        for (int st = 0; st < SETS; ++st) {
+          const float* vr = vbase + (int64_t)(t0 + j + st) * job.v_row;
+          const v16 pj = (v16){} + p[j + st];
+          for (int dv = 0; dv < DV; ++dv) {
+            part[st][dv] = fused_madd(pj, *(const v16u*)(vr + dv * 16), part[st][dv]);
+          }
+        }
+      }
+      for (; j < seen; ++j) {
+        const float* vr = vbase + (int64_t)(t0 + j) * job.v_row;
+        const v16 pj = (v16){} + p[j];
+        for (int dv = 0; dv < DV; ++dv) {
+          part[0][dv] = fused_madd(pj, *(const v16u*)(vr + dv * 16), part[0][dv]);
+        }
+      }
+      for (int dv = 0; dv < DV; ++dv) {
+        v16 t = part[0][dv];
+        for (int st = 1; st < SETS; ++st) {
+          t += part[st][dv];
+        }
+        ai[dv] = t;
+      }
+    }
+  }
+  for (int i = 0; i < nq; ++i) {
+    float* out = job.out + ((int64_t)(h * G + i / rows) * job.T + r0 + i % rows) * D;
+    const float inv = 1.0f / l[i];
+    for (int dv = 0; dv < DV; ++dv) {
+      const v16 o = acc[(size_t)i * DV + dv] * inv;
+      std::memcpy(out + dv * 16, &o, sizeof(v16));
+    }
+  }
+}
+
+using causal_fn = void (*)(const CausalJob&, int, int);
+
+causal_fn causal_kernel(int D) {
+  switch (D) {
+    case 16: return causal_block<1>;
+    case 32: return causal_block<2>;
+    case 64: return causal_block<4>;
+    case 128: return causal_block<8>;
+    case 256: return causal_block<16>;
+    default: return nullptr;
+  }
+}
+
+void causal_items(void* ctx, int i0, int i1) {
+  const auto& job = *static_cast<const CausalJob*>(ctx);
+  for (int i = i0; i < i1; ++i) {  // the last blocks (the most keys) first: the pool claims in order
+    const int b = job.blocks - 1 - i / job.Hkv, h = i % job.Hkv;
+    job.kernel(job, h, b);
+  }
+}
+
+// q [1, H, T, D], keys / values [1, Hkv, L, D] (float32, L >= T; the rows of a head may be a view
+// into a longer cache) -> [1, H, T, D] float32, row t seeing keys 0 .. L - T + t.
+mx::array causal_attention(const mx::array& q, const mx::array& keys, const mx::array& values, float scale) {
+  if (q.ndim() != 4 || keys.ndim() != 4 || values.ndim() != 4 || q.shape(0) != 1 || keys.shape(0) != 1) {
+    throw std::invalid_argument("causal_attention: q [1, H, T, D], keys and values [1, Hkv, L, D]");
+  }
+  check_f32("causal_attention", {&q, &keys, &values});
+  const int H = q.shape(1), T = q.shape(2), D = q.shape(3), Hkv = keys.shape(1), L = keys.shape(2);
+  if (keys.shape() != values.shape() || keys.shape(3) != D || Hkv < 1 || H % Hkv != 0 || T < 1 || L < T ||
+      causal_kernel(D) == nullptr) {
+    throw std::invalid_argument("causal_attention: shapes do not match");
+  }
+  auto body = [scale](std::vector<mx::array>& ins, std::vector<mx::array>& outs) {
+    const mx::array &q = ins[0], &k = ins[1], &v = ins[2];
+    CausalJob job;
+    job.H = q.shape(1), job.T = q.shape(2), job.D = q.shape(3), job.Hkv = k.shape(1), job.L = k.shape(2);
+    job.scale = scale;
+    job.blocks = (job.T + CA_ROWS - 1) / CA_ROWS;
+    job.kernel = causal_kernel(job.D);
+    std::vector<float> q_rows, k_rows, v_rows;
+    job.q = dense(q, q_rows);
+    rows_view(k, k_rows, &job.k, &job.k_head, &job.k_row);
+    rows_view(v, v_rows, &job.v, &job.v_head, &job.v_row);
+    job.out = outs[0].data<float>();
+    run_parallel(causal_items, &job, job.Hkv * job.blocks);
+  };
+  return cpu_op("CausalAttention", {1, H, T, D}, body, {q, keys, values});
 }
 
 // ---- Gated DeltaNet: a token's step, a tree's verify and its commit -----------------------------
@@ -2188,6 +2461,8 @@ NB_MODULE(spruce_cpu_ext, m) {
   m.def("rows_attention", &rows_attention, nb::arg("q"), nb::arg("keys"), nb::arg("values"), nb::arg("scale"),
         nb::arg("prefix"), nb::arg("seen") = nb::none(),
         "Attention of a few query rows over a K/V cache in one CPU operation (engine/cpu_ext.cpp).");
+  m.def("causal_attention", &causal_attention, nb::arg("q"), nb::arg("keys"), nb::arg("values"), nb::arg("scale"),
+        "A prefill chunk's attention: its T rows the last T of the L keys, each seeing those up to itself.");
   m.def("gdn_step", &gdn_step, nb::arg("qkv"), nb::arg("a"), nb::arg("b"), nb::arg("conv_state"), nb::arg("S"),
         nb::arg("conv_w"), nb::arg("A_log"), nb::arg("dt_bias"), nb::arg("Hk"), nb::arg("Dk"),
         "One token of a Gated DeltaNet layer's recurrent core in one CPU operation -> [o, conv_state, S].");

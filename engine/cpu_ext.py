@@ -6,6 +6,7 @@ MLX primitives with their CPU evaluations and nanobind bindings in MLX's own nan
 they take and return mx.array and join MLX's graphs (mx.compile included):
 - `rows_attention`: a decode step's or a verify's attention (engine/models/layers.py);
 - `draft_attention`: the MTP head's drafted row (engine/models/mtp.py);
+- `causal_attention`: a prefill chunk's attention (engine/models/layers.py);
 - `gdn_step`, `gdn_chain`, `gdn_tree`, `gdn_commit`: the GDN core (engine/gdn/core.py CpuCore);
 - `softmax_rows`: a softmax over rows, masked or not (engine/cpu_exp.py softmax_rows: attention in
   MLX's operations);
@@ -92,6 +93,9 @@ DRAW_NOW = True
 # softmax_rows: attention in operations (a DFlash block's, a prefill chunk's, the MTP head's
 # scratch rows)
 SOFTMAX = True
+# module switch, read per call: False = a prefill chunk's attention in MLX's operations (two GEMMs
+# around softmax_rows) or, past CHUNK_OPS_SCORES, MLX's fused kernel (variant cq0)
+CAUSAL = True
 
 
 def _cpu_flags() -> str:
@@ -158,6 +162,15 @@ def rows_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float, 
     ext = module()
     assert ext is not None, "serves() first"
     return ext.rows_attention(q, keys, values, scale, prefix, seen)
+
+
+def causal_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
+    """A prefill chunk's attention: q [1, H, T, D], keys / values [1, Hkv, L, D] with L >= T, the T
+    rows being the last T positions of the L keys, each seeing the keys up to its own -> [1, H, T,
+    D]. serves() first. See engine/cpu_ext.cpp."""
+    ext = module()
+    assert ext is not None, "serves() first"
+    return ext.causal_attention(q, keys, values, scale)
 
 
 def gdn_step(qkv: mx.array, a: mx.array, b: mx.array, conv_state: mx.array, S: mx.array, conv_w: mx.array,

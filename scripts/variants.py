@@ -63,6 +63,9 @@
 - "-cx0" / "-cx1": a softmax over float32 rows on the CPU (attention in operations: a DFlash block's,
   a prefill chunk's) in MLX's operations / in the engine's own operation (engine.cpu_ext.SOFTMAX;
   read per call, and by the DFlash block's trace);
+- "-cq0" / "-cq1": a prefill chunk's attention on the CPU (float32) in MLX's operations or its fused
+  kernel / in the engine's own operation, tiles of keys with a running softmax
+  (engine.cpu_ext.CAUSAL, read per call);
 - "-lp0" / "-lp1": a decode step's GDN layers as one launch plan each and its attention layers as
   two, with the wiring the plans record for every pass (engine.launch_plan.SWITCH; CUDA with the
   engine's extension built);
@@ -161,6 +164,7 @@ def _settings() -> dict[str, tuple[list[tuple[Any, str]], Callable[[str], tuple[
         "cw": ([(cpu_ext, "NARROW_TOP_K")], on),
         "dn": ([(cpu_ext, "DRAW_NOW")], on),
         "cx": ([(cpu_ext, "SOFTMAX")], on),
+        "cq": ([(cpu_ext, "CAUSAL")], on),
         "sr": ([(blas.SMALL_ROWS, "value")], lambda rest: (int(rest),)),
         "st": ([(blas.GEMM_THREADS, "value")], lambda rest: (int(rest),)),
         "sl": ([(rounds, "START_LATE_ON_CPU")], on),
