@@ -11,8 +11,8 @@
 // norm_products, mlp_block, softmax_rows, the MTP head's mtp_chain and the sampler's choose_rows and
 // penalize_rows (each with its comment). Each is held to its twin in MLX's operations by the tests, and each computes a row the
 // same way whatever the other rows of the call are. Built with -ffp-contract=off
-// (engine/cpu_ext.py), so a product and a sum are rounded apart wherever they appear, as those
-// invariances need.
+// (engine/cpu_ext.py), so a product and a sum are rounded apart wherever they appear unless the code
+// fuses them itself (fused_madd, the same in every row), as those invariances need.
 //
 // rows_attention: attention of a few query rows (a decode step, a verify's tree) over a K/V cache
 // in one operation. In MLX operations it is a product, a maximum, an exponential pass, a sum, a
@@ -300,9 +300,11 @@ inline v16 exp2_any(v16 x) {
   return exp2_lanes(x > top ? top : x);
 }
 
-// a * b + c rounded once where the CPU has a fused multiply-add, else rounded twice. Only
-// causal_attention takes it (a prefill chunk's rows, which nothing else must match bit for bit; this
-// file is built with -ffp-contract=off so that every other product and sum round alike everywhere).
+// a * b + c rounded once where the CPU has a fused multiply-add, else rounded twice: written out
+// where it is wanted (the attention operations' products), since this file is built with
+// -ffp-contract=off so that the compiler fuses nothing on its own, in one place and not another.
+// Every row of rows_attention takes the same calls whatever the call's other rows, so a verify row
+// is still the step's bits.
 inline v16 fused_madd(v16 a, v16 b, v16 c) {
 #if defined(__AVX512F__)
   return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
@@ -380,13 +382,32 @@ void attention_chunk(const AttentionJob& job, int h, int n, int c, float* part) 
   for (int g = 0; g < G; ++g) {
     m[g] = -INFINITY;
   }
-  for (int j = j0; j < j1; ++j) {
+  int j = j0;
+  for (; j + 16 <= j1; j += 16) {  // 16 keys at a time, a head at a time, summed across lanes together
+    const float* rows[16];
+    for (int i = 0; i < 16; ++i) {
+      rows[i] = key_row(job, h, n, j + i);
+    }
+    for (int g = 0; g < G; ++g) {
+      v16 a[16];
+      for (int i = 0; i < 16; ++i) {
+        a[i] = qs[g][0] * *(const v16u*)rows[i];
+        for (int dv = 1; dv < DV; ++dv) {
+          a[i] = fused_madd(qs[g][dv], *(const v16u*)(rows[i] + dv * 16), a[i]);
+        }
+      }
+      const v16 s = lanes_sums16(a);
+      *(v16*)&scores[g][j - j0] = s;  // j - j0 is a multiple of 16: aligned
+      m[g] = std::max(m[g], lanes_max(s));
+    }
+  }
+  for (; j < j1; ++j) {  // the chunk's last keys one by one, with the same arithmetic
     v16 kr[DV];
     load_row<DV>(key_row(job, h, n, j), kr);
     for (int g = 0; g < G; ++g) {
       v16 a = qs[g][0] * kr[0];
       for (int dv = 1; dv < DV; ++dv) {
-        a += qs[g][dv] * kr[dv];
+        a = fused_madd(qs[g][dv], kr[dv], a);
       }
       const float s = lanes_sum(a);
       scores[g][j - j0] = s;
@@ -417,9 +438,9 @@ void attention_chunk(const AttentionJob& job, int h, int n, int c, float* part) 
     v16 vr[DV];
     load_row<DV>(value_row(job, h, n, j), vr);
     for (int g = 0; g < G; ++g) {
-      const float p = scores[g][j - j0];
+      const v16 p = (v16){} + scores[g][j - j0];
       for (int dv = 0; dv < DV; ++dv) {
-        acc[g][dv] += p * vr[dv];
+        acc[g][dv] = fused_madd(p, vr[dv], acc[g][dv]);
       }
     }
   }
@@ -460,12 +481,22 @@ chunk_fn chunk_kernel(int G, int D) {
   }
 }
 
+// An item: K/V head h, chunk c, and a block of up to ROW_BLOCK rows, one after another, so that a
+// verify's rows read the chunk's keys and values from memory once, then from L2 (one item a row
+// read them once a row: 17 rows over 1,000 keys took 20x one row's time on the dev CPU).
+constexpr int ROW_BLOCK = 8;
+
+int row_blocks(const AttentionJob& job) { return (job.N + ROW_BLOCK - 1) / ROW_BLOCK; }
+
 void attention_items(void* ctx, int i0, int i1) {
   auto& job = *static_cast<AttentionJob*>(ctx);
+  const int blocks = row_blocks(job);
   for (int i = i0; i < i1; ++i) {
-    const int c = i % job.chunks, hn = i / job.chunks;
-    const int n = hn % job.N, h = hn / job.N;
-    job.kernel(job, h, n, c, job.partial.data() + (int64_t)i * job.stride());
+    const int c = i % job.chunks, hb = i / job.chunks;
+    const int b = hb % blocks, h = hb / blocks;
+    for (int n = b * ROW_BLOCK; n < std::min(job.N, (b + 1) * ROW_BLOCK); ++n) {
+      job.kernel(job, h, n, c, job.partial.data() + ((int64_t)(h * job.N + n) * job.chunks + c) * job.stride());
+    }
   }
 }
 
@@ -511,9 +542,8 @@ void run_attention(AttentionJob& job) {
     longest = std::max(longest, job.counts[n]);
   }
   job.chunks = std::max(1, (longest + CHUNK - 1) / CHUNK);
-  const int items = job.Hkv * job.N * job.chunks;
-  job.partial.resize((int64_t)items * job.stride());
-  run_parallel(attention_items, &job, items);
+  job.partial.resize((int64_t)job.Hkv * job.N * job.chunks * job.stride());
+  run_parallel(attention_items, &job, job.Hkv * row_blocks(job) * job.chunks);
   join_chunks(job);
 }
 
