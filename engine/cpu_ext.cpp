@@ -57,6 +57,7 @@ namespace mx = mlx::core;
 namespace {
 
 constexpr int CHUNK = 512;  // keys a work item takes (of one KV head, one row)
+constexpr int ROW_BLOCK = 8;  // rows a work item takes (a verify's; attention_items)
 constexpr float LOG2E = 1.4426950408889634f;
 
 // The GEMV shim's thread pool (engine/gemv_shim.c), where the process has preloaded it: items
@@ -202,7 +203,8 @@ struct AttentionJob {
   std::vector<int> counts;
   // per item (KV head, row, chunk): G maxima, G sums, G x D weighted values
   std::vector<float> partial;
-  void (*kernel)(const AttentionJob&, int, int, int, float*) = nullptr;  // chunk_kernel(G, D)
+  float* parts = nullptr;  // partial's data, written by the items
+  void (*kernel)(const AttentionJob&, int, int, int, int) = nullptr;  // chunk_kernel(G, D)
   int stride() const { return (H / Hkv) * (2 + D); }
 };
 
@@ -340,6 +342,9 @@ inline float lanes_max(v16 x) {
 #endif
 }
 
+// x in all 16 lanes (one broadcast; `(v16){} + x` is an add first, since 0 + -0 is +0).
+inline v16 splat(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+
 // The key (value) at logical position j of row n of KV head h: the prefix in order, then the
 // row's own keys.
 inline const float* key_row(const AttentionJob& job, int h, int n, int j) {
@@ -360,98 +365,150 @@ inline void load_row(const float* row, v16* out) {
   }
 }
 
-// One work item: KV head h, row n, chunk c -> the G query heads' (of this KV head) maxima, sums
-// and unnormalised outputs, for G query heads of DV x 16 dimensions held in registers. Items past
-// a row's keys write nothing and are skipped when joining.
+// One work item: KV head h, chunk c, rows [n0, n1) -> each row's G query heads' (of this KV head)
+// maxima, sums and unnormalised outputs, for G query heads of DV x 16 dimensions. The chunk's keys
+// are taken SUB at a time, each sub-tile by every row of the item in turn (its keys and values then
+// come from L1, not once a row from L2), and a row's arithmetic is what it would be alone: its
+// scores key by key, its maximum, exponentials and sum over the chunk, its weighted values summed
+// in key order. Rows past their keys write nothing and are skipped when joining.
+constexpr int SUB = 64;  // keys a sub-tile has: a multiple of 16
+
 template <int G, int DV>
-void attention_chunk(const AttentionJob& job, int h, int n, int c, float* part) {
-  const int j0 = c * CHUNK, j1 = std::min(job.counts[n], j0 + CHUNK), count = j1 - j0;
-  if (count <= 0) {
-    return;
-  }
-  constexpr int D = DV * 16;
-  v16 qs[G][DV];  // the query rows, scaled as the operations' path scales them
-  for (int g = 0; g < G; ++g) {
-    const float* q = job.q + ((int64_t)(h * G + g) * job.N + n) * D;
-    for (int dv = 0; dv < DV; ++dv) {
-      qs[g][dv] = *(const v16u*)(q + dv * 16) * job.scale;
-    }
-  }
-  alignas(64) float scores[G][CHUNK + 16];
-  float m[G];
-  for (int g = 0; g < G; ++g) {
-    m[g] = -INFINITY;
-  }
-  int j = j0;
-  for (; j + 16 <= j1; j += 16) {  // 16 keys at a time, a head at a time, summed across lanes together
-    const float* rows[16];
-    for (int i = 0; i < 16; ++i) {
-      rows[i] = key_row(job, h, n, j + i);
-    }
+void attention_chunk(const AttentionJob& job, int h, int n0, int n1, int c) {
+  constexpr int D = DV * 16, ROW = G * (CHUNK + 16);  // a row's scores: G x the chunk, padded
+  const int j0 = c * CHUNK, nr = n1 - n0;
+  thread_local std::vector<v16> score_rows, acc_rows;
+  score_rows.resize((size_t)nr * ROW / 16);
+  acc_rows.assign((size_t)nr * G * DV, v16{});
+  float m[ROW_BLOCK][G];
+  int ends[ROW_BLOCK];  // each row's end of keys in this chunk (<= j0: none)
+  for (int r = 0; r < nr; ++r) {
+    ends[r] = std::min(job.counts[n0 + r], j0 + CHUNK);
     for (int g = 0; g < G; ++g) {
-      v16 a[16];
-      for (int i = 0; i < 16; ++i) {
-        a[i] = qs[g][0] * *(const v16u*)rows[i];
-        for (int dv = 1; dv < DV; ++dv) {
-          a[i] = fused_madd(qs[g][dv], *(const v16u*)(rows[i] + dv * 16), a[i]);
+      m[r][g] = -INFINITY;
+    }
+  }
+  for (int s0 = j0; s0 < j0 + CHUNK; s0 += SUB) {  // scores
+    for (int r = 0; r < nr; ++r) {
+      const int n = n0 + r, s1 = std::min(ends[r], s0 + SUB);
+      if (s1 <= s0) {
+        continue;
+      }
+      float* scores = (float*)&score_rows[(size_t)r * ROW / 16];  // [G][CHUNK + 16]
+      v16 qs[G][DV];  // the query rows, scaled as the operations' path scales them
+      for (int g = 0; g < G; ++g) {
+        const float* q = job.q + ((int64_t)(h * G + g) * job.N + n) * D;
+        for (int dv = 0; dv < DV; ++dv) {
+          qs[g][dv] = *(const v16u*)(q + dv * 16) * job.scale;
         }
       }
-      const v16 s = lanes_sums16(a);
-      *(v16*)&scores[g][j - j0] = s;  // j - j0 is a multiple of 16: aligned
-      m[g] = std::max(m[g], lanes_max(s));
-    }
-  }
-  for (; j < j1; ++j) {  // the chunk's last keys one by one, with the same arithmetic
-    v16 kr[DV];
-    load_row<DV>(key_row(job, h, n, j), kr);
-    for (int g = 0; g < G; ++g) {
-      v16 a = qs[g][0] * kr[0];
-      for (int dv = 1; dv < DV; ++dv) {
-        a = fused_madd(qs[g][dv], kr[dv], a);
+      int j = s0;
+      v16 tops[G];  // the sub-tile's maxima, lane by lane
+      for (int g = 0; g < G; ++g) {
+        tops[g] = splat(-INFINITY);
       }
-      const float s = lanes_sum(a);
-      scores[g][j - j0] = s;
-      m[g] = std::max(m[g], s);
-    }
-  }
-  float* ms = part;
-  float* ls = part + G;
-  float* out = part + 2 * G;
-  const int padded = (count + 15) / 16 * 16;
-  for (int g = 0; g < G; ++g) {
-    v16 sum = {};
-    for (int j = 0; j < padded; j += 16) {
-      v16 e = exp2_lanes((*(v16*)&scores[g][j] - m[g]) * LOG2E);
-      if (j + 16 > count) {  // the lanes past the chunk's keys weigh nothing
-        for (int i = count - j; i < 16; ++i) {
-          e[i] = 0.0f;
+      for (; j + 16 <= s1; j += 16) {  // 16 keys at a time, a head at a time, summed across lanes together
+        const float* rows[16];
+        for (int i = 0; i < 16; ++i) {
+          rows[i] = key_row(job, h, n, j + i);
+        }
+        for (int g = 0; g < G; ++g) {
+          v16 a[16];
+          for (int i = 0; i < 16; ++i) {
+            a[i] = qs[g][0] * *(const v16u*)rows[i];
+            for (int dv = 1; dv < DV; ++dv) {
+              a[i] = fused_madd(qs[g][dv], *(const v16u*)(rows[i] + dv * 16), a[i]);
+            }
+          }
+          const v16 sc = lanes_sums16(a);
+          *(v16*)&scores[g * (CHUNK + 16) + j - j0] = sc;  // j - j0 is a multiple of 16: aligned
+          tops[g] = tops[g] > sc ? tops[g] : sc;
         }
       }
-      *(v16*)&scores[g][j] = e;
-      sum += e;
-    }
-    ms[g] = m[g];
-    ls[g] = lanes_sum(sum);
-  }
-  v16 acc[G][DV] = {};
-  for (int j = j0; j < j1; ++j) {
-    v16 vr[DV];
-    load_row<DV>(value_row(job, h, n, j), vr);
-    for (int g = 0; g < G; ++g) {
-      const v16 p = (v16){} + scores[g][j - j0];
-      for (int dv = 0; dv < DV; ++dv) {
-        acc[g][dv] = fused_madd(p, vr[dv], acc[g][dv]);
+      for (int g = 0; g < G; ++g) {
+        m[r][g] = std::max(m[r][g], lanes_max(tops[g]));
+      }
+      for (; j < s1; ++j) {  // the row's last keys one by one, with the same arithmetic
+        v16 kr[DV];
+        load_row<DV>(key_row(job, h, n, j), kr);
+        for (int g = 0; g < G; ++g) {
+          v16 a = qs[g][0] * kr[0];
+          for (int dv = 1; dv < DV; ++dv) {
+            a = fused_madd(qs[g][dv], kr[dv], a);
+          }
+          const float sc = lanes_sum(a);
+          scores[g * (CHUNK + 16) + j - j0] = sc;
+          m[r][g] = std::max(m[r][g], sc);
+        }
       }
     }
   }
-  for (int g = 0; g < G; ++g) {
-    for (int dv = 0; dv < DV; ++dv) {
-      std::memcpy(out + g * D + dv * 16, &acc[g][dv], sizeof(v16));
+  for (int r = 0; r < nr; ++r) {  // exponentials and sums, row by row
+    const int count = ends[r] - j0;
+    if (count <= 0) {
+      continue;
     }
+    float* part = job.parts + ((int64_t)(h * job.N + n0 + r) * job.chunks + c) * job.stride();
+    float* scores = (float*)&score_rows[(size_t)r * ROW / 16];
+    const int padded = (count + 15) / 16 * 16;
+    for (int g = 0; g < G; ++g) {
+      float* sg = scores + g * (CHUNK + 16);
+      v16 sum = {};
+      for (int j = 0; j < padded; j += 16) {
+        v16 e = exp2_lanes((*(v16*)&sg[j] - m[r][g]) * LOG2E);
+        if (j + 16 > count) {  // the lanes past the chunk's keys weigh nothing
+          for (int i = count - j; i < 16; ++i) {
+            e[i] = 0.0f;
+          }
+        }
+        *(v16*)&sg[j] = e;
+        sum += e;
+      }
+      part[g] = m[r][g];
+      part[G + g] = lanes_sum(sum);
+    }
+  }
+  for (int s0 = j0; s0 < j0 + CHUNK; s0 += SUB) {  // weighted values, each row's keys in order
+    for (int r = 0; r < nr; ++r) {
+      const int n = n0 + r, s1 = std::min(ends[r], s0 + SUB);
+      if (s1 <= s0) {
+        continue;
+      }
+      const float* scores = (const float*)&score_rows[(size_t)r * ROW / 16];
+      v16* ar = &acc_rows[(size_t)r * G * DV];
+      v16 acc[G][DV];
+      for (int g = 0; g < G; ++g) {
+        for (int dv = 0; dv < DV; ++dv) {
+          acc[g][dv] = ar[g * DV + dv];
+        }
+      }
+      for (int j = s0; j < s1; ++j) {
+        v16 vr[DV];
+        load_row<DV>(value_row(job, h, n, j), vr);
+        for (int g = 0; g < G; ++g) {
+          const v16 p = splat(scores[g * (CHUNK + 16) + j - j0]);
+          for (int dv = 0; dv < DV; ++dv) {
+            acc[g][dv] = fused_madd(p, vr[dv], acc[g][dv]);
+          }
+        }
+      }
+      for (int g = 0; g < G; ++g) {
+        for (int dv = 0; dv < DV; ++dv) {
+          ar[g * DV + dv] = acc[g][dv];
+        }
+      }
+    }
+  }
+  for (int r = 0; r < nr; ++r) {
+    if (ends[r] <= j0) {
+      continue;
+    }
+    float* out = job.parts + ((int64_t)(h * job.N + n0 + r) * job.chunks + c) * job.stride() + 2 * G;
+    std::memcpy(out, &acc_rows[(size_t)r * G * DV], sizeof(v16) * G * DV);
   }
 }
 
-using chunk_fn = void (*)(const AttentionJob&, int, int, int, float*);
+using chunk_fn = void (*)(const AttentionJob&, int, int, int, int);
 
 template <int DV>
 chunk_fn chunk_for_heads(int G) {
@@ -481,11 +538,9 @@ chunk_fn chunk_kernel(int G, int D) {
   }
 }
 
-// An item: K/V head h, chunk c, and a block of up to ROW_BLOCK rows, one after another, so that a
-// verify's rows read the chunk's keys and values from memory once, then from L2 (one item a row
-// read them once a row: 17 rows over 1,000 keys took 20x one row's time on the dev CPU).
-constexpr int ROW_BLOCK = 8;
-
+// An item: K/V head h, chunk c, and a block of up to ROW_BLOCK rows (attention_chunk), so that a
+// verify's rows read the chunk's keys and values from memory once (one item a row read them once a
+// row: 17 rows over 1,000 keys took 20x one row's time on the dev CPU).
 int row_blocks(const AttentionJob& job) { return (job.N + ROW_BLOCK - 1) / ROW_BLOCK; }
 
 void attention_items(void* ctx, int i0, int i1) {
@@ -494,9 +549,7 @@ void attention_items(void* ctx, int i0, int i1) {
   for (int i = i0; i < i1; ++i) {
     const int c = i % job.chunks, hb = i / job.chunks;
     const int b = hb % blocks, h = hb / blocks;
-    for (int n = b * ROW_BLOCK; n < std::min(job.N, (b + 1) * ROW_BLOCK); ++n) {
-      job.kernel(job, h, n, c, job.partial.data() + ((int64_t)(h * job.N + n) * job.chunks + c) * job.stride());
-    }
+    job.kernel(job, h, b * ROW_BLOCK, std::min(job.N, (b + 1) * ROW_BLOCK), c);
   }
 }
 
@@ -543,6 +596,7 @@ void run_attention(AttentionJob& job) {
   }
   job.chunks = std::max(1, (longest + CHUNK - 1) / CHUNK);
   job.partial.resize((int64_t)job.Hkv * job.N * job.chunks * job.stride());
+  job.parts = job.partial.data();
   run_parallel(attention_items, &job, job.Hkv * row_blocks(job) * job.chunks);
   join_chunks(job);
 }
