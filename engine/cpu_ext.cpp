@@ -657,11 +657,12 @@ mx::array rows_attention(const mx::array& q, const mx::array& keys, const mx::ar
   return cpu_op("RowsAttention", {1, H, N, D}, body, std::move(inputs));
 }
 
-// A drafted row's attention (engine/models/mtp.py scratch_attention): one query q [1, H, 1, D]
-// over rows [0, length) of the committed K/V buffers [1, Hkv, cap, D] and rows [0, j] of the
-// draft's scratch [1, Hkv, S, D], length and j int32 scalars read when it runs (so a compiled
-// per-depth step does not depend on them) -> [1, H, 1, D]. The ops form scores the whole buffer
-// and masks it; this reads the rows that count.
+// A drafted row's attention (engine/models/mtp.py scratch_attention): queries q [1, H, N, D] over
+// rows [0, length) of the committed K/V buffers [1, Hkv, cap, D] and rows [0, j] of the draft's
+// scratch [1, Hkv, S, D], length and j int32 scalars read when it runs (so a compiled per-depth step
+// does not depend on them) -> [1, H, N, D]. The ops form scores the whole buffer and masks it;
+// this reads the rows that count. The MTP head drafts one row (N = 1); a DFlash block's N rows all
+// see the context and the whole block (j = N - 1; engine/models/dflash.py).
 mx::array draft_attention(const mx::array& q, const mx::array& keys, const mx::array& values, const mx::array& length,
                           const mx::array& skeys, const mx::array& svalues, const mx::array& j, float scale) {
   for (const auto* a : {&q, &keys, &values, &skeys, &svalues}) {
@@ -672,8 +673,8 @@ mx::array draft_attention(const mx::array& q, const mx::array& keys, const mx::a
       throw std::invalid_argument("draft_attention: shapes do not match");
     }
   }
-  const int H = q.shape(1), D = q.shape(3), Hkv = keys.shape(1);
-  if (q.shape(2) != 1 || values.shape() != keys.shape() || skeys.shape() != svalues.shape() || skeys.shape(1) != Hkv ||
+  const int H = q.shape(1), N = q.shape(2), D = q.shape(3), Hkv = keys.shape(1);
+  if (N < 1 || values.shape() != keys.shape() || skeys.shape() != svalues.shape() || skeys.shape(1) != Hkv ||
       Hkv < 1 || H % Hkv != 0 || chunk_kernel(H / Hkv, D) == nullptr || length.size() != 1 ||
       j.size() != 1 || length.dtype() != mx::int32 || j.dtype() != mx::int32) {
     throw std::invalid_argument("draft_attention: shapes do not match");
@@ -681,7 +682,7 @@ mx::array draft_attention(const mx::array& q, const mx::array& keys, const mx::a
   auto body = [scale](std::vector<mx::array>& ins, std::vector<mx::array>& outs) {
     const mx::array &q = ins[0], &k = ins[1], &v = ins[2], &sk = ins[4], &sv = ins[5];
     AttentionJob job;
-    job.H = q.shape(1), job.N = 1, job.D = q.shape(3), job.Hkv = k.shape(1), job.scale = scale;
+    job.H = q.shape(1), job.N = q.shape(2), job.D = q.shape(3), job.Hkv = k.shape(1), job.scale = scale;
     const int cap = k.shape(2), rows = sk.shape(2);
     job.prefix = std::clamp(ins[3].data<int32_t>()[0], 0, cap);
     const int own = std::clamp(ins[6].data<int32_t>()[0], 0, rows - 1);
@@ -692,13 +693,15 @@ mx::array draft_attention(const mx::array& q, const mx::array& keys, const mx::a
     rows_view(sk, tmp[2], &job.k2, &job.k2_head, &job.k2_row);
     rows_view(sv, tmp[3], &job.v2, &job.v2_head, &job.v2_row);
     job.out = outs[0].data<float>();
-    job.tree_keys.assign(1, std::vector<int>());
-    for (int t = 0; t <= own; ++t) {
-      job.tree_keys[0].push_back(t);
+    job.tree_keys.assign(job.N, std::vector<int>());
+    for (auto& own_keys : job.tree_keys) {
+      for (int t = 0; t <= own; ++t) {
+        own_keys.push_back(t);
+      }
     }
     run_attention(job);
   };
-  return cpu_op("DraftAttention", {1, H, 1, D}, body, {q, keys, values, length, skeys, svalues, j});
+  return cpu_op("DraftAttention", {1, H, N, D}, body, {q, keys, values, length, skeys, svalues, j});
 }
 
 // ---- A prefill chunk's attention ----------------------------------------------------------------

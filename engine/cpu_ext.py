@@ -217,9 +217,10 @@ def gdn_commit(k: mx.array, u: mx.array, g: mx.array, path: mx.array, S0: mx.arr
 
 def draft_attention(q: mx.array, keys: mx.array, values: mx.array, length: mx.array, skeys: mx.array,
                     svalues: mx.array, j: mx.array, scale: float) -> mx.array:
-    """A drafted row's attention (engine/models/mtp.py scratch_attention): q [1, H, 1, D] over rows
+    """A drafted row's attention (engine/models/mtp.py scratch_attention): q [1, H, N, D] over rows
     [0, length) of keys / values [1, Hkv, cap, D] and rows [0, j] of the scratch [1, Hkv, S, D]
-    (length, j int32 scalars, read when it runs) -> [1, H, 1, D]. See engine/cpu_ext.cpp."""
+    (length, j int32 scalars, read when it runs) -> [1, H, N, D]: the MTP head's drafted row (N = 1),
+    a DFlash block's rows (the block as the scratch). See engine/cpu_ext.cpp."""
     ext = module()
     assert ext is not None, "serves() first"
     return ext.draft_attention(q, keys, values, length.astype(mx.int32), skeys, svalues, j.astype(mx.int32), scale)

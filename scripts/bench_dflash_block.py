@@ -1,14 +1,14 @@
-"""A DFlash block over a long context, its attention three ways, side by side: the fused kernel
-over the context buffer concatenated with the block's rows, and the split form the CPU uses
-(engine/models/layers.py, attention_parts) with its softmax in MLX's operations or in the engine's
-own operation (engine/cpu_ext.py SOFTMAX).
+"""A DFlash block over a long context, its attention four ways, side by side: the fused kernel
+over the context buffer concatenated with the block's rows, the split form (engine/models/layers.py,
+attention_parts) with its softmax in MLX's operations or in the engine's own operation
+(engine/cpu_ext.py SOFTMAX), and the whole attention in the engine's own operation, the CPU's way
+(cpu_ext.draft_attention; switch cpu_ext.ATTENTION).
 
     python scripts/bench_dflash_block.py [--dflash DIR] [--lengths 64,2048,4000] [--runs 20]
 
 For each context length the bundled DFlash drafter's context is filled with random feature rows,
 then block passes (16 rows) alternate between the ways; prints the median ms of each, the ratios
-to the split form with the softmax operation, and the max |difference| of the block's final hidden
-states from it.
+to the attention operation, and the max |difference| of the block's final hidden states from it.
 """
 
 from __future__ import annotations
@@ -44,10 +44,10 @@ def main() -> None:
     model = load_dflash(a.dflash)
     c = model.config
     rng = np.random.default_rng(0)
-    # (split form, softmax operation) for each way; both are read when a block is traced
-    ways = {"fused over the concatenation": (False, False), "split, softmax in ops": (True, False),
-            "split, softmax operation": (True, True)}
-    base = "split, softmax operation"
+    # (split form, softmax operation, attention operation) for each way; read when a block is traced
+    ways = {"fused over the concatenation": (False, False, False), "split, softmax in ops": (True, False, False),
+            "split, softmax operation": (True, True, False), "attention operation": (True, True, True)}
+    base = "attention operation"
     print("| context | " + " | ".join(f"{w}, ms" for w in ways) + " | " + " | ".join(
         f"{w} / {base}" for w in ways if w != base) + " | max abs diff |")
     print("|---|" + "---|" * (2 * len(ways)))
@@ -59,12 +59,13 @@ def main() -> None:
         mx.eval([x for kv in cache for x in kv.arrays()], block)
 
         def setting(way: str) -> None:
-            dflash_model.SPLIT_ON_CPU, cpu_ext.SOFTMAX = ways[way]
+            dflash_model.SPLIT_ON_CPU, cpu_ext.SOFTMAX, cpu_ext.ATTENTION = ways[way]
 
         compiled = {}
         for way in ways:  # one compiled block per way, traced before timing
             setting(way)
-            model._block_fns = {cpu_ext.SOFTMAX: mx.compile(model._block)}
+            key = (dflash_model.SPLIT_ON_CPU, cpu_ext.ATTENTION, cpu_ext.SOFTMAX)
+            model._block_fns = {key: mx.compile(model._block)}
             compiled[way] = model._block_fns
             mx.eval(model.block(block, cache))
         times: dict[str, list[float]] = {w: [] for w in ways}
@@ -81,7 +82,7 @@ def main() -> None:
         diff = max(float(mx.abs(outs[w] - outs[base]).max()) for w in ways)
         print(f"| {n} | " + " | ".join(f"{med[w]:.2f}" for w in ways) + " | "
               + " | ".join(f"{med[w] / med[base]:.2f}x" for w in ways if w != base) + f" | {diff:.1e} |")
-    dflash_model.SPLIT_ON_CPU, cpu_ext.SOFTMAX = True, True
+    dflash_model.SPLIT_ON_CPU, cpu_ext.SOFTMAX, cpu_ext.ATTENTION = True, True, True
 
 
 if __name__ == "__main__":

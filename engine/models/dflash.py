@@ -180,6 +180,14 @@ class DFlashAttention(nn.Module):
         cache.write(k, v)
         cache.advance(ctx.shape[1])
 
+    def _in_one_operation(self, q: mx.array, k_ctx: mx.array) -> bool:
+        """Whether the block attends in the CPU's own operation (cpu_ext.ATTENTION, float32, a head
+        shape it is built for): where every row sees the context's rows before `offset` and the
+        whole block, i.e. not causal and not windowed, and there is a context buffer."""
+        return (not self.causal and self.window is None and k_ctx.shape[2] > 0
+                and cpu_ext.serves(cpu_ext.ATTENTION, q, k_ctx)
+                and cpu_ext.supports(self.heads // self.kv_heads, self.head_dim))
+
     def __call__(self, x: mx.array, offset: mx.array, k_ctx: mx.array, v_ctx: mx.array, mask: mx.array) -> mx.array:
         """Block rows x [1, B, H] at positions offset + i (offset: int32 [1]) against the context
         buffers [1, kv_heads, capacity, D] and themselves; mask [B, capacity + B] (block_mask)."""
@@ -187,7 +195,12 @@ class DFlashAttention(nn.Module):
         q = self.q_norm(self.q_proj(x).reshape(1, B, self.heads, -1)).transpose(0, 2, 1, 3)
         q = self._rope(q, offset)
         k, v = self._kv(x, offset)
-        if SPLIT_ON_CPU and mx.default_device() == mx.cpu:
+        if self._in_one_operation(q, k_ctx):
+            # the engine's own CPU operation (engine/cpu_ext.cpp draft_attention): the context's
+            # first `offset` rows and the whole block, read once for the block's rows, no scores
+            # through memory; the mask says no more than that for a bidirectional, unwindowed layer
+            out = cpu_ext.draft_attention(q, k_ctx, v_ctx, offset, k, v, mx.array(B - 1, dtype=mx.int32), self.scale)
+        elif SPLIT_ON_CPU and mx.default_device() == mx.cpu:
             out = attention_parts(q, (k_ctx, k), (v_ctx, v), self.scale, mask)
         else:  # on a GPU the fused kernel (the split form was not measured there)
             keys, values = mx.concatenate([k_ctx, k], axis=2), mx.concatenate([v_ctx, v], axis=2)
@@ -219,7 +232,7 @@ class DFlashModel(nn.Module):
         self.hidden_norm = RMSNorm(H, config.rms_norm_eps)
         self.layers = [DFlashLayer(config, i) for i in range(config.num_hidden_layers)]
         self.norm = RMSNorm(H, config.rms_norm_eps)
-        self._block_fns: dict[bool, Callable[..., mx.array]] = {}
+        self._block_fns: dict[tuple[bool, bool, bool], Callable[..., mx.array]] = {}
 
     def make_cache(self) -> list[KVCache]:
         return [KVCache() for _ in self.layers]
@@ -256,9 +269,9 @@ class DFlashModel(nn.Module):
     @property
     def _compiled_block(self) -> Callable[..., mx.array]:
         # compiled on first use (after the weights are loaded); traced again only when the context
-        # buffers grow (every KV_STEP rows). One compiled function for each setting of the CPU's
-        # softmax switch (engine/cpu_ext.py SOFTMAX), which the trace reads
-        key = bool(cpu_ext.SOFTMAX)
+        # buffers grow (every KV_STEP rows). One compiled function for each setting of the switches
+        # the trace reads: SPLIT_ON_CPU and the CPU's attention and softmax (engine/cpu_ext.py)
+        key = (SPLIT_ON_CPU, bool(cpu_ext.ATTENTION), bool(cpu_ext.SOFTMAX))
         if key not in self._block_fns:
             self._block_fns[key] = mx.compile(self._block)
         return self._block_fns[key]

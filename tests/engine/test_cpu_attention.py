@@ -136,3 +136,43 @@ def test_a_mask_view_is_read_by_its_strides(rng):
     got = cpu_ext.rows_attention(q, k, v, 0.125, 15, view)
     want = cpu_ext.rows_attention(q, k, v, 0.125, 15, mx.array(seen))
     assert np.array_equal(np.array(got), np.array(want))
+
+
+@pytest.mark.parametrize(("cap", "length", "block"), [(64, 1, 16), (512, 300, 16), (4096, 4000, 16), (256, 37, 5)])
+def test_a_block_of_drafted_rows_equals_the_ops(cap, length, block, rng):
+    """A DFlash block's rows through draft_attention: each row over the context's first `length`
+    rows (garbage past them) and every row of the block, against the operations with that mask."""
+    q = arr(rng.normal(size=(1, 6, block, 64)) * 2)
+    keys, values = (arr(rng.normal(size=(1, 2, cap, 64))) for _ in range(2))
+    bkeys, bvalues = (arr(rng.normal(size=(1, 2, block, 64))) for _ in range(2))
+    got = cpu_ext.draft_attention(q, keys, values, mx.array([length], dtype=mx.int32), bkeys, bvalues,
+                                  mx.array(block - 1, dtype=mx.int32), 0.125)
+    mask = np.concatenate([np.arange(cap) < length, np.ones(block, dtype=bool)])[None].repeat(block, 0)
+    want = attention_ops(q, mx.concatenate([keys, bkeys], axis=2), mx.concatenate([values, bvalues], axis=2),
+                         0.125, mx.array(mask))
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=2e-5, atol=2e-6)
+    # a row alone gives the same bits as among the block's
+    one = cpu_ext.draft_attention(q[:, :, 3:4], keys, values, mx.array([length], dtype=mx.int32), bkeys, bvalues,
+                                  mx.array(block - 1, dtype=mx.int32), 0.125)
+    assert np.array_equal(np.array(one)[:, :, 0], np.array(got)[:, :, 3])
+
+
+def test_a_dflash_block_attends_in_the_operation(tiny_dflash, monkeypatch, rng):
+    """The tiny DFlash drafter's block with the attention operation (counted) and without it (the
+    split form in MLX's operations): the same final hidden states within float32 rounding."""
+    from engine.loader import load_dflash
+
+    model = load_dflash(tiny_dflash)
+    c = model.config
+    cache = model.make_cache()
+    model.append_context(mx.array(rng.normal(size=(40, len(c.target_layer_ids) * c.hidden_size)).astype(np.float32)),
+                         cache)
+    block = arr(rng.normal(size=(1, c.block_size, c.hidden_size)))
+    calls = []
+    real = cpu_ext.draft_attention
+    monkeypatch.setattr(cpu_ext, "draft_attention", lambda *a: calls.append(a[0].shape) or real(*a))
+    with_op = np.array(model.block(block, cache))
+    assert calls and calls[0][2] == c.block_size
+    monkeypatch.setattr(cpu_ext, "ATTENTION", False)
+    without = np.array(model.block(block, cache))
+    np.testing.assert_allclose(with_op, without, rtol=1e-4, atol=2e-5)

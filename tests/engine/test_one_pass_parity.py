@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import engine.models.dflash as dflash_model
+from engine import cpu_ext
 from engine.loader import load_dflash, load_model, load_mtp, load_weaver
 from tests.helpers import checkpoint_maker, parity_module
 
@@ -55,10 +56,12 @@ def test_dflash_matches_pytorch(tiny_dflash, tmp_path, monkeypatch):
         cache = model.make_cache()
         model.append_context(mx.array(feats[:7]), cache)  # the context grows in pieces, as rounds commit
         model.append_context(mx.array(feats[7:]), cache)
-        np.testing.assert_allclose(np.array(model.block(mx.array(block), cache)), want, atol=2e-5)
-        monkeypatch.setattr(dflash_model, "SPLIT_ON_CPU", False)  # the fused twin of the CPU's split
-        model._block_fn = None  # the switch is read when the block is traced
-        np.testing.assert_allclose(np.array(model.block(mx.array(block), cache)), want, atol=2e-5)
+        # the CPU's attention operation (where built), the split form in MLX's operations, and the
+        # fused kernel over the concatenation: the switches are read when the block is traced
+        for one_op, split in ((True, True), (False, True), (False, False)):
+            monkeypatch.setattr(cpu_ext, "ATTENTION", one_op)
+            monkeypatch.setattr(dflash_model, "SPLIT_ON_CPU", split)
+            np.testing.assert_allclose(np.array(model.block(mx.array(block), cache)), want, atol=2e-5)
         monkeypatch.undo()
 
 
