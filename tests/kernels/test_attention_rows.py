@@ -292,3 +292,22 @@ def test_gpu_draft_row_equals_scratch_attention_ops(dtype, cap, length, rows, sr
     want = scratch_attention(q, keys, values, length_a, skeys, svalues, srow_a, d**-0.5)
     tol = 1e-4 if dtype == mx.float32 else 2e-2
     assert float(mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max()) <= tol
+
+
+@needs_gpu
+@pytest.mark.parametrize("chunk", [8, 16, 32])
+@pytest.mark.parametrize(("prefix", "nodes"), [(300, 1), (4000, 1), (300, 17)])
+def test_gpu_merge_batches_change_no_bit(chunk, prefix, nodes, rng, monkeypatch):
+    """On the device, the merge's chunks loaded MB at a time give the one-at-a-time walk's bits."""
+    monkeypatch.setattr(attention_kernel, "ATTN_CHUNK", chunk)
+    tree = a_tree(rng, nodes)
+    L = prefix + nodes
+    q = mx.array(rng.normal(size=(1, 16, nodes, 256)).astype(np.float32)).astype(mx.bfloat16)
+    buf = mx.array(rng.normal(size=(2, 1, 4, L, 256)).astype(np.float32)).astype(mx.bfloat16)
+    anc = mx.array(np.asarray(tree.ancestor_mask(), dtype=bool)) if nodes > 1 else None
+    outs = {}
+    for mb in (1, 2, 4, 8):
+        monkeypatch.setattr(attention_kernel, "MERGE_CHUNKS", mb)
+        outs[mb] = np.asarray(attention_rows(q, buf[0], buf[1], anc).astype(mx.float32))
+    for mb in (2, 4, 8):
+        np.testing.assert_array_equal(outs[mb], outs[1])
