@@ -92,16 +92,19 @@ def test_bad_shapes_are_refused(rng):
     assert not cpu_ext.supports(3, 48) and cpu_ext.supports(3, 64)
 
 
-def test_the_layers_use_it_where_it_is_built(monkeypatch, rng):
-    """A decode step and a verify attend through it on the CPU; switched off, through the ops."""
-    q = arr(rng.normal(size=(1, 6, 1, 64)))
+@pytest.mark.parametrize(("uses", "switch", "rows"), [(layers.cpu_rows_attention, "ATTENTION", 1),
+                                                     (layers.cpu_causal_attention, "CAUSAL", 8)])
+def test_the_layers_use_it_where_it_is_built(uses, switch, rows, monkeypatch, rng):
+    """A decode step and a verify (rows_attention), a prefill chunk (causal_attention) attend
+    through the operation on the CPU; switched off, through MLX's operations."""
+    q = arr(rng.normal(size=(1, 6, rows, 64)))
     k = arr(rng.normal(size=(1, 2, 100, 64)))
-    assert layers.cpu_rows_attention(q, k)
-    monkeypatch.setattr(cpu_ext, "ATTENTION", False)
-    assert not layers.cpu_rows_attention(q, k)
-    monkeypatch.setattr(cpu_ext, "ATTENTION", True)
-    assert not layers.cpu_rows_attention(q.astype(mx.bfloat16), k)  # float32 only
-    assert not layers.cpu_rows_attention(arr(rng.normal(size=(1, 6, 1, 48))), arr(rng.normal(size=(1, 2, 9, 48))))
+    assert uses(q, k)
+    monkeypatch.setattr(cpu_ext, switch, False)
+    assert not uses(q, k)
+    monkeypatch.setattr(cpu_ext, switch, True)
+    assert not uses(q.astype(mx.bfloat16), k)  # float32 only
+    assert not uses(arr(rng.normal(size=(1, 6, rows, 48))), arr(rng.normal(size=(1, 2, 9, 48))))
 
 
 def test_switched_off_by_the_environment(monkeypatch):

@@ -11,7 +11,6 @@ import pytest
 
 from engine import cpu_ext, forward
 from engine.loader import load_model
-from engine.models import layers
 from engine.models.layers import attention_ops, causal_mask
 
 pytestmark = pytest.mark.skipif(cpu_ext.module() is None,
@@ -92,17 +91,6 @@ def test_bad_inputs_are_refused(rng):
         cpu_ext.causal_attention(arr(rng.normal(size=(1, 5, 4, 64))), k, k, 0.125)  # heads not a multiple
     with pytest.raises(ValueError, match="float32"):
         cpu_ext.causal_attention(q.astype(mx.float16), k, k, 0.125)
-
-
-def test_the_layers_use_it_where_it_is_built(monkeypatch, rng):
-    q = arr(rng.normal(size=(1, 6, 8, 64)))
-    k = arr(rng.normal(size=(1, 2, 100, 64)))
-    assert layers.cpu_causal_attention(q, k)
-    monkeypatch.setattr(cpu_ext, "CAUSAL", False)
-    assert not layers.cpu_causal_attention(q, k)
-    monkeypatch.setattr(cpu_ext, "CAUSAL", True)
-    assert not layers.cpu_causal_attention(q.astype(mx.bfloat16), k)  # float32 only
-    assert not layers.cpu_causal_attention(arr(rng.normal(size=(1, 6, 8, 48))), arr(rng.normal(size=(1, 2, 9, 48))))
 
 
 def test_a_prefill_through_it_agrees_with_the_ops(tiny_qwen35, monkeypatch):
