@@ -77,6 +77,8 @@
   (engine.attention_rows.ATTN_KEYS, default 8; read per call; the same bits whatever N is);
 - "-amN": its merge loading N chunks together (engine.attention_rows.MERGE_CHUNKS, default 1; read
   per call; the same bits whatever N is);
+- "-agN": its merge shared by N SIMD groups a (row, head) (engine.attention_rows.MERGE_GROUPS,
+  default 1; read per call; other bits for N > 1, the same for a verify row and the decode step);
 - "-srN": products of up to N rows through the GEMV shim's small-row path on the CPU, 0 = none
   (engine.blas.SMALL_ROWS; a no-op without the shim);
 - "-stN": that path on at most N threads, 0 = every core (engine.blas.GEMM_THREADS);
@@ -180,6 +182,7 @@ def _settings() -> dict[str, tuple[list[tuple[Any, str]], Callable[[str], tuple[
         "ac": ([(attention_rows, "ATTN_CHUNK")], lambda rest: (int(rest),)),
         "ak": ([(attention_rows, "ATTN_KEYS")], lambda rest: (int(rest),)),
         "am": ([(attention_rows, "MERGE_CHUNKS")], lambda rest: (int(rest),)),
+        "ag": ([(attention_rows, "MERGE_GROUPS")], lambda rest: (int(rest),)),
         "ks": ([(qmm, "MMA_FEW_KW")], lambda rest: (int(rest),)),
         "kt": ([(qmm, "MMA_FEW_TILES")], lambda rest: (int(rest),)),
     }

@@ -21,7 +21,7 @@ from engine.kernels import ATTN_DRAFT, ATTN_MERGE, ATTN_ONE, ATTN_ROWS, gpu_back
 from engine.models.layers import attention_ops
 from engine.models.mtp import scratch_attention
 from engine.tree import DraftTree
-from tests.kernels.emulate import emulate
+from tests.kernels.emulate import SIMT_AVAILABLE, emulate, emulate_simt
 
 H, HKV, D = 4, 2, 64
 
@@ -44,9 +44,10 @@ def reference(q: np.ndarray, keys: np.ndarray, values: np.ndarray, anc: np.ndarr
 
 def run(q: np.ndarray, buf_k: np.ndarray, buf_v: np.ndarray, L: int, anc: np.ndarray, chunk: int,
         tmp_path, one: bool = False, keys_batch: int = attention_kernel.ATTN_KEYS,
-        merge_batch: int = attention_kernel.MERGE_CHUNKS) -> np.ndarray:
+        merge_batch: int = attention_kernel.MERGE_CHUNKS, merge_groups: int = 1) -> np.ndarray:
     """The kernels as engine/attention_rows.py launches them, emulated: K/V are views of the first
-    L rows of their buffers."""
+    L rows of their buffers. A merge shared by SIMD groups (merge_groups > 1) runs in lockstep
+    warps, whose barriers and shared memory the one-lane emulation does not have."""
     n_rows = q.shape[2]
     chunks = -(-L // chunk)
     view = (1, buf_k.shape[1], L, D)
@@ -61,8 +62,11 @@ def run(q: np.ndarray, buf_k: np.ndarray, buf_v: np.ndarray, L: int, anc: np.nda
     parts = emulate(ATTN_ROWS, inputs, {"part": ((n_rows, H, chunks, D), np.float32),
                                         "stats": ((n_rows, H, chunks, 2), np.float32)},
                     template, groups, ATTN_WPG, tmp_path, views={"keys": view, "values": view})
-    merged = emulate(ATTN_MERGE, parts, {"o": ((n_rows, H, D), np.float32)},
-                     {"D": D, "MB": merge_batch, "OutT": "float32"},
+    template = {"D": D, "MB": merge_batch, "MS": merge_groups, "OutT": "float32"}
+    if merge_groups > 1:
+        return emulate_simt(ATTN_MERGE, parts, {"o": ((n_rows, H, D), np.float32)}, template, n_rows * H,
+                            32 * merge_groups, tmp_path)["o"]
+    merged = emulate(ATTN_MERGE, parts, {"o": ((n_rows, H, D), np.float32)}, template,
                      -(-(n_rows * H) // ATTN_WPG), ATTN_WPG, tmp_path)
     return merged["o"]
 
@@ -152,6 +156,27 @@ def test_merge_loading_chunks_together_changes_no_bit(rng, tmp_path):
     np.testing.assert_allclose(walk, reference(q, buf_k[:, :, :L], buf_v[:, :, :L], anc), atol=2e-5)
 
 
+@pytest.mark.skipif(not SIMT_AVAILABLE, reason="the lockstep emulation needs g++ and glibc's ucontext")
+@pytest.mark.parametrize("groups", [2, 4])
+def test_merge_shared_by_simd_groups(groups, rng, tmp_path):
+    """MS SIMD groups a (row, head), chunks dealt to them 4 at a time: the twin's result, close to
+    the one-group walk; and a verify row still the decode step of its token bit for bit (empty
+    chunks past a shorter row add exact zeros, whichever group they fall to)."""
+    tree = a_tree(rng, 9)
+    prefix = 101
+    q, buf_k, buf_v, L, anc = random_case(rng, prefix, tree, capacity=prefix + 9 + 2)
+    shared = run(q, buf_k, buf_v, L, anc, 4, tmp_path, merge_groups=groups)  # 28 chunks a row
+    np.testing.assert_allclose(shared, reference(q, buf_k[:, :, :L], buf_v[:, :, :L], anc), atol=2e-5)
+    np.testing.assert_allclose(shared, run(q, buf_k, buf_v, L, anc, 4, tmp_path), atol=1e-6)
+    for n in (0, 8):
+        path = [i for i in range(tree.size) if anc[n, i]]
+        rows = list(range(prefix)) + [prefix + i for i in path]
+        dec_k, dec_v = (np.ascontiguousarray(b[:, :, rows]) for b in (buf_k, buf_v))
+        decode = run(np.ascontiguousarray(q[:, :, n : n + 1]), dec_k, dec_v, len(rows), np.ones((1, 1), dtype=bool), 4,
+                     tmp_path, merge_groups=groups)
+        np.testing.assert_array_equal(decode[0], shared[n])
+
+
 def test_keys_batch_by_the_launchs_size(monkeypatch):
     """Few SIMD groups walk ATTN_KEYS keys at a time, many one at a time; the variant's setting is
     read at every call."""
@@ -181,7 +206,7 @@ def run_draft(q, keys, values, length, skeys, svalues, srow, chunk, tmp_path,
                     {"D": D, "CH": chunk, "KB": keys_batch, "OutT": "float32"}, -(-(H * chunks) // ATTN_WPG),
                     ATTN_WPG, tmp_path)
     return emulate(ATTN_MERGE, parts, {"o": ((1, H, D), np.float32)},
-                   {"D": D, "MB": attention_kernel.MERGE_CHUNKS, "OutT": "float32"},
+                   {"D": D, "MB": attention_kernel.MERGE_CHUNKS, "MS": 1, "OutT": "float32"},
                    -(-H // ATTN_WPG), ATTN_WPG, tmp_path)["o"]
 
 
@@ -311,3 +336,26 @@ def test_gpu_merge_batches_change_no_bit(chunk, prefix, nodes, rng, monkeypatch)
         outs[mb] = np.asarray(attention_rows(q, buf[0], buf[1], anc).astype(mx.float32))
     for mb in (2, 4, 8):
         np.testing.assert_array_equal(outs[mb], outs[1])
+
+
+@needs_gpu
+@pytest.mark.parametrize("groups", [4, 8])
+@pytest.mark.parametrize(("prefix", "nodes"), [(4000, 1), (300, 17), (20, 5)])
+def test_gpu_merge_shared_by_simd_groups(groups, prefix, nodes, rng, monkeypatch):
+    """On the device, the merge shared by MS SIMD groups a (row, head): against attention_ops, and a
+    verify row against the decode step over the same keys, bit for bit."""
+    monkeypatch.setattr(attention_kernel, "MERGE_GROUPS", groups)
+    tree = a_tree(rng, nodes)
+    L = prefix + nodes
+    q = mx.array(rng.normal(size=(1, 16, nodes, 256)).astype(np.float32)).astype(mx.bfloat16)
+    buf = mx.array(rng.normal(size=(2, 1, 4, L, 256)).astype(np.float32)).astype(mx.bfloat16)
+    anc = np.asarray(tree.ancestor_mask(), dtype=bool)
+    got = attention_rows(q, buf[0], buf[1], mx.array(anc) if nodes > 1 else None).astype(mx.float32)
+    mask = None if nodes == 1 else mx.concatenate([mx.ones((nodes, prefix), dtype=mx.bool_), mx.array(anc)], axis=1)
+    want = attention_ops(q, buf[0], buf[1], 256**-0.5, mask)[0].transpose(1, 0, 2).astype(mx.float32)
+    assert float(mx.abs(got - want).max()) <= 2e-2
+    n = nodes - 1
+    rows = list(range(prefix)) + [prefix + i for i in range(nodes) if anc[n, i]]
+    idx = mx.array(rows)
+    decode = attention_rows(q[:, :, n : n + 1], buf[0][:, :, idx], buf[1][:, :, idx], None).astype(mx.float32)
+    assert np.array_equal(np.array(decode[0]), np.array(got[n]))
