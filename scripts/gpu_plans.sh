@@ -21,10 +21,10 @@
 #   on an H100; with every plan test besides, as it was, it passed 300 s in the fiftieth session);
 # - ncu: one 9B-shaped decode step's kernels under ncu, once a setting: the defaults, then each of
 #   NCU_VARIANTS (default: the step and its gated norm in one launch, "-gs1", also with 32 SIMD
-#   groups a head, "-gs1-gw32"); NCU_PROMPT sets the context (default 128 tokens). Still to run:
-#   NCU_VARIANTS="-am4 -ac16-am4 -ac8-am8" (the merge loading chunks together, written after the
-#   forty-eighth session's lease), the same with NCU_PROMPT=4096 and "-ak1", and
-#   NCU_VARIANTS="-kt2048" (8 warps for every short reduction);
+#   groups a head, "-gs1-gw32"); NCU_PROMPT sets the context (default 128 tokens). The fifty-first
+#   session ran NCU_PROMPT=4096 NCU_VARIANTS="-ac16-am4": the merge was 113 us a layer at 4k.
+#   Still to run: NCU_PROMPT=4096 NCU_VARIANTS="-ag4 -ag8" (the merge shared by SIMD groups, written
+#   after that lease), and NCU_VARIANTS="-kt2048" (8 warps for every short reduction);
 # - gated: plain decoding beside mlx-lm without the gated step (the default) and with it ("-gs1"),
 #   or the settings GATED_CORES lists, GATED_RUNS runs each (default 4) within GATED_TIMEOUT seconds
 #   (default 580; with `gtests` in the same call: GATED_RUNS=2 GATED_TIMEOUT=280);
