@@ -52,12 +52,15 @@ DRAFT_KEYS = 1  # an MTP head's drafted row, fixed like DRAFT_CHUNK: its walk as
 # the forty-eighth session, after that session's lease, because the merge grew with the chunks
 # (6.5 us at 5 chunks, 13.4 at 17, a 9B layer under ncu). Read at every call (variant "-amN").
 MERGE_CHUNKS = 1
-# SIMD groups that share one (row, head)'s merge (MS in metal/attn_merge.kernel): chunk c to group
-# (c / 4) % MS, the groups' sums added in group order. 1 walks a row's chunks with one SIMD group,
-# as before; over 4,096 keys (128 chunks of 32) that was 113 us a 9B layer under ncu on an H100,
-# 18 % of a decode step there (fifty-first session). Fixed for every launch (a verify row and the
-# decode step over the same keys agree for a given MS). Read at every call (variant "-agN").
-MERGE_GROUPS = 1
+# SIMD groups that share one (row, head)'s merge on CUDA (MS in metal/attn_merge.kernel): chunk c to
+# group (c / MERGE_SPAN) % MS, the groups' sums added in group order. One SIMD group walking a row's
+# chunks was 113 us a 9B layer over 4,096 keys (128 chunks of 32) under ncu on an H100, 18 % of a
+# decode step there; with 8 groups 23.4 us, the step 4.96 -> 4.20 ms (fifty-first session). A launch
+# of at most MERGE_SPAN chunks keeps the one-group walk: its rows' chunks are all group 0's either
+# way (the same bits), so a verify row and the decode step over the same keys agree whichever
+# launch each is in. Metal keeps 1 (not measured there). Read at every call (variant "-agN").
+MERGE_GROUPS = 8
+MERGE_SPAN = 4
 ATTN_WPG = 4  # SIMD groups a threadgroup
 DTYPES = (mx.float32, mx.bfloat16, mx.float16)
 
@@ -147,14 +150,20 @@ def attention_draft_row(q: mx.array, keys: mx.array, values: mx.array, skeys: mx
     return _merge(part, stats, q.dtype, backend)
 
 
+def merge_groups_for(chunks: int, backend: str) -> int:
+    """SIMD groups a (row, head)'s merge takes in a launch of `chunks` chunks a row."""
+    return MERGE_GROUPS if backend == "cuda" and chunks > MERGE_SPAN else 1
+
+
 def _merge(part: mx.array, stats: mx.array, dtype: mx.Dtype, backend: str) -> mx.array:
     """attn_merge.kernel: the chunks' partial softmaxes [N, H, C, ...] joined -> [N, H, D]."""
-    N, H, _, D = part.shape
-    ms = MERGE_GROUPS
+    N, H, C, D = part.shape
+    ms = merge_groups_for(C, backend)
     # MS == 1: WPG (row, head)s a threadgroup, one SIMD group each; else a threadgroup of MS per one
     per_group = ATTN_WPG if ms == 1 else ms
     groups = -(-(N * H) // ATTN_WPG) if ms == 1 else N * H
     return compiled_kernel(ATTN_MERGE, backend)(
-        inputs=[part, stats], template=[("D", D), ("MB", MERGE_CHUNKS), ("MS", ms), ("OutT", dtype)],
+        inputs=[part, stats],
+        template=[("D", D), ("MB", MERGE_CHUNKS), ("MS", ms), ("CPW", MERGE_SPAN), ("OutT", dtype)],
         output_shapes=[(N, H, D)], output_dtypes=[dtype], grid=(groups * per_group * 32, 1, 1),
         threadgroup=(per_group * 32, 1, 1))[0]

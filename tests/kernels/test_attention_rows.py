@@ -62,7 +62,7 @@ def run(q: np.ndarray, buf_k: np.ndarray, buf_v: np.ndarray, L: int, anc: np.nda
     parts = emulate(ATTN_ROWS, inputs, {"part": ((n_rows, H, chunks, D), np.float32),
                                         "stats": ((n_rows, H, chunks, 2), np.float32)},
                     template, groups, ATTN_WPG, tmp_path, views={"keys": view, "values": view})
-    template = {"D": D, "MB": merge_batch, "MS": merge_groups, "OutT": "float32"}
+    template = {"D": D, "MB": merge_batch, "MS": merge_groups, "CPW": attention_kernel.MERGE_SPAN, "OutT": "float32"}
     if merge_groups > 1:
         return emulate_simt(ATTN_MERGE, parts, {"o": ((n_rows, H, D), np.float32)}, template, n_rows * H,
                             32 * merge_groups, tmp_path)["o"]
@@ -177,6 +177,27 @@ def test_merge_shared_by_simd_groups(groups, rng, tmp_path):
         np.testing.assert_array_equal(decode[0], shared[n])
 
 
+def test_merge_groups_by_backend_and_chunks(monkeypatch):
+    """The merge is shared by MERGE_GROUPS SIMD groups on CUDA past MERGE_SPAN chunks a row; a
+    launch of fewer chunks, and Metal, keep the one-group walk."""
+    span = attention_kernel.MERGE_SPAN
+    assert attention_kernel.merge_groups_for(span + 1, "cuda") == attention_kernel.MERGE_GROUPS
+    assert attention_kernel.merge_groups_for(span, "cuda") == 1
+    assert attention_kernel.merge_groups_for(128, "metal") == 1
+    monkeypatch.setattr(attention_kernel, "MERGE_GROUPS", 1)
+    assert attention_kernel.merge_groups_for(128, "cuda") == 1
+
+
+@pytest.mark.skipif(not SIMT_AVAILABLE, reason="the lockstep emulation needs g++ and glibc's ucontext")
+def test_a_short_row_merged_by_many_groups_is_the_walk(rng, tmp_path):
+    """Rows of at most MERGE_SPAN chunks are all group 0's: MS 8 gives the one-group walk's bits,
+    so the launch's choice of MS (by its chunks) cannot part a verify row from its decode step."""
+    tree = a_tree(rng, 5)
+    q, buf_k, buf_v, L, anc = random_case(rng, 11, tree, capacity=11 + 5 + 2)  # 16 keys: 4 chunks of 4
+    np.testing.assert_array_equal(run(q, buf_k, buf_v, L, anc, 4, tmp_path, merge_groups=8),
+                                  run(q, buf_k, buf_v, L, anc, 4, tmp_path))
+
+
 def test_keys_batch_by_the_launchs_size(monkeypatch):
     """Few SIMD groups walk ATTN_KEYS keys at a time, many one at a time; the variant's setting is
     read at every call."""
@@ -206,7 +227,7 @@ def run_draft(q, keys, values, length, skeys, svalues, srow, chunk, tmp_path,
                     {"D": D, "CH": chunk, "KB": keys_batch, "OutT": "float32"}, -(-(H * chunks) // ATTN_WPG),
                     ATTN_WPG, tmp_path)
     return emulate(ATTN_MERGE, parts, {"o": ((1, H, D), np.float32)},
-                   {"D": D, "MB": attention_kernel.MERGE_CHUNKS, "MS": 1, "OutT": "float32"},
+                   {"D": D, "MB": attention_kernel.MERGE_CHUNKS, "MS": 1, "CPW": 4, "OutT": "float32"},
                    -(-H // ATTN_WPG), ATTN_WPG, tmp_path)["o"]
 
 

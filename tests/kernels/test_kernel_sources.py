@@ -62,7 +62,7 @@ def template_for(spec: KernelSpec, shape: str, activations: str = "float32") -> 
         return dict(OutT=activations)
     if spec.name.startswith("spruce_attn"):  # the bundled model's heads are 64 wide, the 9B's 256
         # the merge shared by 4 SIMD groups at the 9B's shape, walked by one at the bundled model's
-        return dict(D=256 if shape == "9b" else 64, CH=32, KB=4, MB=4, MS=4 if shape == "9b" else 1,
+        return dict(D=256 if shape == "9b" else 64, CH=32, KB=4, MB=4, MS=4 if shape == "9b" else 1, CPW=4,
                     OutT=activations)
     if spec.name.endswith("read_floor"):
         return dict(OutT=activations, WORDS=512 if shape == "9b" else 48, O=256, GS=64, BITS=4, R=8, RPG=4)
