@@ -232,8 +232,9 @@ inline float lanes_sum(v16 x) {
 
 // lanes_sum of 16 vectors at once, lane j of the result being x[j]'s sum, with the same adds in the
 // same order (so the same bits): each step's two shuffles and one add serve 16 sums, where
-// lanes_sum spends a shuffle chain and a scalar on one. (For one decode row over a cache this did
-// not pay: that walk waits on the cache's memory. causal_attention's blocks read from L1.)
+// lanes_sum spends a shuffle chain and a scalar on one. It pays where the keys come from L1 (a
+// verify's rows, a prefill block); one decode row over a long cache waits on memory either way
+// (4,000 keys: 105 against 108 us, dev CPU).
 #if defined(__clang__) || __GNUC__ >= 12
 inline v16 sum_halves(v16 a, v16 b) {  // every 16 lanes: lane i + lane i + 8 (a's eight, then b's)
   return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
