@@ -11,7 +11,8 @@ and writes (DIR/results.json, DIR/results.md):
   "-dq0" qmm_mma without paired dequantization, "-evN" a verify handed to the device every N
   layers, "-fold0" each commit run on its own instead of folded into the next verify),
   the runs interleaved (one of each setup in turn) after a warm-up of each;
-- greedy tokens equal or not, and the max |logit| difference on a 128-token prompt (parity);
+- greedy tokens equal or not, and the max |logit| difference on the decode prompt (128 random ids,
+  or --prompt-tokens) (parity);
 - the cost of one speculation round for trees of N nodes, split into verify / accept / commit,
   as a ratio to Spruce's plain step, kernels and ops; the draft model's drafting time;
 - prefill tok/s on a 4k-token prompt;
@@ -354,6 +355,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--prefill-tokens", type=int, default=4096)
+    ap.add_argument("--prompt-tokens", type=int, default=128,
+                    help="random-id prompt of the decode rows (their decoding over a long context: e.g. 4096)")
     ap.add_argument("--skip-draft", action="store_true")
     ap.add_argument("--tree-sizes", type=lambda s: tuple(int(x) for x in s.split(",")), default=TREE_SIZES)
     ap.add_argument("--ops-tree-sizes", type=lambda s: tuple(int(x) for x in s.split(",") if x), default=(1, 17))
@@ -366,7 +369,7 @@ def main() -> None:
 
     RESULTS.update(device=str(mx.default_device()), mlx=mx.__version__, mlx_lm=mlx_lm.__version__,
                    date=time.strftime("%Y-%m-%d"), decode=[])
-    prompt = [int(t) for t in np.random.RandomState(0).randint(0, 8000, size=128)]
+    prompt = [int(t) for t in np.random.RandomState(0).randint(0, 8000, size=args.prompt_tokens)]
     targets = [t for t in args.targets.split(",") if t]
     with tempfile.TemporaryDirectory() as tmp:
         ckpt: dict[str, Path] = {}

@@ -23,11 +23,14 @@
 #   NCU_VARIANTS (default: the step and its gated norm in one launch, "-gs1", also with 32 SIMD
 #   groups a head, "-gs1-gw32"); NCU_PROMPT sets the context (default 128 tokens). The fifty-first
 #   session ran NCU_PROMPT=4096 NCU_VARIANTS="-ac16-am4": the merge was 113 us a layer at 4k.
-#   Still to run: NCU_PROMPT=4096 NCU_VARIANTS="-ag4 -ag8" (the merge shared by SIMD groups, written
-#   after that lease), and NCU_VARIANTS="-kt2048" (8 warps for every short reduction);
+#   Its second lease ran NCU_VARIANTS="-ag8" there (the merge shared by 8 SIMD groups: 23 us).
+#   Still to run: NCU_PROMPT=4096 NCU_VARIANTS="-ag1 -ag4" (the default now shares the merge past 4
+#   chunks a row), and NCU_VARIANTS="-kt2048" (8 warps for every short reduction);
 # - gated: plain decoding beside mlx-lm without the gated step (the default) and with it ("-gs1"),
 #   or the settings GATED_CORES lists, GATED_RUNS runs each (default 4) within GATED_TIMEOUT seconds
-#   (default 580; with `gtests` in the same call: GATED_RUNS=2 GATED_TIMEOUT=280);
+#   (default 580; with `gtests` in the same call: GATED_RUNS=2 GATED_TIMEOUT=280), after a prompt
+#   of GATED_PROMPT random ids (default 128; still to run, the merge at a long context:
+#   GATED_PROMPT=4096 GATED_CORES=kernels,kernels-ag1);
 #   the gated step's whole check in two calls while the machine is warm: `gtests ncu` with
 #   NCU_VARIANTS="-gs1", then `gated`;
 # - widen: the 4-bit 9B-shaped pair in /tmp/q9 (needs the bundled weights);
@@ -78,7 +81,7 @@ for stage in $stages; do
          }
          ncu_step default ""; for v in ${NCU_VARIANTS:--gs1 -gs1-gw32}; do ncu_step "${v//-/}" "$v"; done ;;
     gated) timeout "${GATED_TIMEOUT:-580}" python scripts/bench_gpu.py --out "$OUT/e2e_gated" --targets 9b --skip-draft \
-             --runs "${GATED_RUNS:-4}" \
+             --runs "${GATED_RUNS:-4}" --prompt-tokens "${GATED_PROMPT:-128}" \
              --tokens 128 --tree-sizes 1 --ops-tree-sizes "" --micro "" --prefill-tokens 0 \
              --cores "${GATED_CORES:-kernels,kernels-gs1}" | grep -v '^ \|^{\|^}' ;;
     widen) [ -f /tmp/q9/target/config.json ] || timeout 120 python scripts/widen_checkpoint.py /tmp/q9 --shape 9b --bits 4 ;;
