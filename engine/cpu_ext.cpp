@@ -346,6 +346,28 @@ inline float lanes_max(v16 x) {
 // x in all 16 lanes (one broadcast; `(v16){} + x` is an add first, since 0 + -0 is +0).
 inline v16 splat(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 
+// A query q (DV x 16 floats, in registers) against one key row: its lane products, fused where
+// the CPU fuses; lanes_sum of it is the score.
+template <int DV>
+inline v16 dot_lanes(const v16* q, const float* key) {
+  v16 a = q[0] * *(const v16u*)key;
+  for (int dv = 1; dv < DV; ++dv) {
+    a = fused_madd(q[dv], *(const v16u*)(key + dv * 16), a);
+  }
+  return a;
+}
+
+// The scores of q against 16 key rows, lane i key i's: each key's lane products summed as
+// lanes_sum sums one (the same bits as dot_lanes then lanes_sum, key by key).
+template <int DV>
+inline v16 scores16(const v16* q, const float* const* keys) {
+  v16 a[16];
+  for (int i = 0; i < 16; ++i) {
+    a[i] = dot_lanes<DV>(q, keys[i]);
+  }
+  return lanes_sums16(a);
+}
+
 // The key (value) at logical position j of row n of KV head h: the prefix in order, then the
 // row's own keys.
 inline const float* key_row(const AttentionJob& job, int h, int n, int j) {
@@ -414,14 +436,7 @@ void attention_chunk(const AttentionJob& job, int h, int n0, int n1, int c) {
           rows[i] = key_row(job, h, n, j + i);
         }
         for (int g = 0; g < G; ++g) {
-          v16 a[16];
-          for (int i = 0; i < 16; ++i) {
-            a[i] = qs[g][0] * *(const v16u*)rows[i];
-            for (int dv = 1; dv < DV; ++dv) {
-              a[i] = fused_madd(qs[g][dv], *(const v16u*)(rows[i] + dv * 16), a[i]);
-            }
-          }
-          const v16 sc = lanes_sums16(a);
+          const v16 sc = scores16<DV>(qs[g], rows);
           *(v16*)&scores[g * (CHUNK + 16) + j - j0] = sc;  // j - j0 is a multiple of 16: aligned
           tops[g] = tops[g] > sc ? tops[g] : sc;
         }
@@ -430,14 +445,9 @@ void attention_chunk(const AttentionJob& job, int h, int n0, int n1, int c) {
         m[r][g] = std::max(m[r][g], lanes_max(tops[g]));
       }
       for (; j < s1; ++j) {  // the row's last keys one by one, with the same arithmetic
-        v16 kr[DV];
-        load_row<DV>(key_row(job, h, n, j), kr);
+        const float* key = key_row(job, h, n, j);
         for (int g = 0; g < G; ++g) {
-          v16 a = qs[g][0] * kr[0];
-          for (int dv = 1; dv < DV; ++dv) {
-            a = fused_madd(qs[g][dv], kr[dv], a);
-          }
-          const float sc = lanes_sum(a);
+          const float sc = lanes_sum(dot_lanes<DV>(qs[g], key));
           scores[g * (CHUNK + 16) + j - j0] = sc;
           m[r][g] = std::max(m[r][g], sc);
         }
@@ -767,15 +777,7 @@ void causal_block(const CausalJob& job, int h, int b) {
       const v16* qi = &qs[(size_t)i * DV];
       v16 sc[GROUPS], tops;
       for (int gi = 0; gi < GROUPS; ++gi) {
-        v16 a[16];
-        for (int j = 0; j < 16; ++j) {
-          const float* kr = krow[gi * 16 + j];
-          a[j] = qi[0] * *(const v16u*)kr;
-          for (int dv = 1; dv < DV; ++dv) {
-            a[j] = fused_madd(qi[dv], *(const v16u*)(kr + dv * 16), a[j]);
-          }
-        }
-        sc[gi] = lanes_sums16(a);
+        sc[gi] = scores16<DV>(qi, krow + gi * 16);
         if (seen < CA_TILE) {  // a tile on the diagonal: the keys past the row's own are not seen
           sc[gi] = lane_index + (float)(gi * 16) < (float)seen ? sc[gi] : ninf;
         }
@@ -814,7 +816,7 @@ void causal_block(const CausalJob& job, int h, int b) {
       for (; j + SETS <= seen; j += SETS) {
         for (int st = 0; st < SETS; ++st) {
           const float* vr = vbase + (int64_t)(t0 + j + st) * job.v_row;
-          const v16 pj = (v16){} + p[j + st];
+          const v16 pj = splat(p[j + st]);
           for (int dv = 0; dv < DV; ++dv) {
             part[st][dv] = fused_madd(pj, *(const v16u*)(vr + dv * 16), part[st][dv]);
           }
@@ -822,7 +824,7 @@ void causal_block(const CausalJob& job, int h, int b) {
       }
       for (; j < seen; ++j) {
         const float* vr = vbase + (int64_t)(t0 + j) * job.v_row;
-        const v16 pj = (v16){} + p[j];
+        const v16 pj = splat(p[j]);
         for (int dv = 0; dv < DV; ++dv) {
           part[0][dv] = fused_madd(pj, *(const v16u*)(vr + dv * 16), part[0][dv]);
         }
@@ -2549,6 +2551,8 @@ NB_MODULE(spruce_cpu_ext, m) {
   m.def("rows_attention", &rows_attention, nb::arg("q"), nb::arg("keys"), nb::arg("values"), nb::arg("scale"),
         nb::arg("prefix"), nb::arg("seen") = nb::none(),
         "Attention of a few query rows over a K/V cache in one CPU operation (engine/cpu_ext.cpp).");
+  m.def("causal_attention_supports", [](int head_dim) { return causal_kernel(head_dim) != nullptr; },
+        "Whether causal_attention is built for this head dimension.");
   m.def("causal_attention", &causal_attention, nb::arg("q"), nb::arg("keys"), nb::arg("values"), nb::arg("scale"),
         "A prefill chunk's attention: its T rows the last T of the L keys, each seeing those up to itself.");
   m.def("gdn_step", &gdn_step, nb::arg("qkv"), nb::arg("a"), nb::arg("b"), nb::arg("conv_state"), nb::arg("S"),

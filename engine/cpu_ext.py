@@ -154,6 +154,13 @@ def supports(heads_per_kv: int, head_dim: int) -> bool:
     return ext is not None and bool(ext.rows_attention_supports(heads_per_kv, head_dim))
 
 
+@functools.cache
+def supports_causal(head_dim: int) -> bool:
+    """Whether causal_attention is built for this head size."""
+    ext = module()
+    return ext is not None and bool(ext.causal_attention_supports(head_dim))
+
+
 def rows_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float, prefix: int,
                    seen: mx.array | None = None) -> mx.array:
     """q [1, H, N, D] over keys / values [1, Hkv, L, D]: every row sees the first `prefix` keys and,

@@ -255,10 +255,7 @@ def cpu_causal_attention(q: mx.array, keys: mx.array) -> bool:
     causal_attention) rather than in MLX's operations or its fused kernel: on the CPU in float32,
     for head dimensions it is built for. 512 rows over 4,000 keys (6 heads, 2 K/V heads of 64)
     took 24-26 ms a layer against 55-70 in operations (dev CPU)."""
-    return cpu_ext.serves(cpu_ext.CAUSAL, q, keys) and q.shape[-1] in CAUSAL_HEAD_DIMS
-
-
-CAUSAL_HEAD_DIMS = (16, 32, 64, 128, 256)  # the head dimensions causal_attention is built for
+    return cpu_ext.serves(cpu_ext.CAUSAL, q, keys) and cpu_ext.supports_causal(q.shape[-1])
 
 
 def chunk_in_ops(scores: int) -> bool:
