@@ -29,7 +29,9 @@ the same measurements:
   recorded tokens at that position; the engine learns them a few rounds later); where it has not, a
   controller that takes it (`confide`) is told the target's confidence at the tokens each round
   emitted, as the engine tells it (a `/blind` suffix on a revision: not told). Over many seeds:
-  tok/s as a ratio to plain decoding's (medians, 10th percentile) and the tree rounds a request, then
+  tok/s as a ratio to plain decoding's (medians, 10th percentile), the tree rounds a request and the
+  p99 inter-token gap against plain decoding's (each seed's gaps pooled, a round's time spread over
+  its tokens; plain decoding's from the same draws of its step times), then
   by method the misses and the geometric mean of the rest. One request is one draw of where the
   re-tries fall (a re-try that lands on a right guess climbs, one a position later may not);
   `--offsets` replays each request from later start positions too (the request whose prompt ends
@@ -251,8 +253,11 @@ def by_budget(times: dict[str, list[float]]) -> dict[str, list[float]]:
 def replay_one(controller_class: type, accepted: dict[str, list[int]], times: dict[str, list[float]],
                length: int, rng: random.Random, hindsight: bool = False,
                confidence: list[float] | None = None, costs: object | None = None,
-               row_cap: int | None = None, drafted: dict[str, list[int]] | None = None) -> tuple[float, int]:
-    """One request under `controller_class`: its total ms and its tree rounds. `hindsight`: the
+               row_cap: int | None = None, drafted: dict[str, list[int]] | None = None,
+               gaps: list[float] | None = None) -> tuple[float, int]:
+    """One request under `controller_class`: its total ms and its tree rounds; `gaps`, where given,
+    gets each token's inter-token gap (a round's time spread over the tokens it emits, as
+    scripts/bench_context.py counts them: the tail a streaming client sees). `hindsight`: the
     controller is told after each plain round what each tree would have emitted there. `costs`:
     what earlier requests measured of the trees (engine/spec_control.py RoundCosts), shared.
     `row_cap`: a chain's rows (its depth and root), as the engine hands it to the controller.
@@ -285,6 +290,8 @@ def replay_one(controller_class: type, accepted: dict[str, list[int]], times: di
         if confide is not None:
             confide(confidence[i : i + emitted])
         total += ms
+        if gaps is not None:
+            gaps += [ms / emitted] * emitted
         trees += budget > 0
         i += emitted
         prev = budget
@@ -333,7 +340,8 @@ def replay(path: Path, revs: list[str], seeds: int, offsets: list[int], remember
     classes = {rev: controller_class(rev) for rev in revs}
     medians: dict[str, dict[tuple[str, str], float]] = {rev: {} for rev in revs}
     print(f"cells: tok/s vs plain decoding, median over {seeds} seeds x {len(offsets)} start offsets "
-          "(10th percentile), tree rounds a request")
+          "(10th percentile), tree rounds a request, p99 inter-token gap pooled over the seeds against "
+          "plain decoding's")
     header = ["request", "method"] + revs
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for label, entry in data["requests"].items():
@@ -345,7 +353,7 @@ def replay(path: Path, revs: list[str], seeds: int, offsets: list[int], remember
             told = hindsight(method)
             cap = row_cap(method)
             for rev, cls in classes.items():
-                ratios, trees = [], []
+                ratios, trees, gaps, plain_gaps = [], [], [], []
                 blind = rev.endswith("/blind")
                 # from a later offset, the request whose prompt ends with the output so far: the
                 # recorded tokens from there on are that request's, and the controller starts fresh
@@ -362,17 +370,25 @@ def replay(path: Path, revs: list[str], seeds: int, offsets: list[int], remember
                     for seed in range(seeds):
                         rng = random.Random(seed)
                         total, n = replay_one(cls, accepted, m["ms"], length, rng, told,
-                                              None if told else confidence, costs, cap, drafted)
-                        plain_total = sum(rng.choice(plain) for _ in range(length))
+                                              None if told else confidence, costs, cap, drafted, gaps)
+                        plain_steps = [rng.choice(plain) for _ in range(length)]
+                        plain_gaps += plain_steps
+                        plain_total = sum(plain_steps)
                         ratios.append(plain_total / total)
                         trees.append(n)
                 ratios.sort()
                 medians[rev][(label, method)] = statistics.median(ratios)
                 cells.append(f"{statistics.median(ratios):.3f}x ({ratios[len(ratios) // 10]:.3f}), "
-                             f"{statistics.mean(trees):.1f}")
+                             f"{statistics.mean(trees):.1f}, p99 {p99(gaps) / p99(plain_gaps):.2f}x")
             print(f"| {label} | {method} | " + " | ".join(cells) + " |")
     print()
     print(summary(medians))
+
+
+def p99(gaps: list[float]) -> float:
+    """The gap 1 % of tokens wait at least, pooled (scripts/bench_context.py's pooled p99)."""
+    ordered = sorted(gaps)
+    return ordered[int(len(ordered) * 0.99)]
 
 
 def by_confidence(path: Path, keep: float, edges: list[float]) -> str:
