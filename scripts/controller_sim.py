@@ -2,7 +2,8 @@
 measured round times.
 
     python scripts/controller_sim.py record FILE [--methods mtp,draft] [--kinds code,chat] [--lengths 64] [--runs 4]
-    python scripts/controller_sim.py replay FILE [--revs now,HEAD,variant.py] [--seeds 200] [--offsets 0,8,16]
+    python scripts/controller_sim.py replay FILE [--revs now,HEAD,variant.py,now+stall2] [--seeds 200]
+                                                 [--offsets 0,8,16]
     python scripts/controller_sim.py confidence FILE
 
 On the dev CPU the same controller reads 0.82x and 0.92x of plain decoding in two runs of one
@@ -53,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import inspect
 import json
 import math
@@ -314,8 +316,14 @@ class FixedBudget:
 def controller_class(rev: str) -> type:
     """engine/spec_control.py's SpecController at git revision `rev`, the working tree's (`now`), that
     of a file (a variant being tried), or none (`fixed`); a `/blind` suffix: the same, not told the
-    target's confidence."""
+    target's confidence; a `+stallX` suffix: with a stall cap of X plain rounds a round
+    (`max_stall`), `+tokstallX`: of X plain rounds a token the round is expected to emit
+    (`per_token_stall`, a variant tried in the fifty-second session and left out of the engine)."""
     rev = rev.removesuffix("/blind")
+    for mark, make in (("+tokstall", per_token_stall), ("+stall", with_stall_cap)):
+        if mark in rev:
+            base, cap = rev.split(mark)
+            return make(controller_class(base), float(cap))
     if rev == "now":
         return spec_control.SpecController
     if rev == "fixed":
@@ -323,6 +331,33 @@ def controller_class(rev: str) -> type:
     name = f"spec_control_{len(sys.modules)}"
     module = module_from_file(Path(rev), name) if rev.endswith(".py") else spec_control_at(rev, name)
     return module.SpecController
+
+
+def with_stall_cap(base: type, cap: float) -> type:
+    """`base` with max_stall `cap` by default (the engine's `--spec-max-stall`)."""
+    cls = dataclasses.make_dataclass(base.__name__, [("max_stall", float | None, dataclasses.field(default=cap))],
+                                     bases=(base,))
+    cls.__module__ = base.__module__  # its RoundCosts (`remembers`)
+    return cls
+
+
+def per_token_stall(base: type, cap: float) -> type:
+    """`base` whose trees are allowed (`_allowed`) where a round takes at most `cap` plain rounds
+    for each token it is expected to emit (SpecController.tokens), instead of `cap` plain rounds a
+    round: where a tree's rounds emit several tokens its stall is spread over them."""
+
+    class PerTokenStall(base):  # type: ignore[misc, valid-type]
+        def _allowed(self, arm) -> bool:  # noqa: ANN001
+            if arm.budget == 0:
+                return True
+            plain = self.arms[0]
+            if not plain.rounds:
+                return arm.budget <= spec_control.FIRST
+            limit = cap * plain.ms * max(1.0, self.tokens(arm)[0])
+            return (min(arm.ms, arm.last_ms) if arm.rounds else self.ms(arm)) <= limit
+
+    PerTokenStall.__module__ = base.__module__
+    return PerTokenStall
 
 
 def remembers(cls: type) -> type | None:

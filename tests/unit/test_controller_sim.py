@@ -173,3 +173,26 @@ def test_a_chains_full_budget_rounds_are_read_as_the_biggest_budgets(sim):
     read = sim.by_budget(recorded)
     assert read["16:tree"] == [8.5] and read["16:start"] == [9.0] and read["5:tree"] == [9.9]
     assert sim.by_budget({"16:tree": [1.0], "6:tree": [2.0]}) == {"16:tree": [1.0], "6:tree": [2.0]}
+
+
+def test_gaps_spread_each_round_over_its_tokens(sim):
+    # every tree round emits 9 tokens in 30 ms: 9 gaps of 30 / 9 ms each; the last round's room is 8
+    gaps: list[float] = []
+    total, trees = sim.replay_one(sim.FixedBudget, table(81, {1: 9, 4: 9, 16: 9}), times(10.0, 30.0), 81,
+                                  random.Random(0), gaps=gaps)
+    assert len(gaps) == 81 and math.isclose(sum(gaps), total)
+    assert sim.p99(gaps) == pytest.approx(30.0 / 9)
+    assert sim.p99([1.0] * 99 + [50.0]) == 50.0 and sim.p99([1.0] * 200 + [50.0]) == 1.0
+
+
+def test_stall_suffixes_cap_the_trees(sim):
+    # a tree round costs 3 plain rounds and emits 3 tokens: within 1.5 plain rounds a token, not a round
+    accepted = table(96, {1: 3, 4: 3, 16: 3})
+    plain = sim.controller_class("now")
+    capped = sim.controller_class("now+stall1.5")
+    per_token = sim.controller_class("now+tokstall1.5")
+    assert capped(16).max_stall == 1.5 and plain(16).max_stall is None
+    runs = {name: sim.replay_one(cls, accepted, times(10.0, 30.0), 96, random.Random(0))
+            for name, cls in (("plain", plain), ("capped", capped), ("per_token", per_token))}
+    assert runs["capped"][1] <= 2  # only the one-guess tree's two tries
+    assert runs["per_token"][1] >= 10 and runs["per_token"][1] >= runs["plain"][1] - 2
