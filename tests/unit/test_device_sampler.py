@@ -59,6 +59,14 @@ def straddles_a_cut(row: np.ndarray, params: SamplingParams) -> bool:
     before = process_logits(row, dataclasses.replace(params, top_k=0, top_p=1.0, min_p=0.0))
     if np.isclose(before[~kept], before[kept].min(), rtol=1e-6, atol=0.0).any():
         return True
+    # or a tie at the top_k cut, which the later cuts hide from the test above: the host keeps the
+    # lower id, the device both, and top_p then cuts a distribution with one token more (seen at
+    # vocab 8192, top_k 100: the 100th and 101st probabilities equal, the device keeping 57 tokens
+    # after top_p 0.8 against the host's 56)
+    if 0 < params.top_k < row.size:
+        ranked = np.sort(before)[::-1]
+        if np.isclose(ranked[params.top_k], ranked[params.top_k - 1], rtol=1e-6, atol=0.0):
+            return True
     # or the top_p threshold itself: the kept tokens' mass within float32 rounding of top_p (seen at
     # vocab 512, top_p 0.9: 288 tokens summed to 0.90000010 on the host, at most 0.9 on the device,
     # which kept a 289th)
