@@ -348,13 +348,10 @@ def per_token_stall(base: type, cap: float) -> type:
 
     class PerTokenStall(base):  # type: ignore[misc, valid-type]
         def _allowed(self, arm) -> bool:  # noqa: ANN001
-            if arm.budget == 0:
-                return True
-            plain = self.arms[0]
-            if not plain.rounds:
-                return arm.budget <= spec_control.FIRST
-            limit = cap * plain.ms * max(1.0, self.tokens(arm)[0])
-            return (min(arm.ms, arm.last_ms) if arm.rounds else self.ms(arm)) <= limit
+            # the base's rule (measured or predicted time against max_stall plain rounds), its cap
+            # scaled by the arm's tokens a round; max_stall is read nowhere else
+            self.max_stall = cap * max(1.0, self.tokens(arm)[0])
+            return super()._allowed(arm)
 
     PerTokenStall.__module__ = base.__module__
     return PerTokenStall

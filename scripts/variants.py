@@ -78,8 +78,9 @@
   (engine.attention_rows.ATTN_KEYS, default 8; read per call; the same bits whatever N is);
 - "-amN": its merge loading N chunks together (engine.attention_rows.MERGE_CHUNKS, default 1; read
   per call; the same bits whatever N is);
-- "-agN": its merge shared by N SIMD groups a (row, head) (engine.attention_rows.MERGE_GROUPS,
-  default 1; read per call; other bits for N > 1, the same for a verify row and the decode step);
+- "-agN": its merge shared by N SIMD groups a (row, head) on CUDA past MERGE_SPAN chunks a row
+  (engine.attention_rows.MERGE_GROUPS, default 8; read per call; other bits for N > 1, the same for
+  a verify row and the decode step);
 - "-srN": products of up to N rows through the GEMV shim's small-row path on the CPU, 0 = none
   (engine.blas.SMALL_ROWS; a no-op without the shim);
 - "-stN": that path on at most N threads, 0 = every core (engine.blas.GEMM_THREADS);
