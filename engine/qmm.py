@@ -105,10 +105,6 @@ def mma_covers(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | No
 # a weight. Rows stay bitwise equal whatever M is; the rounding differs from DQ = 0 (one bf16
 # rounding of scale * q + bias instead of fp32 then bf16), within the twin's tolerance.
 MMA_PAIRED_DEQUANT = True
-# Steps of weights each qmm_mma warp loads ahead of the one it multiplies (PF in
-# metal/qmm_mma.kernel). The bits do not depend on it (tests/kernels/test_qmm.py); only how many
-# bytes each warp keeps in flight, against the registers each slot takes (62 at PF 1, NT 1).
-MMA_PREFETCH = 1
 
 
 # qmm_mma's builds by (norm before, SwiGLU before, residual add after)
@@ -118,12 +114,11 @@ MMA_BUILDS = {(False, False, False): QMM_MMA, (True, False, False): QMM_MMA_NORM
 
 def quantized_matmul_mma(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
                          bits: int, config: tuple[int, int] | None = None, paired: bool | None = None, *,
-                         prefetch: int | None = None, norm: tuple[mx.array, float] | None = None, swiglu: bool = False,
+                         norm: tuple[mx.array, float] | None = None, swiglu: bool = False,
                          res: mx.array | None = None) -> mx.array:
     """x [M, I] @ dequantize(w)^T on CUDA tensor cores (metal/qmm_mma.kernel), batch-invariant;
     the caller checks mma_covers. config: (RT, KW), for the micro-benchmark's sweep; paired:
-    MMA_PAIRED_DEQUANT unless given (4-bit weights only); prefetch: steps loaded ahead,
-    MMA_PREFETCH unless given (the same bits at every depth). The fused builds, one launch each:
+    MMA_PAIRED_DEQUANT unless given (4-bit weights only). The fused builds, one launch each:
     norm (weight [I], eps): rms_norm(x) * weight first; swiglu: x is gate | up [M, 2 I], silu(gate)
     * up first; res [M, O]: res + the product (MLX's rounding of that add), alone or after the
     SwiGLU."""
@@ -137,7 +132,7 @@ def quantized_matmul_mma(x: mx.array, w: mx.array, scales: mx.array, biases: mx.
     blocks = -(-o // (16 * rt))
     dq = int(bits == 4 and (MMA_PAIRED_DEQUANT if paired is None else paired))
     template = [("OutT", x.dtype), ("GS", group_size), ("BITS", bits), ("NT", nt), ("RT", rt), ("KW", kw),
-                ("DQ", dq), ("PF", MMA_PREFETCH if prefetch is None else prefetch)]
+                ("DQ", dq)]
     inputs = [x, w, scales, biases, *(() if norm is None else (norm[0], eps_array(norm[1]))),
               *(() if res is None else (res,))]
     return compiled_kernel(spec, "cuda")(

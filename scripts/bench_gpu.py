@@ -309,21 +309,23 @@ def markdown(r: dict) -> str:
             lines.append("run by run against mlx-lm's next run: " + "; ".join(
                 f"{k[:-len('_paired_vs_mlx_lm')]} {v}, median {statistics.median(v):.2f}"
                 for k, v in x.items() if k.endswith("_paired_vs_mlx_lm")))
+        # the tree sizes measured (--tree-sizes), every one a column
+        sizes = sorted({int(n) for x in rows for costs in x["rounds"].values() for n in costs}) or list(TREE_SIZES)
         lines += ["", "Speculation round (verify + accept + commit), median ms; ratio to the 1-node round:", "",
-                  "| checkpoint | core | " + " | ".join(f"N={n}" for n in TREE_SIZES) + " |",
-                  "|---|---|" + "---|" * len(TREE_SIZES)]
+                  "| checkpoint | core | " + " | ".join(f"N={n}" for n in sizes) + " |",
+                  "|---|---|" + "---|" * len(sizes)]
         for x in rows:
             for core, costs in x["rounds"].items():
                 cells = [f"{c['round']:.2f} ({c['vs_1_node']:.2f}x; v {c['verify']:.2f} a {c['accept']:.2f}"
-                         f" c {c['commit']:.2f})" if c else "" for c in (costs.get(str(n)) for n in TREE_SIZES)]
+                         f" c {c['commit']:.2f})" if c else "" for c in (costs.get(str(n)) for n in sizes)]
                 lines.append(f"| {x['checkpoint']} {x['dtype']} | {core} | " + " | ".join(cells) + " |")
         lines += ["", "Rounds as the engine runs them (commit queued, the next verify waits for it), median ms:"
                   " the round with its commit; without (each verify from the same state); what the commit adds"
                   " (of it, the host's part and its building); the round as a multiple of the plain step"
                   " (1 / plain tok/s); where commits fold into the next verify, the same rounds with each"
                   " commit run on its own, interleaved:", "",
-                  "| checkpoint | core | " + " | ".join(f"N={n}" for n in TREE_SIZES) + " |",
-                  "|---|---|" + "---|" * len(TREE_SIZES)]
+                  "| checkpoint | core | " + " | ".join(f"N={n}" for n in sizes) + " |",
+                  "|---|---|" + "---|" * len(sizes)]
         for x in rows:
             for core, costs in x["rounds"].items():
                 cells = [f"{c['queued_round']:.2f} / {c['queued_no_commit']:.2f}; c {c['commit_queued']:.2f}"
@@ -331,7 +333,7 @@ def markdown(r: dict) -> str:
                          f" {c['queued_round'] / x['plain_step_ms']:.2f}x"
                          + (f"; unfolded {c['queued_round_unfolded']:.2f}, c {c['commit_unfolded']:.2f}"
                             f" (host {c['commit_host_unfolded']:.2f})" if "commit_unfolded" in c else "")
-                         if c and "queued_round" in c else "" for c in (costs.get(str(n)) for n in TREE_SIZES)]
+                         if c and "queued_round" in c else "" for c in (costs.get(str(n)) for n in sizes)]
                 lines.append(f"| {x['checkpoint']} {x['dtype']} | {core} | " + " | ".join(cells) + " |")
         lines += ["", "| checkpoint | prefill tokens | Spruce tok/s | mlx-lm tok/s |", "|---|---|---|---|"]
         for x in filter(lambda x: "prefill" in x, rows):

@@ -98,7 +98,7 @@ def chains(dims: int, dtype: mx.Dtype) -> dict[str, Callable[[mx.array, int], mx
 
         out["custom_kernel"] = repeat(lambda x, i: launch(x, [x]))
         out["custom_kernel_4in"] = repeat(lambda x, i: launch(x, [x, *wq]))
-        tmpl = [("OutT", dtype), ("GS", 64), ("BITS", 4), ("NT", 1), ("RT", 1), ("KW", 4), ("DQ", 1), ("PF", 1)]
+        tmpl = [("OutT", dtype), ("GS", 64), ("BITS", 4), ("NT", 1), ("RT", 1), ("KW", 4), ("DQ", 1)]
         out["custom_kernel_7tmpl"] = repeat(lambda x, i: launch(x, [x], tmpl))
     return out
 

@@ -5,7 +5,7 @@ streaming rate, metal/read_stream.kernel; on Metal in qmm_rows' launch shape), s
 shapes of the 9B, 4B, 0.8B and bundled Qwen3.5 layouts (fused projections included).
 
     python scripts/bench_qmm.py [--rows 1,2,4,8,16,17,32] [--mode throughput|latency] [--launches 40]
-                                [--configs 1x8,2x8] [--paired 1,0] [--prefetch 1,2] [--dequant]
+                                [--configs 1x8,2x8] [--paired 1,0] [--dequant]
                                 [--shapes "9b mlp down,..."]
 
     e.g. prefill-sized rows: --rows 512,2048 --dequant --no-rows-kernel (qmm_mma covers <= 32 rows)
@@ -94,8 +94,6 @@ def main() -> None:
     ap.add_argument("--configs", default="", help="qmm_mma (RT x KW) settings to sweep, e.g. 1x8,2x8,1x4")
     ap.add_argument("--paired", default="", help="qmm_mma's paired dequantization (DQ), each setting in turn: "
                                                  "e.g. 1,0 (default: the engine's, engine.qmm.MMA_PAIRED_DEQUANT)")
-    ap.add_argument("--prefetch", default="", help="qmm_mma's steps of weights loaded ahead (PF), each setting in "
-                    "turn: e.g. 1,2,3 (default: the engine's, engine.qmm.MMA_PREFETCH)")
     ap.add_argument("--shapes", default="", help="comma-separated names of SHAPES (default: all)")
     ap.add_argument("--no-rows-kernel", action="store_true", help="leave out the scalar qmm_rows kernel")
     ap.add_argument("--dequant", action="store_true",
@@ -115,7 +113,6 @@ def main() -> None:
     rows = [int(r) for r in a.rows.split(",")]
     configs = [tuple(int(v) for v in c.split("x")) for c in a.configs.split(",") if c]
     a.paired_settings = [bool(int(v)) for v in a.paired.split(",") if v] or [None]
-    a.prefetch_settings = [int(v) for v in a.prefetch.split(",") if v] or [None]
     names = [s.strip() for s in a.shapes.split(",") if s.strip()] or list(SHAPES)
     kernels = ("built-in" + ("" if a.no_rows_kernel else " / qmm_rows") + (" / dequant+matmul" if a.dequant else "")
                + (" / qmm_mma" if backend == "cuda" else "") + (" / bf16 dense" if a.dense else ""))
@@ -156,9 +153,8 @@ def row(name: str, out: int, inp: int, rows: list[int], a: argparse.Namespace, b
         if backend == "cuda" and mma_covers(x, wq, scales, biases, a.group_size, a.bits):
             for config in configs or [mma_config(out, inp, a.bits)]:
                 for paired in a.paired_settings:
-                    for prefetch in a.prefetch_settings:
-                        times.append(timed(partial(quantized_matmul_mma, x, wq, scales, biases, a.group_size,
-                                                   a.bits, tuple(config), paired, prefetch=prefetch), a.launches))
+                    times.append(timed(partial(quantized_matmul_mma, x, wq, scales, biases, a.group_size,
+                                               a.bits, tuple(config), paired), a.launches))
         if a.dense:
             times.append(timed(partial(lambda x: x @ w.T, x), a.launches))
         cells.append(" / ".join(f"{t:.1f}" for t in times))
@@ -166,8 +162,6 @@ def row(name: str, out: int, inp: int, rows: list[int], a: argparse.Namespace, b
                                      if configs else f" (mma {'x'.join(map(str, mma_config(out, inp, a.bits)))})")
     if a.paired:
         label += f" (paired dequantization {a.paired})"
-    if a.prefetch:
-        label += f" (prefetch {a.prefetch})"
     return f"| {label} | {floor:.1f} us ({nbytes / floor / 1e6:.2f} TB/s) | " + " | ".join(cells) + " |"
 
 

@@ -33,9 +33,8 @@
 #   GATED_CORES=kernels,kernels-ag1: 275.5 against 253.6 tok/s, mlx-lm 112.9);
 #   the gated step's whole check in two calls while the machine is warm: `gtests ncu` with
 #   NCU_VARIANTS="-gs1", then `gated`;
-# - prefetch: qmm_mma loading PF steps of weights ahead (engine.qmm.MMA_PREFETCH; written in the
-#   fifty-second session, emulated, not run on a GPU yet): its GPU test, the micro-benchmark at PF
-#   1 / 2 / 3 on the 9B shapes, then plain decoding with PF 1, 2 and 3 beside mlx-lm (~6 min);
+# - (the fifty-third session ran a `prefetch` stage here: qmm_mma loading 2 and 3 steps of weights
+#   ahead lost 12 % of plain decoding on an H100, and the depth was taken out of the kernel);
 # - widen: the 4-bit 9B-shaped pair in /tmp/q9 (needs the bundled weights);
 # - rounds: plain decoding, MTP chains and DDTree and DFlash chains on that pair, greedy, plans on and
 #   off interleaved run by run (what plans do to speculation's rounds: not measured yet).
@@ -87,13 +86,6 @@ for stage in $stages; do
              --runs "${GATED_RUNS:-4}" --prompt-tokens "${GATED_PROMPT:-128}" \
              --tokens 128 --tree-sizes 1 --ops-tree-sizes "" --micro "" --prefill-tokens 0 \
              --cores "${GATED_CORES:-kernels,kernels-gs1}" | grep -v '^ \|^{\|^}' ;;
-    prefetch) timeout 100 python -m pytest -q -p no:cacheprovider tests/kernels/test_qmm.py -k prefetch -rA \
-                | grep -E "^(PASSED|FAILED|ERROR)|passed|failed|Error"
-              timeout 150 python scripts/bench_qmm.py --rows 1,4,17 --prefetch 1,2,3 --no-rows-kernel \
-                --shapes "9b gdn in_proj fused,9b mlp gate|up fused,9b mlp down,9b gdn out_proj,9b lm_head"
-              timeout 280 python scripts/bench_gpu.py --out "$OUT/e2e_prefetch" --targets 9b --skip-draft --runs 2 \
-                --tokens 128 --tree-sizes 1 --ops-tree-sizes "" --micro "" --prefill-tokens 0 \
-                --cores kernels,kernels-pf2,kernels-pf3 | grep -v '^ \|^{\|^}' ;;
     widen) [ -f /tmp/q9/target/config.json ] || timeout 120 python scripts/widen_checkpoint.py /tmp/q9 --shape 9b --bits 4 ;;
     rounds) timeout 500 python scripts/profile_rounds.py --model /tmp/q9/target --dflash-model /tmp/q9/dflash \
               --dtype bfloat16 --methods none,mtp:chain,mtp:ddtree,dflash:chain --kinds code,chat --runs 2 \

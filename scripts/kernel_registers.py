@@ -1,6 +1,6 @@
 """Registers, spills and shared memory of qmm_mma's builds, as nvcc's assembler reports them.
 
-    python scripts/kernel_registers.py [--nt 1,3,4] [--kw 4,16] [--dq 0,1] [--rt 1] [--pf 1,2]
+    python scripts/kernel_registers.py [--nt 1,3,4] [--kw 4,16] [--dq 0,1] [--rt 1]
                                        [--builds plain,norm,res,swiglu,swiglu-res] [--ptx]
 
 Where nvcc is (the GPU machine; the dev machine has one too). Renders the exact text MLX hands
@@ -87,7 +87,6 @@ def main() -> None:
     ap.add_argument("--nt", default="1,3,4", help="8-row activation tiles (M = 1..8, 17..24, 25..32)")
     ap.add_argument("--kw", default="4,16", help="warps a block")
     ap.add_argument("--dq", default="0,1", help="paired dequantization off / on")
-    ap.add_argument("--pf", default="1", help="steps of weights loaded ahead (PF)")
     ap.add_argument("--rt", default="1", help="16-row output tiles a warp")
     ap.add_argument("--builds", default="plain", help=f"qmm_mma's fused builds, of {', '.join(BUILDS)}")
     ap.add_argument("--ptx", action="store_true", help="also the PTX instructions of the step loop")
@@ -96,13 +95,13 @@ def main() -> None:
         sys.exit("kernel_registers needs nvcc (CUDA's compiler)")
     with tempfile.TemporaryDirectory() as tmp:
         for build in a.builds.split(","):
-            settings = (a.nt, a.kw, a.dq, a.rt, a.pf)
-            for nt, kw, dq, rt, pf in itertools.product(*(map(int, v.split(",")) for v in settings)):
-                template = dict(OutT="bfloat16", GS=64, BITS=4, NT=nt, RT=rt, KW=kw, DQ=dq, PF=pf)
+            settings = (a.nt, a.kw, a.dq, a.rt)
+            for nt, kw, dq, rt in itertools.product(*(map(int, v.split(",")) for v in settings)):
+                template = dict(OutT="bfloat16", GS=64, BITS=4, NT=nt, RT=rt, KW=kw, DQ=dq)
                 report = ptxas_report(BUILDS[build], template, Path(tmp))
                 if a.ptx:
                     report += "; " + ptx_step(BUILDS[build], template, Path(tmp))
-                print(f"{build} NT={nt} KW={kw} DQ={dq} RT={rt} PF={pf}: {report}", flush=True)
+                print(f"{build} NT={nt} KW={kw} DQ={dq} RT={rt}: {report}", flush=True)
 
 
 if __name__ == "__main__":

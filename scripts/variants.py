@@ -5,7 +5,6 @@
 - "-ksN": its weights of few output tiles with N warps a block (engine.qmm.MMA_FEW_KW, default 8);
 - "-ktN": "few" meaning at most N tiles of 16 output rows (engine.qmm.MMA_FEW_TILES, default 256);
 - "-dq0" / "-dq1": its paired dequantization off / on (engine.qmm.MMA_PAIRED_DEQUANT);
-- "-pfN": its warps loading N steps of weights ahead (engine.qmm.MMA_PREFETCH, default 1);
 - "-evN": a multi-node verify handed to the device every N layers whatever the model's layer size
   (engine.forward.VERIFY_EVAL_EVERY; 0 = at the end);
 - "-fold0" / "-fold1": each commit on its own / folded into the next verify (GDNCache.fold_commits);
@@ -140,7 +139,6 @@ def _settings() -> dict[str, tuple[list[tuple[Any, str]], Callable[[str], tuple[
     return {
         "kw": ([(qmm, "MMA_LONG_KW")], lambda rest: (int(rest),)),
         "dq": ([(qmm, "MMA_PAIRED_DEQUANT")], on),
-        "pf": ([(qmm, "MMA_PREFETCH")], lambda rest: (int(rest),)),
         "ev": ([(forward, "VERIFY_EVAL_EVERY"), (forward, "VERIFY_EVAL_MIN_LAYER_BYTES")], lambda rest: (int(rest), 0)),
         "fold": ([(GDNCache, "fold_commits")], on),
         "sd": ([(mtp, "SYNC_EACH_DEPTH_ON_GPU")], on),

@@ -51,7 +51,7 @@ def template_for(spec: KernelSpec, shape: str, activations: str = "float32") -> 
         return dict(OutT=activations, I=4096 if shape == "9b" else 384, O=256, GS=64, BITS=4, MAXM=8, R=4, RPG=4)
     if "qmm_mma" in spec.name:
         return dict(OutT=activations, GS=64, BITS=4, NT=3 if shape == "9b" else 1, RT=2, KW=8,
-                    DQ=1 if shape == "9b" else 0, PF=2 if shape == "9b" else 1)
+                    DQ=1 if shape == "9b" else 0)
     if spec.name.startswith("spruce_choose"):
         return dict(GREEDY=0, CAP=2048)
     if spec.name.endswith("read_stream"):

@@ -168,30 +168,6 @@ def test_mma_config_depends_on_the_weight_only():
 
 
 @needs_cuda
-@pytest.mark.parametrize("prefetch", [2, 3])
-@pytest.mark.parametrize(("bits", "out", "inp", "config"), [(4, 1030, 4096, None), (4, 4096, 12288, None),
-                                                            (8, 528, 384, None), (4, 520, 512, (1, 4)),
-                                                            (4, 264, 1024, (2, 1))])
-def test_mma_prefetch_depth_changes_no_bit(prefetch, bits, out, inp, config, rng):
-    """Loading PF steps ahead (metal/qmm_mma.kernel) changes when the weights arrive, not what is
-    computed: every build's rows are bitwise the one-step prefetch's, for walks shorter than the
-    queue too (512 inputs at 4 bits are 4 steps, one a warp)."""
-    from engine.qmm import quantized_matmul_mma
-
-    wq, scales, biases = mx.quantize(mx.array(rng.normal(size=(out, inp)).astype(np.float32) * 0.05),
-                                     group_size=64, bits=bits)
-    scales, biases = scales.astype(mx.bfloat16), biases.astype(mx.bfloat16)
-    x = mx.array(rng.normal(size=(17, inp)).astype(np.float32)).astype(mx.bfloat16)
-    res = mx.array(rng.normal(size=(17, out)).astype(np.float32)).astype(mx.bfloat16)
-    nw = mx.array((1 + 0.3 * rng.normal(size=inp)).astype(np.float32))
-    for m in (1, 5, 17):
-        for extra in ({}, {"norm": (nw, 1e-6)}, {"res": res[:m]}):
-            one = quantized_matmul_mma(x[:m], wq, scales, biases, 64, bits, config, prefetch=1, **extra)
-            deep = quantized_matmul_mma(x[:m], wq, scales, biases, 64, bits, config, prefetch=prefetch, **extra)
-            assert mx.array_equal(one, deep), (m, extra.keys())
-
-
-@needs_cuda
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 @pytest.mark.parametrize(("out", "inp"), [(1030, 4096), (528, 384)])
 def test_mma_fused_builds_equal_their_twins_and_are_batch_invariant(dtype, out, inp, rng):

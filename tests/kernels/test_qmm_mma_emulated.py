@@ -46,14 +46,14 @@ class Weight:
         self.dense = np.array(mx.dequantize(wq, mx.array(self.scales), mx.array(self.biases), group_size=group_size,
                                             bits=bits))
 
-    def run(self, spec: KernelSpec, x: np.ndarray, tmp, prefetch: int = 1, **extra: np.ndarray) -> np.ndarray:
+    def run(self, spec: KernelSpec, x: np.ndarray, tmp, **extra: np.ndarray) -> np.ndarray:
         """The emulated kernel on float32 rows x (already in the activation type's values); extra
         inputs by name (nw, eps as float32; res as activation values) -> y as float32."""
         o = self.w.shape[0]
         m, i = x.shape[0], x.shape[1] // (2 if "SPR_SWIGLU_IN" in spec.defines else 1)
         rt, kw = mma_config(o, i, self.bits)
         template = dict(OutT=self.dtype, GS=self.group_size, BITS=self.bits, NT=-(-m // 8), RT=rt, KW=kw,
-                        DQ=int(self.bits == 4), PF=prefetch)
+                        DQ=int(self.bits == 4))
         halves = {n: self.dtype for n in ("x", "scales", "biases", "res", "y")}
         inputs = {"x": to_bits(x, self.dtype), "w": self.w, "scales": to_bits(self.scales, self.dtype),
                   "biases": to_bits(self.biases, self.dtype)}
@@ -123,17 +123,6 @@ def test_swiglu_builds_equal_silu_times_up_then_matmul(dtype, rng, tmp_path):
     assert np.array_equal(with_res, rounded(full + res, dtype))  # MLX's `res + y`, bitwise
     invariant(lambda rows: w.run(QMM_MMA_SWIGLU_RES, rows, tmp_path, res=res[: rows.shape[0]]), gate_up, with_res,
               PROLOGUE_ROWS)
-
-
-@pytest.mark.parametrize(("bits", "o", "i", "prefetch"), [(4, 48, 2048, 2), (4, 32, 8192, 3), (8, 40, 1024, 2),
-                                                        (4, 48, 512, 3)])
-def test_prefetch_depth_changes_no_bit(bits, o, i, prefetch, rng, tmp_path):
-    """Loading PF steps of weights ahead gives the one-step prefetch's bits: at 2,048 inputs each
-    of 4 warps walks 4 steps, at 8,192 each of 10 warps 6 or 7, at 512 one (a queue longer than the
-    walk)."""
-    w = Weight(rng, o, i, bits, 64, "bfloat16")
-    x = rounded(rng.normal(size=(9, i)).astype(np.float32), "bfloat16")
-    assert np.array_equal(w.run(QMM_MMA, x, tmp_path, prefetch=prefetch), w.run(QMM_MMA, x, tmp_path))
 
 
 def test_residual_build_adds_the_rounded_product(rng, tmp_path):
