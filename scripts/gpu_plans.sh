@@ -35,6 +35,9 @@
 #   NCU_VARIANTS="-gs1", then `gated`;
 # - (the fifty-third session ran a `prefetch` stage here: qmm_mma loading 2 and 3 steps of weights
 #   ahead lost 12 % of plain decoding on an H100, and the depth was taken out of the kernel);
+# - verify: a 17-row verify against a one-row step, kernel by kernel under ncu (profile_gpu.py --rows
+#   1,17, caches flushed before each kernel, as ncu does), then the round's time by tree size beside
+#   mlx-lm (bench_gpu.py --tree-sizes 1,8,9,16,17,24,25,32); the fifty-third session's tables (~6 min);
 # - widen: the 4-bit 9B-shaped pair in /tmp/q9 (needs the bundled weights);
 # - rounds: plain decoding, MTP chains and DDTree and DFlash chains on that pair, greedy, plans on and
 #   off interleaved run by run (what plans do to speculation's rounds: not measured yet).
@@ -86,6 +89,13 @@ for stage in $stages; do
              --runs "${GATED_RUNS:-4}" --prompt-tokens "${GATED_PROMPT:-128}" \
              --tokens 128 --tree-sizes 1 --ops-tree-sizes "" --micro "" --prefill-tokens 0 \
              --cores "${GATED_CORES:-kernels,kernels-gs1}" | grep -v '^ \|^{\|^}' ;;
+    verify) timeout 280 /usr/local/cuda/bin/ncu --clock-control none --profile-from-start off --csv \
+              --metrics gpu__time_duration.sum python scripts/profile_gpu.py --out "$OUT/ncu_verify" --shape 9b \
+              --layers 32 --rows 1,17 --ncu "--variant=" --prompt-tokens 128 > "$OUT/ncu_verify.csv" 2> "$OUT/ncu_verify.err"
+            python scripts/ncu_summary.py "$OUT/ncu_verify.csv" --top 45
+            timeout 420 python scripts/bench_gpu.py --out "$OUT/e2e_sizes" --targets 9b --skip-draft --runs 2 \
+              --tokens 128 --tree-sizes 1,8,9,16,17,24,25,32 --ops-tree-sizes "" --micro "" --prefill-tokens 0 \
+              --cores kernels | grep -v '^ \|^{\|^}' ;;
     widen) [ -f /tmp/q9/target/config.json ] || timeout 120 python scripts/widen_checkpoint.py /tmp/q9 --shape 9b --bits 4 ;;
     rounds) timeout 500 python scripts/profile_rounds.py --model /tmp/q9/target --dflash-model /tmp/q9/dflash \
               --dtype bfloat16 --methods none,mtp:chain,mtp:ddtree,dflash:chain --kinds code,chat --runs 2 \
