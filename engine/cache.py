@@ -122,9 +122,15 @@ class LayerCache(Protocol):
 
 
 class KVCache:
-    """Attention K/V for positions [0, offset); slots past offset are scratch for a tree."""
+    """Attention K/V for positions [0, offset); slots past offset are scratch for a tree.
 
-    def __init__(self) -> None:
+    dtype: what the rows are stored as; None = as written (the compute dtype). A half dtype
+    (`--kv-dtype`) rounds each row once, as it is written, so a decode step and a verify read the
+    same values and speculation stays lossless; the CPU's rows attention reads the halves in place
+    (engine/cpu_ext.cpp), every other path widens the context first."""
+
+    def __init__(self, dtype: mx.Dtype | None = None) -> None:
+        self.dtype = dtype
         self.keys: mx.array | None = None  # [1, n_kv, cap, D]
         self.values: mx.array | None = None
         self.offset = 0
@@ -136,6 +142,8 @@ class KVCache:
     def write(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
         """Write T rows at [offset, offset+T) and return K/V for [0, offset+T). Does not advance."""
         end = self.offset + k.shape[2]
+        if self.dtype is not None and k.dtype != self.dtype:
+            k, v = k.astype(self.dtype), v.astype(self.dtype)
         if self.keys is None or self.values is None or end > self.keys.shape[2]:
             self._grow(end, k)
         assert self.keys is not None and self.values is not None

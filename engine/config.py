@@ -144,6 +144,10 @@ class EngineConfig:
     prefix_cache: bool = True
     prefix_cache_bytes: int = 2 << 30
     snapshot_every: int = 1024  # prefill snapshots every this many prompt tokens (engine/prefill.py); 0 = off
+    # what the target's attention K/V are stored as (DTYPE_NAMES; auto = the compute dtype): a half
+    # dtype rounds each row once as it is written (engine/cache.py KVCache), halving the cache and,
+    # on the CPU, what a decode step reads of it
+    kv_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.max_context < 1:
@@ -156,3 +160,5 @@ class EngineConfig:
             raise ValueError(f"prefix_cache_bytes must be >= 0, got {self.prefix_cache_bytes}")
         if self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
+        if self.kv_dtype not in DTYPE_NAMES:
+            raise ValueError(f"kv_dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.kv_dtype!r}")

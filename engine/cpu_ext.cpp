@@ -116,6 +116,17 @@ void rows_view(const mx::array& a, std::vector<float>& tmp, const float** base, 
   *base = dense(a, tmp), *row = a.shape(3), *head = (int64_t)a.shape(2) * a.shape(3);
 }
 
+// rows_view for a float16 / bfloat16 input (a half cache): its 16-bit elements, in place where its
+// rows are contiguous.
+void half_rows_view(const mx::array& a, std::vector<uint16_t>& tmp, const uint16_t** base, int64_t* head,
+                    int64_t* row) {
+  if (a.strides(3) == 1) {
+    *base = a.data<uint16_t>(), *head = a.strides(1), *row = a.strides(2);
+    return;
+  }
+  *base = dense_as<uint16_t>(a, tmp), *row = a.shape(3), *head = (int64_t)a.shape(2) * a.shape(3);
+}
+
 // A primitive whose CPU evaluation runs `body` on (weak copies of) its inputs and its freshly
 // allocated outputs, on the CPU stream's thread, as MLX's own CPU operations run.
 class CpuPrimitive : public mx::Primitive {
@@ -186,7 +197,9 @@ void check_f32(const char* what, std::initializer_list<const mx::array*> arrays)
 
 struct AttentionJob {
   const float* q;  // [H, N, D], contiguous
-  const float* k;  // [Hkv, L, D] with strides (k_head, k_row, 1): the prefix's keys
+  // [Hkv, L, D] with strides (k_head, k_row, 1): the prefix's keys. Float32, or the bits of the
+  // halves `kernel` reads (key_row casts to its element type; strides count elements)
+  const float* k;
   const float* v;
   // where the rows' own keys (their tree keys) are: the same buffer after the prefix (a verify),
   // or a drafted row's scratch (draft_attention), with their own strides
@@ -348,43 +361,88 @@ inline v16 splat(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, 
 
 // A query q (DV x 16 floats, in registers) against one key row: its lane products, fused where
 // the CPU fuses; lanes_sum of it is the score.
-template <int DV>
-inline v16 dot_lanes(const v16* q, const float* key) {
-  v16 a = q[0] * *(const v16u*)key;
+// 16 keys' or values' elements as floats, from a float32 cache or a half one (engine/cache.py
+// KVCache.dtype): a half is widened exactly, in the load, so a half cache's rows attend with the
+// arithmetic and the bits of their float32 copies, and half the bytes come from memory (one row over
+// 4,000 / 16,000 / 32,000 keys, 2 K/V heads of 64: 1.25-1.65x faster, dev CPU; BENCHMARKS.md,
+// issue 17, fifty-third session). Widening into a buffer first, then the float32 loop, was slower
+// than float32 itself.
+struct f16_bits {  // an IEEE half's bits
+  uint16_t b;
+};
+struct bf16_bits {  // a bfloat16's bits
+  uint16_t b;
+};
+typedef uint16_t v16us __attribute__((vector_size(32), aligned(2)));
+typedef uint32_t v16ui __attribute__((vector_size(64)));
+inline v16 load16(const float* p) { return *(const v16u*)p; }
+inline v16 load16(const bf16_bits* p) { return (v16)(__builtin_convertvector(*(const v16us*)p, v16ui) << 16); }
+inline v16 load16(const f16_bits* p) {
+#if defined(__AVX512F__)
+  return (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+#elif defined(__F16C__)
+  const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+  const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 8)));
+  return __builtin_shufflevector((v8)lo, (v8)hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  v16 out;
+  for (int i = 0; i < 16; ++i) {  // by the fields: sign, exponent (bias 15), 10-bit mantissa
+    const uint32_t x = p[i].b, sign = (x & 0x8000u) << 16, e = (x >> 10) & 0x1fu, m = x & 0x3ffu;
+    uint32_t bits;
+    if (e == 0x1fu) {
+      bits = sign | 0x7f800000u | (m << 13);  // infinity, NaN
+    } else if (e != 0) {
+      bits = sign | ((e + 112u) << 23) | (m << 13);
+    } else {  // zero or subnormal: m * 2^-24, exact in float32
+      float f = std::ldexp((float)m, -24);
+      std::memcpy(&bits, &f, 4);
+      bits |= sign;
+    }
+    std::memcpy(&out[i], &bits, 4);
+  }
+  return out;
+#endif
+}
+
+template <int DV, typename KT = float>
+inline v16 dot_lanes(const v16* q, const KT* key) {
+  v16 a = q[0] * load16(key);
   for (int dv = 1; dv < DV; ++dv) {
-    a = fused_madd(q[dv], *(const v16u*)(key + dv * 16), a);
+    a = fused_madd(q[dv], load16(key + dv * 16), a);
   }
   return a;
 }
 
 // The scores of q against 16 key rows, lane i key i's: each key's lane products summed as
 // lanes_sum sums one (the same bits as dot_lanes then lanes_sum, key by key).
-template <int DV>
-inline v16 scores16(const v16* q, const float* const* keys) {
+template <int DV, typename KT = float>
+inline v16 scores16(const v16* q, const KT* const* keys) {
   v16 a[16];
   for (int i = 0; i < 16; ++i) {
-    a[i] = dot_lanes<DV>(q, keys[i]);
+    a[i] = dot_lanes<DV, KT>(q, keys[i]);
   }
   return lanes_sums16(a);
 }
 
 // The key (value) at logical position j of row n of KV head h: the prefix in order, then the
 // row's own keys.
-inline const float* key_row(const AttentionJob& job, int h, int n, int j) {
-  return j < job.prefix ? job.k + h * job.k_head + (int64_t)j * job.k_row
-                        : job.k2 + h * job.k2_head + (int64_t)job.tree_keys[n][j - job.prefix] * job.k2_row;
+template <typename KT = float>
+inline const KT* key_row(const AttentionJob& job, int h, int n, int j) {
+  return j < job.prefix ? (const KT*)job.k + h * job.k_head + (int64_t)j * job.k_row
+                        : (const KT*)job.k2 + h * job.k2_head + (int64_t)job.tree_keys[n][j - job.prefix] * job.k2_row;
 }
 
-inline const float* value_row(const AttentionJob& job, int h, int n, int j) {
-  return j < job.prefix ? job.v + h * job.v_head + (int64_t)j * job.v_row
-                        : job.v2 + h * job.v2_head + (int64_t)job.tree_keys[n][j - job.prefix] * job.v2_row;
+template <typename KT = float>
+inline const KT* value_row(const AttentionJob& job, int h, int n, int j) {
+  return j < job.prefix ? (const KT*)job.v + h * job.v_head + (int64_t)j * job.v_row
+                        : (const KT*)job.v2 + h * job.v2_head + (int64_t)job.tree_keys[n][j - job.prefix] * job.v2_row;
 }
 
 // A row of DV x 16 floats into registers.
-template <int DV>
-inline void load_row(const float* row, v16* out) {
+template <int DV, typename KT = float>
+inline void load_row(const KT* row, v16* out) {
   for (int dv = 0; dv < DV; ++dv) {
-    out[dv] = *(const v16u*)(row + dv * 16);
+    out[dv] = load16(row + dv * 16);
   }
 }
 
@@ -396,7 +454,7 @@ inline void load_row(const float* row, v16* out) {
 // in key order. Rows past their keys write nothing and are skipped when joining.
 constexpr int SUB = 64;  // keys a sub-tile has: a multiple of 16
 
-template <int G, int DV>
+template <int G, int DV, typename KT = float>
 void attention_chunk(const AttentionJob& job, int h, int n0, int n1, int c) {
   constexpr int D = DV * 16, ROW = G * (CHUNK + 16);  // a row's scores: G x the chunk, padded
   const int j0 = c * CHUNK, nr = n1 - n0;
@@ -431,12 +489,12 @@ void attention_chunk(const AttentionJob& job, int h, int n0, int n1, int c) {
         tops[g] = splat(-INFINITY);
       }
       for (; j + 16 <= s1; j += 16) {  // 16 keys at a time, a head at a time, summed across lanes together
-        const float* rows[16];
+        const KT* rows[16];
         for (int i = 0; i < 16; ++i) {
-          rows[i] = key_row(job, h, n, j + i);
+          rows[i] = key_row<KT>(job, h, n, j + i);
         }
         for (int g = 0; g < G; ++g) {
-          const v16 sc = scores16<DV>(qs[g], rows);
+          const v16 sc = scores16<DV, KT>(qs[g], rows);
           *(v16*)&scores[g * (CHUNK + 16) + j - j0] = sc;  // j - j0 is a multiple of 16: aligned
           tops[g] = tops[g] > sc ? tops[g] : sc;
         }
@@ -445,9 +503,9 @@ void attention_chunk(const AttentionJob& job, int h, int n0, int n1, int c) {
         m[r][g] = std::max(m[r][g], lanes_max(tops[g]));
       }
       for (; j < s1; ++j) {  // the row's last keys one by one, with the same arithmetic
-        const float* key = key_row(job, h, n, j);
+        const KT* key = key_row<KT>(job, h, n, j);
         for (int g = 0; g < G; ++g) {
-          const float sc = lanes_sum(dot_lanes<DV>(qs[g], key));
+          const float sc = lanes_sum(dot_lanes<DV, KT>(qs[g], key));
           scores[g * (CHUNK + 16) + j - j0] = sc;
           m[r][g] = std::max(m[r][g], sc);
         }
@@ -495,7 +553,7 @@ void attention_chunk(const AttentionJob& job, int h, int n0, int n1, int c) {
       }
       for (int j = s0; j < s1; ++j) {
         v16 vr[DV];
-        load_row<DV>(value_row(job, h, n, j), vr);
+        load_row<DV, KT>(value_row<KT>(job, h, n, j), vr);
         for (int g = 0; g < G; ++g) {
           const v16 p = splat(scores[g * (CHUNK + 16) + j - j0]);
           for (int dv = 0; dv < DV; ++dv) {
@@ -521,32 +579,44 @@ void attention_chunk(const AttentionJob& job, int h, int n0, int n1, int c) {
 
 using chunk_fn = void (*)(const AttentionJob&, int, int, int, int);
 
-template <int DV>
+template <int DV, typename KT>
 chunk_fn chunk_for_heads(int G) {
   switch (G) {
-    case 1: return attention_chunk<1, DV>;
-    case 2: return attention_chunk<2, DV>;
-    case 3: return attention_chunk<3, DV>;
-    case 4: return attention_chunk<4, DV>;
-    case 5: return attention_chunk<5, DV>;
-    case 6: return attention_chunk<6, DV>;
-    case 7: return attention_chunk<7, DV>;
-    case 8: return attention_chunk<8, DV>;
+    case 1: return attention_chunk<1, DV, KT>;
+    case 2: return attention_chunk<2, DV, KT>;
+    case 3: return attention_chunk<3, DV, KT>;
+    case 4: return attention_chunk<4, DV, KT>;
+    case 5: return attention_chunk<5, DV, KT>;
+    case 6: return attention_chunk<6, DV, KT>;
+    case 7: return attention_chunk<7, DV, KT>;
+    case 8: return attention_chunk<8, DV, KT>;
+    default: return nullptr;
+  }
+}
+
+template <typename KT>
+chunk_fn chunk_for_dims(int G, int D) {
+  switch (D) {
+    case 16: return chunk_for_heads<1, KT>(G);
+    case 32: return chunk_for_heads<2, KT>(G);
+    case 64: return chunk_for_heads<4, KT>(G);
+    case 128: return chunk_for_heads<8, KT>(G);
+    case 256: return chunk_for_heads<16, KT>(G);
     default: return nullptr;
   }
 }
 
 // The item kernel for G query heads a KV head and head dimension D; null where none is built (the
 // caller keeps MLX's operations then: engine/cpu_ext.py asks `rows_attention_supports`).
-chunk_fn chunk_kernel(int G, int D) {
-  switch (D) {
-    case 16: return chunk_for_heads<1>(G);
-    case 32: return chunk_for_heads<2>(G);
-    case 64: return chunk_for_heads<4>(G);
-    case 128: return chunk_for_heads<8>(G);
-    case 256: return chunk_for_heads<16>(G);
-    default: return nullptr;
+// Keys and values of `kv`: float32 (the default), float16 or bfloat16.
+chunk_fn chunk_kernel(int G, int D, mx::Dtype kv = mx::float32) {
+  if (kv == mx::float16) {
+    return chunk_for_dims<f16_bits>(G, D);
   }
+  if (kv == mx::bfloat16) {
+    return chunk_for_dims<bf16_bits>(G, D);
+  }
+  return chunk_for_dims<float>(G, D);
 }
 
 // An item: K/V head h, chunk c, and a block of up to ROW_BLOCK rows (attention_chunk), so that a
@@ -598,7 +668,9 @@ void join_chunks(AttentionJob& job) {
 
 // The job's rows (their prefix and tree_keys set) on the pool's threads, then joined into out.
 void run_attention(AttentionJob& job) {
-  job.kernel = chunk_kernel(job.H / job.Hkv, job.D);
+  if (job.kernel == nullptr) {
+    job.kernel = chunk_kernel(job.H / job.Hkv, job.D);
+  }
   job.counts.resize(job.N);
   int longest = 0;
   for (int n = 0; n < job.N; ++n) {
@@ -612,15 +684,20 @@ void run_attention(AttentionJob& job) {
   join_chunks(job);
 }
 
-// q [1, H, N, D], keys / values [1, Hkv, L, D] (float32; the rows of a head may be a view into a
-// longer cache), seen [N, L - prefix] bool or none -> [1, H, N, D] float32.
+// q [1, H, N, D] float32, keys / values [1, Hkv, L, D] (float32, or float16 / bfloat16 from a half
+// cache, read as their float32 copies would be; the rows of a head may be a view into a longer
+// cache), seen [N, L - prefix] bool or none -> [1, H, N, D] float32.
 mx::array rows_attention(const mx::array& q, const mx::array& keys, const mx::array& values, float scale,
                          int prefix, const std::optional<mx::array>& seen) {
   if (q.ndim() != 4 || keys.ndim() != 4 || values.ndim() != 4 || q.shape(0) != 1 || keys.shape(0) != 1) {
     throw std::invalid_argument("rows_attention: q [1, H, N, D], keys and values [1, Hkv, L, D]");
   }
   const int H = q.shape(1), N = q.shape(2), D = q.shape(3), Hkv = keys.shape(1), L = keys.shape(2);
-  check_f32("rows_attention", {&q, &keys, &values});
+  check_f32("rows_attention", {&q});
+  if (keys.dtype() != values.dtype() || (keys.dtype() != mx::float32 && keys.dtype() != mx::float16 &&
+                                         keys.dtype() != mx::bfloat16)) {
+    throw std::invalid_argument("rows_attention: keys and values float32, float16 or bfloat16, the same");
+  }
   if (keys.shape() != values.shape() || keys.shape(3) != D || Hkv < 1 || H % Hkv != 0 ||
       chunk_kernel(H / Hkv, D) == nullptr || prefix < 0 || prefix > L || (!seen && prefix != L)) {
     throw std::invalid_argument("rows_attention: shapes do not match");
@@ -640,8 +717,17 @@ mx::array rows_attention(const mx::array& q, const mx::array& keys, const mx::ar
     const int T = k.shape(2) - prefix;  // the keys after the prefix: the tree's
     std::vector<float> q_rows, k_rows, v_rows;
     job.q = dense(q, q_rows);
-    rows_view(k, k_rows, &job.k, &job.k_head, &job.k_row);
-    rows_view(v, v_rows, &job.v, &job.v_head, &job.v_row);
+    std::vector<uint16_t> kh_rows, vh_rows;
+    if (k.dtype() == mx::float32) {
+      rows_view(k, k_rows, &job.k, &job.k_head, &job.k_row);
+      rows_view(v, v_rows, &job.v, &job.v_head, &job.v_row);
+    } else {  // a half cache: its elements read in place, as the item kernel for their type reads them
+      job.kernel = chunk_kernel(job.H / job.Hkv, job.D, k.dtype());
+      const uint16_t *kh, *vh;
+      half_rows_view(k, kh_rows, &kh, &job.k_head, &job.k_row);
+      half_rows_view(v, vh_rows, &vh, &job.v_head, &job.v_row);
+      job.k = reinterpret_cast<const float*>(kh), job.v = reinterpret_cast<const float*>(vh);
+    }
     job.k2 = job.k, job.v2 = job.v;  // a row's tree keys are in the same buffer, after the prefix
     job.k2_head = job.k_head, job.k2_row = job.k_row, job.v2_head = job.v_head, job.v2_row = job.v_row;
     std::vector<bool> seen_rows;

@@ -12,13 +12,16 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import mlx.core as mx
+
 from engine import blas, half_weights
-from engine.cache import LayerCache
+from engine.cache import KVCache, LayerCache
 from engine.config import EngineConfig, SamplingParams, SpecConfig
 from engine.drafters import make_drafter
 from engine.drafters.base import Drafter, ReadsTarget
 from engine.drafters.draft_vocab import DraftVocab
 from engine.drafters.weaver import WeaverTrees
+from engine.dtypes import DTYPES
 from engine.embedding import embed_step
 from engine.feature_cache import FeatureCache, FeatureTaps
 from engine.grammar import GrammarError, GrammarState, GrammarTokenizer
@@ -47,6 +50,8 @@ class Engine:
         loaded = load_model(config.model_path, config.dtype)
         self.model: CausalLM = loaded.model
         self.dtype, self.weights_bytes, self.last_cache_bytes = loaded.dtype, loaded.nbytes, 0
+        # the target's K/V storage (None: as computed); a setting of the engine, read by make_cache
+        self.kv_dtype: mx.Dtype | None = None if config.kv_dtype == "auto" else DTYPES[config.kv_dtype]
         self.load_notes = loaded.notes  # printed by the CLI at start
         self.tokenizer = Tokenizer.from_dir(config.model_path)
         self.model_id = config.model_id or Path(config.model_path).resolve().name
@@ -124,7 +129,11 @@ class Engine:
     def make_cache(self) -> list[LayerCache]:
         """The target's layer caches, and a FeatureCache when drafters read hidden states."""
         features: list[LayerCache] = [FeatureCache(self.feature_taps)] if self.feature_taps.count else []
-        return self.model.make_cache() + features
+        caches = self.model.make_cache()
+        for c in caches:
+            if isinstance(c, KVCache):
+                c.dtype = self.kv_dtype
+        return caches + features
 
     def dflash_model(self, path: str | None) -> dflash.DFlashModel:
         """The DFlash drafter at `path` (or the configured / bundled one), loaded once."""

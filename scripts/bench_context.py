@@ -20,7 +20,8 @@ and a question) in place of random ids, at its own length: real text, where the 
 matches, propose and miss. "vs shortest, paired" is the median of each run's ratio to the same
 method's run on the shortest prompt in the same repetition. `--variants engine,pw0` runs each
 method under each engine variant too (scripts/variants.py's suffixes, e.g. pw0: the CPU's powf
-left to libm), interleaved, each with its paired ratio to the engine as it is.
+left to libm; kv16 / kvbf: the target's K/V cache in float16 / bfloat16), interleaved, each with
+its paired ratio to the engine as it is.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ from engine.blas import reexec_with_openblas  # noqa: E402
 
 if __name__ == "__main__":  # a BLAS preload works only from process start: before mlx is imported
     reexec_with_openblas(sys.orig_argv[1:])
+
+import mlx.core as mx  # noqa: E402
 
 from engine.config import EngineConfig, SamplingParams, SpecConfig  # noqa: E402
 from engine.generate import BUNDLED, Engine  # noqa: E402
@@ -117,7 +120,8 @@ def main() -> None:
                     help="the controller's stall cap for every adaptive method (--spec-max-stall)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--text", default="", help="a prompt kind of bench_spec.py instead of random ids")
-    ap.add_argument("--variants", default="engine", help="engine variants (scripts/variants.py), e.g. engine,pw0")
+    ap.add_argument("--variants", default="engine", help="engine variants (scripts/variants.py), e.g. engine,pw0; "
+                    "kv16 / kvbf: the target's K/V cache in float16 / bfloat16 (--kv-dtype)")
     a = ap.parse_args()
     variants = list(dict.fromkeys(a.variants.split(",")))
     lengths = [int(n) for n in a.lengths.split(",")]
@@ -140,6 +144,8 @@ def main() -> None:
             prompt = text or [int(t) for t in np.random.RandomState(r * 1000 + n).randint(0, vocab, size=n)]
             for m in methods:
                 for v in variants:
+                    # "kv16" / "kvbf": the target's K/V stored as float16 / bfloat16 (EngineConfig.kv_dtype)
+                    engine.kv_dtype = KV_VARIANTS.get(v)
                     with variant_setting(f"x-{v}" if v != "engine" else "x"):
                         spec = METHODS[m]
                         if a.max_stall is not None and spec.method != "none" and spec.adaptive:
@@ -175,6 +181,9 @@ def main() -> None:
                 print(f"| {k} | {n} | {x['tps']:.1f} | {x['tps'] / med[(k, lengths[0])]['tps']:.2f} | {shortest:.2f} | "
                       f"{x['tps'] / plain:.2f} | {paired:.2f} | {x['tpf']:.2f} | {x['p50']:.1f} / {x['p99']:.1f} | "
                       f"{p99:.1f} ({p99 / p99_plain:.2f}x) | {x['grams']:.2f} |{engine_paired}")
+
+
+KV_VARIANTS = {"kv16": mx.float16, "kvbf": mx.bfloat16}
 
 
 def label(method: str, variant: str) -> str:

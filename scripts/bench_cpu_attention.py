@@ -2,12 +2,18 @@
 (engine/cpu_ext.cpp rows_attention) against MLX's operations (attention_ops) and MLX's fused kernel.
 
     python scripts/bench_cpu_attention.py [--lengths 64,1024,4000,8000,32000] [--rows 1,7,17] [--reps 40]
+    python scripts/bench_cpu_attention.py --kv float32,float16,bfloat16 [--lengths 4000,16000,32000]
 
 One attention layer of the bundled target's shape (6 query heads, 2 K/V heads of 64, float32) over
 a view of a longer cache buffer, as KVCache hands it out; a verify's rows see the prefix and a
 random tree's ancestors. Ten calls are evaluated together (as a step's layers follow each other),
 µs a call, medians over --reps, the three forms interleaved rep by rep. Also the largest
 difference from the operations' result.
+
+`--kv`: the engine's operation alone over a cache stored in each of these dtypes (a half cache,
+`--kv-dtype`, read in place), one call an evaluation with 64 MB read between calls, so that the
+cache's rows come from memory as in a model's step, where the weights stream through the CPU's
+caches; µs a call, medians of --reps, the dtypes interleaved, each against float32.
 """
 
 from __future__ import annotations
@@ -41,11 +47,15 @@ def main() -> None:
     ap.add_argument("--lengths", default="64,1024,4000,8000,32000")
     ap.add_argument("--rows", default="1,7,17")
     ap.add_argument("--reps", type=int, default=40)
+    ap.add_argument("--kv", default="", help="K/V cache dtypes to compare the operation over, e.g. float32,float16")
     a = ap.parse_args()
     mx.set_default_device(mx.cpu)
     if cpu_ext.module() is None:
         sys.exit("engine/cpu_ext.cpp is not built here (a C++ compiler, Python's headers and nanobind are needed)")
     rng = np.random.default_rng(0)
+    if a.kv:
+        kv_table([int(x) for x in a.lengths.split(",")], a.kv.split(","), a.reps, rng)
+        return
     print(f"{HEADS} heads, {KV_HEADS} K/V heads of {DIM}, float32; µs a call ({CALLS} evaluated together), "
           f"medians of {a.reps}")
     print("| keys | rows | engine's operation | MLX operations | MLX fused kernel | max difference |")
@@ -74,6 +84,31 @@ def main() -> None:
             diff = mx.max(mx.abs(forms["ext"]() - forms["ops"]())).item()
             print(f"| {keys} | {rows} | " + " | ".join(f"{statistics.median(times[n]):.1f}" for n in forms)
                   + f" | {diff:.1e} |")
+
+
+def kv_table(lengths: list[int], names: list[str], reps: int, rng: np.random.Generator) -> None:
+    """One decode row's operation over a cache of each dtype, its rows evicted between calls."""
+    junk = mx.zeros((16 << 20,), dtype=mx.float32)  # 64 MB, more than the CPU's last-level cache
+    mx.eval(junk)
+    print(f"one row, {HEADS} heads, {KV_HEADS} K/V heads of {DIM}; µs a call (one an evaluation, 64 MB read "
+          f"between calls), medians of {reps}")
+    print("| keys | " + " | ".join(names) + " |")
+    print("|---|" + "---|" * len(names))
+    for keys in lengths:
+        kf, vf = (rng.standard_normal((1, KV_HEADS, keys + 64, DIM)).astype(np.float32) for _ in range(2))
+        caches = {n: tuple(mx.array(x).astype(getattr(mx, n))[:, :, :keys] for x in (kf, vf)) for n in names}
+        q = mx.array(rng.standard_normal((1, HEADS, 1, DIM)).astype(np.float32))
+        mx.eval(q, *(a for pair in caches.values() for a in pair))
+        times: dict[str, list[float]] = {n: [] for n in names}
+        for _ in range(reps):
+            for n, (k, v) in caches.items():
+                mx.eval((junk + 1.0).sum())
+                t = time.perf_counter()
+                mx.eval(cpu_ext.rows_attention(q, k, v, DIM**-0.5, keys))
+                times[n].append((time.perf_counter() - t) * 1e6)
+        med = {n: statistics.median(times[n]) for n in names}
+        base = med.get("float32", med[names[0]])
+        print(f"| {keys} | " + " | ".join(f"{med[n]:.1f} ({base / med[n]:.2f}x)" for n in names) + " |")
 
 
 if __name__ == "__main__":

@@ -16,8 +16,8 @@ from engine.hub import ModelSource
 
 # Used when neither a flag nor the preset sets a value (the context: the model's trained length,
 # at most DEFAULT_MAX_CONTEXT).
-DEFAULTS: dict[str, Any] = {"dtype": "auto", "prefix_cache_bytes": 2 << 30, "spec_budget": 16, "spec_depth": 0,
-                            "spec_tree": "ddtree"}
+DEFAULTS: dict[str, Any] = {"dtype": "auto", "kv_dtype": "auto", "prefix_cache_bytes": 2 << 30, "spec_budget": 16,
+                            "spec_depth": 0, "spec_tree": "ddtree"}
 DEFAULT_MAX_CONTEXT = 8192
 MAX_SPEC_BUDGET, MAX_SPEC_DEPTH = 4096, 1024
 DRAFT_METHODS = ("draft", "draft-tree")
@@ -93,7 +93,7 @@ def engine_settings(a: argparse.Namespace) -> Settings:
         config = EngineConfig(
             model_path=str(model.path), model_id=model.name, max_context=max_context,
             dtype=_pick(a.dtype, preset and preset.dtype, "dtype"), spec=spec, prefix_cache=not a.no_prefix_cache,
-            prefix_cache_bytes=prefix_bytes)
+            prefix_cache_bytes=prefix_bytes, kv_dtype=_pick(getattr(a, "kv_dtype", None), None, "kv_dtype"))
     except ValueError as e:
         raise SettingsError(str(e)) from None
     return Settings(config, notes)

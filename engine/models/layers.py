@@ -243,11 +243,13 @@ def one_row_in_ops(keys: int) -> bool:
 
 def cpu_rows_attention(q: mx.array, keys: mx.array) -> bool:
     """Whether a decode step's or a verify's rows attend in the engine's own CPU operation
-    (engine/cpu_ext.cpp) rather than in MLX's operations: on the CPU in float32, where it is built
-    for the heads' shape. It reads each key and value once and takes the softmax in the same pass:
-    one query over 4,000 keys (6 heads, 2 K/V heads of 64) 87-162 us a layer against 278-345 in
-    operations, over 64 keys 10-12 against 37-41 (dev CPU, `python scripts/bench_cpu_attention.py`)."""
-    return cpu_ext.serves(cpu_ext.ATTENTION, q, keys) and cpu_ext.supports(q.shape[1] // keys.shape[1], q.shape[-1])
+    (engine/cpu_ext.cpp) rather than in MLX's operations: on the CPU in float32 (the keys and
+    values float32 or a half cache's), where it is built for the heads' shape. It reads each key and
+    value once and takes the softmax in the same pass: one query over 4,000 keys (6 heads, 2 K/V
+    heads of 64) 87-162 us a layer against 278-345 in operations, over 64 keys 10-12 against 37-41
+    (dev CPU, `python scripts/bench_cpu_attention.py`)."""
+    return (cpu_ext.serves(cpu_ext.ATTENTION, q) and keys.dtype in cpu_ext.KV_DTYPES
+            and cpu_ext.supports(q.shape[1] // keys.shape[1], q.shape[-1]))
 
 
 def cpu_causal_attention(q: mx.array, keys: mx.array) -> bool:
@@ -326,6 +328,10 @@ class Attention(nn.Module):
         keys, values = cache.write(k, v)
         if not batch.deferred:
             cache.advance(T)
+        if keys.dtype != q.dtype and not ((T == 1 or batch.tree_mask is not None) and cpu_rows_attention(q, keys)):
+            # a half cache (KVCache.dtype) read by a path that takes the queries' type: its rows
+            # widened here, a copy of the context; the CPU's rows attention reads the halves itself
+            keys, values = keys.astype(q.dtype), values.astype(q.dtype)
         if (T == 1 or batch.tree_mask is not None) and attention_kernel.SWITCH.enabled() \
                 and attention_kernel.covers(q, keys, values) and self.scale == q.shape[-1] ** -0.5:
             # one or two launches instead of four to seven (engine/attention_rows.py; on by default on CUDA)

@@ -77,6 +77,27 @@ def test_rows_do_not_depend_on_each_other(rng):
     assert np.array_equal(three, nine[:, :, pick])
 
 
+@pytest.mark.parametrize("kv", [mx.float16, mx.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(6, 2, 64), (2, 1, 32), (4, 4, 128), (8, 1, 16), (16, 2, 256)])
+@pytest.mark.parametrize(("prefix", "nodes"), [(1, 0), (1500, 0), (0, 5), (700, 17)])
+def test_a_half_cache_reads_as_its_float32_copy(kv, heads, kv_heads, dim, prefix, nodes, rng):
+    """Keys and values stored as halves (KVCache.dtype, --kv-dtype) are widened in the load: the
+    same bits as the float32 operation over their float32 copies, for a decode row (nodes = 0) and
+    a verify's rows, over a view of a longer buffer and over a transposed (non-contiguous) copy.
+    Small, subnormal and large values included."""
+    rows = max(1, nodes)
+    q = arr(rng.normal(size=(1, heads, rows, dim)) * 2)
+    scales = rng.choice([1e-6, 1e-2, 1.0, 100.0], size=(1, kv_heads, prefix + nodes + 9, dim))
+    kbuf, vbuf = (mx.array((rng.normal(size=scales.shape) * scales).astype(np.float32)).astype(kv) for _ in range(2))
+    k, v = kbuf[:, :, : prefix + nodes], vbuf[:, :, : prefix + nodes]
+    seen = mx.array(tree_mask(rng, nodes)) if nodes else None
+    got = cpu_ext.rows_attention(q, k, v, dim**-0.5, prefix, seen)
+    want = cpu_ext.rows_attention(q, k.astype(mx.float32), v.astype(mx.float32), dim**-0.5, prefix, seen)
+    assert np.array_equal(np.array(got), np.array(want))
+    strided = mx.array(np.array(k.astype(mx.float32)).transpose(0, 1, 3, 2)).astype(kv).transpose(0, 1, 3, 2)
+    assert np.array_equal(np.array(cpu_ext.rows_attention(q, strided, v, dim**-0.5, prefix, seen)), np.array(want))
+
+
 def test_bad_shapes_are_refused(rng):
     q = arr(rng.normal(size=(1, 6, 2, 64)))
     k = arr(rng.normal(size=(1, 2, 10, 64)))
@@ -89,6 +110,10 @@ def test_bad_shapes_are_refused(rng):
         cpu_ext.rows_attention(q, k, k, 0.125, 8, mx.ones((2, 3), dtype=mx.bool_))
     with pytest.raises(ValueError, match="float32"):
         cpu_ext.rows_attention(q.astype(mx.float16), k, k, 0.125, 10)
+    with pytest.raises(ValueError, match="the same"):  # a half cache's keys and values share a type
+        cpu_ext.rows_attention(q, k.astype(mx.float16), k, 0.125, 10)
+    with pytest.raises(ValueError, match="the same"):
+        cpu_ext.rows_attention(q, k.astype(mx.int32), k.astype(mx.int32), 0.125, 10)
     assert not cpu_ext.supports(3, 48) and cpu_ext.supports(3, 64)
 
 

@@ -186,6 +186,29 @@ def test_spec_grows_the_kv_cache_past_its_first_block(engine, sampling):
     assert len(prompt) + len(plain) > KV_STEP + 32
 
 
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("kv", ["float16", "bfloat16"])
+@pytest.mark.parametrize("rows_op", [True, False], ids=["rows-operation", "widened"])
+def test_a_half_kv_cache_keeps_speculation_lossless(tiny_qwen35, sampling, kv, rows_op, monkeypatch):
+    """--kv-dtype: K/V rounded to a half as they are written, read by the CPU's rows attention in
+    place or widened for MLX's operations (the other backends' paths): speculation still emits
+    plain decoding's tokens, the commit included (fans and random trees across the first block)."""
+    from engine import cpu_ext
+    from engine.cache import KV_STEP
+
+    monkeypatch.setattr(cpu_ext, "ATTENTION", rows_op)
+    half = Engine(EngineConfig(model_path=str(tiny_qwen35), prefill_chunk=16, dtype="float32", kv_dtype=kv))
+    prompt = [int(t) for t in np.random.RandomState(8).randint(0, 500, size=KV_STEP - 20)]
+    long = dataclasses.replace(sampling, max_tokens=60)
+    plain = generate(half, prompt, long)
+    spec = SpecConfig(method="none", budget=12, max_depth=6, adaptive=False)
+    for drafter in (OracleDrafter(plain.tokens, len(prompt), fan=4), RandomTreeDrafter(5, 512, plain.tokens)):
+        out = generate(half, prompt, long, spec, drafter)
+        assert out.tokens == plain.tokens and out.stats.accepted > 0
+    caches = [c for c in half.make_cache() if hasattr(c, "offset")]
+    assert caches and all(str(c.dtype) == f"mlx.core.{kv}" for c in caches)
+
+
 @pytest.mark.skipif(__import__("engine.kernels", fromlist=["gpu_backend"]).gpu_backend() is None,
                     reason="the fused kernels run on a GPU backend")
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "seeded"])

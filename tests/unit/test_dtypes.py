@@ -23,3 +23,20 @@ def test_explicit_names_and_errors():
     assert EngineConfig(model_path="x").dtype == "auto"
     with pytest.raises(ValueError, match="dtype must be one of"):
         EngineConfig(model_path="x", dtype="fp8")
+
+
+def test_the_kv_dtype_flag_reaches_the_engine_config(tiny_qwen35):
+    """--kv-dtype: auto unless given; a name it does not know is refused by the parser (exit 2,
+    the choices named) and by EngineConfig itself."""
+    from engine.config import EngineConfig
+    from server.cli import build_parser
+    from server.cli_settings import engine_settings
+
+    parser = build_parser()
+    run = ["run", "--model", str(tiny_qwen35), "-m", "hi"]
+    assert engine_settings(parser.parse_args(run)).config.kv_dtype == "auto"
+    assert engine_settings(parser.parse_args([*run, "--kv-dtype", "float16"])).config.kv_dtype == "float16"
+    with pytest.raises(SystemExit):
+        parser.parse_args([*run, "--kv-dtype", "int8"])
+    with pytest.raises(ValueError, match="kv_dtype must be one of"):
+        EngineConfig(model_path=str(tiny_qwen35), kv_dtype="int8")
