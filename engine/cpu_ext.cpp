@@ -359,14 +359,12 @@ inline float lanes_max(v16 x) {
 // x in all 16 lanes (one broadcast; `(v16){} + x` is an add first, since 0 + -0 is +0).
 inline v16 splat(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 
-// A query q (DV x 16 floats, in registers) against one key row: its lane products, fused where
-// the CPU fuses; lanes_sum of it is the score.
 // 16 keys' or values' elements as floats, from a float32 cache or a half one (engine/cache.py
 // KVCache.dtype): a half is widened exactly, in the load, so a half cache's rows attend with the
 // arithmetic and the bits of their float32 copies, and half the bytes come from memory (one row over
-// 4,000 / 16,000 / 32,000 keys, 2 K/V heads of 64: 1.25-1.65x faster, dev CPU; BENCHMARKS.md,
-// issue 17, fifty-third session). Widening into a buffer first, then the float32 loop, was slower
-// than float32 itself.
+// 4,000 / 16,000 / 32,000 keys, 2 K/V heads of 64, the cache's rows from memory: 1.2-1.7x faster,
+// dev CPU; BENCHMARKS.md, issue 17, fifty-third session). Widening into a buffer first, then the
+// float32 loop, was slower than float32 itself.
 struct f16_bits {  // an IEEE half's bits
   uint16_t b;
 };
@@ -404,6 +402,8 @@ inline v16 load16(const f16_bits* p) {
 #endif
 }
 
+// A query q (DV x 16 floats, in registers) against one key row: its lane products, fused where
+// the CPU fuses; lanes_sum of it is the score.
 template <int DV, typename KT = float>
 inline v16 dot_lanes(const v16* q, const KT* key) {
   v16 a = q[0] * load16(key);
