@@ -106,25 +106,16 @@ const T* dense_as(const mx::array& a, std::vector<T>& tmp) {
 
 inline const float* dense(const mx::array& a, std::vector<float>& tmp) { return dense_as<float>(a, tmp); }
 
-// A [1, Hkv, L, D] input as rows of D floats: its base and head and row strides, in place where
-// its rows are contiguous (a cache buffer's view), else gathered into `tmp`.
-void rows_view(const mx::array& a, std::vector<float>& tmp, const float** base, int64_t* head, int64_t* row) {
+// A [1, Hkv, L, D] input as rows of D elements (floats, or a half cache's 16-bit values): its base
+// and head and row strides, in place where its rows are contiguous (a cache buffer's view), else
+// gathered into `tmp`.
+template <typename T>
+void rows_view(const mx::array& a, std::vector<T>& tmp, const T** base, int64_t* head, int64_t* row) {
   if (a.strides(3) == 1) {
-    *base = a.data<float>(), *head = a.strides(1), *row = a.strides(2);
+    *base = a.data<T>(), *head = a.strides(1), *row = a.strides(2);
     return;
   }
-  *base = dense(a, tmp), *row = a.shape(3), *head = (int64_t)a.shape(2) * a.shape(3);
-}
-
-// rows_view for a float16 / bfloat16 input (a half cache): its 16-bit elements, in place where its
-// rows are contiguous.
-void half_rows_view(const mx::array& a, std::vector<uint16_t>& tmp, const uint16_t** base, int64_t* head,
-                    int64_t* row) {
-  if (a.strides(3) == 1) {
-    *base = a.data<uint16_t>(), *head = a.strides(1), *row = a.strides(2);
-    return;
-  }
-  *base = dense_as<uint16_t>(a, tmp), *row = a.shape(3), *head = (int64_t)a.shape(2) * a.shape(3);
+  *base = dense_as<T>(a, tmp), *row = a.shape(3), *head = (int64_t)a.shape(2) * a.shape(3);
 }
 
 // A primitive whose CPU evaluation runs `body` on (weak copies of) its inputs and its freshly
@@ -208,6 +199,7 @@ struct AttentionJob {
   int64_t k2_head, k2_row, v2_head, v2_row;
   float* out;        // [H, N, D]
   int64_t k_head, k_row, v_head, v_row;
+  mx::Dtype kv = mx::float32;  // what k, v, k2 and v2 hold (chunk_kernel's element type)
   int H, Hkv, N, D, prefix;
   float scale;
   int chunks;  // chunks a row of the longest key list has
@@ -217,7 +209,7 @@ struct AttentionJob {
   // per item (KV head, row, chunk): G maxima, G sums, G x D weighted values
   std::vector<float> partial;
   float* parts = nullptr;  // partial's data, written by the items
-  void (*kernel)(const AttentionJob&, int, int, int, int) = nullptr;  // chunk_kernel(G, D)
+  void (*kernel)(const AttentionJob&, int, int, int, int) = nullptr;  // chunk_kernel(G, D, kv)
   int stride() const { return (H / Hkv) * (2 + D); }
 };
 
@@ -668,9 +660,7 @@ void join_chunks(AttentionJob& job) {
 
 // The job's rows (their prefix and tree_keys set) on the pool's threads, then joined into out.
 void run_attention(AttentionJob& job) {
-  if (job.kernel == nullptr) {
-    job.kernel = chunk_kernel(job.H / job.Hkv, job.D);
-  }
+  job.kernel = chunk_kernel(job.H / job.Hkv, job.D, job.kv);
   job.counts.resize(job.N);
   int longest = 0;
   for (int n = 0; n < job.N; ++n) {
@@ -722,10 +712,10 @@ mx::array rows_attention(const mx::array& q, const mx::array& keys, const mx::ar
       rows_view(k, k_rows, &job.k, &job.k_head, &job.k_row);
       rows_view(v, v_rows, &job.v, &job.v_head, &job.v_row);
     } else {  // a half cache: its elements read in place, as the item kernel for their type reads them
-      job.kernel = chunk_kernel(job.H / job.Hkv, job.D, k.dtype());
+      job.kv = k.dtype();
       const uint16_t *kh, *vh;
-      half_rows_view(k, kh_rows, &kh, &job.k_head, &job.k_row);
-      half_rows_view(v, vh_rows, &vh, &job.v_head, &job.v_row);
+      rows_view(k, kh_rows, &kh, &job.k_head, &job.k_row);
+      rows_view(v, vh_rows, &vh, &job.v_head, &job.v_row);
       job.k = reinterpret_cast<const float*>(kh), job.v = reinterpret_cast<const float*>(vh);
     }
     job.k2 = job.k, job.v2 = job.v;  // a row's tree keys are in the same buffer, after the prefix

@@ -328,7 +328,8 @@ class Attention(nn.Module):
         keys, values = cache.write(k, v)
         if not batch.deferred:
             cache.advance(T)
-        if keys.dtype != q.dtype and not ((T == 1 or batch.tree_mask is not None) and cpu_rows_attention(q, keys)):
+        cpu_rows = (T == 1 or batch.tree_mask is not None) and cpu_rows_attention(q, keys)
+        if keys.dtype != q.dtype and not cpu_rows:
             # a half cache (KVCache.dtype) read by a path that takes the queries' type: its rows
             # widened here, a copy of the context; the CPU's rows attention reads the halves itself
             keys, values = keys.astype(q.dtype), values.astype(q.dtype)
@@ -337,7 +338,7 @@ class Attention(nn.Module):
             # one or two launches instead of four to seven (engine/attention_rows.py; on by default on CUDA)
             out = attention_kernel.attention_rows(q, keys, values, batch.tree_mask)
             return out.reshape(1, T, -1)
-        if (T == 1 or batch.tree_mask is not None) and cpu_rows_attention(q, keys):
+        if cpu_rows:
             # one operation of the engine's own instead of eight (engine/cpu_ext.cpp): a decode
             # step and a verify's rows alike, so that a verify row sees what the step would
             prefix = keys.shape[2] - (T if batch.tree_mask is not None else 0)
