@@ -18,10 +18,13 @@ the logged N gives).
   weight exp(-(k - 1) / 7). Saved in z-lab's layout (config.json with dflash_config,
   model.safetensors in bf16).
 - mtp: the Qwen3.5 MTP head. Row i of a sequence is (embed(x_{i+1}), h_i) at position i and
-  predicts x_{i+2} (h = the target's final-normed hidden state); a second, unrolled pass feeds
-  the head its own outputs (row i: (embed(x_{i+2}), y_i) at position i + 1, seeing the first pass's
-  rows up to i) and predicts x_{i+3}, as recursive drafting does. Saved as `mtp.*` tensors (HF
-  layout, zero-centred norms) in mtp.safetensors, bf16.
+  predicts x_{i+2} (h = the target's final-normed hidden state); --passes K unrolls recursive
+  drafting K deep: pass k feeds the head its own outputs (row i: (embed(x_{i+k}), pass k-1's output)
+  at position i + k - 1, seeing the first pass's rows up to i and its own earlier passes' row i, as
+  the engine's draft sees its cache) and predicts x_{i+k+1}, with loss weight --pass-decay^(k-1).
+  --soft S moves a share S of each pass's loss from the recorded token to the target's own
+  distribution there (read from the recorded hidden state and the tied lm_head). Saved as `mtp.*`
+  tensors (HF layout, zero-centred norms) in mtp.safetensors, bf16.
 - weaver: the Weaver adapter over a trained DFlash drafter (frozen, run on the fly). Teacher forcing
   along the target's own continuation: for an anchor a, the prompt is the target's final-normed
   hidden state at a - 1 and DFlash's hidden states of the block; the node at depth d is x_{a+d}
@@ -127,78 +130,113 @@ def dflash_eval(model, embed, mask_id, block, data: Data, slots, seqs: list[Sequ
 # ---------------------------------------------------------------- MTP
 
 def mtp_batch(data: Data, seqs: list[Sequence], final_slot: int):
+    """tokens [B, T], the target's final-normed hidden states [B, T, H], sequence and prompt lengths."""
     toks, hidden = data.batch(seqs, [final_slot])
-    B, T = toks.shape
     lengths = torch.tensor([s.length for s in seqs])
     prompt = torch.tensor([s.prompt_len for s in seqs])
-    idx = torch.arange(T)[None]
-    # row i predicts x_{i+2} (first pass) and x_{i+3} (second pass): trained where those are continuation tokens
-    valid1 = (idx + 2 < lengths[:, None]) & (idx + 2 >= prompt[:, None])
-    valid2 = (idx + 3 < lengths[:, None]) & (idx + 3 >= prompt[:, None])
-    return toks, hidden, valid1, valid2
+    return toks, hidden, lengths, prompt
 
 
-def mtp_two_pass(model: draft_heads.MTP, embed, toks, hidden):
-    """-> (first-pass outputs [B, T-2, H] for x_{i+2}, second-pass outputs [B, T-3, H] for x_{i+3})."""
-    B, T = toks.shape
-    n1 = T - 2
-    e1 = F.embedding(toks[:, 1 : 1 + n1], embed)
-    pos1 = torch.arange(n1)[None].expand(B, n1)
-    y1 = model(e1, hidden[:, :n1], pos1)
-    n2 = T - 3
-    e2 = F.embedding(toks[:, 2 : 2 + n2], embed)
-    y2 = model.second_pass(e1, hidden[:, :n1], pos1, e2, y1[:, :n2])
-    return y1, y2
+def pass_valid(T: int, k: int, lengths: torch.Tensor, prompt: torch.Tensor) -> torch.Tensor:
+    """[B, T-1-k]: pass k's row i predicts x_{i+k+1}; trained where that is a continuation token."""
+    idx = torch.arange(T - 1 - k)[None] + k + 1
+    return (idx < lengths[:, None].to(idx.device)) & (idx >= prompt[:, None].to(idx.device))
 
 
-def add_second_pass(mtp_cls) -> None:
-    """MTP.second_pass: rows of the unrolled step attend to the first pass's rows up to their own
-    source row and to themselves (recursive drafting's view of the head's cache)."""
-
-    def second_pass(self, e1, h1, pos1, e2, y1):
-        x1 = self.fc(torch.cat([self.pre_fc_norm_embedding(e1), self.pre_fc_norm_hidden(h1)], -1))
-        x2 = self.fc(torch.cat([self.pre_fc_norm_embedding(e2), self.pre_fc_norm_hidden(y1)], -1))
-        n1, n2 = x1.shape[1], x2.shape[1]
-        x = torch.cat([x1, x2], 1)
-        pos = torch.cat([pos1, pos1[:, :n2] + 1], 1)
-        pe = self.rotary(x, pos[None].expand(3, -1, -1))  # as MTP.forward: 3 equal M-RoPE rows
-        i1, i2 = torch.arange(n1), torch.arange(n2)
-        see = torch.zeros(n1 + n2, n1 + n2, dtype=torch.bool)
-        see[:n1, :n1] = i1[None, :] <= i1[:, None]
-        see[n1:, :n1] = i1[None, :] <= i2[:, None]  # row i of pass 2 sees pass-1 rows 0..i
-        see[n1 + i2, n1 + i2] = True
-        mask = torch.zeros(see.shape).masked_fill(~see, float("-inf"))[None, None]
-        for layer in self.layers:
-            x = layer(x, position_embeddings=pe, attention_mask=mask)
-        return self.norm(x)[:, n1:]
-
-    mtp_cls.second_pass = second_pass
+def unrolled_mask(rows: list[int]) -> torch.Tensor:
+    """The additive mask over the rows of passes 1..K (rows[k-1] of pass k, concatenated): pass 1's
+    row i sees pass 1's rows 0..i (the committed rows of the head's cache); pass j's row i (j >= 2)
+    sees those and the rows i of passes 2..j, as depth j of a recursive draft sees the committed
+    rows and the draft's own earlier depths."""
+    which = torch.cat([torch.full((n,), k) for k, n in enumerate(rows)])
+    where = torch.cat([torch.arange(n) for n in rows])
+    q_pass, q_row = which[:, None], where[:, None]
+    k_pass, k_row = which[None, :], where[None, :]
+    see = ((k_pass == 0) & (k_row <= q_row)) | ((k_pass >= 1) & (k_pass <= q_pass) & (k_row == q_row))
+    return torch.zeros(see.shape).masked_fill(~see, float("-inf"))[None, None]
 
 
-def mtp_loss(model, embed, batch):
-    toks, hidden, valid1, valid2 = batch
-    y1, y2 = mtp_two_pass(model, embed, toks, hidden)
+def add_unrolled(mtp_cls) -> None:
+    """MTP.unrolled: K passes of recursive drafting under teacher forcing. Pass 1's row i is
+    (embed(x_{i+1}), h_i) at position i; pass k's row i is (embed(x_{i+k}), pass k-1's output of
+    row i) at position i + k - 1 and predicts x_{i+k+1}. Each pass runs the layer over the rows of
+    every pass so far (the earlier rows' keys and values are those of the earlier passes: one layer,
+    so a row's K/V depend only on its input) and keeps its own rows' outputs."""
+
+    def unrolled(self, embed, toks, hidden, passes):
+        B, T = toks.shape
+        rows = [n for n in (T - 1 - k for k in range(1, passes + 1)) if n > 0]
+        xs: list[torch.Tensor] = []
+        outs: list[torch.Tensor] = []
+        prev = hidden[:, : rows[0]]
+        for k, n in enumerate(rows, start=1):
+            e = F.embedding(toks[:, k : k + n], embed)
+            xs.append(self.fc(torch.cat([self.pre_fc_norm_embedding(e), self.pre_fc_norm_hidden(prev[:, :n])], -1)))
+            x = torch.cat(xs, 1)
+            pos = torch.cat([torch.arange(m) + j for j, m in enumerate(rows[:k])])
+            pe = self.rotary(x, pos[None, None].expand(3, B, -1))  # as MTP.forward: 3 equal M-RoPE rows
+            mask = unrolled_mask(rows[:k])
+            for layer in self.layers:
+                x = layer(x, position_embeddings=pe, attention_mask=mask)
+            prev = self.norm(x[:, -n:])
+            outs.append(prev)
+        return outs
+
+    mtp_cls.unrolled = unrolled
+
+
+def pass_weights(passes: int, decay: float) -> list[float]:
+    return [decay**k for k in range(passes)]
+
+
+def mtp_loss(model, embed, batch, passes: int, decay: float, soft: float):
+    """Sum over passes of decay^(k-1) x the pass's mean loss over its continuation rows: (1 - soft)
+    x cross-entropy against the recorded token + soft x cross-entropy against the target's own
+    distribution there (softmax of its final-normed hidden state times the tied lm_head: what the
+    target samples from, so what a drafted token is accepted against)."""
+    toks, hidden, lengths, prompt = batch
     T = toks.shape[1]
-    v1, v2 = valid1[:, : T - 2], valid2[:, : T - 3]
-    ce1 = F.cross_entropy(y1[v1] @ embed.T, toks[:, 2:][v1])
-    ce2 = F.cross_entropy(y2[v2] @ embed.T, toks[:, 3:][v2]) if v2.any() else torch.zeros(())
-    return ce1 + 0.5 * ce2
+    total = torch.zeros(())
+    for k, (y, w) in enumerate(zip(model.unrolled(embed, toks, hidden, passes), pass_weights(passes, decay)), 1):
+        v = pass_valid(T, k, lengths, prompt)
+        if not v.any():
+            continue
+        logp = F.log_softmax(y[v] @ embed.T, -1)
+        loss = torch.zeros(())
+        if soft < 1:
+            loss = loss + (1 - soft) * F.nll_loss(logp, toks[:, k + 1 :][v])
+        if soft > 0:
+            p = F.softmax(hidden[:, k : k + y.shape[1]][v] @ embed.T, -1)
+            loss = loss - soft * (p * logp).sum(-1).mean()
+        total = total + w * loss
+    return total
 
 
 @torch.no_grad()
-def mtp_eval(model, embed, data: Data, final_slot: int, seqs: list[Sequence]) -> dict[str, float]:
+def mtp_eval(model, embed, data: Data, final_slot: int, seqs: list[Sequence], passes: int) -> dict[str, float]:
+    """Teacher-forced along the recorded continuation: depth 1's top-1 accuracy, depths 1 and 2 both
+    right, and the mean greedy prefix a chain of `passes` depths keeps from a row (depth k counted
+    only where its token is a continuation token)."""
     model.eval()
     hit1 = hit2 = n1 = n2 = 0
+    kept = 0.0
     for i in range(0, len(seqs), 16):
-        toks, hidden, valid1, valid2 = mtp_batch(data, seqs[i : i + 16], final_slot)
-        y1, y2 = mtp_two_pass(model, embed, toks, hidden)
+        toks, hidden, lengths, prompt = mtp_batch(data, seqs[i : i + 16], final_slot)
         T = toks.shape[1]
-        ok1 = ((y1 @ embed.T).argmax(-1) == toks[:, 2:]) & valid1[:, : T - 2]
-        ok2 = ((y2 @ embed.T).argmax(-1) == toks[:, 3:]) & valid2[:, : T - 3] & ok1[:, : T - 3]
-        hit1, n1 = hit1 + int(ok1.sum()), n1 + int(valid1[:, : T - 2].sum())
-        hit2, n2 = hit2 + int(ok2.sum()), n2 + int(valid2[:, : T - 3].sum())
+        ys = model.unrolled(embed, toks, hidden, passes)
+        run = None
+        for k, y in enumerate(ys, 1):
+            v = pass_valid(T, k, lengths, prompt)
+            ok = ((y @ embed.T).argmax(-1) == toks[:, k + 1 :]) & v
+            run = ok if run is None else run[:, : ok.shape[1]] & ok  # right at every depth so far
+            kept += float(run.sum())
+            if k == 1:
+                hit1, n1 = hit1 + int(ok.sum()), n1 + int(v.sum())
+            elif k == 2:
+                hit2, n2 = hit2 + int(run.sum()), n2 + int(v.sum())
     model.train()
-    return {"depth1_acc": round(hit1 / n1, 4), "depth2_both_acc": round(hit2 / max(n2, 1), 4)}
+    return {"depth1_acc": round(hit1 / max(n1, 1), 4), "depth2_both_acc": round(hit2 / max(n2, 1), 4),
+            f"chain{passes}_kept": round(kept / max(n1, 1), 4)}
 
 
 # ---------------------------------------------------------------- Weaver
@@ -300,6 +338,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--target-layers", default="1,3,5")
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--gamma", type=float, default=7.0)
+    # mtp
+    ap.add_argument("--passes", type=int, default=2, help="mtp: recursive depths unrolled in training")
+    ap.add_argument("--pass-decay", type=float, default=0.5, help="mtp: pass k's loss weight is decay^(k-1)")
+    ap.add_argument("--soft", type=float, default=0.0,
+                    help="mtp: share of the loss against the target's distribution (the rest: the recorded token)")
+    ap.add_argument("--eval-passes", type=int, default=6, help="mtp: depths of the held-out chain")
     # Weaver shape
     ap.add_argument("--dflash", type=Path, help="weaver: the trained DFlash drafter it re-scores")
     ap.add_argument("--pool", type=int, default=64, help="weaver: DFlash candidates scored per depth")
@@ -368,15 +412,15 @@ def main(argv: list[str] | None = None) -> None:
         def evaluate(seqs):
             return weaver_eval(model, dflash, embed, mask_id, block, a.pool, data, slots, seqs)
     else:
-        add_second_pass(draft_heads.MTP)
+        add_unrolled(draft_heads.MTP)
         model = draft_heads.MTP(tcfg)
         draft_heads.init_like_hf(model, seed=a.seed)
 
         def loss_fn(seqs, rng):
-            return mtp_loss(model, embed, mtp_batch(data, seqs, final_slot))
+            return mtp_loss(model, embed, mtp_batch(data, seqs, final_slot), a.passes, a.pass_decay, a.soft)
 
         def evaluate(seqs):
-            return mtp_eval(model, embed, data, final_slot, seqs)
+            return mtp_eval(model, embed, data, final_slot, seqs, a.eval_passes)
 
     if device.type == "cuda":
         data.to_device(device, slots if a.head != "mtp" else [final_slot])

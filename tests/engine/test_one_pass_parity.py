@@ -91,6 +91,43 @@ def test_mtp_head_matches_pytorch(tiny_qwen35, tmp_path, where, fuse):
     np.testing.assert_allclose(np.concatenate(got, axis=1), want, atol=2e-5)
 
 
+@pytest.mark.parametrize("passes", [1, 3])
+def test_mtp_training_unrolls_recursive_drafting(tiny_qwen35, tmp_path, passes):
+    """scripts/train_drafters.py trains the head on K recursive depths in one batched forward a
+    depth. Every row's depth-k output there is what drafting through the head's cache gives: the
+    head run causally over the committed rows 0..i, then over the draft's own depths, each fed the
+    embedding of its token and the output of the depth before (as the engine drafts, twin above)."""
+    torch = parity_module("torch")
+    tf = parity_module("transformers")
+    from safetensors.torch import load_file
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_qwen35, ckpt)
+    checkpoint_maker().add_mtp_to(ckpt, 23, "file")
+    dh = heads()
+    import train_drafters
+
+    train_drafters.add_unrolled(dh.MTP)
+    head = dh.MTP(tf.AutoConfig.from_pretrained(ckpt)).eval()
+    head.load_state_dict({k[4:]: v for k, v in load_file(ckpt / "mtp.safetensors").items()}, strict=False)
+    g = torch.Generator().manual_seed(passes)
+    B, T, V, H = 2, 9, 40, 64
+    embed = torch.randn(V, H, generator=g)
+    toks = torch.randint(0, V, (B, T), generator=g)
+    hidden = torch.randn(B, T, H, generator=g)
+    with torch.no_grad():
+        outs = head.unrolled(embed, toks, hidden, passes)
+        assert [o.shape[1] for o in outs] == [T - 1 - k for k in range(1, passes + 1)]
+        for k, out in enumerate(outs, 1):
+            for i in range(out.shape[1]):
+                e, h = embed[toks[:, 1 : i + 2]], hidden[:, : i + 1]  # the committed rows 0..i
+                y = head(e, h, torch.arange(i + 1)[None].expand(B, -1))[:, -1:]
+                for j in range(2, k + 1):  # depth j: x_{i+j} with depth j-1's output, one position on
+                    e, h = torch.cat([e, embed[toks[:, i + j : i + j + 1]]], 1), torch.cat([h, y], 1)
+                    y = head(e, h, torch.arange(e.shape[1])[None].expand(B, -1))[:, -1:]
+                np.testing.assert_allclose(out[:, i].numpy(), y[:, 0].numpy(), atol=2e-5)
+
+
 def test_weaver_matches_pytorch(tiny_dflash):
     import torch
 
