@@ -159,26 +159,44 @@ def unrolled_mask(rows: list[int]) -> torch.Tensor:
 def add_unrolled(mtp_cls) -> None:
     """MTP.unrolled: K passes of recursive drafting under teacher forcing. Pass 1's row i is
     (embed(x_{i+1}), h_i) at position i; pass k's row i is (embed(x_{i+k}), pass k-1's output of
-    row i) at position i + k - 1 and predicts x_{i+k+1}. Each pass runs the layer over the rows of
-    every pass so far (the earlier rows' keys and values are those of the earlier passes: one layer,
-    so a row's K/V depend only on its input) and keeps its own rows' outputs."""
+    row i) at position i + k - 1 and predicts x_{i+k+1}. The head's one decoder layer is written
+    out here (transformers' Qwen3.5 layer, its modules and order) so that each pass computes only
+    its own rows and attends to the keys and values the earlier passes left, as the engine's draft
+    attends to its cache: K passes cost K times one, not K^2 / 2."""
 
     def unrolled(self, embed, toks, hidden, passes):
+        from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+
+        (layer,) = self.layers
+        attn = layer.self_attn
         B, T = toks.shape
+        D = attn.head_dim
         rows = [n for n in (T - 1 - k for k in range(1, passes + 1)) if n > 0]
-        xs: list[torch.Tensor] = []
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
         outs: list[torch.Tensor] = []
         prev = hidden[:, : rows[0]]
         for k, n in enumerate(rows, start=1):
             e = F.embedding(toks[:, k : k + n], embed)
-            xs.append(self.fc(torch.cat([self.pre_fc_norm_embedding(e), self.pre_fc_norm_hidden(prev[:, :n])], -1)))
-            x = torch.cat(xs, 1)
-            pos = torch.cat([torch.arange(m) + j for j, m in enumerate(rows[:k])])
-            pe = self.rotary(x, pos[None, None].expand(3, B, -1))  # as MTP.forward: 3 equal M-RoPE rows
-            mask = unrolled_mask(rows[:k])
-            for layer in self.layers:
-                x = layer(x, position_embeddings=pe, attention_mask=mask)
-            prev = self.norm(x[:, -n:])
+            x = self.fc(torch.cat([self.pre_fc_norm_embedding(e), self.pre_fc_norm_hidden(prev[:, :n])], -1))
+            pos = torch.arange(n) + (k - 1)
+            cos, sin = self.rotary(x, pos[None, None].expand(3, B, -1))  # as MTP.forward: 3 equal M-RoPE rows
+            h = layer.input_layernorm(x)
+            q, gate = torch.chunk(attn.q_proj(h).view(B, n, -1, 2 * D), 2, dim=-1)
+            q = attn.q_norm(q).transpose(1, 2)
+            kk = attn.k_norm(attn.k_proj(h).view(B, n, -1, D)).transpose(1, 2)
+            q, kk = hf.apply_rotary_pos_emb(q, kk, cos, sin)
+            keys.append(kk)
+            values.append(attn.v_proj(h).view(B, n, -1, D).transpose(1, 2))
+            groups = q.shape[1] // kk.shape[1]
+            K = torch.cat(keys, 2).repeat_interleave(groups, 1)
+            V = torch.cat(values, 2).repeat_interleave(groups, 1)
+            mask = unrolled_mask(rows[:k])[..., -n:, :]
+            o = F.scaled_dot_product_attention(q, K, V, attn_mask=mask, scale=attn.scaling)
+            o = o.transpose(1, 2).reshape(B, n, -1) * torch.sigmoid(gate.reshape(B, n, -1))
+            x = x + attn.o_proj(o)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            prev = self.norm(x)
             outs.append(prev)
         return outs
 
@@ -196,6 +214,7 @@ def mtp_loss(model, embed, batch, passes: int, decay: float, soft: float):
     target samples from, so what a drafted token is accepted against)."""
     toks, hidden, lengths, prompt = batch
     T = toks.shape[1]
+    target = F.softmax(hidden @ embed.T, -1) if soft > 0 else None  # [B, T, V]: row j is x_{j+1}'s
     total = torch.zeros(())
     for k, (y, w) in enumerate(zip(model.unrolled(embed, toks, hidden, passes), pass_weights(passes, decay)), 1):
         v = pass_valid(T, k, lengths, prompt)
@@ -205,9 +224,8 @@ def mtp_loss(model, embed, batch, passes: int, decay: float, soft: float):
         loss = torch.zeros(())
         if soft < 1:
             loss = loss + (1 - soft) * F.nll_loss(logp, toks[:, k + 1 :][v])
-        if soft > 0:
-            p = F.softmax(hidden[:, k : k + y.shape[1]][v] @ embed.T, -1)
-            loss = loss - soft * (p * logp).sum(-1).mean()
+        if target is not None:
+            loss = loss - soft * (target[:, k : k + y.shape[1]][v] * logp).sum(-1).mean()
         total = total + w * loss
     return total
 
