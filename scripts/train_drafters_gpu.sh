@@ -26,13 +26,7 @@ left() { echo $((TOTAL - ($(date +%s) - START))); }
 
 HEADS=${HEADS:-dflash mtp weaver}
 has() { [[ " $HEADS " == *" $1 "* ]]; }
-if [[ -f $DATA/summary.json ]] && grep -q "\"prompts\": \"$PROMPTS\"" "$DATA/summary.json"; then
-    echo "reusing $DATA"
-else
-    python scripts/drafter_data.py --prompts "$PROMPTS" --out "$DATA" --new-tokens "${NEW_TOKENS:-192}" \
-        --batch "${GEN_BATCH:-512}" >"$OUT/data.log" 2>&1
-    tail -n 1 "$OUT/data.log"
-fi
+source scripts/drafter_data_gpu.sh
 
 mtp() {  # $1: seconds
     python scripts/train_drafters.py mtp --data "$DATA" --out "$OUT/mtp" --steps 0 --max-seconds "$1" \

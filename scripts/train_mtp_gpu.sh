@@ -20,13 +20,7 @@ mkdir -p "$OUT"
 START=$(date +%s)
 left() { echo $((TOTAL - ($(date +%s) - START))); }
 
-if [[ -f $DATA/summary.json ]] && grep -q "\"prompts\": \"$PROMPTS\"" "$DATA/summary.json"; then
-    echo "reusing $DATA"
-else
-    python scripts/drafter_data.py --prompts "$PROMPTS" --out "$DATA" --new-tokens "${NEW_TOKENS:-192}" \
-        --batch "${GEN_BATCH:-512}" >"$OUT/data.log" 2>&1
-    tail -n 1 "$OUT/data.log"
-fi
+source scripts/drafter_data_gpu.sh
 
 # what is left, less 45 s for the loads, the final held-out evaluations and the saves
 T=$(($(left) - 45))
