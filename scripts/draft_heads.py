@@ -179,6 +179,62 @@ class MTP(nn.Module):
             x = layer(x, position_embeddings=pe, attention_mask=causal)
         return self.norm(x)
 
+    def unrolled(self, embed: torch.Tensor, toks: torch.Tensor, hidden: torch.Tensor,
+                 passes: int) -> list[torch.Tensor]:
+        """K passes of recursive drafting under teacher forcing. Pass 1's row i is
+        (embed(x_{i+1}), h_i) at position i; pass k's row i is (embed(x_{i+k}), pass k-1's output of
+        row i) at position i + k - 1 and predicts x_{i+k+1}. The head's one decoder layer is written
+        out here (transformers' Qwen3.5 layer, its modules and order) so that each pass computes only
+        its own rows and attends to the keys and values the earlier passes left, as the engine's draft
+        attends to its cache: K passes cost K times one, not K^2 / 2."""
+        from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+
+        (layer,) = self.layers
+        attn = layer.self_attn
+        B, T = toks.shape
+        D = attn.head_dim
+        rows = [n for n in (T - 1 - k for k in range(1, passes + 1)) if n > 0]
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        outs: list[torch.Tensor] = []
+        prev = hidden[:, : rows[0]]
+        for k, n in enumerate(rows, start=1):
+            e = F.embedding(toks[:, k : k + n], embed)
+            x = self.fc(torch.cat([self.pre_fc_norm_embedding(e), self.pre_fc_norm_hidden(prev[:, :n])], -1))
+            pos = torch.arange(n) + (k - 1)
+            cos, sin = self.rotary(x, pos[None, None].expand(3, B, -1))  # as MTP.forward: 3 equal M-RoPE rows
+            h = layer.input_layernorm(x)
+            q, gate = torch.chunk(attn.q_proj(h).view(B, n, -1, 2 * D), 2, dim=-1)
+            q = attn.q_norm(q).transpose(1, 2)
+            kk = attn.k_norm(attn.k_proj(h).view(B, n, -1, D)).transpose(1, 2)
+            q, kk = hf.apply_rotary_pos_emb(q, kk, cos, sin)
+            keys.append(kk)
+            values.append(attn.v_proj(h).view(B, n, -1, D).transpose(1, 2))
+            groups = q.shape[1] // kk.shape[1]
+            K = torch.cat(keys, 2).repeat_interleave(groups, 1)
+            V = torch.cat(values, 2).repeat_interleave(groups, 1)
+            mask = unrolled_mask(rows[:k])[..., -n:, :]
+            o = F.scaled_dot_product_attention(q, K, V, attn_mask=mask, scale=attn.scaling)
+            o = o.transpose(1, 2).reshape(B, n, -1) * torch.sigmoid(gate.reshape(B, n, -1))
+            x = x + attn.o_proj(o)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            prev = self.norm(x)
+            outs.append(prev)
+        return outs
+
+
+def unrolled_mask(rows: list[int]) -> torch.Tensor:
+    """The additive mask over the rows of passes 1..K (rows[k-1] of pass k, concatenated): pass 1's
+    row i sees pass 1's rows 0..i (the committed rows of the head's cache); pass j's row i (j >= 2)
+    sees those and the rows i of passes 2..j, as depth j of a recursive draft sees the committed
+    rows and the draft's own earlier depths."""
+    which = torch.cat([torch.full((n,), k) for k, n in enumerate(rows)])
+    where = torch.cat([torch.arange(n) for n in rows])
+    q_pass, q_row = which[:, None], where[:, None]
+    k_pass, k_row = which[None, :], where[None, :]
+    see = ((k_pass == 0) & (k_row <= q_row)) | ((k_pass >= 1) & (k_pass <= q_pass) & (k_row == q_row))
+    return torch.zeros(see.shape).masked_fill(~see, float("-inf"))[None, None]
+
 
 def init_like_hf(module: nn.Module, std: float = 0.02, seed: int = 0) -> None:
     """Normal(0, std) matrices; norms as their classes initialise them. Drawn on the CPU whatever the

@@ -94,9 +94,10 @@ def test_mtp_head_matches_pytorch(tiny_qwen35, tmp_path, where, fuse):
 @pytest.mark.parametrize("passes", [1, 3])
 def test_mtp_training_unrolls_recursive_drafting(tiny_qwen35, tmp_path, passes):
     """scripts/train_drafters.py trains the head on K recursive depths in one batched forward a
-    depth. Every row's depth-k output there is what drafting through the head's cache gives: the
-    head run causally over the committed rows 0..i, then over the draft's own depths, each fed the
-    embedding of its token and the output of the depth before (as the engine drafts, twin above)."""
+    depth (draft_heads.MTP.unrolled). Every row's depth-k output there is what drafting through the
+    head's cache gives: the head run causally over the committed rows 0..i, then over the draft's
+    own depths, each fed the embedding of its token and the output of the depth before (as the
+    engine drafts, twin above)."""
     torch = parity_module("torch")
     tf = parity_module("transformers")
     from safetensors.torch import load_file
@@ -105,9 +106,6 @@ def test_mtp_training_unrolls_recursive_drafting(tiny_qwen35, tmp_path, passes):
     shutil.copytree(tiny_qwen35, ckpt)
     checkpoint_maker().add_mtp_to(ckpt, 23, "file")
     dh = heads()
-    import train_drafters
-
-    train_drafters.add_unrolled(dh.MTP)
     head = dh.MTP(tf.AutoConfig.from_pretrained(ckpt)).eval()
     head.load_state_dict({k[4:]: v for k, v in load_file(ckpt / "mtp.safetensors").items()}, strict=False)
     g = torch.Generator().manual_seed(passes)
