@@ -1,5 +1,5 @@
-/* cblas_sgemm for MLX's Linux CPU backend: products of 2 to 33 rows computed here, on every core,
- * without packing; products of one row or one column go to cblas_sgemv; the rest to OpenBLAS.
+/* cblas_sgemm for MLX's Linux CPU backend: products of 1 to 33 rows computed here, on every core,
+ * without packing; products of one column go to cblas_sgemv; the rest to OpenBLAS.
  *
  * Why: MLX's CPU matmul calls cblas_sgemm for every float32 product (mlx 0.32,
  * mlx/backend/cpu/gemms/cblas.cpp). A decode step multiplies one row by every weight, a verify
@@ -13,9 +13,9 @@
  *
  * Batch invariance: every output element of x @ W.T is one dot product, summed in the same order
  * (16 lanes along K, then a fixed tree over the lanes) whatever the row count, the tile it falls
- * in or the thread that computes it. So a row's result is bitwise the same in a verify of 2 rows
- * or of 33; the tests hold that. (A one-row step by a weight not registered below goes through
- * OpenBLAS's GEMV, which sums in its own order: see SMALL_ROWS_FROM.)
+ * in or the thread that computes it. So a row's result is bitwise the same in a decode step of one
+ * row and in a verify of 2 or of 33; the tests hold that (tests/engine/test_lossless.py, a verify
+ * row against the plain step, through the engine).
  *
  * Half-width weights: a checkpoint stored in bfloat16 runs in float32 on the CPU, so every weight
  * value is a bfloat16 whose low 16 bits are zero: half of the bytes a step reads (the bundled
@@ -56,15 +56,20 @@ enum { NO_TRANS = 111, TRANS = 112 };
  * by the multiply-adds, and past ~64 OpenBLAS's packed GEMM is faster; 33 is a tree of 32 drafted
  * nodes and its root. */
 #define SMALL_ROWS 33
-/* One-row products stay with OpenBLAS's GEMV (threaded like this file): it streams a weight as fast
- * as this file does alone, but a decode step's host thread builds the next step's graph meanwhile,
- * and on two cores that starved this file's helper more than OpenBLAS's. The "mid" checkpoint of
- * scripts/bench_decode.py (150 M parameters, hidden 1024) decoded at 33.1-33.6 tok/s with one-row
- * products here against 36.3-37.5 through the GEMV, alternated twice; the bundled model, within
- * the noise either way. */
-#define SMALL_ROWS_FROM 2
-/* Products of up to this many rows that the kernels here do not take (one row; A and B both
- * transposed) run as one cblas_sgemv a row: OpenBLAS's GEMM packs for them too. */
+/* One-row products take the small-row path too, so that a decode step's row is bitwise a verify
+ * row's. They went to OpenBLAS's GEMV before, which sums in its own order: a verify row's logits
+ * were then ~1e-5 from the plain step's (the bundled target's GDN gate projections, too small to
+ * get half-width copies; every weight of a float32 checkpoint whose values are not bfloat16), and
+ * after 2,048 tokens of random context a seeded draw of the bundled target flipped at the 10th
+ * token with speculation on (BENCHMARKS.md, issue 17, fifty-fifth session). The GEMV was a little
+ * faster for such weights: the "mid" checkpoint of scripts/bench_decode.py (150 M parameters,
+ * hidden 1024, float32 values) decoded at 33.1-33.6 tok/s with one-row products here against
+ * 36.3-37.5 through the GEMV (a decode step's host thread builds the next step's graph meanwhile,
+ * and on two cores that starved this file's helper more than OpenBLAS's). */
+#define SMALL_ROWS_FROM 1
+/* Products of up to this many rows that the kernels here do not take (A and B both transposed;
+ * every product with the small-row path off) run as one cblas_sgemv a row: OpenBLAS's GEMM packs
+ * for them too. */
 #define GEMV_ROWS 4
 /* Below this many multiply-adds a product runs on the calling thread alone: waking a helper costs
  * a few microseconds. */

@@ -343,3 +343,43 @@ def test_nodes_drawn_at_once_change_no_token(engine, penalties, monkeypatch):
         assert_fan_and_random_trees_lossless(engine, sampling, "fan")
         assert bool(calls) == draw_now
         calls.clear()
+
+
+@pytest.mark.parametrize("kind", ["right", "wrong"])
+def test_a_verify_row_is_bitwise_the_plain_step(engine, kind, monkeypatch):
+    """On the CPU with the engine's products (engine/gemv_shim.c), every verify row whose path is
+    plain decoding's own tokens has bitwise the logits of the plain step at its position: the
+    output is then plain decoding's by construction, not by a margin. (A one-row product once took
+    another kernel than a verify's rows for weights without a half-width copy: logits ~1e-5 apart,
+    which flipped a seeded draw of the bundled model after 2k tokens of context.)"""
+    import mlx.core as mx
+
+    from engine import blas, forward
+
+    if mx.default_device() != mx.cpu or blas.gemv_calls() is None:
+        pytest.skip("batch invariance is the CPU's products' (the GEMV shim preloaded)")
+    verify, seen = forward.verify, []
+
+    def recording(model, cache, tree, committed_len, tokens=None):
+        logits = verify(model, cache, tree, committed_len, tokens=tokens)
+        seen.append((committed_len, tree, logits))
+        return logits
+
+    monkeypatch.setattr(forward, "verify", recording)
+    spec = SpecConfig(method="none", budget=4, max_depth=4, adaptive=False)
+    compared = 0
+    for prompt in PROMPTS:
+        seen.clear()
+        plain = generate(engine, prompt, GREEDY).tokens
+        step = {c: np.array(logits[0]) for c, _, logits in seen}
+        seen.clear()
+        drafter = OracleDrafter(plain, len(prompt), wrong=kind == "wrong")
+        assert generate(engine, prompt, GREEDY, spec, drafter).tokens == plain
+        for c, tree, logits in seen:
+            rows = np.array(logits)
+            for node in range(tree.size if kind == "right" else 1):  # the right chain: every node is plain's
+                position = c + int(tree.depths[node])
+                if position in step:
+                    assert np.array_equal(rows[node], step[position]), f"row {node} at {position}"
+                    compared += 1
+    assert compared > len(PROMPTS) * 20
