@@ -97,6 +97,8 @@
   (engine.choose_kernel.KERNEL);
 - "-cu0" / "-cu1": an MTP chain on the CPU guessing each depth's token by its argmax / by a draw at
   the uniform the target's draw will use, where the target samples (engine.drafters.mtp.COUPLED_DRAWS);
+- "-mpN": the MTP draft's stop rule at a top-1 path probability of N / 100, 0 = none
+  (engine.drafters.mtp.MIN_PATH_PROB, default 0.3);
 - "-sg0" / "-sg1": a one-token pass layer by layer / in compiled segments between the attention
   layers' cache accesses (engine.models.segments.SEGMENTS).
 
@@ -178,6 +180,7 @@ def _settings() -> dict[str, tuple[list[tuple[Any, str]], Callable[[str], tuple[
         "sg": ([(segments, "SEGMENTS")], on),
         "ck": ([(choose_kernel.KERNEL, "value")], on),
         "cu": ([(mtp, "COUPLED_DRAWS")], on),
+        "mp": ([(mtp, "MIN_PATH_PROB")], lambda rest: (int(rest) / 100,)),
         "lp": ([(launch_plan.SWITCH, "value")], on),
         "ap": ([(layer_plans.ATTENTION, "value")], on),
         "ac": ([(attention_rows, "ATTN_CHUNK")], lambda rest: (int(rest),)),

@@ -49,14 +49,9 @@ class MTPConfig:
     # make_drafter sets it to the spec's depth (by default METHOD_DEPTHS["mtp"]).
     max_steps: int = METHOD_DEPTHS["mtp"]
     top_k: int = 32
-    # Stop drafting deeper once the top-1 path's probability is below this (0: always max_steps).
-    # A depth is worth its cost while it adds more expected accepted tokens than it costs in time:
-    # on the bundled model on a 2-core CPU a depth (head + lm_head pass) is ~8 % of a round that
-    # emits ~2.4 tokens, about 0.2 tokens' worth. With 0.3 (and the compiled steps) the drafting
-    # share fell from 41 % to 30 % (ddtree) and 47 % to 35 % (chain), tokens per forward moving by
-    # at most 0.12 on any prompt (BENCHMARKS.md, "One-pass drafters"); where head steps are cheap
-    # next to a verify (a large target on a GPU), a lower bound keeps more depth.
-    min_path_prob: float = 0.3
+    # Stop drafting deeper once the top-1 path's probability is below this (0: always max_steps);
+    # None: MIN_PATH_PROB.
+    min_path_prob: float | None = None
     compiled: bool = True  # the compiled per-depth steps; False: the plain twin (tests hold them equal)
     # Where the stop rule is applied. True: every depth is read on the host before the next is
     # drafted, so the depths past the stop are never computed (the CPU, where a depth is ~1 ms of
@@ -67,6 +62,16 @@ class MTPConfig:
     # None: True on the CPU, False on a GPU.
     sync_each_depth: bool | None = None
 
+
+# MTPConfig.min_path_prob's default (a module switch, so that benchmarks can compare bounds within
+# one engine: scripts/variants.py's "-mpN" is N / 100).
+# A depth is worth its cost while it adds more expected accepted tokens than it costs in time:
+# on the bundled model on a 2-core CPU a depth (head + lm_head pass) is ~8 % of a round that
+# emits ~2.4 tokens, about 0.2 tokens' worth. With 0.3 (and the compiled steps) the drafting
+# share fell from 41 % to 30 % (ddtree) and 47 % to 35 % (chain), tokens per forward moving by
+# at most 0.12 on any prompt (BENCHMARKS.md, "One-pass drafters"); where head steps are cheap
+# next to a verify (a large target on a GPU), a lower bound keeps more depth.
+MIN_PATH_PROB = 0.3
 
 # The most committed rows the CPU's one-operation draft catches up on itself: its rows go one by
 # one, where MLX's catch-up multiplies them together (a round commits a few; a run of rounds
@@ -101,7 +106,8 @@ class MTPDrafter:
         self.embed: Callable[[mx.array], mx.array] = target.model.embed_tokens  # type: ignore[attr-defined]
         self.steps = CompiledSteps(self.logits, self.embed, head, config.max_steps - 1, self.vocab_ids) \
             if config.compiled else None
-        self.log_min_path = math.log(config.min_path_prob) if config.min_path_prob > 0 else -math.inf
+        bound = MIN_PATH_PROB if config.min_path_prob is None else config.min_path_prob
+        self.log_min_path = math.log(bound) if bound > 0 else -math.inf
         # every depth of a draft in one operation, where the CPU's is built for this head (compiled
         # steps only: the plain twin stays plain)
         self.cpu_chain = CpuChain.build(target, head, self.logits, self.vocab_ids) if config.compiled else None
