@@ -44,7 +44,9 @@ pair, MTP), `h100-9b-wide-4bit-mtp.json` (an H100, the same pair three sessions 
 later, MTP with DDTree trees and chains; two rounds of 1.2 and 2.4 s, tree shapes compiled on first
 use, dropped), `cpu-bundled-mtp-ngram.json`, `cpu-bundled-dflash-draft.json` and
 `cpu-bundled-mtp-chain.json` (the dev CPU, the bundled pair: MTP and n-gram; DFlash with DDTree
-trees and the draft model; MTP chains, with each round's rows: the head's stop rule cuts them).
+trees and the draft model; MTP chains, with each round's rows: the head's stop rule cuts them), and
+`cpu-bundled-mtp-k6.json` (the dev CPU, MTP chains and DDTree trees with the head trained on six
+recursive depths, shipped 2026-12-07).
 
 What the replay leaves out: times are drawn independently (a busy stretch of the machine is not
 modelled), and a round's time does not depend on how many tokens it accepted.
