@@ -19,7 +19,9 @@ import httpx
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-LONG = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3000, "ignore_eos": True, "temperature": 0}
+# long enough to be running still when the grace period ends: the tiny model decodes ~5,000 tokens a
+# second on the dev CPU (3,000 tokens once ran out before the signal); its server gets the context
+LONG = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 60000, "ignore_eos": True, "temperature": 0}
 
 
 def free_port() -> int:
@@ -85,7 +87,8 @@ def queued(base: str) -> int:
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_shutdown_with_a_running_stream_and_a_full_queue(tiny_checkpoint, sig):
-    with serve(tiny_checkpoint, "--max-queue", "2", "--shutdown-timeout", "1") as (proc, base):
+    args = ("--max-queue", "2", "--shutdown-timeout", "1", "--max-context", "65536")
+    with serve(tiny_checkpoint, *args) as (proc, base):
         running = Stream(base, LONG)
         running.start()
         wait_for(lambda: len(running.events) >= 3)  # role chunk and some text: it is generating
