@@ -70,7 +70,10 @@ class MTPConfig:
 # emits ~2.4 tokens, about 0.2 tokens' worth. With 0.3 (and the compiled steps) the drafting
 # share fell from 41 % to 30 % (ddtree) and 47 % to 35 % (chain), tokens per forward moving by
 # at most 0.12 on any prompt (BENCHMARKS.md, "One-pass drafters"); where head steps are cheap
-# next to a verify (a large target on a GPU), a lower bound keeps more depth.
+# next to a verify (a large target on a GPU), a lower bound keeps more depth. The head trained on
+# the target's distribution at six depths (2026-12-07) is less sure of itself, so the bound cuts its
+# chains sooner; without it (0) its chains accepted more but were not faster on the dev CPU, nor was
+# 0.15 on every prompt (BENCHMARKS.md, issue 12, fifty-fifth session).
 MIN_PATH_PROB = 0.3
 
 # The most committed rows the CPU's one-operation draft catches up on itself: its rows go one by
