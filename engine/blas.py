@@ -5,15 +5,16 @@ OpenBLAS. libmlx.so resolves cblas_sgemm dynamically, so preloading Debian's Ope
 (`apt-get install libopenblas0-pthread`) takes it over. A preload only works from process
 start, hence a re-exec. Must run before mlx is imported. Never imports mlx itself.
 
-Ahead of OpenBLAS goes a small library of the engine's own (engine/gemv_shim.c, built once per
-user with the C compiler on PATH) that runs one-row products as GEMVs and computes products of 2
-to 33 rows itself, on every core, reading each weight once: OpenBLAS 0.3.21 runs them all as full
-GEMMs that pack the whole weight first, which made a decode step's and a verify's matmuls several
-times slower than they need be. It also multiplies by bfloat16 copies of float32 weights whose
-values are bfloat16 (engine/half_weights.py): half the bytes a step reads, the same bits. Linked
-into the same library, engine/exp2_shim.c answers libm's powf(2, y) with exp2f(y): the same bits
-at a third of the time, for the CPU's exponentials (engine/cpu_exp.py). Without a compiler, or
-with SPRUCE_NO_GEMV_SHIM set, OpenBLAS is preloaded alone.
+Ahead of OpenBLAS goes a small library of the engine's own (engine/gemv_shim.c, built once per user
+with the C compiler on PATH) that computes products of 1 to 33 rows itself, on every core, reading
+each weight once, each output summed in one order whatever the row count (so a decode step's row is
+bitwise a verify row's): OpenBLAS 0.3.21 runs them all as full GEMMs that pack the whole weight
+first, which made a decode step's and a verify's matmuls several times slower than they need be. It
+also multiplies by bfloat16 copies of float32 weights whose values are bfloat16
+(engine/half_weights.py): half the bytes a step reads, the same bits. Linked into the same library,
+engine/exp2_shim.c answers libm's powf(2, y) with exp2f(y): the same bits at a third of the time,
+for the CPU's exponentials (engine/cpu_exp.py). Without a compiler, or with SPRUCE_NO_GEMV_SHIM set,
+OpenBLAS is preloaded alone.
 
 With them goes jemalloc where it is installed (`apt-get install libjemalloc2`). MLX's CPU backend
 allocates each operation's output on the thread that evaluates the graph and frees the inputs on
