@@ -31,4 +31,3 @@ TF32 = "MLX_ENABLE_TF32"
 def full_float32() -> None:
     """Default MLX_ENABLE_TF32 to 0 where the user has not set it."""
     os.environ.setdefault(TF32, "0")
-
