@@ -41,8 +41,9 @@ def test_bench_writes_json_and_markdown_without_loading_mlx(first_run, live_serv
     out, p = first_run
     report = json.loads(p.stdout.split("LOADED ", 1)[1])
     assert report["rc"] == 0, p.stderr
-    # the CLI's own settings modules only (no mlx, no model code: the bench is an HTTP client)
-    assert set(report["modules"]) <= {"engine.config", "engine.hub"}, report
+    # the CLI's own settings modules only (no mlx, no model code: the bench is an HTTP client), and
+    # engine.precision, which importing the engine package runs (an environment default, no mlx)
+    assert set(report["modules"]) <= {"engine.config", "engine.hub", "engine.precision"}, report
     result = load(out / "results.json")
     assert result.model == live_server.model_id and result.label == live_server.model_id
     assert result.settings["max_tokens"] == 8 and result.settings["context"] == 2048
