@@ -56,7 +56,7 @@ enum { NO_TRANS = 111, TRANS = 112 };
  * by the multiply-adds, and past ~64 OpenBLAS's packed GEMM is faster; 33 is a tree of 32 drafted
  * nodes and its root. */
 #define SMALL_ROWS 33
-/* One-row products take the small-row path too, so that a decode step's row is bitwise a verify
+/* The small-row path takes one-row products too, so that a decode step's row is bitwise a verify
  * row's. They went to OpenBLAS's GEMV before, which sums in its own order: a verify row's logits
  * were then ~1e-5 from the plain step's (the bundled target's GDN gate projections, too small to
  * get half-width copies; every weight of a float32 checkpoint whose values are not bfloat16), and
@@ -68,7 +68,6 @@ enum { NO_TRANS = 111, TRANS = 112 };
  * and on two cores that starved this file's helper more than OpenBLAS's). For small weights the
  * GEMV's call cost more than the arithmetic: the tests' tiny model decodes ~4,800 tok/s with them
  * here against ~2,500 through it. */
-#define SMALL_ROWS_FROM 1
 /* Products of up to this many rows that the kernels here do not take (A and B both transposed;
  * every product with the small-row path off) run as one cblas_sgemv a row: OpenBLAS's GEMM packs
  * for them too. */
@@ -818,7 +817,7 @@ void cblas_sgemm(int order, int trans_a, int trans_b, int M, int N, int K, float
       return;
     }
   }
-  const int small = order == ROW_MAJOR && M >= SMALL_ROWS_FROM && N >= 1 && K >= 1 && M <= rows_limit;
+  const int small = order == ROW_MAJOR && M >= 1 && N >= 1 && K >= 1 && M <= rows_limit;
   if (small && trans_a == NO_TRANS && trans_b == TRANS) { /* x @ W.T: a linear layer */
     const product p = {M, N, K, alpha, beta, A, B, C, lda, ldb, ldc, 0, NULL};
     pooled(&p, columns, 4);

@@ -14,7 +14,7 @@ down. Settings (engine.blas.SMALL_ROWS and GEMM_THREADS, written into the loaded
 - half, half-1thread: the weights' values rounded to bfloat16 and registered with the shim
   (engine/half_weights.py), so that every product by them, one row included, reads their bfloat16
   copies (on every core, or on the calling thread alone).
-One-row products go to OpenBLAS's GEMV in the other settings (engine/gemv_shim.c, SMALL_ROWS_FROM).
+In the other settings one-row products take the small-row path too (engine/gemv_shim.c).
 A decode step reads a model's weights from memory, not from cache, so by default an evaluation
 multiplies by distinct weights that add up to 64 MB or more (--warm: one weight, over and over).
 One process a setting: OpenBLAS's threads spin for a while after each of its products, and on a
