@@ -8,9 +8,11 @@ ran on MLX's slow bundled BLAS, without the shim)."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -42,6 +44,13 @@ class LiveServer:
 
 @pytest.fixture(scope="session")
 def live_server(tiny_checkpoint):
+    with serving(tiny_checkpoint, MAX_CONTEXT) as server:
+        yield server
+
+
+@contextlib.contextmanager
+def serving(checkpoint, max_context: int) -> Iterator[LiveServer]:
+    """The real engine over `checkpoint` behind uvicorn on a free port, until the block ends."""
     import uvicorn
 
     from engine.config import EngineConfig
@@ -49,7 +58,7 @@ def live_server(tiny_checkpoint):
     from server.app import create_app
     from server.bridge import EngineBridge
 
-    config = EngineConfig(model_path=str(tiny_checkpoint), max_context=MAX_CONTEXT)
+    config = EngineConfig(model_path=str(checkpoint), max_context=max_context)
     bridge = EngineBridge(lambda: Engine(config), max_queue=MAX_QUEUE)
     bridge.start()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # TCP_NODELAY on connections
@@ -64,11 +73,13 @@ def live_server(tiny_checkpoint):
         if time.monotonic() > deadline or not thread.is_alive():
             raise RuntimeError("uvicorn did not start")
         time.sleep(0.01)
-    yield LiveServer(f"http://127.0.0.1:{port}", bridge, bridge.engine.model_id)
-    server.should_exit = True
-    thread.join(10)
-    bridge.stop()
-    sock.close()
+    try:
+        yield LiveServer(f"http://127.0.0.1:{port}", bridge, bridge.engine.model_id)
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        bridge.stop()
+        sock.close()
 
 
 @pytest.fixture(scope="session")

@@ -8,9 +8,19 @@ import time
 import httpx
 import pytest
 
-from tests.server.conftest import MAX_CONTEXT, MAX_QUEUE
+from tests.server.conftest import MAX_QUEUE, serving
 
-LONG = MAX_CONTEXT - 100  # tokens: seconds of decoding even on a fast machine
+# this module's own server, with room for requests that run for seconds: the tiny model decodes
+# ~5,000 tokens a second on the dev CPU, so the shared server's 2,048 tokens could end before a
+# client's disconnect was seen (a non-streamed one is polled for)
+QUEUE_CONTEXT = 65536
+LONG = QUEUE_CONTEXT - 100  # tokens: seconds of decoding even on a fast machine
+
+
+@pytest.fixture(scope="module")
+def live_server(tiny_checkpoint):
+    with serving(tiny_checkpoint, QUEUE_CONTEXT) as server:
+        yield server
 
 
 def wait_for(cond, timeout: float = 30.0) -> None:
