@@ -283,6 +283,11 @@ def test_features_with_the_residual_pending_are_the_sums(tiny_qwen35, monkeypatc
     from engine.feature_cache import FeatureCache, FeatureTaps
     from engine.loader import load_model
 
+    if mx.default_device() != mx.cpu:
+        # there the forcing also turns the GPU's gated norm and launch plans off, so the two runs
+        # differ by more than the pending residual; the GPU's fused add has its own twin tests
+        # (tests/kernels/test_fused_norms.py)
+        pytest.skip("the CPU's unfused operations as the twin")
     tokens = mx.array([PROMPTS[0]])
 
     def recorded() -> np.ndarray:
