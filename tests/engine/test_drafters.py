@@ -93,13 +93,16 @@ def accepted_tokens(tree, future: list[int]) -> int:
     return n
 
 
-def test_ngram_hindsight_is_what_each_watched_tree_would_have_emitted():
+@pytest.mark.parametrize("ids", [6, 40])
+def test_ngram_hindsight_is_what_each_watched_tree_would_have_emitted(ids):
     # a twin drafter proposes each watched tree before each round; the other is told the rounds
-    # with skip: its hindsight is what a round with each tree would have emitted, once known
+    # with skip: its hindsight is what a round with each tree would have emitted, once known.
+    # Six ids: guesses hit often; forty: mostly the first token misses, and the watched tree is
+    # never built (a hit among them builds it)
     rng = np.random.RandomState(0)
     told, twin = NgramDrafter(), NgramDrafter()
-    context = [int(t) for t in rng.randint(0, 6, size=30)]  # six ids: guesses hit often
-    tokens = [int(t) for t in rng.randint(0, 6, size=200)]
+    context = [int(t) for t in rng.randint(0, ids, size=30)]
+    tokens = [int(t) for t in rng.randint(0, ids, size=200)]
     told.begin(context)
     twin.begin(context)
     told.watch([1, 4, 16], max_depth=6)
@@ -114,8 +117,9 @@ def test_ngram_hindsight_is_what_each_watched_tree_would_have_emitted():
     seen = told.hindsight()
     # every round's outcome for every watched budget (in the order they became known)
     assert sorted(seen) == sorted(expected)
-    assert any(n > 2 for _, n, _ in seen) and any(n == 1 for _, n, _ in seen)
-    assert {e for _, _, e in seen} == {0, 1}  # rounds of both evidence classes
+    assert any(n > (2 if ids == 6 else 1) for _, n, _ in seen) and any(n == 1 for _, n, _ in seen)
+    if ids == 6:
+        assert {e for _, _, e in seen} == {0, 1}  # rounds of both evidence classes
     assert told.hindsight() == []  # handed over once
     told.begin(context)  # a new generation starts again
     assert told.hindsight() == [] and told.watched == []
