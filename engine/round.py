@@ -193,8 +193,11 @@ class Rounds:
             depth = drafter.chain_depth(spec.max_depth) if isinstance(drafter, Chains) else None
             row_cap = None if depth is None else depth + 1
             # what trees cost in the engine's earlier requests (`costs`) predicts untried ones
-            self.controller = ByEvidence(drafter, spec.budget, spec.max_stall, row_cap, costs) \
-                if isinstance(drafter, Evidence) else SpecController(spec.budget, spec.max_stall, row_cap, costs=costs)
+            # a drafter with hindsight tells the controller which trees are worth a try (before any)
+            told = isinstance(drafter, Hindsight)
+            self.controller = ByEvidence(drafter, spec.budget, spec.max_stall, row_cap, costs, told) \
+                if isinstance(drafter, Evidence) else \
+                SpecController(spec.budget, spec.max_stall, row_cap, costs=costs, hindsight=told)
         # a drafter that tells what its trees would have done in plain rounds checks the controller's
         self.hindsight = drafter if isinstance(drafter, Hindsight) else None
         if self.hindsight is not None:

@@ -28,7 +28,8 @@ n-gram drafter, whose lookup costs microseconds) tells, a round or a few after e
 what each of the controller's trees would have emitted there, and that is counted as those trees'
 tokens (`observe`). Where guesses turn right during plain rounds, the trees' estimates rise with it
 and a tree is tried without waiting for a re-try; where they keep missing, nothing is spent to
-learn it.
+learn it. A controller made with `hindsight` goes further: it tries a tree only where
+the hindsight says it would go deep (HINDSIGHT_FIRST), so where guesses miss it never drafts.
 
 One round is a noisy sample (a 5-node tree emits 1 to 5 tokens from one round to the next), and a
 few samples decide. So the averages weigh an arm's first rounds alike (a plain moving average kept
@@ -183,6 +184,21 @@ GATE_COST = 1.8
 # 0.883 and 0.860 -> 0.858 (BENCHMARKS.md, issue 17, thirty-seventh session).
 SURE_AS_IS = True
 
+# A controller made with `hindsight` (the drafter tells what its trees would have done in plain
+# rounds) tries a tree only once that says it would go as deep as the climb asks (CLIMB_FIRST,
+# CLIMB), over at least this many plain rounds' worth (weighted as Arm.count_tokens weighs them),
+# and once: the try measures its time, the hindsight already told its tokens. Without it the climb
+# tries the one-guess tree twice blind in every request, and re-tries it, and where guesses miss
+# those are rounds that cannot be pipelined, each with the restart after it. The n-gram drafter's
+# weak-evidence rounds (engine/spec_evidence.py) take it: bundled target, dev CPU, 128 tokens sampled
+# after 4k random ids, 21 requests: 27 tree rounds and 87 plain rounds launched unpipelined against
+# 71 and 235 (tok/s within the machine's noise, 0.975x against 0.979x of plain decoding, paired);
+# at 64 ids 0.969x against 0.957x; tokens per forward on bench_spec's code, code-edit, chat, math and
+# long prompts (greedy) the same or more. The strongest class keeps the blind climb: gated too, it
+# climbed later where guesses hit (code 1.68 tokens per forward against 1.75, chat 1.51 against 1.64;
+# BENCHMARKS.md, issue 17, fifty-eighth session).
+HINDSIGHT_FIRST = 1.0
+
 # the weight of a request's rounds in what the engine remembers of a tree's cost (RoundCosts)
 REMEMBER = 0.3
 # the climb starts at the biggest tree whose remembered round costs at most this many plain rounds
@@ -235,6 +251,8 @@ class Arm:
     last_ms: float = 0.0  # the last round's wall time
     rows: float = 0.0  # moving average of a round's tree rows, the root included (plain: 1)
     rounds: int = 0
+    hint: float = 0.0  # what the drafter's hindsight says a round of it emits (SpecController.hindsight)
+    hint_weight: float = 0.0
     # the rounds behind the averages, each discounted by DECAY for every round of this arm since
     # and by STALE for every round of another arm (the controller ages it)
     weight: float = 0.0
@@ -269,6 +287,9 @@ class SpecController:
     # None: a tree fills its budget
     row_cap: int | None = None
     costs: RoundCosts | None = None  # what trees cost in earlier requests (None: nothing remembered)
+    # the drafter tells what its trees would have done in plain rounds (`observe`): a tree is tried
+    # only where that says it would go deep (HINDSIGHT_FIRST), and once, to measure its time
+    hindsight: bool = False
     arms: list[Arm] = field(default_factory=list)  # ascending budgets, arms[0] = the root alone
     # a chain drafter's (row_cap set) acceptance depth by depth, which its arms' tokens are read from
     depths: DepthAcceptance | None = None
@@ -480,6 +501,13 @@ class SpecController:
         # higher still where earlier requests measured the bigger trees at little more (START_EXTRA)
         start = self._climb_start(1 + int(self.gate.reported and len(self.arms) > 2))
         for arm in self.arms[start:]:
+            if self.hindsight:
+                if not self._allowed(arm) or not self._hinted(arm) \
+                        or arm.budget != FIRST and not self._promising(arm):
+                    break
+                if not arm.rounds:
+                    return arm
+                continue
             # the smallest tree gets both its tries whatever the first cost (one slow round, e.g.
             # the first of a request, must not rule speculation out); a bigger one is judged on one
             if not self._allowed(arm) and not (arm.budget == FIRST and arm.rounds < TRIES):
@@ -491,6 +519,11 @@ class SpecController:
             if arm.tokens < (CLIMB_FIRST if arm.budget == FIRST else CLIMB):
                 break
         return self.arms[0] if self.arms[0].rounds < TRIES else None
+
+    def _hinted(self, arm: Arm) -> bool:
+        """With hindsight: whether it says that `arm`'s rounds would go as deep as the climb asks of
+        a tree (CLIMB_FIRST, CLIMB), over at least HINDSIGHT_FIRST rounds' worth of it."""
+        return arm.hint_weight >= HINDSIGHT_FIRST and arm.hint >= (CLIMB_FIRST if arm.budget == FIRST else CLIMB)
 
     def _climb_start(self, first: int) -> int:
         """The index of the arm the climb starts at: `first`, or the biggest allowed arm above it
@@ -597,7 +630,7 @@ class SpecController:
         # up from plain rounds, first as the climb starts (START_EXTRA), then the one-guess tree
         for j in ((self._climb_start(1), 1) if i == 0 and len(self.arms) > 1 else (i + side, i - side)):
             if 0 <= j < len(self.arms) and self._allowed(self.arms[j]) \
-                    and (j < i or self._promising(self.arms[j])):
+                    and (j < i or self._promising(self.arms[j]) and (not self.hindsight or self._hinted(self.arms[j]))):
                 return self.arms[j]
         return best
 
@@ -614,6 +647,9 @@ class SpecController:
             arm = next((a for a in self.arms if a.budget == budget), None)
             if arm is not None and arm.budget and arm.rounds:
                 arm.count_tokens(tokens)
+            if arm is not None and arm.budget:
+                arm.hint_weight = DECAY * arm.hint_weight + 1.0
+                arm.hint += (tokens - arm.hint) / arm.hint_weight
         after = self.best()
         if before is not None and after is not before:
             # the choice changed: re-tries from there at the first spacing (those that lost before
@@ -672,6 +708,10 @@ class SpecController:
                 self.reclimb, self.woken_climb = self._above(arm, tokens), False
         elif not self.next_revisit and self._climbing() is None:  # the climb just ended
             self.next_revisit = self.rounds + self._spacing()
+        elif self.hindsight and best_before is not None and self._neighbour(best_before) is best_before:
+            # a re-try was due and nothing was worth one (the hindsight says no tree above would go
+            # deep): look again a spacing later, not every round (each look asks best() anew)
+            self.next_revisit = self.rounds + self.interval
 
     def _spacing(self) -> int:
         """Rounds until the next re-try: the back-off interval, or, where plain rounds are best,

@@ -15,7 +15,9 @@ re-tries and hindsight: a round takes the budget of the controller of its class,
 (and each skipped round's hindsight, tagged with the class it had) goes back to that controller.
 The weaker classes get at most WEAK_BUDGET guesses: their controllers choose between plain rounds
 and the one-guess tree, whose failed tries cost ~1.3 plain rounds instead of the 2-3 of a 4- or
-16-node tree. The accept rule is untouched, so output does not change.
+16-node tree. Where the drafter has hindsight, the weaker classes' controllers try the one-guess
+tree only where the hindsight says it would have landed (engine/spec_control.py HINDSIGHT_FIRST);
+the strongest class climbs as before. The accept rule is untouched, so output does not change.
 """
 
 from __future__ import annotations
@@ -32,19 +34,26 @@ from engine.spec_control import Arm, RoundCosts, SpecController
 # 1.100 / 1.139; without the cap (every class up to the budget) 1.076 in one run. The long prompt
 # is not fixed by it (0.89-0.96x plain either way; BENCHMARKS.md, issue 17, thirty-fourth session).
 WEAK_BUDGET = 1
+# Where the drafter has hindsight, the classes below the strongest wait for it to say a tree would
+# go deep before trying one (engine/spec_control.py HINDSIGHT_FIRST, where the measurements are).
+# False: they climb blind, as the strongest class does (scripts/variants.py "-ht0").
+WEAK_WAIT = True
 
 
 class ByEvidence:
     """SpecControllers by the evidence class of the round (0 .. drafter.classes - 1), each over
-    the budgets up to `budget` (WEAK_BUDGET below the strongest class)."""
+    the budgets up to `budget` (WEAK_BUDGET below the strongest class); `hindsight`: the drafter
+    tells what its trees would have done, and the classes below the strongest try trees only where
+    that says they would go deep."""
 
     def __init__(self, drafter: Evidence, budget: int, max_stall: float | None = None,
-                 row_cap: int | None = None, costs: RoundCosts | None = None) -> None:
+                 row_cap: int | None = None, costs: RoundCosts | None = None, hindsight: bool = False) -> None:
         self.drafter = drafter
         top = drafter.classes - 1
         # a tree's cost does not depend on the class of the round: one memory of it for all
         self.controllers = [SpecController(budget if c == top else min(budget, WEAK_BUDGET), max_stall, row_cap,
-                                           costs=costs) for c in range(drafter.classes)]
+                                           costs=costs, hindsight=hindsight and WEAK_WAIT and c < top)
+                            for c in range(drafter.classes)]
 
     @property
     def arms(self) -> list[Arm]:

@@ -44,7 +44,7 @@ def replay(prompt: list[int], out: list[int]) -> float:
     does it: two budget queries (the launch's and the pipelining check's), the drafter's evidence,
     its skip, the controller's record and the hindsight handed to it."""
     drafter = NgramDrafter()
-    controller = ByEvidence(drafter, BUDGET, None, None, RoundCosts())
+    controller = ByEvidence(drafter, BUDGET, None, None, RoundCosts(), hindsight=True)  # as engine/round.py makes it
     drafter.begin(prompt)
     drafter.watch([a.budget for a in controller.arms[1:]], MAX_DEPTH)
     for c in controller.controllers:  # every arm measured once, so that hindsight is counted

@@ -80,6 +80,9 @@
 - "-agN": its merge shared by N SIMD groups a (row, head) on CUDA past MERGE_SPAN chunks a row
   (engine.attention_rows.MERGE_GROUPS, default 8; read per call; other bits for N > 1, the same for
   a verify row and the decode step);
+- "-ht0" / "-ht1": the weaker evidence classes' tree-size controllers try trees blind / only where
+  the drafter's hindsight says they would go deep (engine.spec_evidence.WEAK_WAIT; read when a
+  request's controllers are made);
 - "-srN": products of up to N rows through the GEMV shim's small-row path on the CPU, 0 = none
   (engine.blas.SMALL_ROWS; a no-op without the shim);
 - "-stN": that path on at most N threads, 0 = every core (engine.blas.GEMM_THREADS);
@@ -129,6 +132,7 @@ def _settings() -> dict[str, tuple[list[tuple[Any, str]], Callable[[str], tuple[
         launch_plan,
         layer_plans,
         qmm,
+        spec_evidence,
     )
     from engine import round as rounds
     from engine.cache import GDNCache
@@ -172,6 +176,7 @@ def _settings() -> dict[str, tuple[list[tuple[Any, str]], Callable[[str], tuple[
         "cq": ([(cpu_ext, "CAUSAL")], on),
         "sr": ([(blas.SMALL_ROWS, "value")], lambda rest: (int(rest),)),
         "st": ([(blas.GEMM_THREADS, "value")], lambda rest: (int(rest),)),
+        "ht": ([(spec_evidence, "WEAK_WAIT")], on),
         "sl": ([(rounds, "START_LATE_ON_CPU")], on),
         "sa": ([(rounds, "START_AHEAD_LAYERS")], lambda rest: (int(rest),)),
         "ra": ([(rounds, "RESTART_ALONE_ON_CPU")], on),

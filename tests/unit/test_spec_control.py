@@ -347,6 +347,69 @@ def test_hindsight_counts_as_a_trees_tokens_once_it_has_a_time():
     assert c.arms[2].rounds == 0 and c.arms[2].tokens == 0.0  # four nodes have no time yet
 
 
+def told(outcome_of, hinted_of, rounds: int) -> list[int]:
+    """A controller told hindsight from its first round (as the engine's is, for the n-gram
+    drafter): outcome_of(budget) -> (tokens, ms) of a round run, hinted_of(budget) -> the tokens its
+    tree would have emitted in a plain round. Returns the budgets chosen."""
+    c = SpecController(16, hindsight=True)
+    chosen = []
+    for _ in range(rounds):
+        b = c.budget()
+        chosen.append(b)
+        c.record(b, *outcome_of(b))
+        if b == 0:
+            c.observe([(t, hinted_of(t)) for t in (FIRST, 4, 16)])
+    return chosen
+
+
+def test_told_hindsight_of_misses_no_tree_is_ever_tried():
+    # the blind climb's two one-guess tries, and the re-tries after it, cost a tree's round each
+    # where guesses miss; hindsight says they would have missed, for free
+    chosen = told(lambda b: (1, 7.0 if b == 0 else 12.0), lambda b: 1, 300)
+    assert set(chosen) == {0}
+
+
+def test_told_hindsight_of_hits_the_trees_are_tried_once_each_and_kept():
+    # hindsight says every tree would go deep: each is tried once (its time; its tokens are the
+    # hindsight's), up the climb, and the biggest is kept (the re-tries go to the tree below)
+    outcome = {0: (1, 7.0), FIRST: (2, 9.0), 4: (4, 12.0), 16: (7, 16.0)}
+    chosen = told(outcome.get, lambda b: outcome[b][0], 40)
+    assert chosen[:4] == [0, FIRST, 4, 16]  # the first round has no hindsight yet: a plain one
+    assert chosen.count(FIRST) == 1 and chosen[-20:].count(16) >= 18
+
+
+def test_told_hindsight_trees_wait_for_guesses_that_would_hit():
+    # misses for 60 rounds, then the text turns predictable: no tree before, the climb right after
+    hits = [False]
+    chosen = []
+
+    def outcome(b):
+        return (1, 7.0) if b == 0 else ((1 + b if hits[0] else 1), 9.0 + b / 2)
+
+    c = SpecController(16, hindsight=True)
+    for i in range(100):
+        hits[0] = i >= 60
+        b = c.budget()
+        chosen.append(b)
+        c.record(b, *outcome(b))
+        if b == 0:
+            c.observe([(t, 1 + t if hits[0] else 1) for t in (FIRST, 4, 16)])
+    assert set(chosen[:60]) == {0}
+    assert chosen.index(16) <= 66, chosen[55:]
+    assert chosen[-20:].count(16) >= 18
+
+
+def test_hindsight_does_not_make_an_untried_trees_tokens():
+    # told hindsight, an untried tree's tokens a round (best()'s) still come from its own rounds and
+    # the smaller trees' prediction; the hindsight only decides whether it is tried
+    c = SpecController(16, hindsight=True)
+    c.record(0, 1, 7.0)
+    c.observe([(FIRST, 2), (4, 3), (16, 5)])
+    assert all(a.rounds == 0 and a.tokens == 0.0 for a in c.arms[1:])
+    assert c.arms[1].hint == 2.0 and c.arms[3].hint == 5.0
+    assert c.budget() == FIRST
+
+
 def tried_in_misses(firsts: list[int], plain_ms: float, per_node: float,
                     rounds: int) -> tuple[SpecController, list[int]]:
     """A controller whose lucky first tries (the one guess right as in `firsts`, the 4-node tree's

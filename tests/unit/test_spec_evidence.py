@@ -63,3 +63,22 @@ def test_hindsight_goes_to_the_class_it_was_seen_in():
         controller.observe = told[c].extend  # type: ignore[method-assign]
     by.observe([(1, 2, 0), (4, 5, 1), (16, 1, 0)])
     assert told == {0: [(1, 2), (16, 1)], 1: [(4, 5)]}  # (a budget a class lacks is its controller's to drop)
+
+
+def test_with_hindsight_only_the_weaker_classes_wait_for_it_to_try_a_tree():
+    # weak evidence: the hindsight says the one-guess tree would miss, and it is never tried; strong
+    # evidence: the climb starts blind, as without hindsight (gated, it climbed later where guesses
+    # hit: fewer tokens per forward on code and chat)
+    drafter = Scripted()
+    by = ByEvidence(drafter, 16, hindsight=True)
+    assert by.at(0).hindsight and not by.at(1).hindsight
+    assert not ByEvidence(drafter, 16).at(0).hindsight
+    weak = []
+    for _ in range(200):
+        c = by.at(0)
+        b = c.fitting(16)
+        weak.append(b)
+        c.record(b, 1, 10.0 if b == 0 else 12.0)
+        by.observe([(1, 1, 0), (4, 1, 0), (16, 1, 0)])
+    assert set(weak) == {0}
+    assert by.at(1).fitting(16) == 1  # the strong class's climb: the one-guess tree first, blind
