@@ -642,14 +642,16 @@ class SpecController:
         if not seen:
             return
         self._budget = None
+        pairs = [(arm, tokens) for budget, tokens in seen for arm in self.arms if arm.budget == budget and budget]
+        for arm, tokens in pairs:
+            arm.hint_weight = DECAY * arm.hint_weight + 1.0
+            arm.hint += (tokens - arm.hint) / arm.hint_weight
+        counted = [(arm, tokens) for arm, tokens in pairs if arm.rounds]
+        if not counted:  # only untried trees were told: best() cannot change (it reads no hints)
+            return
         before = self.best() if self._climbing() is None else None
-        for budget, tokens in seen:
-            arm = next((a for a in self.arms if a.budget == budget), None)
-            if arm is not None and arm.budget and arm.rounds:
-                arm.count_tokens(tokens)
-            if arm is not None and arm.budget:
-                arm.hint_weight = DECAY * arm.hint_weight + 1.0
-                arm.hint += (tokens - arm.hint) / arm.hint_weight
+        for arm, tokens in counted:
+            arm.count_tokens(tokens)
         after = self.best()
         if before is not None and after is not before:
             # the choice changed: re-tries from there at the first spacing (those that lost before

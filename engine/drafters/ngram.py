@@ -67,9 +67,11 @@ class NgramDrafter:
         self.seen: list[tuple[int, int, int]] = []  # known outcomes since the last hindsight()
         # n -> n-gram -> end positions of its occurrences in ctx (ascending)
         self.index: dict[int, dict[tuple[int, ...], list[int]]] = {}
+        self._evidence = (-1, 0)  # (the context's length, its evidence), kept by evidence()
 
     def begin(self, prompt_ids: list[int]) -> None:
         self.ctx = []
+        self._evidence = (-1, 0)
         self.watched, self.seen = [], []
         self.index = {n: defaultdict(list) for n in range(self.min_ngram, self.max_ngram + 1)}
         for t in prompt_ids:
@@ -97,7 +99,14 @@ class NgramDrafter:
 
     def evidence(self) -> int:
         """1 where the context's last STRONG_MATCH tokens or more occurred before with a token
-        after them (a continuation to propose), else 0: a few dictionary lookups."""
+        after them (a continuation to propose), else 0: a few dictionary lookups, once per context
+        length (a round asks it two to three times)."""
+        if self._evidence[0] == len(self.ctx):
+            return self._evidence[1]
+        self._evidence = (len(self.ctx), self._strong())
+        return self._evidence[1]
+
+    def _strong(self) -> int:
         last = len(self.ctx) - 1
         for n in range(self.max_ngram, STRONG_MATCH - 1, -1):  # none where max_ngram < STRONG_MATCH
             if last + 1 < n or n not in self.index:  # (n below min_ngram is not indexed)
