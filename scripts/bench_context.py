@@ -7,7 +7,8 @@
                                                                           mtp-v0, dflash-v0: no draft vocabulary)
 
 The engine is called directly (no server), greedy, after a prompt of random token ids (guesses
-mostly miss there: the honest case for speculation). Runs interleave methods and lengths; medians.
+mostly miss there: the honest case for speculation). Runs interleave methods and lengths (the
+methods' order turned by one each repetition: `rotated`); medians.
 Without --model it uses the bundled target; lengths past a checkpoint's context need a checkpoint
 with a longer one (e.g. `scripts/make_tiny_checkpoint.py` with the bundled shape), since the
 bundled model was trained on 4096 tokens. Prints decode tok/s, its ratio to the shortest length,
@@ -142,18 +143,17 @@ def main() -> None:
     for r in range(a.runs + 1):  # the first round warms up (compiles) and is dropped
         for n in lengths:
             prompt = text or [int(t) for t in np.random.RandomState(r * 1000 + n).randint(0, vocab, size=n)]
-            for m in methods:
-                for v in variants:
-                    # "kv16" / "kvbf": the target's K/V stored as float16 / bfloat16 (EngineConfig.kv_dtype)
-                    engine.kv_dtype = KV_VARIANTS.get(v)
-                    with variant_setting(f"x-{v}" if v != "engine" else "x"):
-                        spec = METHODS[m]
-                        if a.max_stall is not None and spec.method != "none" and spec.adaptive:
-                            spec = dataclasses.replace(spec, max_stall=a.max_stall)
-                        out = run(engine, prompt, spec, a.tokens, base)
-                    if r:
-                        results.setdefault((label(m, v), n), []).append(out)
-                        gaps.setdefault((label(m, v), n), []).append(GAPS[-1])
+            for m, v in rotated([(m, v) for m in methods for v in variants], r):
+                # "kv16" / "kvbf": the target's K/V stored as float16 / bfloat16 (EngineConfig.kv_dtype)
+                engine.kv_dtype = KV_VARIANTS.get(v)
+                with variant_setting(f"x-{v}" if v != "engine" else "x"):
+                    spec = METHODS[m]
+                    if a.max_stall is not None and spec.method != "none" and spec.adaptive:
+                        spec = dataclasses.replace(spec, max_stall=a.max_stall)
+                    out = run(engine, prompt, spec, a.tokens, base)
+                if r:
+                    results.setdefault((label(m, v), n), []).append(out)
+                    gaps.setdefault((label(m, v), n), []).append(GAPS[-1])
     med = {k: {f: statistics.median(x[f] for x in v) for f in v[0]} for k, v in results.items()}
     decoding = "greedy" if a.temperature == 0 else f"temperature {a.temperature}, seed {a.seed}"
     cuts = [f"{n} {v}" for n, v, off in (("top_k", a.top_k, 0), ("top_p", a.top_p, 1.0),
@@ -184,6 +184,14 @@ def main() -> None:
 
 
 KV_VARIANTS = {"kv16": mx.float16, "kvbf": mx.bfloat16}
+
+
+def rotated(settings: list, rep: int) -> list:
+    """The settings of one repetition, the order turned by one each repetition: a run's place in the
+    order moved its speed by 1-2 % on the dev CPU (plain decoding run twice in a row, paired: 0.98-0.99x
+    for the second), and in a fixed order that bias went to every ratio against the first."""
+    k = rep % len(settings)
+    return settings[k:] + settings[:k]
 
 
 def label(method: str, variant: str) -> str:
