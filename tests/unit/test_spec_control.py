@@ -351,15 +351,8 @@ def told(outcome_of, hinted_of, rounds: int) -> list[int]:
     """A controller told hindsight from its first round (as the engine's is, for the n-gram
     drafter): outcome_of(budget) -> (tokens, ms) of a round run, hinted_of(budget) -> the tokens its
     tree would have emitted in a plain round. Returns the budgets chosen."""
-    c = SpecController(16, hindsight=True)
-    chosen = []
-    for _ in range(rounds):
-        b = c.budget()
-        chosen.append(b)
-        c.record(b, *outcome_of(b))
-        if b == 0:
-            c.observe([(t, hinted_of(t)) for t in (FIRST, 4, 16)])
-    return chosen
+    return with_hindsight(SpecController(16, hindsight=True), outcome_of, [(t, hinted_of(t)) for t in (FIRST, 4, 16)],
+                          rounds)
 
 
 def test_told_hindsight_of_misses_no_tree_is_ever_tried():
