@@ -36,8 +36,8 @@ class Watched:
     It is kept as the continuations it would be built from, and built (as a trie, never as a
     DraftTree: it is walked, not verified) only where the first token that came starts one of them.
     Where guesses miss that is rare, and building a 17-node tree every plain round, checked and
-    indexed as a DraftTree, was ~20 of the ~45 us of Python a plain round had with this drafter on
-    the dev CPU."""
+    indexed as a DraftTree, was ~11 of the ~27 us a plain round's bookkeeping took on the dev CPU
+    (scripts/bench_bookkeeping.py; BENCHMARKS.md, issue 17, fifty-eighth session)."""
 
     root: int
     conts: list[list[int]]
@@ -84,8 +84,8 @@ class NgramDrafter:
 
     def skip(self, root: int, emitted: list[int]) -> None:
         if self.budgets:
-            # the biggest watched tree holds the smaller ones: propose adds nodes in the same order
-            # whatever the budget, so the tree of budget b is its nodes 0..b (tens of microseconds)
+            # the biggest watched tree holds the smaller ones: _trie adds nodes in the same order
+            # whatever the budget, so the tree of budget b is its nodes 0..b (built at its first hit)
             self.watched.append(Watched(root, self.continuations(self.max_depth), self.evidence()))
         self.observe(emitted)  # the index is the context: nothing to gain by waiting
 
