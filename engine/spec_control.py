@@ -710,9 +710,10 @@ class SpecController:
                 self.reclimb, self.woken_climb = self._above(arm, tokens), False
         elif not self.next_revisit and self._climbing() is None:  # the climb just ended
             self.next_revisit = self.rounds + self._spacing()
-        elif self.hindsight and best_before is not None and self._neighbour(best_before) is best_before:
-            # a re-try was due and nothing was worth one (the hindsight says no tree above would go
-            # deep): look again a spacing later, not every round (each look asks best() anew)
+        elif best_before is not None and self._neighbour(best_before) is best_before:
+            # a re-try was due and no neighbour was worth one (the stall cap rules both out, or the
+            # hindsight says no tree above would go deep): look again a spacing later, not every
+            # round (each look asks best() anew). Replayed over every recording: the same choices
             self.next_revisit = self.rounds + self.interval
 
     def _spacing(self) -> int:
