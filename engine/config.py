@@ -144,7 +144,7 @@ class EngineConfig:
     prefix_cache: bool = True
     prefix_cache_bytes: int = 2 << 30
     snapshot_every: int = 1024  # prefill snapshots every this many prompt tokens (engine/prefill.py); 0 = off
-    # what the target's attention K/V are stored as (DTYPE_NAMES; auto = the compute dtype): a half
+    # what the target's attention K/V are stored as (DTYPE_NAMES; auto: engine/dtypes.py resolve_kv_dtype): a half
     # dtype rounds each row once as it is written (engine/cache.py KVCache), halving the cache and,
     # on the CPU, what a decode step reads of it
     kv_dtype: str = "auto"

@@ -30,3 +30,28 @@ def resolve_dtype(name: str, device: mx.Device | None = None) -> str:
         return name
     device = device or mx.default_device()
     return "bfloat16" if device.type == mx.DeviceType.gpu else "float32"
+
+
+def resolve_kv_dtype(name: str, compute: str, stored: str | None, device: mx.Device | None = None) -> str:
+    """What the attention K/V cache stores: 'auto' -> float16 on the CPU where a checkpoint stored
+    in 16-bit floats computes in float32, else the compute dtype; any other name is returned.
+
+    Why: a CPU decode step reads every weight and the whole K/V cache once, and it waits for those
+    bytes (the dev CPU's step read ~27 GB/s at 64 and at 4,000 tokens alike). The bundled target's
+    weights are read as their exact bfloat16 values (engine/half_weights.py, ~30 MB), while float32
+    K/V of its two attention layers add 8.2 MB at 4,000 tokens: that alone holds a 4k step at ~0.79x
+    of a short one. float16 K/V halve that read. Each row is rounded once as it is written, so a
+    decode step and a verify read the same values (speculation stays lossless), the model's own
+    stored precision was 16 bits already, and float16 keeps 3 more mantissa bits than bfloat16 (the
+    benchmark's 13 prompts, 128 greedy tokens each: float16 K/V gave float32's answer on all, and
+    bfloat16 on 12; scripts/check_kv_dtype.py). As llama.cpp's default f16 cache, and mlx-lm's cache
+    in the model's dtype. On a GPU the compute dtype is already 16-bit by default, and the half cache
+    is read in place only by the CPU's attention, so 'auto' keeps the compute dtype there."""
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"kv_dtype must be one of {', '.join(DTYPE_NAMES)}, got {name!r}")
+    if name != "auto":
+        return name
+    device = device or mx.default_device()
+    if device.type == mx.DeviceType.cpu and compute == "float32" and stored in ("bfloat16", "float16"):
+        return "float16"
+    return compute

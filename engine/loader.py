@@ -56,6 +56,7 @@ class LoadedModel:
     skipped: dict[str, int] = field(default_factory=dict)  # prefix -> count of tensors ignored
     quantization: dict | None = None
     dtype: str = "float32"  # the compute dtype the float weights were loaded in
+    stored_dtype: str | None = None  # the float dtype most of the checkpoint's float values were stored in
     rotated_inputs: int = 0  # projections whose inputs are Hadamard-rotated at run time
     fused_projections: int = 0  # groups of same-input projections run as one matmul
     routed_projections: int = 0  # quantized projections on the engine's matmul (engine/models/qlinear.py)
@@ -204,6 +205,16 @@ def _check_and_cast(model: nn.Module, weights: dict[str, mx.array], where: dict[
     return out
 
 
+def _stored_float_dtype(weights) -> str | None:
+    """The name (DTYPES) of the float dtype holding most of these tensors' float values, if any."""
+    sizes: dict[str, int] = {}
+    for w in weights:
+        name = next((n for n, d in DTYPES.items() if w.dtype == d), None)
+        if name is not None:
+            sizes[name] = sizes.get(name, 0) + w.size
+    return max(sizes, key=lambda n: sizes[n]) if sizes else None
+
+
 def load_model(path: str | Path, dtype: str = "auto", fuse: bool | None = None,
                routed: bool | None = None, dequantize: bool | None = None) -> LoadedModel:
     """dtype: a name of engine.config.DTYPE_NAMES ('auto' = bfloat16 on a GPU, float32 on the CPU).
@@ -236,6 +247,7 @@ def load_model(path: str | Path, dtype: str = "auto", fuse: bool | None = None,
     weights, where = _canonical(tensors, origin, loaded)
     del tensors  # from here on only the lazy graph of each final weight refers to the file's arrays
     weights = model.sanitize(weights)
+    loaded.stored_dtype = _stored_float_dtype(weights.values())
     loaded.rotated_inputs = _rotate(model, weights)
     loaded.quantization = _quantize(model, cfg, weights)
     final = _check_and_cast(model, weights, where, path, DTYPES[dtype])

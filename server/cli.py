@@ -52,9 +52,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=DTYPE_NAMES,
                    help="compute dtype of float weights (default auto: bfloat16 on a GPU, float32 on the CPU)")
     p.add_argument("--kv-dtype", choices=DTYPE_NAMES,
-                   help="what the attention K/V cache stores (default auto: the compute dtype); float16 or "
-                        "bfloat16 on the CPU halves the cache and what a decode step reads of it, each row "
-                        "rounded once as it is written")
+                   help="what the attention K/V cache stores (default auto: float16 on the CPU for a checkpoint "
+                        "stored in 16-bit floats, else the compute dtype); a half dtype halves the cache and "
+                        "what a decode step reads of it, each row rounded once as it is written")
     p.add_argument("--spec", choices=("auto", *SPEC_METHODS),
                    help="speculative decoding: auto (default: what the model's preset measured to pay on this "
                         "hardware, else none), none, ngram (prompt lookup), draft (draft-model chain with "

@@ -40,3 +40,40 @@ def test_the_kv_dtype_flag_reaches_the_engine_config(tiny_qwen35):
         parser.parse_args([*run, "--kv-dtype", "int8"])
     with pytest.raises(ValueError, match="kv_dtype must be one of"):
         EngineConfig(model_path=str(tiny_qwen35), kv_dtype="int8")
+
+
+def test_kv_auto_halves_a_16_bit_checkpoint_on_the_cpu_only():
+    """--kv-dtype auto: float16 where a 16-bit checkpoint computes in float32 on the CPU (its decode
+    step reads the K/V cache whole); the compute dtype everywhere else; named dtypes as given."""
+    from engine.dtypes import resolve_kv_dtype
+
+    cpu, gpu = mx.Device(mx.DeviceType.cpu, 0), mx.Device(mx.DeviceType.gpu, 0)
+    assert resolve_kv_dtype("auto", "float32", "bfloat16", cpu) == "float16"
+    assert resolve_kv_dtype("auto", "float32", "float16", cpu) == "float16"
+    assert resolve_kv_dtype("auto", "float32", "float32", cpu) == "float32"  # a float32 checkpoint stays exact
+    assert resolve_kv_dtype("auto", "float32", None, cpu) == "float32"
+    assert resolve_kv_dtype("auto", "bfloat16", "bfloat16", cpu) == "bfloat16"
+    assert resolve_kv_dtype("auto", "float32", "bfloat16", gpu) == "float32"  # only the CPU reads halves in place
+    assert resolve_kv_dtype("auto", "bfloat16", "bfloat16", gpu) == "bfloat16"
+    for name in ("float32", "float16", "bfloat16"):
+        assert resolve_kv_dtype(name, "float32", "bfloat16", cpu) == name
+    with pytest.raises(ValueError, match="kv_dtype must be one of"):
+        resolve_kv_dtype("int8", "float32", None, cpu)
+
+
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the CPU's auto rule")
+def test_the_engine_stores_a_16_bit_checkpoints_kv_as_float16(tmp_path_factory, tiny_qwen35):
+    """The loader reports the checkpoint's stored float dtype, and the engine's auto K/V follows it:
+    a float32 checkpoint keeps its K/V as computed (the tests' identity demands), a float16 one
+    (bfloat16 takes transformers to write) stores float16 rows; `kv_dtype="float32"` keeps them full width."""
+    from engine.cache import KVCache
+    from engine.generate import Engine
+    from tests.conftest import _make
+
+    half = _make(tmp_path_factory, "tiny_qwen35_f16", "--kind", "qwen3_5", "--dtype", "float16")
+    exact = Engine(EngineConfig(model_path=str(tiny_qwen35)))
+    assert exact.kv_dtype is None
+    engine = Engine(EngineConfig(model_path=str(half)))
+    assert engine.dtype == "float32" and engine.kv_dtype == mx.float16
+    assert all(c.dtype == mx.float16 for c in engine.make_cache() if isinstance(c, KVCache))
+    assert Engine(EngineConfig(model_path=str(half), kv_dtype="float32")).kv_dtype is None
