@@ -21,7 +21,8 @@ and a question) in place of random ids, at its own length: real text, where the 
 matches, propose and miss. "vs shortest, paired" is the median of each run's ratio to the same
 method's run on the shortest prompt in the same repetition. `--variants engine,pw0` runs each
 method under each engine variant too (scripts/variants.py's suffixes, e.g. pw0: the CPU's powf
-left to libm; kv16 / kvbf: the target's K/V cache in float16 / bfloat16), interleaved, each with
+left to libm; kv32 / kv16 / kvbf: the target's K/V cache as computed / in float16 / in bfloat16,
+where the engine's own is --kv-dtype auto's), interleaved, each with
 its paired ratio to the engine as it is.
 """
 
@@ -122,7 +123,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--text", default="", help="a prompt kind of bench_spec.py instead of random ids")
     ap.add_argument("--variants", default="engine", help="engine variants (scripts/variants.py), e.g. engine,pw0; "
-                    "kv16 / kvbf: the target's K/V cache in float16 / bfloat16 (--kv-dtype)")
+                    "kv32 / kv16 / kvbf: the target's K/V cache as computed / float16 / bfloat16 (--kv-dtype)")
     a = ap.parse_args()
     variants = list(dict.fromkeys(a.variants.split(",")))
     lengths = [int(n) for n in a.lengths.split(",")]
@@ -140,12 +141,14 @@ def main() -> None:
                           repetition_penalty=a.repetition_penalty)
     results: dict[tuple[str, int], list[dict[str, float]]] = {}
     gaps: dict[tuple[str, int], list[list[float]]] = {}
+    own_kv = engine.kv_dtype  # --kv-dtype auto's choice for this model here
     for r in range(a.runs + 1):  # the first round warms up (compiles) and is dropped
         for n in lengths:
             prompt = text or [int(t) for t in np.random.RandomState(r * 1000 + n).randint(0, vocab, size=n)]
             for m, v in rotated([(m, v) for m in methods for v in variants], r):
-                # "kv16" / "kvbf": the target's K/V stored as float16 / bfloat16 (EngineConfig.kv_dtype)
-                engine.kv_dtype = KV_VARIANTS.get(v)
+                # "kv32" / "kv16" / "kvbf": the target's K/V stored as computed (float32 on the CPU) /
+                # float16 / bfloat16 (EngineConfig.kv_dtype); every other variant the engine's own
+                engine.kv_dtype = KV_VARIANTS[v] if v in KV_VARIANTS else own_kv
                 with variant_setting(f"x-{v}" if v != "engine" else "x"):
                     spec = METHODS[m]
                     if a.max_stall is not None and spec.method != "none" and spec.adaptive:
@@ -183,7 +186,7 @@ def main() -> None:
                       f"{p99:.1f} ({p99 / p99_plain:.2f}x) | {x['grams']:.2f} |{engine_paired}")
 
 
-KV_VARIANTS = {"kv16": mx.float16, "kvbf": mx.bfloat16}
+KV_VARIANTS = {"kv32": None, "kv16": mx.float16, "kvbf": mx.bfloat16}
 
 
 def rotated(settings: list, rep: int) -> list:
