@@ -31,6 +31,28 @@ import mlx.core as mx
 from engine.gdn.core import Fold, GDNCore, GDNShape, TreeRows
 
 KV_STEP = 256  # grow the KV buffer in steps, like mlx-lm, to avoid a copy per token
+# ...and the target's buffers (its K/V, its recorded features) past their first allocation by at
+# least a GROWTH-th of what they held: a growth copies the whole context, which after a 32k-token
+# prompt was a 12 ms stall every 256 tokens on the dev CPU (4.6x the median gap, and two of them a
+# boundary; BENCHMARKS.md, issue 17). Growing by a share makes the copies O(context) in all, and
+# rare. A drafter's own cache (the MTP head's) keeps the KV_STEP steps: its compiled steps read its
+# buffer whole under a length mask, so slack there would be work.
+GROWTH = 4
+HEADROOM = True  # a module switch: False grows every buffer KV_STEP rows at a time (variant "-gh0")
+
+
+def grown_capacity(end: int, held: int, headroom: bool) -> int:
+    """The rows a buffer holding `held` rows (0: none yet) is grown to so that `end` fit: `end`
+    rounded up to KV_STEP, and with `headroom` at least held + held / GROWTH, or for a first
+    allocation end + end / GROWTH (a restored prefix is followed by the rest of its request: left
+    exact, its first decode step copied it all again)."""
+    if not (headroom and HEADROOM):
+        want = end
+    elif held:
+        want = max(end, held + held // GROWTH)
+    else:
+        want = end + end // GROWTH
+    return (want + KV_STEP - 1) // KV_STEP * KV_STEP
 PADDED_PATH_MIN = 4  # the shortest padded path (AcceptedPath.padded_index)
 
 
@@ -129,8 +151,9 @@ class KVCache:
     same values and speculation stays lossless; the CPU's rows attention reads the halves in place
     (engine/cpu_ext.cpp), every other path widens the context first."""
 
-    def __init__(self, dtype: mx.Dtype | None = None) -> None:
+    def __init__(self, dtype: mx.Dtype | None = None, headroom: bool = False) -> None:
         self.dtype = dtype
+        self.headroom = headroom  # grow by a share of the context (GROWTH): the target's caches
         self.keys: mx.array | None = None  # [1, n_kv, cap, D]
         self.values: mx.array | None = None
         self.offset = 0
@@ -153,7 +176,7 @@ class KVCache:
         return self.keys[:, :, :end], self.values[:, :, :end]
 
     def _grow(self, end: int, like: mx.array) -> None:
-        cap = (end + KV_STEP - 1) // KV_STEP * KV_STEP
+        cap = grown_capacity(end, 0 if self.keys is None else self.keys.shape[2], self.headroom)
         B, H, _, D = like.shape
         k_new = mx.zeros((B, H, cap, D), like.dtype)
         v_new = mx.zeros((B, H, cap, D), like.dtype)

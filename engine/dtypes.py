@@ -37,7 +37,7 @@ def resolve_kv_dtype(name: str, compute: str, stored: str | None, device: mx.Dev
     in 16-bit floats computes in float32, else the compute dtype; any other name is returned.
 
     Why: a CPU decode step reads every weight and the whole K/V cache once, and it waits for those
-    bytes (the dev CPU's step read ~27 GB/s at 64 and at 4,000 tokens alike). The bundled target's
+    bytes (the dev CPU's step read ~26 GB/s at 64 and at 4,000 tokens alike). The bundled target's
     weights are read as their exact bfloat16 values (engine/half_weights.py, ~30 MB), while float32
     K/V of its two attention layers add 8.2 MB at 4,000 tokens: that alone holds a 4k step at ~0.79x
     of a short one. float16 K/V halve that read. Each row is rounded once as it is written, so a

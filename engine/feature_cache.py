@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from engine.cache import KV_STEP, AcceptedPath, LayerSnapshot
+from engine.cache import AcceptedPath, LayerSnapshot, grown_capacity
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ class FeatureCache:
     def _append(self, rows: mx.array) -> None:
         end = self.length + rows.shape[0]
         if self.rows is None or end > self.rows.shape[0]:
-            cap = (end + KV_STEP - 1) // KV_STEP * KV_STEP
+            cap = grown_capacity(end, 0 if self.rows is None else self.rows.shape[0], headroom=True)
             grown = mx.zeros((cap, rows.shape[1]), rows.dtype)
             if self.rows is not None and self.length:
                 grown[: self.length] = self.rows[: self.length]

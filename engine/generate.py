@@ -133,7 +133,7 @@ class Engine:
         caches = self.model.make_cache()
         for c in caches:
             if isinstance(c, KVCache):
-                c.dtype = self.kv_dtype
+                c.dtype, c.headroom = self.kv_dtype, True
         return caches + features
 
     def dflash_model(self, path: str | None) -> dflash.DFlashModel:

@@ -4,11 +4,13 @@ the budget the controller gave it, and the gap since the previous landing (what 
 waits). For finding where a tail of slow gaps comes from.
 
     python scripts/round_timeline.py [--method ngram] [--prompt-ids 64 | --text chat] [--tokens 96] [--temperature 1]
+        [--model DIR] [--variant gh0]
 
 Runs the bundled target on a prompt of random ids (seeded), or on bench_spec.py's prompt of a
-kind (`--text`); the engine is called directly, one
-warm-up generation first. Prints one line per launch and per landing, then the gaps' median, p95
-and max for rounds that were and were not pipelined.
+kind (`--text`); the engine is called directly, one warm-up generation first. `--model` another
+checkpoint (a long prompt needs one whose context fits it), `--variant` one of scripts/variants.py's
+suffixes around both generations. Prints one line per launch and per landing, then the gaps'
+median, p95 and max for rounds that were and were not pipelined.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import engine.round as rounds  # noqa: E402
 from engine.config import EngineConfig, SamplingParams, SpecConfig  # noqa: E402
 from engine.generate import BUNDLED, Engine  # noqa: E402
 from engine.types import GenerationRequest  # noqa: E402
+from scripts.variants import variant_setting  # noqa: E402
 
 EVENTS: list[tuple[str, int, int, float, float]] = []  # kind, tree size, budget/tokens, time, ms
 
@@ -69,9 +72,11 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--text", default="", help="a prompt kind of bench_spec.py (e.g. chat) instead of random ids")
+    ap.add_argument("--model", default=str(BUNDLED / "target"))
+    ap.add_argument("--variant", default="", help="a suffix of scripts/variants.py, e.g. gh0")
     a = ap.parse_args()
     instrument()
-    engine = Engine(EngineConfig(model_path=str(BUNDLED / "target")))
+    engine = Engine(EngineConfig(model_path=a.model, max_context=max(8192, a.prompt_ids + a.tokens + 1)))
     if a.text:
         from scripts.bench_spec import PROMPTS, render
 
@@ -82,7 +87,8 @@ def main() -> None:
     spec = SpecConfig(method=a.method, **({"tree": a.tree} if a.tree else {}))
     for _ in range(2):  # a warm-up generation, then the one printed
         EVENTS.clear()
-        list(engine.generate(GenerationRequest(prompt_ids=prompt, sampling=params, spec=spec)))
+        with variant_setting(f"x-{a.variant}" if a.variant else "x"):
+            list(engine.generate(GenerationRequest(prompt_ids=prompt, sampling=params, spec=spec)))
     previous = None
     queued_ahead = False  # the round landing next was queued before the previous landing
     gaps: dict[bool, list[float]] = {True: [], False: []}

@@ -83,6 +83,8 @@
 - "-ht0" / "-ht1": the weaker evidence classes' tree-size controllers try trees blind / only where
   the drafter's hindsight says they would go deep (engine.spec_evidence.WEAK_WAIT; read when a
   request's controllers are made);
+- "-gh0" / "-gh1": the target's K/V and feature buffers grow KV_STEP rows at a time / by a share of
+  the context (engine.cache.HEADROOM; read at each growth)
 - "-srN": products of up to N rows through the GEMV shim's small-row path on the CPU, 0 = none
   (engine.blas.SMALL_ROWS; a no-op without the shim);
 - "-stN": that path on at most N threads, 0 = every core (engine.blas.GEMM_THREADS);
@@ -123,6 +125,7 @@ def _settings() -> dict[str, tuple[list[tuple[Any, str]], Callable[[str], tuple[
     from engine import (
         attention_rows,
         blas,
+        cache,
         choose_kernel,
         cpu_exp,
         cpu_ext,
@@ -177,6 +180,7 @@ def _settings() -> dict[str, tuple[list[tuple[Any, str]], Callable[[str], tuple[
         "sr": ([(blas.SMALL_ROWS, "value")], lambda rest: (int(rest),)),
         "st": ([(blas.GEMM_THREADS, "value")], lambda rest: (int(rest),)),
         "ht": ([(spec_evidence, "WEAK_WAIT")], on),
+        "gh": ([(cache, "HEADROOM")], on),
         "sl": ([(rounds, "START_LATE_ON_CPU")], on),
         "sa": ([(rounds, "START_AHEAD_LAYERS")], lambda rest: (int(rest),)),
         "ra": ([(rounds, "RESTART_ALONE_ON_CPU")], on),
