@@ -30,11 +30,12 @@ import mlx.core as mx
 
 from engine.gdn.core import Fold, GDNCore, GDNShape, TreeRows
 
+PADDED_PATH_MIN = 4  # the shortest padded path (AcceptedPath.padded_index)
 KV_STEP = 256  # grow the KV buffer in steps, like mlx-lm, to avoid a copy per token
-# ...and the target's buffers (its K/V, its recorded features) past their first allocation by at
-# least a GROWTH-th of what they held: a growth copies the whole context, which after a 32k-token
-# prompt was a 12 ms stall every 256 tokens on the dev CPU (4.6x the median gap, and two of them a
-# boundary; BENCHMARKS.md, issue 17). Growing by a share makes the copies O(context) in all, and
+# ...and the target's buffers (its K/V, its recorded features) by at least a GROWTH-th of what
+# they held (a first allocation: of its rows): a growth copies the whole context, which after a 32k-token
+# prompt was a 12 ms stall every 256 tokens on the dev CPU (4.6x the median gap; a boundary cost two
+# such gaps; BENCHMARKS.md, issue 17). Growing by a share makes the copies O(context) in all, and
 # rare. A drafter's own cache (the MTP head's) keeps the KV_STEP steps: its compiled steps read its
 # buffer whole under a length mask, so slack there would be work.
 GROWTH = 4
@@ -53,7 +54,6 @@ def grown_capacity(end: int, held: int, headroom: bool) -> int:
     else:
         want = end + end // GROWTH
     return (want + KV_STEP - 1) // KV_STEP * KV_STEP
-PADDED_PATH_MIN = 4  # the shortest padded path (AcceptedPath.padded_index)
 
 
 @dataclass(frozen=True)
