@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--long", type=int, default=4000, help="tokens of the generated long prompt (0: none)")
     ap.add_argument("--tie", type=float, default=BF16_NEAR_TIE)
     a = ap.parse_args(argv)
-    engine = Engine(EngineConfig(model_path=a.model, prefix_cache=False, max_context=a.long + a.max_tokens + 512))
+    context = max(EngineConfig(model_path=a.model).max_context, a.long + a.max_tokens + 512)
+    engine = Engine(EngineConfig(model_path=a.model, prefix_cache=False, max_context=context))
     halves = a.kv.split(",")
     clear = 0
     same = dict.fromkeys(halves, 0)

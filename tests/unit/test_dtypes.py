@@ -68,9 +68,10 @@ def test_the_engine_stores_a_16_bit_checkpoints_kv_as_float16(tmp_path_factory, 
     (bfloat16 takes transformers to write) stores float16 rows; `kv_dtype="float32"` keeps them full width."""
     from engine.cache import KVCache
     from engine.generate import Engine
-    from tests.conftest import _make
+    from tests.helpers import checkpoint_maker
 
-    half = _make(tmp_path_factory, "tiny_qwen35_f16", "--kind", "qwen3_5", "--dtype", "float16")
+    half = tmp_path_factory.mktemp("tiny_qwen35_f16")
+    checkpoint_maker().main([str(half), "--kind", "qwen3_5", "--dtype", "float16"])
     exact = Engine(EngineConfig(model_path=str(tiny_qwen35)))
     assert exact.kv_dtype is None
     engine = Engine(EngineConfig(model_path=str(half)))
