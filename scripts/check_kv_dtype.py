@@ -30,22 +30,12 @@ from engine.blas import reexec_with_openblas  # noqa: E402
 if __name__ == "__main__":  # a BLAS preload works only from process start: before mlx is imported
     reexec_with_openblas(sys.orig_argv[1:])
 
-from engine.config import EngineConfig, SamplingParams  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
 from engine.dtypes import BF16_NEAR_TIE, DTYPES  # noqa: E402
 from engine.generate import BUNDLED, Engine  # noqa: E402
-from engine.types import GenerationRequest, TokenLogprob  # noqa: E402
+from scripts.flip_check import run  # noqa: E402  (greedy, ignoring EOS, with the top two log-probabilities)
 from server.bench.prompts import load_prompt_file, long_context_prompt  # noqa: E402
 from server.chat import ChatRenderOptions, ChatTemplate  # noqa: E402
-
-
-def greedy(engine: Engine, prompt: list[int], max_tokens: int) -> tuple[list[int], list[TokenLogprob]]:
-    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=2)
-    tokens: list[int] = []
-    logprobs: list[TokenLogprob] = []
-    for step in engine.generate(GenerationRequest(prompt_ids=prompt, sampling=sampling)):
-        tokens += step.token_ids
-        logprobs += step.logprobs or []
-    return tokens, logprobs
 
 
 def prompts(engine: Engine, classes: list[str], long_tokens: int) -> list[tuple[str, list[int]]]:
@@ -80,10 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     todo = prompts(engine, a.classes.split(","), a.long)
     for name, ids in todo:
         engine.kv_dtype = DTYPES["float32"]
-        base, base_lp = greedy(engine, ids, a.max_tokens)
+        base, base_lp = run(engine, ids, a.max_tokens, None)
         for half in halves:
             engine.kv_dtype = DTYPES[half]
-            got, _ = greedy(engine, ids, a.max_tokens)
+            got, _ = run(engine, ids, a.max_tokens, None)
             i = next((k for k, (x, y) in enumerate(zip(base, got)) if x != y), None)
             row: dict[str, object] = {"prompt": name, "prompt_tokens": len(ids), "kv": half, "first_difference": i}
             if i is None:
