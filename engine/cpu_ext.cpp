@@ -41,6 +41,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <nanobind/nanobind.h>
@@ -416,6 +417,35 @@ inline v16 scores16(const v16* q, const KT* const* keys) {
   return lanes_sums16(a);
 }
 
+// scores16 for the G query heads of a KV head at once: each key row loaded once for all of them,
+// where scores16 would load it once a head. The arithmetic of each score is scores16's (the same
+// products, in the same order, the same lane sums), so the same bits. It pays for a half cache,
+// whose loads widen each element (a conversion per load): with the bundled target's 3 heads a K/V
+// head, one row over a float16 cache went from 1.13-1.19x to 1.36-1.39x of a float32 cache's speed
+// at 4,000 keys and from 1.22-1.34x to 1.66-1.74x at 16,000 (scripts/bench_cpu_attention.py --kv,
+// dev CPU). A float32 cache keeps scores16, whose loads are operands of the products: the same
+// change read within noise there.
+template <int G, int DV, typename KT>
+inline void scores16_heads(const v16 (*qs)[DV], const KT* const* keys, v16* out) {
+  v16 a[G][16];
+  for (int i = 0; i < 16; ++i) {
+    v16 k[DV];
+    for (int dv = 0; dv < DV; ++dv) {
+      k[dv] = load16(keys[i] + dv * 16);
+    }
+    for (int g = 0; g < G; ++g) {
+      v16 x = qs[g][0] * k[0];
+      for (int dv = 1; dv < DV; ++dv) {
+        x = fused_madd(qs[g][dv], k[dv], x);
+      }
+      a[g][i] = x;
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    out[g] = lanes_sums16(a[g]);
+  }
+}
+
 // The key (value) at logical position j of row n of KV head h: the prefix in order, then the
 // row's own keys.
 template <typename KT = float>
@@ -485,10 +515,17 @@ void attention_chunk(const AttentionJob& job, int h, int n0, int n1, int c) {
         for (int i = 0; i < 16; ++i) {
           rows[i] = key_row<KT>(job, h, n, j + i);
         }
+        v16 sc[G];
+        if constexpr (std::is_same_v<KT, float>) {
+          for (int g = 0; g < G; ++g) {
+            sc[g] = scores16<DV, KT>(qs[g], rows);
+          }
+        } else {
+          scores16_heads<G, DV, KT>(qs, rows, sc);
+        }
         for (int g = 0; g < G; ++g) {
-          const v16 sc = scores16<DV, KT>(qs[g], rows);
-          *(v16*)&scores[g * (CHUNK + 16) + j - j0] = sc;  // j - j0 is a multiple of 16: aligned
-          tops[g] = tops[g] > sc ? tops[g] : sc;
+          *(v16*)&scores[g * (CHUNK + 16) + j - j0] = sc[g];  // j - j0 is a multiple of 16: aligned
+          tops[g] = tops[g] > sc[g] ? tops[g] : sc[g];
         }
       }
       for (int g = 0; g < G; ++g) {

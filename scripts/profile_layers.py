@@ -39,6 +39,7 @@ import mlx.core as mx  # noqa: E402
 
 from engine import cache as cache_module  # noqa: E402
 from engine import cpu_exp, forward  # noqa: E402
+from engine.cache import KVCache  # noqa: E402
 from engine.loader import load_model  # noqa: E402
 from engine.tree import DraftTree  # noqa: E402
 
@@ -100,10 +101,15 @@ def timed_commit(model, cache, tree: DraftTree, context: int, together: bool) ->
     return ms
 
 
-def loaded(path: str, dtype: str, context: int) -> tuple:
-    """The model and its cache holding `context` tokens."""
+def loaded(path: str, dtype: str, context: int, kv_dtype: str | None = None) -> tuple:
+    """The model and its cache holding `context` tokens, its K/V rows stored in `kv_dtype` (the
+    compute dtype where None)."""
     model = load_model(path, dtype=dtype).model
     cache = model.make_cache()
+    if kv_dtype is not None:
+        for c in cache:
+            if isinstance(c, KVCache):
+                c.dtype = getattr(mx, kv_dtype)
     forward.extend(model, cache, [5 + i % 4000 for i in range(context)])
     return model, cache
 
@@ -115,20 +121,22 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=195)
     ap.add_argument("--rows", default="1,7,17")
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--kv-dtype", choices=["float32", "float16", "bfloat16"],
+                    help="K/V rows stored in this dtype (default: the compute dtype)")
     ap.add_argument("--gates", action="store_true", help="also compare the CPU's gates through 2^ with MLX's")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     rows = [int(r) for r in a.rows.split(",")]
     report: dict = {"device": str(mx.default_device()), "rows": {}}
-    model, cache = loaded(a.model, a.dtype, a.context)
-    other = loaded(a.model, a.dtype, a.context) if a.gates else None
+    model, cache = loaded(a.model, a.dtype, a.context, a.kv_dtype)
+    other = loaded(a.model, a.dtype, a.context, a.kv_dtype) if a.gates else None
     for n in rows:  # traces every shape once, both copies
         for _ in range(2):
             timed_whole(model, cache, tree_of(n), a.context)
             timed_layers(model, cache, tree_of(n), a.context)
             if other is not None:
                 timed_whole(*other, tree_of(n), a.context, gates=False)
-    print(f"{report['device']}, {a.dtype}, context {a.context}; ms, medians of {a.reps}")
+    print(f"{report['device']}, {a.dtype}, K/V {a.kv_dtype or a.dtype}, context {a.context}; ms, medians of {a.reps}")
     for n in rows:
         tree = tree_of(n)
         layers, whole, ours, theirs = [], [], [], []
