@@ -201,6 +201,7 @@ struct AttentionJob {
   float* out;        // [H, N, D]
   int64_t k_head, k_row, v_head, v_row;
   mx::Dtype kv = mx::float32;  // what k, v, k2 and v2 hold (chunk_kernel's element type)
+  bool heads_together = true;  // a half cache's scores through scores16_heads (false: scores16, its twin)
   int H, Hkv, N, D, prefix;
   float scale;
   int chunks;  // chunks a row of the longest key list has
@@ -516,7 +517,7 @@ void attention_chunk(const AttentionJob& job, int h, int n0, int n1, int c) {
           rows[i] = key_row<KT>(job, h, n, j + i);
         }
         v16 sc[G];
-        if constexpr (std::is_same_v<KT, float>) {
+        if (std::is_same_v<KT, float> || !job.heads_together) {
           for (int g = 0; g < G; ++g) {
             sc[g] = scores16<DV, KT>(qs[g], rows);
           }
@@ -715,7 +716,7 @@ void run_attention(AttentionJob& job) {
 // cache, read as their float32 copies would be; the rows of a head may be a view into a longer
 // cache), seen [N, L - prefix] bool or none -> [1, H, N, D] float32.
 mx::array rows_attention(const mx::array& q, const mx::array& keys, const mx::array& values, float scale,
-                         int prefix, const std::optional<mx::array>& seen) {
+                         int prefix, const std::optional<mx::array>& seen, bool heads_together) {
   if (q.ndim() != 4 || keys.ndim() != 4 || values.ndim() != 4 || q.shape(0) != 1 || keys.shape(0) != 1) {
     throw std::invalid_argument("rows_attention: q [1, H, N, D], keys and values [1, Hkv, L, D]");
   }
@@ -736,11 +737,11 @@ mx::array rows_attention(const mx::array& q, const mx::array& keys, const mx::ar
   if (seen) {
     inputs.push_back(*seen);
   }
-  auto body = [scale, prefix](std::vector<mx::array>& ins, std::vector<mx::array>& outs) {
+  auto body = [scale, prefix, heads_together](std::vector<mx::array>& ins, std::vector<mx::array>& outs) {
     const mx::array &q = ins[0], &k = ins[1], &v = ins[2];
     AttentionJob job;
     job.H = q.shape(1), job.N = q.shape(2), job.D = q.shape(3);
-    job.Hkv = k.shape(1), job.prefix = prefix, job.scale = scale;
+    job.Hkv = k.shape(1), job.prefix = prefix, job.scale = scale, job.heads_together = heads_together;
     const int T = k.shape(2) - prefix;  // the keys after the prefix: the tree's
     std::vector<float> q_rows, k_rows, v_rows;
     job.q = dense(q, q_rows);
@@ -2662,7 +2663,7 @@ NB_MODULE(spruce_cpu_ext, m) {
   m.def("rows_attention_supports", [](int heads_per_kv, int head_dim) { return chunk_kernel(heads_per_kv, head_dim) != nullptr; },
         "Whether rows_attention is built for this many query heads a K/V head and this head dimension.");
   m.def("rows_attention", &rows_attention, nb::arg("q"), nb::arg("keys"), nb::arg("values"), nb::arg("scale"),
-        nb::arg("prefix"), nb::arg("seen") = nb::none(),
+        nb::arg("prefix"), nb::arg("seen") = nb::none(), nb::arg("heads_together") = true,
         "Attention of a few query rows over a K/V cache in one CPU operation (engine/cpu_ext.cpp).");
   m.def("causal_attention_supports", [](int head_dim) { return causal_kernel(head_dim) != nullptr; },
         "Whether causal_attention is built for this head dimension.");

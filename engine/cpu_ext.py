@@ -80,6 +80,10 @@ ROPE = True
 # module switch, read when an MTP drafter is made: False = its chains drafted depth by depth in
 # MLX's operations (engine/drafters/mtp_steps.py CompiledDepths; variant cm0)
 MTP_CHAIN = True
+# module switch, read per call: False = a half cache's attention scores loaded once a query head
+# (scores16) instead of once for all the query heads of their K/V head (scores16_heads; the same
+# bits; variant kh0)
+KV_HEADS_TOGETHER = True
 # module switch, read per call: False = the sampler's choice and top-token probability, and a
 # request's bias and penalties, in MLX's operations (engine/device_sampler.py,
 # engine/device_penalties.py; variant cs0)
@@ -172,7 +176,7 @@ def rows_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float, 
     values give their float32 copies' bits. See engine/cpu_ext.cpp."""
     ext = module()
     assert ext is not None, "serves() first"
-    return ext.rows_attention(q, keys, values, scale, prefix, seen)
+    return ext.rows_attention(q, keys, values, scale, prefix, seen, KV_HEADS_TOGETHER)
 
 
 def causal_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:

@@ -60,6 +60,9 @@
 - "-dn0" / "-dn1": a visited node of a sampled tree on the CPU drawn in a graph of its own / at once
   on the host, and a tree's accepted rows' top-token probability in NumPy / at once in the CPU's
   own operation (engine.cpu_ext.DRAW_NOW);
+- "-kh0" / "-kh1": a half K/V cache's attention scores on the CPU loading each key row once a query
+  head / once for all the query heads of its K/V head (engine.cpu_ext.KV_HEADS_TOGETHER, read per
+  call; the same bits);
 - "-cx0" / "-cx1": a softmax over float32 rows on the CPU (attention in operations: a DFlash block's,
   a prefill chunk's) in MLX's operations / in the engine's own operation (engine.cpu_ext.SOFTMAX;
   read per call, and by the DFlash block's trace);
@@ -175,6 +178,7 @@ def _settings() -> dict[str, tuple[list[tuple[Any, str]], Callable[[str], tuple[
         "cs": ([(cpu_ext, "CHOOSE")], on),
         "cw": ([(cpu_ext, "NARROW_TOP_K")], on),
         "dn": ([(cpu_ext, "DRAW_NOW")], on),
+        "kh": ([(cpu_ext, "KV_HEADS_TOGETHER")], on),
         "cx": ([(cpu_ext, "SOFTMAX")], on),
         "cq": ([(cpu_ext, "CAUSAL")], on),
         "sr": ([(blas.SMALL_ROWS, "value")], lambda rest: (int(rest),)),

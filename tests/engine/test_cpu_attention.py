@@ -96,6 +96,9 @@ def test_a_half_cache_reads_as_its_float32_copy(kv, heads, kv_heads, dim, prefix
     assert np.array_equal(np.array(got), np.array(want))
     strided = mx.array(np.array(k.astype(mx.float32)).transpose(0, 1, 3, 2)).astype(kv).transpose(0, 1, 3, 2)
     assert np.array_equal(np.array(cpu_ext.rows_attention(q, strided, v, dim**-0.5, prefix, seen)), np.array(want))
+    # each key row loaded once a query head (KV_HEADS_TOGETHER off: scores16, the twin of scores16_heads)
+    apart = cpu_ext.module().rows_attention(q, k, v, dim**-0.5, prefix, seen, False)
+    assert np.array_equal(np.array(apart), np.array(want))
 
 
 def test_bad_shapes_are_refused(rng):
