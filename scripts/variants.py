@@ -107,6 +107,8 @@
   the uniform the target's draw will use, where the target samples (engine.drafters.mtp.COUPLED_DRAWS);
 - "-mpN": the MTP draft's stop rule at a top-1 path probability of N / 100, 0 = none
   (engine.drafters.mtp.MIN_PATH_PROB, default 0.3);
+- "-skN": the MTP head caught up by rounds without its tree from N rows behind on, 0 = only at the
+  next propose (engine.drafters.mtp.SKIP_CATCH_UP, default 32);
 - "-sg0" / "-sg1": a one-token pass layer by layer / in compiled segments between the attention
   layers' cache accesses (engine.models.segments.SEGMENTS).
 
@@ -194,6 +196,7 @@ def _settings() -> dict[str, tuple[list[tuple[Any, str]], Callable[[str], tuple[
         "ck": ([(choose_kernel.KERNEL, "value")], on),
         "cu": ([(mtp, "COUPLED_DRAWS")], on),
         "mp": ([(mtp, "MIN_PATH_PROB")], lambda rest: (int(rest) / 100,)),
+        "sk": ([(mtp, "SKIP_CATCH_UP")], lambda rest: (int(rest),)),
         "lp": ([(launch_plan.SWITCH, "value")], on),
         "ap": ([(layer_plans.ATTENTION, "value")], on),
         "ac": ([(attention_rows, "ATTN_CHUNK")], lambda rest: (int(rest),)),

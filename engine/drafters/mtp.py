@@ -81,6 +81,15 @@ MIN_PATH_PROB = 0.3
 # without a tree leaves more, up to a skip's whole run).
 CATCH_UP_IN_ONE = 16
 
+# The most committed rows the head is left behind by rounds without its tree (skip): from this many
+# on, skip queues their catch-up behind the round in flight. Left to the next propose, a run of
+# plain rounds is caught up in one pass right before a tree's verify, a stall that grows with the
+# run (dev CPU: 113 rows, 3.4 ms, against a ~1.2 ms plain round; a 1,000-token request had 193 rows
+# owed at once). In pieces the same rows cost a bump every this many tokens, and decoding was as
+# fast (512 tokens: 1.004x without it, paired). 0: the whole run at the next propose (variant
+# "-skN" sets it).
+SKIP_CATCH_UP = 32
+
 # Where the target samples, the CPU's one-operation chain guesses each depth's token by a draw at
 # the uniform the target's own draw at that position will use, under the request's settings, where
 # it took the argmax (MTPDrafter.sample_like; scripts/variants.py's "-cu0" turns it off). The accept
@@ -140,11 +149,11 @@ class MTPDrafter:
         H = self.target.args.hidden_size
         return rows[:, self.slot * H : (self.slot + 1) * H][None]
 
-    def _catch_up(self) -> mx.array | None:
-        """Append the head's rows of newly committed positions -> the output [1, 1, H] of the last
-        committed row (None before the first row)."""
+    def _catch_up(self, stop: int | None = None) -> mx.array | None:
+        """Append the head's rows of newly committed positions (up to `stop`, default all) -> the
+        output [1, 1, H] of the last row appended (None before the first row)."""
         assert self.features is not None
-        done, committed = self.cache[0].offset, self.features.length
+        done, committed = self.cache[0].offset, self.features.length if stop is None else stop
         if committed > done:
             ids = mx.array([self.tokens[done + 1 : committed + 1]])
             self.last = self.head.append(self.embed(ids), self._hidden(done, committed), self.cache)
@@ -301,5 +310,13 @@ class MTPDrafter:
     def skip(self, root: int, emitted: list[int]) -> None:
         """A round without a tree: the head's rows of its positions are appended, with the others
         committed since, in one pass at the next propose (MTPHead.append: 128 rows ~3 ms on the dev
-        CPU, about two of its one-row passes)."""
+        CPU), or queued now where SKIP_CATCH_UP rows are behind. A row's input is its position's
+        hidden state and the token after it, so the rows are those whose next token is known: a
+        pipelined round's root row is recorded before its token is (engine/round.py)."""
         self.tokens += emitted
+        if not SKIP_CATCH_UP or self.features is None or not self.cache[0].offset:
+            return
+        known = min(self.features.length, len(self.tokens) - 1)
+        if known - self.cache[0].offset >= SKIP_CATCH_UP:
+            self._catch_up(known)
+            mx.async_eval([a for c in self.cache for a in c.arrays()])

@@ -162,6 +162,36 @@ def test_mtp_head_catches_up_after_rounds_without_a_tree(engine, monkeypatch):
     assert_drafter_equals_replay(engine, drafter, prompt + out.tokens)
 
 
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("behind", [1, 6])
+def test_mtp_head_caught_up_in_pieces_during_rounds_without_a_tree(engine, monkeypatch, sampling, behind):
+    """With SKIP_CATCH_UP rows behind, the plain rounds' `skip` queues the head's catch-up itself
+    (a pipelined round's root row waits for its token): at the first propose after 20 plain rounds
+    the head owes fewer than SKIP_CATCH_UP + 2 rows, its cache equals a replay, and the output is
+    the target's."""
+    from engine import spec_control
+    from engine.drafters import mtp
+
+    monkeypatch.setattr(mtp, "SKIP_CATCH_UP", behind)
+    monkeypatch.setattr(spec_control.SpecController, "budget", lambda self: 0 if self.rounds < 20 else 10)
+    prompt = PROMPTS[0]
+    plain = generate(engine, prompt, sampling).tokens
+    drafter = MTPDrafter(engine.model, engine.mtp_head(), BUILDERS["ddtree"])
+    owed: list[int] = []
+    propose = drafter.propose
+
+    def watched(root, budget, max_depth):
+        assert drafter.features is not None
+        owed.append(drafter.features.length - drafter.cache[0].offset)
+        return propose(root, budget, max_depth)
+
+    drafter.propose = watched  # type: ignore[method-assign]
+    out = generate(engine, prompt, sampling, SpecConfig(method="none", budget=10, max_depth=6), drafter)
+    assert out.tokens == plain
+    assert owed and owed[0] < behind + 2
+    assert_drafter_equals_replay(engine, drafter, prompt + out.tokens)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 7])
 def test_mtp_head_append_equals_its_full_pass(engine, rows):
     """append (a catch-up: K/V of every row, the output of the last only) writes the same cache and
