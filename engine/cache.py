@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 
+from engine import kv_int8
 from engine.gdn.core import Fold, GDNCore, GDNShape, TreeRows
 
 PADDED_PATH_MIN = 4  # the shortest padded path (AcceptedPath.padded_index)
@@ -149,7 +150,8 @@ class KVCache:
     dtype: what the rows are stored as; None = as written (the compute dtype). A half dtype
     (`--kv-dtype`) rounds each row once, as it is written, so a decode step and a verify read the
     same values and speculation stays lossless; the CPU's rows attention reads the halves in place
-    (engine/cpu_ext.cpp), every other path widens the context first."""
+    (engine/cpu_ext.cpp), every other path widens the context first. int8: each row quantized
+    once as it is written, its scale packed after it (engine/kv_int8.py), read the same ways."""
 
     def __init__(self, dtype: mx.Dtype | None = None, headroom: bool = False) -> None:
         self.dtype = dtype
@@ -165,7 +167,9 @@ class KVCache:
     def write(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
         """Write T rows at [offset, offset+T) and return K/V for [0, offset+T). Does not advance."""
         end = self.offset + k.shape[2]
-        if self.dtype is not None and k.dtype != self.dtype:
+        if self.dtype is not None and self.dtype == mx.int8 and k.dtype != mx.int8:  # (a snapshot's: as they are)
+            k, v = kv_int8.pack_pair(k, v)
+        elif self.dtype is not None and k.dtype != self.dtype:
             k, v = k.astype(self.dtype), v.astype(self.dtype)
         if self.keys is None or self.values is None or end > self.keys.shape[2]:
             self._grow(end, k)

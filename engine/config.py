@@ -15,6 +15,7 @@ SPEC_METHODS = ("none", "ngram", "draft", "draft-tree", "mtp", "dflash")
 SPEC_TREES = ("chain", "ddtree", "weaver")
 # "auto" = bfloat16 on a GPU, float32 on the CPU (engine/dtypes.py resolves it when the model loads)
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+KV_DTYPE_NAMES = (*DTYPE_NAMES, "int8")  # a K/V cache's: also 8-bit rows (engine/kv_int8.py)
 
 
 @dataclass(frozen=True)
@@ -144,9 +145,9 @@ class EngineConfig:
     prefix_cache: bool = True
     prefix_cache_bytes: int = 2 << 30
     snapshot_every: int = 1024  # prefill snapshots every this many prompt tokens (engine/prefill.py); 0 = off
-    # what the target's attention K/V are stored as (DTYPE_NAMES; auto: engine/dtypes.py resolve_kv_dtype): a half
-    # dtype rounds each row once as it is written (engine/cache.py KVCache), halving the cache and,
-    # on the CPU, what a decode step reads of it
+    # what the target's attention K/V are stored as (KV_DTYPE_NAMES; auto: engine/dtypes.py resolve_kv_dtype): a
+    # half dtype rounds each row once as it is written (engine/cache.py KVCache), halving the cache
+    # and, on the CPU, what a decode step reads of it; int8 quantizes each row (engine/kv_int8.py)
     kv_dtype: str = "auto"
 
     def __post_init__(self) -> None:
@@ -160,5 +161,5 @@ class EngineConfig:
             raise ValueError(f"prefix_cache_bytes must be >= 0, got {self.prefix_cache_bytes}")
         if self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
-        if self.kv_dtype not in DTYPE_NAMES:
-            raise ValueError(f"kv_dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.kv_dtype!r}")
+        if self.kv_dtype not in KV_DTYPE_NAMES:
+            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPE_NAMES)}, got {self.kv_dtype!r}")

@@ -365,9 +365,33 @@ struct f16_bits {  // an IEEE half's bits
 struct bf16_bits {  // a bfloat16's bits
   uint16_t b;
 };
+// An 8-bit cache's row (engine/kv_int8.py): D int8 values, then the row's float32 scale in the next
+// 4 bytes; an element's value is (float)q * scale, one rounded product, as its float32 copy's is.
+struct q8_bits {
+  int8_t b;
+};
+typedef int8_t v16sb __attribute__((vector_size(16), aligned(1)));
 typedef uint16_t v16us __attribute__((vector_size(32), aligned(2)));
 typedef uint32_t v16ui __attribute__((vector_size(64)));
 inline v16 load16(const float* p) { return *(const v16u*)p; }
+inline v16 load16(const q8_bits* p) {  // unscaled: load_row multiplies by the row's scale
+#if defined(__AVX512F__)
+  return (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+#elif defined(__AVX2__)
+  const __m128i bytes = _mm_loadu_si128((const __m128i*)p);
+  const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+  const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)));
+  return __builtin_shufflevector((v8)lo, (v8)hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  return __builtin_convertvector(__builtin_convertvector(*(const v16sb*)p, v16i), v16);
+#endif
+}
+template <int DV>
+inline float row_scale(const q8_bits* row) {
+  float scale;
+  std::memcpy(&scale, row + DV * 16, sizeof(float));
+  return scale;
+}
 inline v16 load16(const bf16_bits* p) { return (v16)(__builtin_convertvector(*(const v16us*)p, v16ui) << 16); }
 inline v16 load16(const f16_bits* p) {
 #if defined(__AVX512F__)
@@ -396,10 +420,34 @@ inline v16 load16(const f16_bits* p) {
 #endif
 }
 
+// A row of DV x 16 floats into registers (an 8-bit row's elements times its scale).
+template <int DV, typename KT = float>
+inline void load_row(const KT* row, v16* out) {
+  if constexpr (std::is_same_v<KT, q8_bits>) {
+    const v16 scale = splat(row_scale<DV>(row));
+    for (int dv = 0; dv < DV; ++dv) {
+      out[dv] = load16(row + dv * 16) * scale;
+    }
+  } else {
+    for (int dv = 0; dv < DV; ++dv) {
+      out[dv] = load16(row + dv * 16);
+    }
+  }
+}
+
 // A query q (DV x 16 floats, in registers) against one key row: its lane products, fused where
 // the CPU fuses; lanes_sum of it is the score.
 template <int DV, typename KT = float>
 inline v16 dot_lanes(const v16* q, const KT* key) {
+  if constexpr (std::is_same_v<KT, q8_bits>) {
+    v16 k[DV];
+    load_row<DV, KT>(key, k);
+    v16 a = q[0] * k[0];
+    for (int dv = 1; dv < DV; ++dv) {
+      a = fused_madd(q[dv], k[dv], a);
+    }
+    return a;
+  }
   v16 a = q[0] * load16(key);
   for (int dv = 1; dv < DV; ++dv) {
     a = fused_madd(q[dv], load16(key + dv * 16), a);
@@ -431,9 +479,7 @@ inline void scores16_heads(const v16 (*qs)[DV], const KT* const* keys, v16* out)
   v16 a[G][16];
   for (int i = 0; i < 16; ++i) {
     v16 k[DV];
-    for (int dv = 0; dv < DV; ++dv) {
-      k[dv] = load16(keys[i] + dv * 16);
-    }
+    load_row<DV, KT>(keys[i], k);
     for (int g = 0; g < G; ++g) {
       v16 x = qs[g][0] * k[0];
       for (int dv = 1; dv < DV; ++dv) {
@@ -461,13 +507,6 @@ inline const KT* value_row(const AttentionJob& job, int h, int n, int j) {
                         : (const KT*)job.v2 + h * job.v2_head + (int64_t)job.tree_keys[n][j - job.prefix] * job.v2_row;
 }
 
-// A row of DV x 16 floats into registers.
-template <int DV, typename KT = float>
-inline void load_row(const KT* row, v16* out) {
-  for (int dv = 0; dv < DV; ++dv) {
-    out[dv] = load16(row + dv * 16);
-  }
-}
 
 // One work item: KV head h, chunk c, rows [n0, n1) -> each row's G query heads' (of this KV head)
 // maxima, sums and unnormalised outputs, for G query heads of DV x 16 dimensions. The chunk's keys
@@ -640,6 +679,9 @@ chunk_fn chunk_for_dims(int G, int D) {
 // caller keeps MLX's operations then: engine/cpu_ext.py asks `rows_attention_supports`).
 // Keys and values of `kv`: float32 (the default), float16 or bfloat16.
 chunk_fn chunk_kernel(int G, int D, mx::Dtype kv = mx::float32) {
+  if (kv == mx::int8) {
+    return chunk_for_dims<q8_bits>(G, D);
+  }
   if (kv == mx::float16) {
     return chunk_for_dims<f16_bits>(G, D);
   }
@@ -713,8 +755,9 @@ void run_attention(AttentionJob& job) {
 }
 
 // q [1, H, N, D] float32, keys / values [1, Hkv, L, D] (float32, or float16 / bfloat16 from a half
-// cache, read as their float32 copies would be; the rows of a head may be a view into a longer
-// cache), seen [N, L - prefix] bool or none -> [1, H, N, D] float32.
+// cache, or [1, Hkv, L, D + 4] int8 from an 8-bit one (q8_bits rows), read as their float32 copies
+// would be; the rows of a head may be a view into a longer cache), seen [N, L - prefix] bool or
+// none -> [1, H, N, D] float32.
 mx::array rows_attention(const mx::array& q, const mx::array& keys, const mx::array& values, float scale,
                          int prefix, const std::optional<mx::array>& seen, bool heads_together) {
   if (q.ndim() != 4 || keys.ndim() != 4 || values.ndim() != 4 || q.shape(0) != 1 || keys.shape(0) != 1) {
@@ -723,10 +766,11 @@ mx::array rows_attention(const mx::array& q, const mx::array& keys, const mx::ar
   const int H = q.shape(1), N = q.shape(2), D = q.shape(3), Hkv = keys.shape(1), L = keys.shape(2);
   check_f32("rows_attention", {&q});
   if (keys.dtype() != values.dtype() || (keys.dtype() != mx::float32 && keys.dtype() != mx::float16 &&
-                                         keys.dtype() != mx::bfloat16)) {
-    throw std::invalid_argument("rows_attention: keys and values float32, float16 or bfloat16, the same");
+                                         keys.dtype() != mx::bfloat16 && keys.dtype() != mx::int8)) {
+    throw std::invalid_argument("rows_attention: keys and values float32, float16, bfloat16 or int8, the same");
   }
-  if (keys.shape() != values.shape() || keys.shape(3) != D || Hkv < 1 || H % Hkv != 0 ||
+  const int row_extra = keys.dtype() == mx::int8 ? (int)sizeof(float) : 0;  // an 8-bit row's scale
+  if (keys.shape() != values.shape() || keys.shape(3) != D + row_extra || Hkv < 1 || H % Hkv != 0 ||
       chunk_kernel(H / Hkv, D) == nullptr || prefix < 0 || prefix > L || (!seen && prefix != L)) {
     throw std::invalid_argument("rows_attention: shapes do not match");
   }
@@ -746,9 +790,16 @@ mx::array rows_attention(const mx::array& q, const mx::array& keys, const mx::ar
     std::vector<float> q_rows, k_rows, v_rows;
     job.q = dense(q, q_rows);
     std::vector<uint16_t> kh_rows, vh_rows;
+    std::vector<int8_t> kq_rows, vq_rows;
     if (k.dtype() == mx::float32) {
       rows_view(k, k_rows, &job.k, &job.k_head, &job.k_row);
       rows_view(v, v_rows, &job.v, &job.v_head, &job.v_row);
+    } else if (k.dtype() == mx::int8) {  // an 8-bit cache: its rows read in place (q8_bits)
+      job.kv = k.dtype();
+      const int8_t *kq, *vq;
+      rows_view(k, kq_rows, &kq, &job.k_head, &job.k_row);
+      rows_view(v, vq_rows, &vq, &job.v_head, &job.v_row);
+      job.k = reinterpret_cast<const float*>(kq), job.v = reinterpret_cast<const float*>(vq);
     } else {  // a half cache: its elements read in place, as the item kernel for their type reads them
       job.kv = k.dtype();
       const uint16_t *kh, *vh;

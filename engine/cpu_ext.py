@@ -55,7 +55,7 @@ OPT_OUT = "SPRUCE_CPU_EXT"  # "0": never built nor used
 ATTENTION = True  # module switch, read per call: False = attention in MLX's operations (variant ca0)
 # what rows_attention reads keys and values as: a float32 cache, or a half one (engine/cache.py
 # KVCache.dtype), each half widened in the load
-KV_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+KV_DTYPES = (mx.float32, mx.float16, mx.bfloat16, mx.int8)  # int8: packed rows (engine/kv_int8.py)
 # module switch, read when a layer's compiled functions trace (part of their key): False = a GDN
 # layer's token step in MLX's operations (variant cg0)
 GDN_STEP = True
@@ -170,10 +170,11 @@ def supports_causal(head_dim: int) -> bool:
 
 def rows_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float, prefix: int,
                    seen: mx.array | None = None) -> mx.array:
-    """q [1, H, N, D] (float32) over keys / values [1, Hkv, L, D] (one of KV_DTYPES, both the same):
+    """q [1, H, N, D] (float32) over keys / values [1, Hkv, L, D] (one of KV_DTYPES, both the same;
+    int8: packed rows [1, Hkv, L, D + 4], engine/kv_int8.py):
     every row sees the first `prefix` keys and, of the L - prefix after them, those its row of
-    `seen` [N, L - prefix] marks (all where None, with prefix = L) -> [1, H, N, D]. Half keys and
-    values give their float32 copies' bits. See engine/cpu_ext.cpp."""
+    `seen` [N, L - prefix] marks (all where None, with prefix = L) -> [1, H, N, D]. Half and 8-bit
+    keys and values give their float32 copies' bits. See engine/cpu_ext.cpp."""
     ext = module()
     assert ext is not None, "serves() first"
     return ext.rows_attention(q, keys, values, scale, prefix, seen, KV_HEADS_TOGETHER)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from engine.config import DTYPE_NAMES
+from engine.config import DTYPE_NAMES, KV_DTYPE_NAMES
 
 # Verifying many rows may round differently from a one-row step, so in bf16 speculation may pick
 # the other of two tokens whose logits are this close (the tests' and flip_check's rule). bf16
@@ -19,6 +19,8 @@ from engine.config import DTYPE_NAMES
 BF16_NEAR_TIE = 0.125
 
 DTYPES: dict[str, mx.Dtype] = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+# what a K/V cache may store: the float dtypes, or int8 rows with their scales (engine/kv_int8.py)
+KV_DTYPES: dict[str, mx.Dtype] = {**DTYPES, "int8": mx.int8}
 assert set(DTYPES) | {"auto"} == set(DTYPE_NAMES)
 
 
@@ -47,11 +49,15 @@ def resolve_kv_dtype(name: str, compute: str, stored: str | None, device: mx.Dev
     bfloat16 on 12; scripts/check_kv_dtype.py). As llama.cpp's default f16 cache, and mlx-lm's cache
     in the model's dtype. On a GPU the compute dtype is already 16-bit by default, and the half cache
     is read in place only by the CPU's attention, so 'auto' keeps the compute dtype there."""
-    if name not in DTYPE_NAMES:
-        raise ValueError(f"kv_dtype must be one of {', '.join(DTYPE_NAMES)}, got {name!r}")
+    if name not in KV_DTYPE_NAMES:
+        raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPE_NAMES)}, got {name!r}")
+    device = device or mx.default_device()
+    if name == "int8" and device.type != mx.DeviceType.cpu:
+        # only the CPU's attention reads packed rows in place: elsewhere every step would widen
+        # the whole context first, slower than the cache it saves
+        raise ValueError("kv_dtype int8 is for the CPU backend; on a GPU use float16 or bfloat16")
     if name != "auto":
         return name
-    device = device or mx.default_device()
     if device.type == mx.DeviceType.cpu and compute == "float32" and stored in ("bfloat16", "float16"):
         return "float16"
     return compute

@@ -21,7 +21,7 @@ from engine.drafters import make_drafter
 from engine.drafters.base import Drafter, ReadsTarget
 from engine.drafters.draft_vocab import DraftVocab
 from engine.drafters.weaver import WeaverTrees
-from engine.dtypes import DTYPES, resolve_kv_dtype
+from engine.dtypes import KV_DTYPES, resolve_kv_dtype
 from engine.embedding import embed_step
 from engine.feature_cache import FeatureCache, FeatureTaps
 from engine.grammar import GrammarError, GrammarState, GrammarTokenizer
@@ -52,7 +52,7 @@ class Engine:
         self.dtype, self.weights_bytes, self.last_cache_bytes = loaded.dtype, loaded.nbytes, 0
         # the target's K/V storage (None: as computed); a setting of the engine, read by make_cache
         kv = resolve_kv_dtype(config.kv_dtype, loaded.dtype, loaded.stored_dtype)
-        self.kv_dtype: mx.Dtype | None = None if kv == loaded.dtype else DTYPES[kv]
+        self.kv_dtype: mx.Dtype | None = None if kv == loaded.dtype else KV_DTYPES[kv]
         self.load_notes = loaded.notes  # printed by the CLI at start
         self.tokenizer = Tokenizer.from_dir(config.model_path)
         self.model_id = config.model_id or Path(config.model_path).resolve().name

@@ -21,7 +21,7 @@ and a question) in place of random ids, at its own length: real text, where the 
 matches, propose and miss. "vs shortest, paired" is the median of each run's ratio to the same
 method's run on the shortest prompt in the same repetition. `--variants engine,pw0` runs each
 method under each engine variant too (scripts/variants.py's suffixes, e.g. pw0: the CPU's powf
-left to libm; kv32 / kv16 / kvbf: the target's K/V cache as computed / in float16 / in bfloat16,
+left to libm; kv32 / kv16 / kvbf / kv8: the target's K/V cache as computed / in float16 / in bfloat16 / in 8 bits,
 where the engine's own is --kv-dtype auto's), interleaved, each with
 its paired ratio to the engine as it is.
 """
@@ -123,7 +123,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--text", default="", help="a prompt kind of bench_spec.py instead of random ids")
     ap.add_argument("--variants", default="engine", help="engine variants (scripts/variants.py), e.g. engine,pw0; "
-                    "kv32 / kv16 / kvbf: the target's K/V cache as computed / float16 / bfloat16 (--kv-dtype)")
+                    "kv32 / kv16 / kvbf / kv8: the target's K/V cache as computed / float16 / bfloat16 / int8 "
+                    "(--kv-dtype)")
     a = ap.parse_args()
     variants = list(dict.fromkeys(a.variants.split(",")))
     lengths = [int(n) for n in a.lengths.split(",")]
@@ -186,7 +187,7 @@ def main() -> None:
                       f"{p99:.1f} ({p99 / p99_plain:.2f}x) | {x['grams']:.2f} |{engine_paired}")
 
 
-KV_VARIANTS = {"kv32": None, "kv16": mx.float16, "kvbf": mx.bfloat16}
+KV_VARIANTS = {"kv32": None, "kv16": mx.float16, "kvbf": mx.bfloat16, "kv8": mx.int8}
 
 
 def rotated(settings: list, rep: int) -> list:

@@ -35,11 +35,16 @@ if __name__ == "__main__":  # a BLAS preload works only from process start: befo
 
 import mlx.core as mx  # noqa: E402
 
-from engine import cpu_ext  # noqa: E402
+from engine import cpu_ext, kv_int8  # noqa: E402
 from engine.models.layers import attention_ops  # noqa: E402
 from engine.tree import DraftTree  # noqa: E402
 
 HEADS, KV_HEADS, DIM, CALLS = 6, 2, 64, 10
+
+
+def stored(x: mx.array, name: str) -> mx.array:
+    """x's rows as a cache of dtype `name` stores them (int8: packed with their scales)."""
+    return kv_int8.pack(x) if name == "int8" else x.astype(getattr(mx, name))
 
 
 def main() -> None:
@@ -96,7 +101,7 @@ def kv_table(lengths: list[int], names: list[str], reps: int, rng: np.random.Gen
     print("|---|" + "---|" * len(names))
     for keys in lengths:
         kf, vf = (rng.standard_normal((1, KV_HEADS, keys + 64, DIM)).astype(np.float32) for _ in range(2))
-        caches = {n: tuple(mx.array(x).astype(getattr(mx, n))[:, :, :keys] for x in (kf, vf)) for n in names}
+        caches = {n: tuple(stored(mx.array(x), n)[:, :, :keys] for x in (kf, vf)) for n in names}
         q = mx.array(rng.standard_normal((1, HEADS, 1, DIM)).astype(np.float32))
         mx.eval(q, *(a for pair in caches.values() for a in pair))
         times: dict[str, list[float]] = {n: [] for n in names}

@@ -31,7 +31,7 @@ if __name__ == "__main__":  # a BLAS preload works only from process start: befo
     reexec_with_openblas(sys.orig_argv[1:])
 
 from engine.config import EngineConfig  # noqa: E402
-from engine.dtypes import BF16_NEAR_TIE, DTYPES  # noqa: E402
+from engine.dtypes import BF16_NEAR_TIE, KV_DTYPES  # noqa: E402
 from engine.generate import BUNDLED, Engine  # noqa: E402
 from scripts.flip_check import run  # noqa: E402  (greedy, ignoring EOS, with the top two log-probabilities)
 from server.bench.prompts import load_prompt_file, long_context_prompt  # noqa: E402
@@ -69,10 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     same = dict.fromkeys(halves, 0)
     todo = prompts(engine, a.classes.split(","), a.long)
     for name, ids in todo:
-        engine.kv_dtype = DTYPES["float32"]
+        engine.kv_dtype = KV_DTYPES["float32"]
         base, base_lp = run(engine, ids, a.max_tokens, None)
         for half in halves:
-            engine.kv_dtype = DTYPES[half]
+            engine.kv_dtype = KV_DTYPES[half]
             got, _ = run(engine, ids, a.max_tokens, None)
             i = next((k for k, (x, y) in enumerate(zip(base, got)) if x != y), None)
             row: dict[str, object] = {"prompt": name, "prompt_tokens": len(ids), "kv": half, "first_difference": i}

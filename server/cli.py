@@ -24,7 +24,7 @@ import sys
 import time
 from typing import NoReturn
 
-from engine.config import DTYPE_NAMES, SPEC_METHODS, SPEC_TREES
+from engine.config import DTYPE_NAMES, KV_DTYPE_NAMES, SPEC_METHODS, SPEC_TREES
 from server.bench.options import add_bench_parser
 from server.cli_models import add_convert_parser, add_models_parser, cmd_convert, cmd_models
 from server.cli_output import stream_answer
@@ -51,10 +51,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         f"{DEFAULT_MAX_CONTEXT})")
     p.add_argument("--dtype", choices=DTYPE_NAMES,
                    help="compute dtype of float weights (default auto: bfloat16 on a GPU, float32 on the CPU)")
-    p.add_argument("--kv-dtype", choices=DTYPE_NAMES,
+    p.add_argument("--kv-dtype", choices=KV_DTYPE_NAMES,
                    help="what the attention K/V cache stores (default auto: float16 on the CPU for a checkpoint "
                         "stored in 16-bit floats, else the compute dtype); a half dtype halves the cache and "
-                        "what a decode step reads of it, each row rounded once as it is written")
+                        "what a decode step reads of it, each row rounded once as it is written; int8 (CPU "
+                        "only) quantizes each row with its own scale, about half of float16, and may change "
+                        "answers")
     p.add_argument("--spec", choices=("auto", *SPEC_METHODS),
                    help="speculative decoding: auto (default: what the model's preset measured to pay on this "
                         "hardware, else none), none, ngram (prompt lookup), draft (draft-model chain with "

@@ -12,7 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine import attention_rows as attention_kernel
-from engine import blas, cpu_ext
+from engine import blas, cpu_ext, kv_int8
 from engine.cache import KVCache
 from engine.cpu_exp import sigmoid, silu, softmax_rows
 from engine.gdn.core import TreeInputs
@@ -330,9 +330,12 @@ class Attention(nn.Module):
             cache.advance(T)
         cpu_rows = (T == 1 or batch.tree_mask is not None) and cpu_rows_attention(q, keys)
         if keys.dtype != q.dtype and not cpu_rows:
-            # a half cache (KVCache.dtype) read by a path that takes the queries' type: its rows
-            # widened here, a copy of the context; the CPU's rows attention reads the halves itself
-            keys, values = keys.astype(q.dtype), values.astype(q.dtype)
+            # a half or 8-bit cache (KVCache.dtype) read by a path that takes the queries' type: its
+            # rows widened here, a copy of the context; the CPU's rows attention reads them itself
+            if keys.dtype == mx.int8:
+                keys, values = kv_int8.unpack(keys, q.dtype), kv_int8.unpack(values, q.dtype)
+            else:
+                keys, values = keys.astype(q.dtype), values.astype(q.dtype)
         if (T == 1 or batch.tree_mask is not None) and attention_kernel.SWITCH.enabled() \
                 and attention_kernel.covers(q, keys, values) and self.scale == q.shape[-1] ** -0.5:
             # one or two launches instead of four to seven (engine/attention_rows.py; on by default on CUDA)

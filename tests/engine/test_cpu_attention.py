@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine import cpu_ext
+from engine import cpu_ext, kv_int8
 from engine.models import layers
 from engine.models.layers import attention_ops
 from engine.tree import DraftTree
@@ -99,6 +99,29 @@ def test_a_half_cache_reads_as_its_float32_copy(kv, heads, kv_heads, dim, prefix
     # each key row loaded once a query head (KV_HEADS_TOGETHER off: scores16, the twin of scores16_heads)
     apart = cpu_ext.module().rows_attention(q, k, v, dim**-0.5, prefix, seen, False)
     assert np.array_equal(np.array(apart), np.array(want))
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(6, 2, 64), (2, 1, 32), (4, 4, 128), (8, 1, 16), (16, 2, 256)])
+@pytest.mark.parametrize(("prefix", "nodes"), [(1, 0), (1500, 0), (0, 5), (700, 17)])
+def test_an_8_bit_cache_reads_as_its_float32_copy(heads, kv_heads, dim, prefix, nodes, rng):
+    """Keys and values stored as 8-bit rows with their scales (--kv-dtype int8, engine/kv_int8.py)
+    are read in place: the same bits as the float32 operation over their unpacked copies, for a
+    decode row and a verify's rows, over a view of a longer buffer and over a non-contiguous copy,
+    with the keys loaded once for all query heads or once a head. Rows of very different scales."""
+    rows = max(1, nodes)
+    q = arr(rng.normal(size=(1, heads, rows, dim)) * 2)
+    scales = rng.choice([1e-6, 1e-2, 1.0, 100.0], size=(1, kv_heads, prefix + nodes + 9, 1))
+    kbuf, vbuf = (kv_int8.pack(arr(rng.normal(size=(1, kv_heads, prefix + nodes + 9, dim)) * scales)) for _ in range(2))
+    k, v = kbuf[:, :, : prefix + nodes], vbuf[:, :, : prefix + nodes]
+    seen = mx.array(tree_mask(rng, nodes)) if nodes else None
+    want = np.array(cpu_ext.rows_attention(q, kv_int8.unpack(k), kv_int8.unpack(v), dim**-0.5, prefix, seen))
+    assert np.array_equal(np.array(cpu_ext.rows_attention(q, k, v, dim**-0.5, prefix, seen)), want)
+    apart = cpu_ext.module().rows_attention(q, k, v, dim**-0.5, prefix, seen, False)
+    assert np.array_equal(np.array(apart), want)
+    strided = mx.array(np.array(k).transpose(0, 1, 3, 2)).transpose(0, 1, 3, 2)
+    assert np.array_equal(np.array(cpu_ext.rows_attention(q, strided, v, dim**-0.5, prefix, seen)), want)
+    with pytest.raises(ValueError, match="shapes do not match"):  # an 8-bit row carries its scale
+        cpu_ext.rows_attention(q, k[..., :dim], v[..., :dim], dim**-0.5, prefix, seen)
 
 
 def test_bad_shapes_are_refused(rng):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -187,15 +188,18 @@ def test_spec_grows_the_kv_cache_past_its_first_block(engine, sampling):
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "seeded"])
-@pytest.mark.parametrize("kv", ["float16", "bfloat16"])
+@pytest.mark.parametrize("kv", ["float16", "bfloat16", "int8"])
 @pytest.mark.parametrize("rows_op", [True, False], ids=["rows-operation", "widened"])
 def test_a_half_kv_cache_keeps_speculation_lossless(tiny_qwen35, sampling, kv, rows_op, monkeypatch):
-    """--kv-dtype: K/V rounded to a half as they are written, read by the CPU's rows attention in
-    place or widened for MLX's operations (the other backends' paths): speculation still emits
-    plain decoding's tokens, the commit included (fans and random trees across the first block)."""
+    """--kv-dtype: K/V rounded to a half (or quantized to 8 bits with a scale a row) as they are
+    written, read by the CPU's rows attention in place or widened for MLX's operations (the other
+    backends' paths): speculation still emits plain decoding's tokens, the commit included (fans
+    and random trees across the first block)."""
     from engine import cpu_ext
     from engine.cache import KV_STEP
 
+    if kv == "int8" and mx.default_device() != mx.cpu:
+        pytest.skip("an 8-bit cache is for the CPU backend")
     monkeypatch.setattr(cpu_ext, "ATTENTION", rows_op)
     half = Engine(EngineConfig(model_path=str(tiny_qwen35), prefill_chunk=16, dtype="float32", kv_dtype=kv))
     prompt = [int(t) for t in np.random.RandomState(8).randint(0, 500, size=KV_STEP - 20)]

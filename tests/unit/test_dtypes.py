@@ -26,8 +26,8 @@ def test_explicit_names_and_errors():
 
 
 def test_the_kv_dtype_flag_reaches_the_engine_config(tiny_qwen35):
-    """--kv-dtype: auto unless given; a name it does not know is refused by the parser (exit 2,
-    the choices named) and by EngineConfig itself."""
+    """--kv-dtype: auto unless given (int8 among the names); a name it does not know is refused by
+    the parser (exit 2, the choices named) and by EngineConfig itself."""
     from engine.config import EngineConfig
     from server.cli import build_parser
     from server.cli_settings import engine_settings
@@ -36,10 +36,11 @@ def test_the_kv_dtype_flag_reaches_the_engine_config(tiny_qwen35):
     run = ["run", "--model", str(tiny_qwen35), "-m", "hi"]
     assert engine_settings(parser.parse_args(run)).config.kv_dtype == "auto"
     assert engine_settings(parser.parse_args([*run, "--kv-dtype", "float16"])).config.kv_dtype == "float16"
+    assert engine_settings(parser.parse_args([*run, "--kv-dtype", "int8"])).config.kv_dtype == "int8"
     with pytest.raises(SystemExit):
-        parser.parse_args([*run, "--kv-dtype", "int8"])
+        parser.parse_args([*run, "--kv-dtype", "int4"])
     with pytest.raises(ValueError, match="kv_dtype must be one of"):
-        EngineConfig(model_path=str(tiny_qwen35), kv_dtype="int8")
+        EngineConfig(model_path=str(tiny_qwen35), kv_dtype="int4")
 
 
 def test_kv_auto_halves_a_16_bit_checkpoint_on_the_cpu_only():
@@ -55,10 +56,12 @@ def test_kv_auto_halves_a_16_bit_checkpoint_on_the_cpu_only():
     assert resolve_kv_dtype("auto", "bfloat16", "bfloat16", cpu) == "bfloat16"
     assert resolve_kv_dtype("auto", "float32", "bfloat16", gpu) == "float32"  # only the CPU reads halves in place
     assert resolve_kv_dtype("auto", "bfloat16", "bfloat16", gpu) == "bfloat16"
-    for name in ("float32", "float16", "bfloat16"):
+    for name in ("float32", "float16", "bfloat16", "int8"):
         assert resolve_kv_dtype(name, "float32", "bfloat16", cpu) == name
+    with pytest.raises(ValueError, match="int8 is for the CPU backend"):  # read in place only there
+        resolve_kv_dtype("int8", "bfloat16", "bfloat16", gpu)
     with pytest.raises(ValueError, match="kv_dtype must be one of"):
-        resolve_kv_dtype("int8", "float32", None, cpu)
+        resolve_kv_dtype("int4", "float32", None, cpu)
 
 
 @pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the CPU's auto rule")
