@@ -5,8 +5,8 @@ Why: memory, and the bytes a CPU decode step reads over a long context (at 32k t
 target's float16 K/V are 33 MB against 30 MB of weights). An 8-bit row is 68 bytes instead of 128
 (float16, D = 64). As llama.cpp's q8_0 cache type it is opt-in: a row keeps ~2.5 significant
 digits, so answers may differ from a float32 cache's (scripts/check_kv_dtype.py: 11 of 13 greedy
-answers equal, the two others parted at near-ties). Speed on the dev CPU: 1.03-1.04x float16's at
-4k and 32k tokens, 0.97-0.98x at 64 (BENCHMARKS.md, issue 17): widening each element and scaling it
+answers equal, the two others parted at near-ties). Speed on the dev CPU: 1.03-1.12x float16's at
+4k-32k tokens, 0.94-0.98x at 64 (BENCHMARKS.md, issue 17): widening each element and scaling it
 costs about what the bytes saved, so the attention waits on arithmetic there.
 
 A row is quantized once, as it is written (engine/cache.py KVCache), with one scale for the row
