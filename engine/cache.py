@@ -167,8 +167,11 @@ class KVCache:
     def write(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
         """Write T rows at [offset, offset+T) and return K/V for [0, offset+T). Does not advance."""
         end = self.offset + k.shape[2]
-        if self.dtype is not None and self.dtype == mx.int8 and k.dtype != mx.int8:  # (a snapshot's: as they are)
+        packed = self.dtype is not None and self.dtype == mx.int8
+        if packed and k.dtype != mx.int8:  # (a snapshot's packed rows go in as they are)
             k, v = kv_int8.pack_pair(k, v)
+        elif not packed and k.dtype == mx.int8:  # another cache's packed rows (a snapshot's)
+            k, v = kv_int8.unpack(k, self.dtype or mx.float32), kv_int8.unpack(v, self.dtype or mx.float32)
         elif self.dtype is not None and k.dtype != self.dtype:
             k, v = k.astype(self.dtype), v.astype(self.dtype)
         if self.keys is None or self.values is None or end > self.keys.shape[2]:

@@ -201,7 +201,7 @@ struct AttentionJob {
   float* out;        // [H, N, D]
   int64_t k_head, k_row, v_head, v_row;
   mx::Dtype kv = mx::float32;  // what k, v, k2 and v2 hold (chunk_kernel's element type)
-  bool heads_together = true;  // a half cache's scores through scores16_heads (false: scores16, its twin)
+  bool heads_together = true;  // a half or 8-bit cache's scores through scores16_heads (false: scores16)
   int H, Hkv, N, D, prefix;
   float scale;
   int chunks;  // chunks a row of the longest key list has
@@ -507,7 +507,6 @@ inline const KT* value_row(const AttentionJob& job, int h, int n, int j) {
                         : (const KT*)job.v2 + h * job.v2_head + (int64_t)job.tree_keys[n][j - job.prefix] * job.v2_row;
 }
 
-
 // One work item: KV head h, chunk c, rows [n0, n1) -> each row's G query heads' (of this KV head)
 // maxima, sums and unnormalised outputs, for G query heads of DV x 16 dimensions. The chunk's keys
 // are taken SUB at a time, each sub-tile by every row of the item in turn (its keys and values then
@@ -677,7 +676,7 @@ chunk_fn chunk_for_dims(int G, int D) {
 
 // The item kernel for G query heads a KV head and head dimension D; null where none is built (the
 // caller keeps MLX's operations then: engine/cpu_ext.py asks `rows_attention_supports`).
-// Keys and values of `kv`: float32 (the default), float16 or bfloat16.
+// Keys and values of `kv`: float32 (the default), float16, bfloat16 or int8 (q8_bits rows).
 chunk_fn chunk_kernel(int G, int D, mx::Dtype kv = mx::float32) {
   if (kv == mx::int8) {
     return chunk_for_dims<q8_bits>(G, D);

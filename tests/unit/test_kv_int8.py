@@ -60,3 +60,8 @@ def test_an_8_bit_cache_quantizes_each_row_once(headroom):
     fresh = KVCache(mx.int8)
     fresh.restore(cache.snapshot(308), 308)
     assert np.array_equal(np.array(fresh.keys[:, :, :308]), np.array(cache.keys[:, :, :308]))
+    wide = KVCache(mx.float16)  # packed rows into a cache of another dtype: their values
+    wide.restore(cache.snapshot(308), 308)
+    assert wide.keys.dtype == mx.float16
+    assert np.array_equal(np.array(wide.keys[:, :, :308]),
+                          np.array(kv_int8.unpack(cache.keys[:, :, :308]).astype(mx.float16)))
