@@ -2,7 +2,7 @@
 (engine/cpu_ext.cpp rows_attention) against MLX's operations (attention_ops) and MLX's fused kernel.
 
     python scripts/bench_cpu_attention.py [--lengths 64,1024,4000,8000,32000] [--rows 1,7,17] [--reps 40]
-    python scripts/bench_cpu_attention.py --kv float32,float16,bfloat16 [--lengths 4000,16000,32000]
+    python scripts/bench_cpu_attention.py --kv float32,float16,bfloat16,int8 [--lengths 4000,16000,32000]
 
 One attention layer of the bundled target's shape (6 query heads, 2 K/V heads of 64, float32) over
 a view of a longer cache buffer, as KVCache hands it out; a verify's rows see the prefix and a
@@ -10,8 +10,8 @@ random tree's ancestors. Ten calls are evaluated together (as a step's layers fo
 µs a call, medians over --reps, the three forms interleaved rep by rep. Also the largest
 difference from the operations' result.
 
-`--kv`: the engine's operation alone over a cache stored in each of these dtypes (a half cache,
-`--kv-dtype`, read in place), one call an evaluation with 64 MB read between calls, so that the
+`--kv`: the engine's operation alone over a cache stored in each of these dtypes (a half or 8-bit
+cache, `--kv-dtype`, read in place), one call an evaluation with 64 MB read between calls, so that the
 cache's rows come from memory as in a model's step, where the weights stream through the CPU's
 caches; µs a call, medians of --reps, the dtypes interleaved, each against float32.
 """

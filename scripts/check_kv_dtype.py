@@ -1,15 +1,15 @@
-"""What a half K/V cache changes in the model's answers: greedy text with the cache in float32
-against each `--kv-dtype`, prompt by prompt.
+"""What a half or 8-bit K/V cache changes in the model's answers: greedy text with the cache in
+float32 against each `--kv-dtype`, prompt by prompt.
 
-    python scripts/check_kv_dtype.py [--model DIR] [--kv float16,bfloat16] [--classes code,chat,...]
+    python scripts/check_kv_dtype.py [--model DIR] [--kv float16,bfloat16,int8] [--classes code,chat,...]
         [--max-tokens 128] [--long 4000]
 
-A half cache rounds each K/V row once as it is written, so where two tokens' logits are within
+A half (or 8-bit) cache rounds each K/V row once as it is written, so where two tokens' logits are within
 that rounding of each other the greedy answer may take the other one, and go its own way from
 there. For each of the benchmark's prompts (server/bench/prompts.json, rendered with the model's
 chat template, thinking off; `--long N`: also a generated code file of ~N tokens and its question,
 as the benchmark's long-context class builds it) this decodes greedily with the float32 cache and
-with each half one, in one engine with the prefix cache off (its entries would carry the other
+with each other one, in one engine with the prefix cache off (its entries would carry the other
 dtype's rows), and prints the first position where the tokens differ and, there, the gap between
 the float32 run's top two log-probabilities. Exits 1 where a difference came at a gap wider than
 `--tie` (default engine.dtypes.BF16_NEAR_TIE): a half cache that moved a clear winner.
