@@ -170,10 +170,10 @@ class KVCache:
         packed = self.dtype is not None and self.dtype == mx.int8
         if packed and k.dtype != mx.int8:  # (a snapshot's packed rows go in as they are)
             k, v = kv_int8.pack_pair(k, v)
-        elif not packed and k.dtype == mx.int8:  # another cache's packed rows (a snapshot's)
-            k, v = kv_int8.unpack(k, self.dtype or mx.float32), kv_int8.unpack(v, self.dtype or mx.float32)
-        elif self.dtype is not None and k.dtype != self.dtype:
-            k, v = k.astype(self.dtype), v.astype(self.dtype)
+        elif not packed and (k.dtype == mx.int8 or self.dtype is not None and k.dtype != self.dtype):
+            # rounded to this cache's dtype, or another cache's packed rows (a snapshot's) unpacked
+            want = self.dtype if self.dtype is not None else mx.float32
+            k, v = kv_int8.cast_rows(k, want), kv_int8.cast_rows(v, want)
         if self.keys is None or self.values is None or end > self.keys.shape[2]:
             self._grow(end, k)
         assert self.keys is not None and self.values is not None

@@ -53,9 +53,9 @@ SOURCE = Path(__file__).with_name("cpu_ext.cpp")
 NAME = "spruce_cpu_ext"
 OPT_OUT = "SPRUCE_CPU_EXT"  # "0": never built nor used
 ATTENTION = True  # module switch, read per call: False = attention in MLX's operations (variant ca0)
-# what rows_attention reads keys and values as: a float32 cache, or a half one (engine/cache.py
-# KVCache.dtype), each half widened in the load
-KV_DTYPES = (mx.float32, mx.float16, mx.bfloat16, mx.int8)  # int8: packed rows (engine/kv_int8.py)
+# what rows_attention reads keys and values as: a float32 cache, or a half or 8-bit one (engine/cache.py
+# KVCache.dtype; int8: packed rows, engine/kv_int8.py), each element widened in the load
+KV_DTYPES = (mx.float32, mx.float16, mx.bfloat16, mx.int8)
 # module switch, read when a layer's compiled functions trace (part of their key): False = a GDN
 # layer's token step in MLX's operations (variant cg0)
 GDN_STEP = True

@@ -56,6 +56,6 @@ def unpack(rows: mx.array, dtype: mx.Dtype = mx.float32) -> mx.array:
     return values if dtype == mx.float32 else values.astype(dtype)
 
 
-def width(rows: mx.array) -> int:
-    """The D of a cache's rows: their last dimension, less the scale of a packed row."""
-    return rows.shape[-1] - (SCALE_BYTES if rows.dtype == mx.int8 else 0)
+def cast_rows(rows: mx.array, dtype: mx.Dtype) -> mx.array:
+    """A cache's rows as `dtype` values: packed rows unpacked, any others cast."""
+    return unpack(rows, dtype) if rows.dtype == mx.int8 else rows.astype(dtype)

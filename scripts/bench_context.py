@@ -147,8 +147,8 @@ def main() -> None:
         for n in lengths:
             prompt = text or [int(t) for t in np.random.RandomState(r * 1000 + n).randint(0, vocab, size=n)]
             for m, v in rotated([(m, v) for m in methods for v in variants], r):
-                # "kv32" / "kv16" / "kvbf": the target's K/V stored as computed (float32 on the CPU) /
-                # float16 / bfloat16 (EngineConfig.kv_dtype); every other variant the engine's own
+                # "kv32" / "kv16" / "kvbf" / "kv8": the target's K/V stored as computed (float32 on the
+                # CPU) / float16 / bfloat16 / int8 (EngineConfig.kv_dtype); every other variant the engine's own
                 engine.kv_dtype = KV_VARIANTS[v] if v in KV_VARIANTS else own_kv
                 with variant_setting(f"x-{v}" if v != "engine" else "x"):
                     spec = METHODS[m]

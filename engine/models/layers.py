@@ -332,10 +332,7 @@ class Attention(nn.Module):
         if keys.dtype != q.dtype and not cpu_rows:
             # a half or 8-bit cache (KVCache.dtype) read by a path that takes the queries' type: its
             # rows widened here, a copy of the context; the CPU's rows attention reads them itself
-            if keys.dtype == mx.int8:
-                keys, values = kv_int8.unpack(keys, q.dtype), kv_int8.unpack(values, q.dtype)
-            else:
-                keys, values = keys.astype(q.dtype), values.astype(q.dtype)
+            keys, values = kv_int8.cast_rows(keys, q.dtype), kv_int8.cast_rows(values, q.dtype)
         if (T == 1 or batch.tree_mask is not None) and attention_kernel.SWITCH.enabled() \
                 and attention_kernel.covers(q, keys, values) and self.scale == q.shape[-1] ** -0.5:
             # one or two launches instead of four to seven (engine/attention_rows.py; on by default on CUDA)
